@@ -1,0 +1,45 @@
+# `make run` and `make test` work from a fresh clone with only Python 3.11+ installed.
+# Without an active virtualenv they create and use .venv.
+PYTHON ?= python3
+ifdef VIRTUAL_ENV
+  PY := python
+  STAMP_DIR := $(VIRTUAL_ENV)
+else
+  PY := .venv/bin/python
+  STAMP_DIR := .venv
+endif
+TEST_WORKERS ?= 2
+
+.PHONY: run test install install-dev lint migrate seed bench clean
+
+$(STAMP_DIR)/.installed-run: pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv .venv
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e .
+	@touch $@
+
+$(STAMP_DIR)/.installed-dev: pyproject.toml $(STAMP_DIR)/.installed-run
+	$(PY) -m pip install --quiet -e ".[dev]"
+	@touch $@
+
+install: $(STAMP_DIR)/.installed-run
+install-dev: $(STAMP_DIR)/.installed-dev
+
+# Local defaults: DEBUG on (a secret key is generated under var/); override by exporting.
+run: export DEBUG ?= true
+run: install
+	$(PY) manage.py migrate --noinput
+	$(PY) manage.py seed_demo
+	$(PY) manage.py runlocal
+
+test: install-dev
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+
+lint: install-dev
+	$(PY) -m ruff check .
+
+bench: install-dev
+	$(PY) -m bench.gateway_overhead
+
+clean:
+	rm -rf var/ .pytest_cache

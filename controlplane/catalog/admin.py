@@ -1,0 +1,25 @@
+from django.contrib import admin
+
+from controlplane.catalog.models import ModelTier, PricePlan, PriceRate, ResolutionPolicy
+
+
+class PriceRateInline(admin.TabularInline):
+    model = PriceRate
+    extra = 0
+
+
+@admin.register(PricePlan)
+class PricePlanAdmin(admin.ModelAdmin):
+    list_display = ["name", "currency"]
+    inlines = [PriceRateInline]
+
+
+@admin.register(ResolutionPolicy)
+class ResolutionPolicyAdmin(admin.ModelAdmin):
+    list_display = ["name", "min_pixels", "max_pixels", "low_detail_max_pixels", "max_images_per_request"]
+
+
+@admin.register(ModelTier)
+class ModelTierAdmin(admin.ModelAdmin):
+    list_display = ["name", "kind", "family", "model_id", "engine_kind", "replicas", "enabled"]
+    list_filter = ["kind", "engine_kind", "enabled"]

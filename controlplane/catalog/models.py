@@ -1,0 +1,158 @@
+from decimal import Decimal
+
+from django.core.exceptions import ValidationError
+from django.core.validators import MinValueValidator
+from django.db import models
+from django.utils import timezone
+
+from controlplane.imaging.tokens import FAMILIES
+
+
+class ResolutionPolicy(models.Model):
+    """How far an image may grow before it reaches the model: the first cost gate."""
+
+    name = models.SlugField(max_length=64, unique=True)
+    min_pixels = models.PositiveIntegerField(default=3136)
+    max_pixels = models.PositiveIntegerField(default=1003520, help_text="'high' detail cap")
+    low_detail_max_pixels = models.PositiveIntegerField(default=200704, help_text="'low' detail cap")
+    default_detail = models.CharField(
+        max_length=8, choices=[("low", "low"), ("high", "high")], default="high"
+    )
+    max_long_edge = models.PositiveIntegerField(default=4096)
+    max_aspect_ratio = models.FloatField(default=20.0, validators=[MinValueValidator(1.0)])
+    tile_long_images = models.BooleanField(default=True)
+    max_images_per_request = models.PositiveSmallIntegerField(default=4)
+    max_total_pixels = models.PositiveBigIntegerField(default=16_000_000)
+    max_input_pixels = models.PositiveBigIntegerField(
+        default=50_000_000, help_text="Refuse larger images before decoding them"
+    )
+    allowed_formats = models.JSONField(
+        default=list, blank=True, help_text="Empty means every supported format"
+    )
+    output_format = models.CharField(
+        max_length=8, choices=[("jpeg", "JPEG"), ("png", "PNG"), ("webp", "WebP")], default="jpeg"
+    )
+    output_quality = models.PositiveSmallIntegerField(default=90)
+
+    class Meta:
+        verbose_name_plural = "resolution policies"
+
+    def __str__(self):
+        return self.name
+
+    def clean(self):
+        if self.min_pixels > self.max_pixels:
+            raise ValidationError("min_pixels must not exceed max_pixels")
+        if self.low_detail_max_pixels > self.max_pixels:
+            raise ValidationError("low_detail_max_pixels must not exceed max_pixels")
+
+    def as_policy(self):
+        from controlplane.imaging.policy import Policy
+
+        return Policy(
+            min_pixels=self.min_pixels,
+            max_pixels=self.max_pixels,
+            low_detail_max_pixels=self.low_detail_max_pixels,
+            default_detail=self.default_detail,
+            max_long_edge=self.max_long_edge,
+            max_aspect_ratio=self.max_aspect_ratio,
+            tile_long_images=self.tile_long_images,
+            max_images_per_request=self.max_images_per_request,
+            max_total_pixels=self.max_total_pixels,
+            max_input_pixels=self.max_input_pixels,
+            allowed_formats=tuple(f.upper() for f in self.allowed_formats or ()),
+            output_format=self.output_format,
+            output_quality=self.output_quality,
+        )
+
+
+class PricePlan(models.Model):
+    name = models.SlugField(max_length=64, unique=True)
+    currency = models.CharField(max_length=3, default="USD")
+
+    def __str__(self):
+        return self.name
+
+    def rate_at(self, when):
+        rate = self.rates.filter(effective_from__lte=when).order_by("-effective_from").first()
+        if rate is None:
+            raise PriceRate.DoesNotExist(f"price plan {self.name} has no rate in effect at {when}")
+        return rate
+
+
+_PRICE = {"max_digits": 12, "decimal_places": 6, "default": Decimal("0")}
+
+
+class PriceRate(models.Model):
+    """One version of a plan's prices. A new price is a new row; old periods keep theirs."""
+
+    plan = models.ForeignKey(PricePlan, on_delete=models.CASCADE, related_name="rates")
+    effective_from = models.DateTimeField(default=timezone.now)
+    text_input_per_mtok = models.DecimalField(**_PRICE)
+    image_per_mtok = models.DecimalField(**_PRICE)
+    output_per_mtok = models.DecimalField(**_PRICE)
+    per_image_fee = models.DecimalField(**_PRICE)
+    cached_image_discount = models.DecimalField(
+        max_digits=4, decimal_places=3, default=Decimal("0"),
+        help_text="Fraction of the image token price waived for cached image tokens (0..1)",
+    )
+
+    class Meta:
+        ordering = ["plan", "-effective_from"]
+        constraints = [
+            models.UniqueConstraint(fields=["plan", "effective_from"], name="one_rate_per_instant")
+        ]
+
+    def __str__(self):
+        return f"{self.plan} from {self.effective_from:%Y-%m-%d}"
+
+    def as_rates(self):
+        from controlplane.metering.rating import Rates
+
+        return Rates(
+            text_input_per_mtok=self.text_input_per_mtok,
+            image_per_mtok=self.image_per_mtok,
+            output_per_mtok=self.output_per_mtok,
+            per_image_fee=self.per_image_fee,
+            cached_image_discount=self.cached_image_discount,
+        )
+
+
+class ModelTier(models.Model):
+    class Kind(models.TextChoices):
+        TEXT = "text", "text"
+        VISION = "vision", "vision"
+
+    class EngineKind(models.TextChoices):
+        VLLM = "vllm", "vLLM"
+        SIMULATOR = "simulator", "simulator"
+
+    name = models.SlugField(max_length=64, unique=True, help_text="The `model` tenants ask for")
+    display_name = models.CharField(max_length=128, blank=True)
+    family = models.CharField(
+        max_length=32, choices=[(f, f) for f in FAMILIES], help_text="Hugging Face model_type"
+    )
+    model_id = models.CharField(max_length=256, help_text="Weights, e.g. Qwen/Qwen2.5-VL-7B-Instruct")
+    kind = models.CharField(max_length=8, choices=Kind.choices)
+    engine_kind = models.CharField(max_length=16, choices=EngineKind.choices)
+    engine_settings = models.JSONField(default=dict, blank=True)
+    resolution_policy = models.ForeignKey(
+        ResolutionPolicy, null=True, blank=True, on_delete=models.PROTECT, related_name="tiers"
+    )
+    price_plan = models.ForeignKey(PricePlan, on_delete=models.PROTECT, related_name="tiers")
+    large_image_threshold = models.PositiveIntegerField(
+        default=4096, help_text="Requests with more image tokens than this go to the large-image pool"
+    )
+    replicas = models.PositiveSmallIntegerField(default=1)
+    gpus_per_replica = models.PositiveSmallIntegerField(default=0)
+    enabled = models.BooleanField(default=True)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self):
+        return self.name
+
+    def clean(self):
+        if self.kind == self.Kind.VISION and self.resolution_policy_id is None:
+            raise ValidationError("a vision tier needs a resolution policy")

@@ -1,0 +1,11 @@
+from django.urls import path
+
+from controlplane.dashboard import views
+
+app_name = "dashboard"
+urlpatterns = [
+    path("", views.index, name="index"),
+    path("keys/", views.keys, name="keys"),
+    path("keys/<int:pk>/revoke/", views.key_revoke, name="key-revoke"),
+    path("fleet/", views.fleet, name="fleet"),
+]

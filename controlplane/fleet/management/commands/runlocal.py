@@ -1,0 +1,100 @@
+"""Run the whole system in the foreground: web (ASGI), a Celery worker that is also this
+host's node agent, and beat. Ctrl-C stops all of it, engines included."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+from django.conf import settings
+from django.core.management.base import BaseCommand
+
+from controlplane.fleet.models import Node
+
+
+class Command(BaseCommand):
+    help = "Start web, worker (node agent) and beat; stop everything on Ctrl-C."
+
+    def add_arguments(self, parser):
+        parser.add_argument("--host", default=os.environ.get("HOST", "127.0.0.1"))
+        parser.add_argument("--port", type=int, default=int(os.environ.get("PORT", "8000")))
+
+    def handle(self, *args, host, port, **options):
+        if settings.CELERY_BROKER_URL == "filesystem://":
+            # Messages left by an earlier run are stale (their work is re-planned anyway).
+            queue_dir = settings.CELERY_BROKER_TRANSPORT_OPTIONS["data_folder_in"]
+            shutil.rmtree(queue_dir, ignore_errors=True)
+            os.makedirs(queue_dir, exist_ok=True)
+        python = sys.executable
+        node_queue = Node.queue_for(settings.NODE_NAME)
+        commands = {
+            "web": [python, "-m", "uvicorn", "controlplane.asgi:application", "--host", host,
+                    "--port", str(port), "--no-access-log", "--log-level", "warning"],
+            "worker": [python, "-m", "celery", "-A", "workers", "worker", "-Q",
+                       f"default,{node_queue}", "--pool", "threads", "--concurrency", "4",
+                       "-n", f"agent@{settings.NODE_NAME}", "--loglevel", "WARNING",
+                       "--without-gossip", "--without-mingle"],
+            "beat": [python, "-m", "celery", "-A", "workers", "beat", "--loglevel", "WARNING",
+                     "--pidfile", ""],
+        }
+        children = {name: subprocess.Popen(argv, cwd=settings.BASE_DIR) for name, argv in commands.items()}
+        stopping = False
+
+        def stop(*_):
+            nonlocal stopping
+            stopping = True
+
+        signal.signal(signal.SIGINT, stop)
+        signal.signal(signal.SIGTERM, stop)
+        base = f"http://{host}:{port}"
+        self._wait_ready(base, children)
+        mode = "embedded (SQLite, file broker)" if settings.EMBEDDED_BROKER else "PostgreSQL/Redis"
+        self.stdout.write(
+            f"\nControl plane running ({mode}):\n"
+            f"  Dashboard   {base}/   (login operator/operator)\n"
+            f"  Gateway     {base}/v1   (OpenAI-compatible; key printed above)\n"
+            f"  API docs    {base}/api/docs/\n"
+            f"  Admin       {base}/admin/\n"
+            "Press Ctrl-C to stop.\n"
+        )
+        exit_code = 0
+        while not stopping:
+            for name, child in children.items():
+                if child.poll() is not None:
+                    self.stderr.write(f"{name} exited with {child.returncode}; stopping")
+                    stopping, exit_code = True, 1
+            time.sleep(0.5)
+        self._shutdown(children)
+        sys.exit(exit_code)
+
+    def _wait_ready(self, base, children, timeout=60.0):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if children["web"].poll() is not None:
+                return
+            try:
+                urllib.request.urlopen(f"{base}/login/", timeout=2)
+                return
+            except OSError:
+                time.sleep(0.3)
+
+    def _shutdown(self, children):
+        self.stdout.write("Stopping web, worker and beat…")
+        for child in children.values():
+            if child.poll() is None:
+                child.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 15
+        for child in children.values():
+            try:
+                child.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                child.kill()
+        from workers.supervision import node_stop_all
+
+        stopped = node_stop_all(settings.NODE_NAME, "local run stopped")
+        self.stdout.write(f"Stopped {stopped} engine(s).")

@@ -1,0 +1,102 @@
+from django.db import models
+from django.utils import timezone
+
+
+class Node(models.Model):
+    """A host that runs engines. Its Celery worker consumes the queue `node.<name>`."""
+
+    name = models.CharField(max_length=128, unique=True)
+    address = models.CharField(max_length=255, default="127.0.0.1", help_text="Where engines are reached")
+    queue = models.CharField(max_length=160, unique=True)
+    vllm_version = models.CharField(max_length=64, blank=True)
+    registered_at = models.DateTimeField(default=timezone.now)
+    last_seen_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self):
+        return self.name
+
+    @staticmethod
+    def queue_for(name: str) -> str:
+        return f"node.{name}"
+
+
+class Gpu(models.Model):
+    node = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="gpus")
+    index = models.PositiveSmallIntegerField()
+    model = models.CharField(max_length=128, blank=True)
+    memory_mib = models.PositiveIntegerField(default=0)
+
+    class Meta:
+        ordering = ["node", "index"]
+        constraints = [models.UniqueConstraint(fields=["node", "index"], name="gpu_index_per_node")]
+
+    def __str__(self):
+        return f"{self.node}:{self.index}"
+
+
+class EngineInstance(models.Model):
+    """One engine process serving a tier. The row is the truth; agents move it between states."""
+
+    class Desired(models.TextChoices):
+        RUNNING = "running", "running"
+        STOPPED = "stopped", "stopped"
+
+    class Actual(models.TextChoices):
+        PENDING = "pending", "pending"  # not placed or not started yet
+        STARTING = "starting", "starting"
+        RUNNING = "running", "running"
+        UNHEALTHY = "unhealthy", "unhealthy"
+        DRAINING = "draining", "draining"
+        STOPPED = "stopped", "stopped"
+        CRASHED = "crashed", "crashed"
+        FAILED = "failed", "failed"  # cannot be launched as configured
+
+    tier = models.ForeignKey("catalog.ModelTier", on_delete=models.CASCADE, related_name="instances")
+    node = models.ForeignKey(
+        Node, null=True, blank=True, on_delete=models.SET_NULL, related_name="instances"
+    )
+    gpus = models.ManyToManyField(Gpu, blank=True, related_name="instances")
+    pool = models.CharField(
+        max_length=16, default="standard", choices=[("standard", "standard"), ("large", "large images")]
+    )
+    desired_state = models.CharField(max_length=16, choices=Desired.choices, default=Desired.RUNNING)
+    actual_state = models.CharField(max_length=16, choices=Actual.choices, default=Actual.PENDING)
+    port = models.PositiveIntegerField(null=True, blank=True)
+    pid = models.PositiveIntegerField(null=True, blank=True)
+    started_at = models.DateTimeField(null=True, blank=True)
+    last_health_at = models.DateTimeField(null=True, blank=True)
+    healthy = models.BooleanField(default=False)
+    restart_count = models.PositiveIntegerField(default=0)
+    next_start_at = models.DateTimeField(null=True, blank=True)
+    state_reason = models.CharField(max_length=255, blank=True)
+    log_path = models.CharField(max_length=512, blank=True)
+    command = models.JSONField(default=list, blank=True)
+
+    class Meta:
+        ordering = ["tier", "id"]
+
+    def __str__(self):
+        return f"{self.tier}#{self.pk}"
+
+    @property
+    def base_url(self) -> str | None:
+        if self.node is None or self.port is None:
+            return None
+        return f"http://{self.node.address}:{self.port}"
+
+
+class EngineEvent(models.Model):
+    instance = models.ForeignKey(EngineInstance, on_delete=models.CASCADE, related_name="events")
+    created_at = models.DateTimeField(default=timezone.now, db_index=True)
+    from_state = models.CharField(max_length=16)
+    to_state = models.CharField(max_length=16)
+    reason = models.CharField(max_length=512)
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+
+    def __str__(self):
+        return f"{self.instance}: {self.from_state} -> {self.to_state} ({self.reason})"

@@ -1,0 +1,24 @@
+import datetime as dt
+
+from django.utils import timezone
+
+from controlplane.fleet.models import EngineInstance
+
+# A health result older than this means the node agent stopped watching: route elsewhere.
+HEALTH_FRESH_SECONDS = 30
+
+
+def routable_instances(*, tier_id: int):
+    """Instances the gateway may send work to: running, healthy, recently checked, not draining."""
+    fresh = timezone.now() - dt.timedelta(seconds=HEALTH_FRESH_SECONDS)
+    return list(
+        EngineInstance.objects.filter(
+            tier_id=tier_id,
+            desired_state=EngineInstance.Desired.RUNNING,
+            actual_state=EngineInstance.Actual.RUNNING,
+            healthy=True,
+            last_health_at__gte=fresh,
+            port__isnull=False,
+            node__isnull=False,
+        ).select_related("node")
+    )

@@ -1,0 +1,111 @@
+from __future__ import annotations
+
+import datetime as dt
+
+from django.db import transaction
+from django.db.models import Count
+from django.utils import timezone
+
+from controlplane.catalog.models import ModelTier
+from controlplane.fleet.models import EngineEvent, EngineInstance, Gpu, Node
+
+NODE_LIVE_SECONDS = 30
+
+
+def instance_transition(*, instance: EngineInstance, to_state: str, reason: str, **fields) -> None:
+    """Move an instance to `to_state`, saving `fields`, and log an event if the state changed."""
+    from_state = instance.actual_state
+    instance.actual_state = to_state
+    instance.state_reason = reason[:255]
+    for name, value in fields.items():
+        setattr(instance, name, value)
+    instance.save()
+    if from_state != to_state:
+        EngineEvent.objects.create(instance=instance, from_state=from_state, to_state=to_state,
+                                   reason=reason[:512])
+
+
+def node_register(*, name: str, address: str, gpus: list[dict], vllm_version: str = "") -> Node:
+    node, _ = Node.objects.update_or_create(
+        name=name,
+        defaults={"address": address, "queue": Node.queue_for(name), "vllm_version": vllm_version,
+                  "last_seen_at": timezone.now()},
+    )
+    seen = set()
+    for gpu in gpus:
+        Gpu.objects.update_or_create(node=node, index=gpu["index"],
+                                     defaults={"model": gpu.get("model", ""),
+                                               "memory_mib": gpu.get("memory_mib", 0)})
+        seen.add(gpu["index"])
+    node.gpus.exclude(index__in=seen).delete()
+    return node
+
+
+def live_nodes(now=None):
+    now = now or timezone.now()
+    return Node.objects.filter(last_seen_at__gte=now - dt.timedelta(seconds=NODE_LIVE_SECONDS))
+
+
+def tier_replicas_sync() -> int:
+    """Create instance rows until every enabled tier has its replicas. Returns rows created."""
+    created = 0
+    counts = dict(
+        EngineInstance.objects.filter(desired_state=EngineInstance.Desired.RUNNING)
+        .values_list("tier_id").annotate(n=Count("id"))
+    )
+    for tier in ModelTier.objects.filter(enabled=True):
+        for _ in range(tier.replicas - counts.get(tier.pk, 0)):
+            EngineInstance.objects.create(tier=tier)
+            created += 1
+    return created
+
+
+@transaction.atomic
+def instances_place(now=None) -> int:
+    """Give each unplaced instance a live node with enough free GPUs. One GPU, one engine."""
+    placed = 0
+    nodes = list(live_nodes(now).prefetch_related("gpus"))
+    if not nodes:
+        return 0
+    busy = set(
+        Gpu.objects.filter(instances__desired_state=EngineInstance.Desired.RUNNING)
+        .values_list("id", flat=True)
+    )
+    load = dict(
+        EngineInstance.objects.filter(node__isnull=False, desired_state=EngineInstance.Desired.RUNNING)
+        .values_list("node_id").annotate(n=Count("id"))
+    )
+    pending = (
+        EngineInstance.objects.select_for_update()
+        .filter(node__isnull=True, desired_state=EngineInstance.Desired.RUNNING)
+        .select_related("tier")
+    )
+    for instance in pending:
+        need = instance.tier.gpus_per_replica
+        if instance.tier.engine_kind == ModelTier.EngineKind.VLLM:
+            need = max(need, int((instance.tier.engine_settings or {}).get("tensor_parallel_size", 1)))
+        for node in sorted(nodes, key=lambda n: load.get(n.pk, 0)):
+            free = [g for g in node.gpus.all() if g.pk not in busy]
+            if len(free) < need:
+                continue
+            chosen = free[:need]
+            instance.node = node
+            instance.save(update_fields=["node"])
+            instance.gpus.set(chosen)
+            busy.update(g.pk for g in chosen)
+            load[node.pk] = load.get(node.pk, 0) + 1
+            EngineEvent.objects.create(
+                instance=instance, from_state=instance.actual_state, to_state=instance.actual_state,
+                reason=f"placed on {node.name}" + (
+                    f" with GPUs {','.join(str(g.index) for g in chosen)}" if chosen else ""),
+            )
+            placed += 1
+            break
+    return placed
+
+
+def instance_set_desired(*, instance: EngineInstance, desired: str, reason: str) -> None:
+    instance.desired_state = desired
+    instance.save(update_fields=["desired_state"])
+    EngineEvent.objects.create(instance=instance, from_state=instance.actual_state,
+                               to_state=instance.actual_state, reason=f"desired {desired}: {reason}")

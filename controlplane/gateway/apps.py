@@ -1,0 +1,6 @@
+from django.apps import AppConfig
+
+
+class GatewayConfig(AppConfig):
+    name = "controlplane.gateway"
+    label = "gateway"

@@ -1,0 +1,148 @@
+"""Turn a tenant's chat request into what the engine receives, and count its tokens.
+
+Pure Python (no Django): images go through the tier's resolution policy, client-supplied
+multimodal UUIDs are dropped, image and text tokens are counted before anything is sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from controlplane.imaging.errors import ImageError
+from controlplane.imaging.policy import NormalisedImage, Policy, decode_data_url, normalise
+from controlplane.imaging.tokens import count_image_tokens
+from controlplane.textcount import prompt_text_tokens
+
+
+class RequestInvalid(ValueError):
+    def __init__(self, message: str, *, code: str = "invalid_request", param: str | None = None):
+        super().__init__(message)
+        self.code = code
+        self.param = param
+
+
+@dataclass(frozen=True)
+class TierSpec:
+    id: int
+    name: str
+    family: str
+    kind: str
+    policy: Policy | None
+    processor_options: dict
+    large_image_threshold: int
+    max_output_tokens: int
+    price_plan_id: int
+
+
+@dataclass
+class PreparedImage:
+    image: NormalisedImage
+    tokens: int
+
+
+@dataclass
+class Prepared:
+    body: dict
+    images: list[PreparedImage] = field(default_factory=list)
+    text_tokens: int = 0
+
+    @property
+    def image_tokens(self) -> int:
+        return sum(p.tokens for p in self.images)
+
+
+def image_parts(messages: list) -> list[dict]:
+    """Every image part of a chat request, in order."""
+    found = []
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, list):
+            found.extend(
+                part for part in content
+                if isinstance(part, dict) and part.get("type") in ("image_url", "input_image")
+            )
+    return found
+
+
+def validate_body(body) -> None:
+    if not isinstance(body, dict):
+        raise RequestInvalid("the request body must be a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise RequestInvalid("you must provide a model parameter", param="model", code="missing_model")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise RequestInvalid("messages must be a non-empty array", param="messages")
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise RequestInvalid(f"messages[{index}] must be an object with a role", param="messages")
+        content = message.get("content")
+        if content is not None and not isinstance(content, (str, list)):
+            raise RequestInvalid(f"messages[{index}].content must be a string or an array",
+                                 param="messages")
+    n = body.get("n", 1)
+    if n != 1:
+        raise RequestInvalid("only n=1 is supported", param="n")
+    if body.get("stream") not in (None, True, False):
+        raise RequestInvalid("stream must be a boolean", param="stream")
+
+
+async def prepare(body: dict, tier: TierSpec, *, max_image_bytes: int) -> Prepared:
+    parts = image_parts(body["messages"])
+    if parts and tier.kind != "vision":
+        raise RequestInvalid(f"model {tier.name} does not accept images", param="messages",
+                             code="images_not_supported")
+    limit = body.get("max_completion_tokens", body.get("max_tokens"))
+    if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
+        raise RequestInvalid("max_tokens must be a positive integer", param="max_tokens")
+    if limit is not None and limit > tier.max_output_tokens:
+        raise RequestInvalid(
+            f"max_tokens {limit} exceeds this model's limit of {tier.max_output_tokens}",
+            param="max_tokens",
+        )
+    prepared = Prepared(body=body, text_tokens=prompt_text_tokens(body["messages"]))
+    if not parts:
+        return prepared
+    policy = tier.policy
+    if len(parts) > policy.max_images_per_request:
+        raise RequestInvalid(
+            f"{len(parts)} images in one request; this model takes at most "
+            f"{policy.max_images_per_request}", param="messages", code="too_many_images",
+        )
+    total_pixels = 0
+    for index, part in enumerate(parts):
+        key = "image_url" if part.get("type") == "image_url" else "input_image"
+        spec = part.get(key)
+        url, detail = (spec, None) if isinstance(spec, str) else (
+            (spec.get("url"), spec.get("detail")) if isinstance(spec, dict) else (None, None)
+        )
+        if not isinstance(url, str) or not url:
+            raise RequestInvalid(f"image {index + 1} has no url", param="messages")
+        if not url.startswith("data:"):
+            raise RequestInvalid(
+                f"image {index + 1}: only base64 data URLs are accepted here",
+                param="messages", code="image_url_not_supported",
+            )
+        try:
+            data = decode_data_url(url, max_bytes=max_image_bytes)
+            image = await asyncio.to_thread(normalise, data, policy, detail=detail)
+        except ImageError as exc:
+            raise RequestInvalid(f"image {index + 1}: {exc}", param="messages", code=exc.code) from None
+        total_pixels += image.source_width * image.source_height
+        if total_pixels > policy.max_total_pixels:
+            raise RequestInvalid(
+                f"images in this request exceed {policy.max_total_pixels} pixels in total",
+                param="messages", code="image_too_large",
+            )
+        try:
+            tokens = count_image_tokens(tier.family, image.width, image.height, **tier.processor_options)
+        except ValueError as exc:
+            raise RequestInvalid(f"image {index + 1}: {exc}", param="messages",
+                                 code="image_policy_violation") from None
+        prepared.images.append(PreparedImage(image=image, tokens=tokens))
+        # What the engine receives: the normalised image, no client UUID, no detail hint.
+        part.clear()
+        part["type"] = "image_url"
+        part["image_url"] = {"url": image.data_url()}
+    return prepared

@@ -1,0 +1,151 @@
+"""What the gateway needs per request, read from the database and cached for seconds.
+
+Keys, tiers and healthy instances change rarely; caching them keeps the database off the
+hot path. A revoked key stops working once its cache entry expires
+(GATEWAY_KEY_CACHE_SECONDS).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass
+
+from asgiref.sync import sync_to_async
+from django.conf import settings
+from django.utils import timezone
+
+from controlplane.gateway.prepare import TierSpec
+from controlplane.imaging.tokens import processor_options
+
+
+@dataclass(frozen=True)
+class KeyInfo:
+    key_id: int
+    tenant_id: int
+    tenant_name: str
+    cache_salt: str | None
+    allowed_tier_ids: frozenset[int] | None  # None: every enabled tier
+
+
+@dataclass(frozen=True)
+class InstanceSpec:
+    id: int
+    tier_id: int
+    base_url: str
+    pool: str
+
+
+class TTLCache:
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+        self._items: dict = {}
+
+    def get(self, key):
+        item = self._items.get(key)
+        if item is None or item[0] < time.monotonic():
+            return None
+        return item[1]
+
+    def put(self, key, value):
+        if len(self._items) > 10_000:
+            self._items.clear()
+        self._items[key] = (time.monotonic() + self.seconds, value)
+
+    def clear(self):
+        self._items.clear()
+
+
+_keys = TTLCache(settings.GATEWAY_KEY_CACHE_SECONDS)
+_tiers = TTLCache(5)
+_instances = TTLCache(2)
+_MISSING = object()
+
+
+def clear_caches() -> None:
+    for cache in (_keys, _tiers, _instances):
+        cache.clear()
+
+
+def _salt(tenant_name: str) -> str:
+    return hashlib.sha256(f"{settings.SECRET_KEY}:tenant:{tenant_name}".encode()).hexdigest()[:32]
+
+
+def _load_key(secret: str) -> KeyInfo | None:
+    from controlplane.tenants.services import api_key_lookup
+
+    api_key = api_key_lookup(secret)
+    if api_key is None:
+        return None
+    tenant = api_key.tenant
+    allowed = frozenset(tenant.allowed_tiers.values_list("id", flat=True))
+    # Mark use at most once a minute per key: a write per request would put the DB on the hot path.
+    now = timezone.now()
+    if api_key.last_used_at is None or (now - api_key.last_used_at).total_seconds() > 60:
+        type(api_key).objects.filter(pk=api_key.pk).update(last_used_at=now)
+    return KeyInfo(
+        key_id=api_key.pk,
+        tenant_id=tenant.pk,
+        tenant_name=tenant.name,
+        cache_salt=_salt(tenant.name) if tenant.isolate_prefix_cache else None,
+        allowed_tier_ids=allowed or None,
+    )
+
+
+async def key_info(secret: str) -> KeyInfo | None:
+    digest = hashlib.sha256(secret.encode()).digest()
+    cached = _keys.get(digest)
+    if cached is None:
+        cached = await sync_to_async(_load_key)(secret) or _MISSING
+        _keys.put(digest, cached)
+    return None if cached is _MISSING else cached
+
+
+def _load_tiers() -> dict[str, TierSpec]:
+    from controlplane.catalog.models import ModelTier
+
+    specs = {}
+    for tier in ModelTier.objects.filter(enabled=True).select_related("resolution_policy"):
+        policy = tier.resolution_policy.as_policy() if tier.resolution_policy else None
+        options = (
+            processor_options(tier.family, min_pixels=policy.min_pixels, max_pixels=policy.max_pixels)
+            if policy else {}
+        )
+        engine = tier.engine_settings or {}
+        specs[tier.name] = TierSpec(
+            id=tier.pk,
+            name=tier.name,
+            family=tier.family,
+            kind=tier.kind,
+            policy=policy,
+            processor_options=options,
+            large_image_threshold=tier.large_image_threshold,
+            max_output_tokens=int(engine.get("max_output_tokens", 4096)),
+            price_plan_id=tier.price_plan_id,
+        )
+    return specs
+
+
+async def tiers() -> dict[str, TierSpec]:
+    cached = _tiers.get("all")
+    if cached is None:
+        cached = await sync_to_async(_load_tiers)()
+        _tiers.put("all", cached)
+    return cached
+
+
+def _load_instances(tier_id: int) -> list[InstanceSpec]:
+    from controlplane.fleet.selectors import routable_instances
+
+    return [
+        InstanceSpec(id=i.pk, tier_id=i.tier_id, base_url=i.base_url, pool=i.pool)
+        for i in routable_instances(tier_id=tier_id)
+    ]
+
+
+async def instances(tier_id: int) -> list[InstanceSpec]:
+    cached = _instances.get(tier_id)
+    if cached is None:
+        cached = await sync_to_async(_load_instances)(tier_id)
+        _instances.put(tier_id, cached)
+    return cached

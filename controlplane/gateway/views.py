@@ -1,0 +1,270 @@
+"""The OpenAI-compatible front door: /v1/models and /v1/chat/completions."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+
+import httpx
+from asgiref.sync import sync_to_async
+from django.conf import settings
+from django.core.exceptions import RequestDataTooBig
+from django.http import JsonResponse, StreamingHttpResponse
+from django.views.decorators.csrf import csrf_exempt
+
+from controlplane.gateway import state, upstream
+from controlplane.gateway.errors import GatewayError, error_response
+from controlplane.gateway.prepare import Prepared, RequestInvalid, TierSpec, prepare, validate_body
+from controlplane.metering.services import UsageRecord, usage_record
+
+log = logging.getLogger(__name__)
+AUTO = "auto"
+_background: set[asyncio.Task] = set()
+
+
+async def _authenticate(request) -> state.KeyInfo:
+    header = request.headers.get("Authorization", "")
+    if not header.lower().startswith("bearer ") or not header[7:].strip():
+        raise GatewayError(401, "missing API key: send 'Authorization: Bearer <key>'",
+                           code="invalid_api_key")
+    info = await state.key_info(header[7:].strip())
+    if info is None:
+        raise GatewayError(401, "incorrect, expired or revoked API key", code="invalid_api_key")
+    return info
+
+
+def _allowed(key: state.KeyInfo, tiers: dict[str, TierSpec]) -> list[TierSpec]:
+    return [t for t in tiers.values() if key.allowed_tier_ids is None or t.id in key.allowed_tier_ids]
+
+
+@csrf_exempt
+async def models(request):
+    if request.method != "GET":
+        return error_response(405, f"{request.method} is not allowed on /v1/models")
+    try:
+        key = await _authenticate(request)
+    except GatewayError as exc:
+        return exc.response()
+    allowed = _allowed(key, await state.tiers())
+    data = [{"id": AUTO, "object": "model", "created": 0, "owned_by": "gateway"}]
+    data += [
+        {"id": t.name, "object": "model", "created": 0, "owned_by": "gateway",
+         "modality": "text+image" if t.kind == "vision" else "text"}
+        for t in sorted(allowed, key=lambda t: t.name)
+    ]
+    return JsonResponse({"object": "list", "data": data})
+
+
+def _pick_tier(model: str, key: state.KeyInfo, tiers: dict[str, TierSpec], has_images: bool) -> TierSpec:
+    allowed = _allowed(key, tiers)
+    if model == AUTO:
+        kind = "vision" if has_images else "text"
+        choices = sorted((t for t in allowed if t.kind == kind), key=lambda t: t.name)
+        if not choices and not has_images:  # a text request can go to a vision tier
+            choices = sorted((t for t in allowed if t.kind == "vision"), key=lambda t: t.name)
+        if not choices:
+            raise GatewayError(404, f"no {kind} model is available to this key", code="model_not_found",
+                               param="model")
+        return choices[0]
+    tier = tiers.get(model)
+    if tier is None:
+        raise GatewayError(404, f"the model '{model}' does not exist", code="model_not_found",
+                           param="model")
+    if tier not in allowed:
+        raise GatewayError(403, f"this API key may not use the model '{model}'",
+                           code="model_not_allowed", param="model")
+    return tier
+
+
+@csrf_exempt
+async def chat_completions(request):
+    request_id = f"req_{uuid.uuid4().hex}"
+    if request.method != "POST":
+        return error_response(405, f"{request.method} is not allowed on /v1/chat/completions",
+                              request_id=request_id)
+    try:
+        key = await _authenticate(request)
+        try:
+            raw = request.body
+        except RequestDataTooBig:
+            raise GatewayError(413, f"request body exceeds {settings.GATEWAY_MAX_BODY_BYTES} bytes",
+                               code="request_too_large") from None
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError):
+            raise GatewayError(400, "the request body is not valid JSON", code="invalid_json") from None
+        try:
+            validate_body(body)
+        except RequestInvalid as exc:
+            raise GatewayError(400, str(exc), code=exc.code, param=exc.param) from None
+        from controlplane.gateway.prepare import image_parts
+
+        tier = _pick_tier(body["model"], key, await state.tiers(), bool(image_parts(body["messages"])))
+        try:
+            prepared = await prepare(body, tier, max_image_bytes=settings.GATEWAY_MAX_BODY_BYTES)
+        except RequestInvalid as exc:
+            raise GatewayError(400, str(exc), code=exc.code, param=exc.param) from None
+    except GatewayError as exc:
+        return exc.response(request_id)
+    return await _forward(request_id, key, tier, prepared)
+
+
+def _upstream_body(key: state.KeyInfo, tier: TierSpec, prepared: Prepared) -> dict:
+    body = dict(prepared.body)
+    body["model"] = tier.name
+    if key.cache_salt:
+        body["cache_salt"] = key.cache_salt
+    else:
+        body.pop("cache_salt", None)
+    if body.get("stream"):
+        # Always ask for the usage chunk: without it a streamed request cannot be billed.
+        body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
+    return body
+
+
+async def _forward(request_id: str, key: state.KeyInfo, tier: TierSpec, prepared: Prepared):
+    started = time.monotonic()
+    record = UsageRecord(
+        request_id=request_id, tenant_id=key.tenant_id, api_key_id=key.key_id, tier_id=tier.id,
+        stream=bool(prepared.body.get("stream")), images=[
+            (p.image, p.tokens) for p in prepared.images
+        ],
+        image_tokens=prepared.image_tokens, text_tokens=prepared.text_tokens,
+    )
+    candidates = await state.instances(tier.id)
+    body = _upstream_body(key, tier, prepared)
+    payload = json.dumps(body).encode()
+    tried: set[int] = set()
+    for _attempt in range(2):  # a connection failure is retried once on another instance
+        instance = upstream.choose(candidates, exclude=tried)
+        if instance is None:
+            break
+        tried.add(instance.id)
+        record.instance_id = instance.id
+        upstream.outstanding[instance.id] += 1
+        try:
+            req = upstream.client().build_request(
+                "POST", f"{instance.base_url}/v1/chat/completions", content=payload,
+                headers={"content-type": "application/json", "x-request-id": request_id},
+            )
+            response = await upstream.client().send(req, stream=True)
+        except httpx.TransportError as exc:
+            upstream.outstanding[instance.id] -= 1
+            log.warning("engine %s unreachable for %s: %s", instance.id, request_id, exc)
+            continue
+        if record.stream and response.status_code == 200:
+            return _stream(request_id, record, prepared, body, response, instance, started)
+        try:
+            content = await response.aread()
+        finally:
+            await response.aclose()
+            upstream.outstanding[instance.id] -= 1
+        return await _finish_plain(request_id, record, prepared, response.status_code, content, started)
+    record.status, record.http_status = "error", 503
+    await _record(record, started)
+    return error_response(503, f"no healthy engine is serving '{tier.name}' right now; retry shortly",
+                          code="engine_unavailable", request_id=request_id,
+                          headers={"Retry-After": "5"})
+
+
+def _usage_details(usage: dict, prepared: Prepared) -> dict:
+    details = dict(usage.get("prompt_tokens_details") or {})
+    details.setdefault("cached_tokens", 0)
+    details["image_tokens"] = prepared.image_tokens
+    return {**usage, "prompt_tokens_details": details}
+
+
+def _apply_usage(record: UsageRecord, usage: dict | None) -> None:
+    if not usage:
+        return
+    prompt = int(usage.get("prompt_tokens") or 0)
+    record.text_tokens = max(0, prompt - record.image_tokens) if prompt else record.text_tokens
+    record.output_tokens = int(usage.get("completion_tokens") or 0)
+    record.cached_tokens = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+
+
+async def _finish_plain(request_id, record, prepared, status, content, started):
+    try:
+        data = json.loads(content)
+    except ValueError:
+        data = None
+    if status != 200 or not isinstance(data, dict):
+        record.status, record.http_status = "error", 502 if status < 400 else status
+        await _record(record, started)
+        message = "the engine returned an invalid response"
+        if isinstance(data, dict) and isinstance(data.get("error"), dict):
+            message = f"the engine refused the request: {data['error'].get('message', '')}"
+        http = status if 400 <= status < 500 else 502
+        return error_response(http, message, code="upstream_error", request_id=request_id)
+    _apply_usage(record, data.get("usage"))
+    if data.get("usage"):
+        data["usage"] = _usage_details(data["usage"], prepared)
+    data["id"] = data.get("id") or request_id
+    await _record(record, started)
+    response = JsonResponse(data)
+    response["x-request-id"] = request_id
+    return response
+
+
+def _stream(request_id, record, prepared, body, response, instance, started):
+    client_wants_usage = bool((prepared.body.get("stream_options") or {}).get("include_usage"))
+
+    async def events():
+        produced = 0
+        finished = False
+        try:
+            async for line in response.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    finished = True
+                    yield b"data: [DONE]\n\n"
+                    continue
+                try:
+                    chunk = json.loads(data)
+                except ValueError:
+                    continue
+                if chunk.get("usage"):
+                    _apply_usage(record, chunk["usage"])
+                    chunk["usage"] = _usage_details(chunk["usage"], prepared)
+                    if not chunk.get("choices") and not client_wants_usage:
+                        continue
+                    if not client_wants_usage:
+                        chunk.pop("usage")
+                for choice in chunk.get("choices") or ():
+                    if (choice.get("delta") or {}).get("content"):
+                        produced += 1
+                yield f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n".encode()
+        finally:
+            await response.aclose()
+            upstream.outstanding[instance.id] -= 1
+            if not finished:
+                record.status = "aborted"
+            if not record.output_tokens:
+                record.output_tokens = produced  # what was actually generated before the end
+            # The client may be gone and this task cancelled: record in a task of its own.
+            task = asyncio.ensure_future(_record(record, started))
+            _background.add(task)
+            task.add_done_callback(_background.discard)
+
+    streaming = StreamingHttpResponse(events(), content_type="text/event-stream")
+    streaming["Cache-Control"] = "no-cache"
+    streaming["x-request-id"] = request_id
+    return streaming
+
+
+async def _record(record: UsageRecord, started: float) -> None:
+    record.latency_ms = int((time.monotonic() - started) * 1000)
+    try:
+        await sync_to_async(usage_record)(record=record)
+    except Exception:  # never lose the response over metering; the error is logged loudly
+        log.exception("could not record usage for %s", record.request_id)
+
+
+@csrf_exempt
+async def not_found(request, path=""):
+    return error_response(404, f"unknown endpoint /v1/{path}", code="unknown_url")

@@ -1,0 +1,84 @@
+from decimal import Decimal
+
+from django.db import models
+from django.utils import timezone
+
+
+class UsageEvent(models.Model):
+    """Exactly one per gateway request, keyed by its request id."""
+
+    class Status(models.TextChoices):
+        OK = "ok", "ok"
+        ERROR = "error", "error"
+        ABORTED = "aborted", "aborted"
+
+    request_id = models.CharField(max_length=64, unique=True)
+    created_at = models.DateTimeField(default=timezone.now, db_index=True)
+    recorded_at = models.DateTimeField(auto_now_add=True, db_index=True)
+    tenant = models.ForeignKey("tenants.Tenant", on_delete=models.PROTECT, related_name="usage_events")
+    api_key = models.ForeignKey(
+        "tenants.ApiKey", null=True, on_delete=models.SET_NULL, related_name="usage_events"
+    )
+    tier = models.ForeignKey("catalog.ModelTier", on_delete=models.PROTECT, related_name="usage_events")
+    instance = models.ForeignKey(
+        "fleet.EngineInstance", null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    status = models.CharField(max_length=8, choices=Status.choices)
+    http_status = models.PositiveSmallIntegerField(default=200)
+    stream = models.BooleanField(default=False)
+    latency_ms = models.PositiveIntegerField(default=0)
+    image_count = models.PositiveIntegerField(default=0)
+    image_tokens = models.PositiveIntegerField(default=0)
+    cached_tokens = models.PositiveIntegerField(default=0)
+    text_tokens = models.PositiveIntegerField(default=0)
+    output_tokens = models.PositiveIntegerField(default=0)
+    cost = models.DecimalField(max_digits=14, decimal_places=6, default=Decimal("0"))
+
+    class Meta:
+        ordering = ["-created_at"]
+        indexes = [models.Index(fields=["tenant", "created_at"])]
+
+    def __str__(self):
+        return self.request_id
+
+
+class UsageImage(models.Model):
+    event = models.ForeignKey(UsageEvent, on_delete=models.CASCADE, related_name="images")
+    position = models.PositiveSmallIntegerField()
+    source_format = models.CharField(max_length=8)
+    source_width = models.PositiveIntegerField()
+    source_height = models.PositiveIntegerField()
+    width = models.PositiveIntegerField()
+    height = models.PositiveIntegerField()
+    tokens = models.PositiveIntegerField()
+    fingerprint = models.CharField(max_length=32, db_index=True)
+
+    class Meta:
+        ordering = ["event", "position"]
+
+
+class DailyUsage(models.Model):
+    day = models.DateField()
+    tenant = models.ForeignKey("tenants.Tenant", on_delete=models.CASCADE, related_name="daily_usage")
+    tier = models.ForeignKey("catalog.ModelTier", on_delete=models.CASCADE, related_name="daily_usage")
+    requests = models.PositiveIntegerField(default=0)
+    images = models.PositiveIntegerField(default=0)
+    image_tokens = models.PositiveBigIntegerField(default=0)
+    cached_tokens = models.PositiveBigIntegerField(default=0)
+    text_tokens = models.PositiveBigIntegerField(default=0)
+    output_tokens = models.PositiveBigIntegerField(default=0)
+    cost = models.DecimalField(max_digits=16, decimal_places=6, default=Decimal("0"))
+
+    class Meta:
+        ordering = ["day", "tenant", "tier"]
+        constraints = [
+            models.UniqueConstraint(fields=["day", "tenant", "tier"], name="one_row_per_day_tenant_tier")
+        ]
+
+
+class RollupState(models.Model):
+    """How far the rollup has read, so each run only revisits days touched since."""
+
+    name = models.CharField(max_length=32, unique=True)
+    watermark = models.DateTimeField(null=True, blank=True)
+    ran_at = models.DateTimeField(null=True, blank=True)

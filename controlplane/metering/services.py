@@ -1,0 +1,141 @@
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass, field
+
+from django.db import IntegrityError, transaction
+from django.db.models import Count, Sum
+from django.db.models.functions import TruncDate
+from django.utils import timezone
+
+from controlplane.catalog.models import ModelTier
+from controlplane.metering.models import DailyUsage, RollupState, UsageEvent, UsageImage
+from controlplane.metering.rating import Usage, price
+
+
+@dataclass
+class UsageRecord:
+    request_id: str
+    tenant_id: int
+    api_key_id: int | None
+    tier_id: int
+    stream: bool = False
+    images: list = field(default_factory=list)  # (NormalisedImage, tokens)
+    image_tokens: int = 0
+    text_tokens: int = 0
+    output_tokens: int = 0
+    cached_tokens: int = 0
+    instance_id: int | None = None
+    status: str = "ok"
+    http_status: int = 200
+    latency_ms: int = 0
+    created_at: dt.datetime = field(default_factory=timezone.now)
+
+
+def usage_cost(*, tier: ModelTier, when: dt.datetime, usage: Usage):
+    return price(usage, tier.price_plan.rate_at(when).as_rates())
+
+
+def usage_record(*, record: UsageRecord) -> UsageEvent:
+    """Store one request's usage. Recording the same request id twice stores it once."""
+    existing = UsageEvent.objects.filter(request_id=record.request_id).first()
+    if existing is not None:
+        return existing
+    tier = ModelTier.objects.select_related("price_plan").get(pk=record.tier_id)
+    billable = record.status != UsageEvent.Status.ERROR
+    cached_image = min(record.cached_tokens, record.image_tokens)
+    usage = Usage(
+        text_tokens=record.text_tokens,
+        image_tokens=record.image_tokens,
+        cached_image_tokens=cached_image,
+        output_tokens=record.output_tokens,
+        images=len(record.images),
+    )
+    cost = usage_cost(tier=tier, when=record.created_at, usage=usage) if billable else 0
+    try:
+        with transaction.atomic():
+            event = UsageEvent.objects.create(
+                request_id=record.request_id,
+                created_at=record.created_at,
+                tenant_id=record.tenant_id,
+                api_key_id=record.api_key_id,
+                tier_id=record.tier_id,
+                instance_id=record.instance_id,
+                status=record.status,
+                http_status=record.http_status,
+                stream=record.stream,
+                latency_ms=record.latency_ms,
+                image_count=len(record.images),
+                image_tokens=record.image_tokens,
+                cached_tokens=record.cached_tokens,
+                text_tokens=record.text_tokens,
+                output_tokens=record.output_tokens,
+                cost=cost,
+            )
+            UsageImage.objects.bulk_create(
+                UsageImage(
+                    event=event,
+                    position=position,
+                    source_format=image.source_format,
+                    source_width=image.source_width,
+                    source_height=image.source_height,
+                    width=image.width,
+                    height=image.height,
+                    tokens=tokens,
+                    fingerprint=image.fingerprint,
+                )
+                for position, (image, tokens) in enumerate(record.images)
+            )
+    except IntegrityError:
+        # A concurrent writer stored the same request id first: that copy is the record.
+        return UsageEvent.objects.get(request_id=record.request_id)
+    return event
+
+
+def rollup_daily(*, now: dt.datetime | None = None) -> int:
+    """Recompute the daily totals of every day that received events since the last run.
+
+    Recomputing a whole day from its events makes the run idempotent, and a late event
+    (recorded today, dated yesterday) reopens its own day. Returns the days rewritten.
+    """
+    now = now or timezone.now()
+    with transaction.atomic():
+        state, _ = RollupState.objects.select_for_update().get_or_create(name="daily")
+        # Events recorded up to a moment ago; anything still being written lands next run.
+        upto = now - dt.timedelta(seconds=1)
+        new = UsageEvent.objects.filter(recorded_at__lte=upto)
+        if state.watermark is not None:
+            new = new.filter(recorded_at__gt=state.watermark)
+        days = sorted(set(new.annotate(day=TruncDate("created_at")).values_list("day", flat=True)))
+        for day in days:
+            _rollup_day(day)
+        state.watermark = upto if state.watermark is None else max(state.watermark, upto)
+        state.ran_at = now
+        state.save()
+    return len(days)
+
+
+def _rollup_day(day: dt.date) -> None:
+    start = dt.datetime.combine(day, dt.time.min, tzinfo=dt.UTC)
+    end = start + dt.timedelta(days=1)
+    rows = (
+        UsageEvent.objects.filter(created_at__gte=start, created_at__lt=end)
+        .values("tenant_id", "tier_id")
+        .annotate(
+            requests=Count("id"),
+            images=Sum("image_count"),
+            image_tokens=Sum("image_tokens"),
+            cached_tokens=Sum("cached_tokens"),
+            text_tokens=Sum("text_tokens"),
+            output_tokens=Sum("output_tokens"),
+            cost=Sum("cost"),
+        )
+    )
+    for row in rows:
+        DailyUsage.objects.update_or_create(
+            day=day, tenant_id=row["tenant_id"], tier_id=row["tier_id"],
+            defaults={k: row[k] or 0 for k in (
+                "requests", "images", "image_tokens", "cached_tokens", "text_tokens",
+                "output_tokens", "cost",
+            )},
+        )

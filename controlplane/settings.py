@@ -1,0 +1,264 @@
+"""Settings, all read from the environment in this one module.
+
+Embedded mode (no DATABASE_URL, no REDIS_URL) needs no server: SQLite under var/ and a
+file-system Celery broker. Setting DATABASE_URL and REDIS_URL switches to PostgreSQL and
+Redis, which is what several machines share.
+"""
+
+from __future__ import annotations
+
+import socket
+from datetime import timedelta
+from pathlib import Path
+
+from controlplane.env import (
+    EnvError,
+    env_bool,
+    env_int,
+    env_list,
+    env_str,
+    local_secret_key,
+    parse_database_url,
+    validate_redis_url,
+)
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+VAR_DIR = Path(env_str("VAR_DIR", str(BASE_DIR / "var"))).resolve()
+VAR_DIR.mkdir(parents=True, exist_ok=True)
+
+DEBUG = env_bool("DEBUG", False)
+
+SECRET_KEY = env_str("SECRET_KEY")
+if SECRET_KEY is None:
+    if not DEBUG and not env_bool("LOCAL_SECRET_KEY", False):
+        raise EnvError(
+            "SECRET_KEY is not set and DEBUG is off. Set SECRET_KEY, or for a local run set "
+            "DEBUG=true (or LOCAL_SECRET_KEY=true) to generate one under var/."
+        )
+    SECRET_KEY = local_secret_key(VAR_DIR / "secret_key")
+
+ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", ["127.0.0.1", "localhost", "[::1]"] if DEBUG else [])
+CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS", [])
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "rest_framework",
+    "drf_spectacular",
+    "django_celery_beat",
+    "controlplane.catalog",
+    "controlplane.tenants",
+    "controlplane.gateway",
+    "controlplane.fleet",
+    "controlplane.metering",
+    "controlplane.benchmarks",
+    "controlplane.dashboard",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "whitenoise.middleware.WhiteNoiseMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = "controlplane.urls"
+ASGI_APPLICATION = "controlplane.asgi.application"
+WSGI_APPLICATION = "controlplane.wsgi.application"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+                "controlplane.dashboard.context.roles",
+            ],
+        },
+    },
+]
+
+# --- database -------------------------------------------------------------------------
+_db = parse_database_url(env_str("DATABASE_URL", f"sqlite:///{VAR_DIR / 'controlplane.sqlite3'}"))
+if _db.engine.endswith("sqlite3"):
+    DATABASES = {
+        "default": {
+            "ENGINE": _db.engine,
+            "NAME": _db.name,
+            "OPTIONS": {
+                # web, worker and beat write at once: WAL lets readers run beside a writer,
+                # the busy timeout makes a writer wait for the lock instead of failing.
+                "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
+                "timeout": 20,
+                "transaction_mode": "IMMEDIATE",
+            },
+        }
+    }
+else:
+    DATABASES = {
+        "default": {
+            "ENGINE": _db.engine,
+            "NAME": _db.name,
+            "USER": _db.user,
+            "PASSWORD": _db.password,
+            "HOST": _db.host,
+            "PORT": _db.port,
+            "CONN_MAX_AGE": env_int("DATABASE_CONN_MAX_AGE", 0, minimum=0),
+            "CONN_HEALTH_CHECKS": True,
+            "OPTIONS": dict(_db.options or {}),
+        }
+    }
+EMBEDDED_DATABASE = _db.engine.endswith("sqlite3")
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+# --- redis, cache, celery -------------------------------------------------------------
+REDIS_URL = env_str("REDIS_URL")
+if REDIS_URL is not None:
+    validate_redis_url(REDIS_URL)
+EMBEDDED_BROKER = REDIS_URL is None
+
+if REDIS_URL:
+    CACHES = {
+        "default": {
+            "BACKEND": "django.core.cache.backends.redis.RedisCache",
+            "LOCATION": REDIS_URL,
+            "KEY_PREFIX": env_str("CACHE_KEY_PREFIX", "vlmcp"),
+        }
+    }
+else:
+    CACHES = {
+        "default": {
+            "BACKEND": "django.core.cache.backends.filebased.FileBasedCache",
+            "LOCATION": str(VAR_DIR / "cache"),
+        }
+    }
+
+CELERY_BROKER_URL = env_str("CELERY_BROKER_URL", REDIS_URL or "filesystem://")
+CELERY_BROKER_TRANSPORT_OPTIONS = {}
+if CELERY_BROKER_URL == "filesystem://":
+    _queue_dir = VAR_DIR / "broker"
+    for _sub in ("queue", "processed"):
+        (_queue_dir / _sub).mkdir(parents=True, exist_ok=True)
+    CELERY_BROKER_TRANSPORT_OPTIONS = {
+        "data_folder_in": str(_queue_dir / "queue"),
+        "data_folder_out": str(_queue_dir / "queue"),
+        "processed_folder": str(_queue_dir / "processed"),
+        "store_processed": False,
+    }
+CELERY_TASK_IGNORE_RESULT = True
+CELERY_RESULT_BACKEND = None
+CELERY_ACCEPT_CONTENT = ["json"]
+CELERY_TASK_SERIALIZER = "json"
+CELERY_RESULT_SERIALIZER = "json"
+CELERY_TIMEZONE = "UTC"
+CELERY_TASK_DEFAULT_QUEUE = "default"
+CELERY_TASK_SOFT_TIME_LIMIT = 120
+CELERY_TASK_TIME_LIMIT = 180
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+CELERY_BEAT_SCHEDULER = "django_celery_beat.schedulers:DatabaseScheduler"
+FLEET_RECONCILE_SECONDS = env_int("FLEET_RECONCILE_SECONDS", 5, minimum=1)
+ROLLUP_SECONDS = env_int("ROLLUP_SECONDS", 60, minimum=1)
+
+# The whole beat schedule, in one table. `expires` sits just under each interval so that
+# a backlog never runs a stale copy of a periodic job.
+CELERY_BEAT_SCHEDULE = {
+    "fleet-reconcile": {
+        "task": "fleet.reconcile",
+        "schedule": timedelta(seconds=FLEET_RECONCILE_SECONDS),
+        "options": {"expires": FLEET_RECONCILE_SECONDS * 0.9},
+    },
+    "metering-rollup-daily": {
+        "task": "metering.rollup_daily",
+        "schedule": timedelta(seconds=ROLLUP_SECONDS),
+        "options": {"expires": ROLLUP_SECONDS * 0.9},
+    },
+}
+
+# --- fleet ----------------------------------------------------------------------------
+NODE_NAME = env_str("NODE_NAME", socket.gethostname())
+NODE_ADDRESS = env_str("NODE_ADDRESS", "127.0.0.1")
+NODE_GPUS = env_str("NODE_GPUS", "")  # e.g. "0:A100-80GB:81920,1:A100-80GB:81920"
+ENGINE_PORT_BASE = env_int("ENGINE_PORT_BASE", 8100, minimum=1024)
+ENGINE_LOG_DIR = Path(env_str("ENGINE_LOG_DIR", str(VAR_DIR / "engines")))
+ENGINE_HEALTH_TIMEOUT = float(env_int("ENGINE_HEALTH_TIMEOUT_MS", 2000, minimum=1)) / 1000
+
+# --- gateway --------------------------------------------------------------------------
+GATEWAY_UPSTREAM_TIMEOUT = float(env_int("GATEWAY_UPSTREAM_TIMEOUT_S", 300, minimum=1))
+GATEWAY_MAX_BODY_BYTES = env_int("GATEWAY_MAX_BODY_BYTES", 64 * 1024 * 1024, minimum=1024)
+GATEWAY_KEY_CACHE_SECONDS = env_int("GATEWAY_KEY_CACHE_SECONDS", 5, minimum=0)
+DATA_UPLOAD_MAX_MEMORY_SIZE = GATEWAY_MAX_BODY_BYTES
+
+# --- web ------------------------------------------------------------------------------
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+]
+LOGIN_URL = "login"
+LOGIN_REDIRECT_URL = "dashboard:index"
+LOGOUT_REDIRECT_URL = "login"
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = False
+USE_TZ = True
+
+STATIC_URL = "static/"
+STATIC_ROOT = BASE_DIR / "staticfiles"
+STATICFILES_DIRS = [BASE_DIR / "static"]
+STATICFILES_FINDERS = [
+    "django.contrib.staticfiles.finders.FileSystemFinder",
+    "django.contrib.staticfiles.finders.AppDirectoriesFinder",
+    "controlplane.dashboard.finders.PlotlyFinder",
+]
+STORAGES = {
+    "default": {"BACKEND": "django.core.files.storage.FileSystemStorage"},
+    "staticfiles": {
+        "BACKEND": "whitenoise.storage.CompressedStaticFilesStorage"
+        if not DEBUG
+        else "django.contrib.staticfiles.storage.StaticFilesStorage"
+    },
+}
+# Serve straight from the finders so a local run needs no collectstatic.
+WHITENOISE_USE_FINDERS = True
+WHITENOISE_AUTOREFRESH = DEBUG
+
+SESSION_COOKIE_SECURE = env_bool("SECURE_COOKIES", False)
+CSRF_COOKIE_SECURE = SESSION_COOKIE_SECURE
+
+REST_FRAMEWORK = {
+    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.LimitOffsetPagination",
+    "PAGE_SIZE": 100,
+    "DEFAULT_AUTHENTICATION_CLASSES": [
+        "controlplane.tenants.api_auth.ApiKeyAuthentication",
+        "rest_framework.authentication.SessionAuthentication",
+    ],
+    "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
+}
+SPECTACULAR_SETTINGS = {
+    "TITLE": "VLM serving control plane API",
+    "DESCRIPTION": "Tenant metering API. Authenticate with `Authorization: Bearer <API key>`.",
+    "VERSION": "0.1.0",
+    "SERVE_INCLUDE_SCHEMA": False,
+}
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "root": {"handlers": ["console"], "level": env_str("LOG_LEVEL", "INFO")},
+    "loggers": {"django.db.backends": {"level": "WARNING"}},
+}

@@ -1,0 +1,79 @@
+from django.conf import settings
+from django.db import models
+from django.utils import timezone
+
+
+class Tenant(models.Model):
+    name = models.SlugField(max_length=64, unique=True)
+    display_name = models.CharField(max_length=128, blank=True)
+    allowed_tiers = models.ManyToManyField(
+        "catalog.ModelTier", blank=True, related_name="tenants",
+        help_text="Empty means every enabled tier",
+    )
+    isolate_prefix_cache = models.BooleanField(
+        default=True, help_text="Send a per-tenant cache_salt so tenants never share KV blocks"
+    )
+    active = models.BooleanField(default=True)
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self):
+        return self.name
+
+
+class ApiKey(models.Model):
+    """A tenant's key. Only its SHA-256 is stored; the key itself is shown once."""
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="api_keys")
+    name = models.CharField(max_length=64, blank=True)
+    prefix = models.CharField(max_length=16, unique=True)
+    key_hash = models.CharField(max_length=64, unique=True)
+    created_at = models.DateTimeField(default=timezone.now)
+    created_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL
+    )
+    expires_at = models.DateTimeField(null=True, blank=True)
+    revoked_at = models.DateTimeField(null=True, blank=True)
+    last_used_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+
+    def __str__(self):
+        return f"{self.prefix}… ({self.tenant})"
+
+    def is_usable(self, now=None) -> bool:
+        now = now or timezone.now()
+        if self.revoked_at is not None or not self.tenant.active:
+            return False
+        return self.expires_at is None or self.expires_at > now
+
+
+class Quota(models.Model):
+    class Period(models.TextChoices):
+        DAY = "day", "day"
+        MONTH = "month", "month"
+
+    tenant = models.OneToOneField(Tenant, on_delete=models.CASCADE, related_name="quota")
+    period = models.CharField(max_length=8, choices=Period.choices, default=Period.MONTH)
+    image_tokens = models.PositiveBigIntegerField(null=True, blank=True, help_text="Empty: no limit")
+    total_tokens = models.PositiveBigIntegerField(null=True, blank=True, help_text="Empty: no limit")
+    requests_per_minute = models.PositiveIntegerField(null=True, blank=True)
+    concurrent_large_images = models.PositiveIntegerField(null=True, blank=True)
+
+    def __str__(self):
+        return f"quota for {self.tenant}"
+
+
+class Membership(models.Model):
+    """Makes a user the admin of one tenant: they see that tenant's figures and nothing else."""
+
+    user = models.OneToOneField(
+        settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="membership"
+    )
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="members")
+
+    def __str__(self):
+        return f"{self.user} admin of {self.tenant}"

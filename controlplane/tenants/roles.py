@@ -1,0 +1,47 @@
+"""Who may see and do what. Operator: everything. Finance: usage and exports, read only.
+Tenant admin: their own tenant only."""
+
+from __future__ import annotations
+
+from django.db.models import QuerySet
+
+OPERATOR = "operator"
+FINANCE = "finance"
+
+
+def _in_group(user, name: str) -> bool:
+    if not getattr(user, "is_authenticated", False) or not hasattr(user, "groups"):
+        return False
+    cache = getattr(user, "_role_groups", None)
+    if cache is None:
+        cache = set(user.groups.values_list("name", flat=True))
+        user._role_groups = cache
+    return name in cache
+
+
+def is_operator(user) -> bool:
+    return bool(getattr(user, "is_superuser", False)) or _in_group(user, OPERATOR)
+
+
+def is_finance(user) -> bool:
+    return _in_group(user, FINANCE)
+
+
+def member_tenant(user):
+    membership = getattr(user, "membership", None) if getattr(user, "pk", None) else None
+    return membership.tenant if membership is not None else None
+
+
+def can_see_usage(user) -> bool:
+    return is_operator(user) or is_finance(user) or member_tenant(user) is not None
+
+
+def visible_tenants(user) -> QuerySet:
+    from controlplane.tenants.models import Tenant
+
+    if is_operator(user) or is_finance(user):
+        return Tenant.objects.all()
+    tenant = member_tenant(user)
+    if tenant is None:
+        return Tenant.objects.none()
+    return Tenant.objects.filter(pk=tenant.pk)

@@ -1,0 +1,11 @@
+"""The Celery app. Every host runs a worker; a GPU host's worker also consumes `node.<name>`."""
+
+import os
+
+from celery import Celery
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
+
+app = Celery("controlplane")
+app.config_from_object("django.conf:settings", namespace="CELERY")
+app.autodiscover_tasks(["workers"], related_name="tasks")

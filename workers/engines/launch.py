@@ -1,0 +1,83 @@
+"""The command line and environment that start an engine. One builder serves both kinds:
+`vllm serve` on GPU hosts and the simulator where there is no GPU, with the same flags."""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    engine_kind: str  # "vllm" or "simulator"
+    model_id: str
+    served_model_name: str
+    family: str
+    host: str
+    port: int
+    gpu_indices: tuple[int, ...] = ()
+    settings: dict = field(default_factory=dict)
+    images_per_prompt: int | None = None  # None: a text-only tier
+    min_pixels: int | None = None
+    max_pixels: int | None = None
+    max_input_pixels: int | None = None
+    allowed_media_domains: tuple[str, ...] = ()
+    api_key: str | None = None
+
+
+# engine setting -> vLLM flag, for plain valued settings
+_VALUED = {
+    "tensor_parallel_size": "--tensor-parallel-size",
+    "gpu_memory_utilization": "--gpu-memory-utilization",
+    "max_model_len": "--max-model-len",
+    "max_num_seqs": "--max-num-seqs",
+    "max_num_batched_tokens": "--max-num-batched-tokens",
+    "mm_processor_cache_gb": "--mm-processor-cache-gb",
+    "kv_cache_dtype": "--kv-cache-dtype",
+    "scheduling_policy": "--scheduling-policy",
+    "dtype": "--dtype",
+}
+# simulator-only cost parameters, passed as --sim-* flags
+_SIMULATOR = ("prefill_us_per_token", "decode_ms_per_token", "encode_us_per_image_token")
+
+
+def build_command(spec: LaunchSpec) -> tuple[list[str], dict[str, str]]:
+    settings = spec.settings or {}
+    if spec.engine_kind == "vllm":
+        argv = ["vllm", "serve", spec.model_id]
+    elif spec.engine_kind == "simulator":
+        argv = [sys.executable, "-m", "workers.engines.simulator", spec.model_id, "--family", spec.family]
+    else:
+        raise ValueError(f"engine kind {spec.engine_kind!r} cannot be launched")
+    argv += ["--served-model-name", spec.served_model_name, "--host", spec.host, "--port", str(spec.port)]
+    for key, flag in _VALUED.items():
+        if settings.get(key) is not None:
+            argv += [flag, str(settings[key])]
+    if settings.get("enable_prefix_caching", True):
+        argv.append("--enable-prefix-caching")
+    if spec.images_per_prompt is not None:
+        argv += ["--limit-mm-per-prompt", json.dumps({"image": spec.images_per_prompt})]
+        kwargs = {}
+        if spec.min_pixels is not None:
+            kwargs["min_pixels"] = spec.min_pixels
+        if spec.max_pixels is not None:
+            kwargs["max_pixels"] = spec.max_pixels
+        if kwargs:
+            argv += ["--mm-processor-kwargs", json.dumps(kwargs)]
+        if spec.allowed_media_domains:
+            argv += ["--allowed-media-domains", *spec.allowed_media_domains]
+    argv.append("--enable-prompt-tokens-details")
+    if spec.api_key:
+        argv += ["--api-key", spec.api_key]
+    if spec.engine_kind == "simulator":
+        for key in _SIMULATOR:
+            if settings.get(key) is not None:
+                argv += ["--sim-" + key.replace("_", "-"), str(settings[key])]
+    env = {
+        "CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in spec.gpu_indices),
+        "VLLM_MEDIA_URL_ALLOW_REDIRECTS": "0",
+    }
+    if spec.max_input_pixels:
+        env["VLLM_MAX_IMAGE_PIXELS"] = str(spec.max_input_pixels)
+    return argv, env

@@ -1,0 +1,90 @@
+"""Engine processes: started detached (own session, logs in a file) so that a node agent
+restart leaves them running and the next agent adopts them by pid."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+MARKER_ENV = "VLM_ENGINE_INSTANCE"
+
+
+def spawn(argv: list[str], env: dict[str, str], *, log_path: Path, instance_id: int, cwd: str) -> int:
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    full_env = {**os.environ, **env, MARKER_ENV: str(instance_id)}
+    with open(log_path, "ab", buffering=0) as log:
+        log.write(f"\n=== start {time.strftime('%Y-%m-%dT%H:%M:%S')} {' '.join(argv)}\n".encode())
+        process = subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+            env=full_env, cwd=cwd, start_new_session=True, close_fds=True,
+        )
+    return process.pid
+
+
+def _reap(pid: int) -> None:
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass
+
+
+def is_alive(pid: int | None, *, instance_id: int | None = None) -> bool:
+    """True when `pid` runs and (if instance_id is given) is that instance's engine."""
+    if not pid:
+        return False
+    _reap(pid)
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            state = stat.read().rsplit(b")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+    if state in (b"Z", b"X"):
+        return False
+    if instance_id is not None:
+        # The pid may have been reused by an unrelated process after a reboot.
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes()
+        except (FileNotFoundError, PermissionError):
+            return False
+        if f"{MARKER_ENV}={instance_id}".encode() not in environ.split(b"\0"):
+            return False
+    return True
+
+
+def is_stopped(pid: int | None) -> bool:
+    """True when the process is stopped by a signal (SIGSTOP): alive but doing nothing."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rsplit(b")", 1)[1].split()[0] == b"T"
+    except (FileNotFoundError, IndexError, TypeError):
+        return False
+
+
+def terminate(pid: int, *, grace: float = 10.0) -> None:
+    """SIGTERM the engine's process group, then SIGKILL what is left after `grace` seconds."""
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(pid, sig)
+        except ProcessLookupError:
+            return
+        except PermissionError:
+            os.kill(pid, sig)
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            if not is_alive(pid):
+                return
+            time.sleep(0.05)
+
+
+def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True

@@ -1,0 +1,73 @@
+"""Prometheus text exposition with vLLM's metric names."""
+
+from __future__ import annotations
+
+import bisect
+from collections import defaultdict
+
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                   2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+
+
+class Histogram:
+    def __init__(self, buckets=LATENCY_BUCKETS):
+        self.buckets = buckets
+        self.counts = [0] * len(buckets)
+        self.total = 0.0
+        self.count = 0
+
+    def observe(self, value: float) -> None:
+        index = bisect.bisect_left(self.buckets, value)
+        if index < len(self.counts):
+            self.counts[index] += 1
+        self.total += value
+        self.count += 1
+
+
+class Metrics:
+    def __init__(self, model_name: str):
+        self.labels = f'model_name="{model_name}",engine="0"'
+        self.counters: dict[str, float] = defaultdict(float)
+        self.success: dict[str, int] = defaultdict(int)
+        self.histograms = {
+            "vllm:time_to_first_token_seconds": Histogram(),
+            "vllm:inter_token_latency_seconds": Histogram(),
+            "vllm:e2e_request_latency_seconds": Histogram(),
+            "vllm:request_queue_time_seconds": Histogram(),
+            "vllm:request_prefill_time_seconds": Histogram(),
+            "vllm:request_decode_time_seconds": Histogram(),
+        }
+        self.running = 0
+        self.waiting = 0
+        self.kv_usage = 0.0
+
+    def render(self) -> str:
+        lines = []
+        gauges = {
+            "vllm:num_requests_running": self.running,
+            "vllm:num_requests_waiting": self.waiting,
+            "vllm:kv_cache_usage_perc": self.kv_usage,
+        }
+        for name, value in gauges.items():
+            lines += [f"# TYPE {name} gauge", f"{name}{{{self.labels}}} {value}"]
+        for name in ("vllm:prompt_tokens_total", "vllm:generation_tokens_total",
+                     "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
+                     "vllm:mm_cache_queries_total", "vllm:mm_cache_hits_total",
+                     "vllm:num_preemptions_total"):
+            lines += [f"# TYPE {name} counter", f"{name}{{{self.labels}}} {self.counters[name]}"]
+        lines.append("# TYPE vllm:request_success_total counter")
+        for reason in ("stop", "length", "abort"):
+            lines.append(
+                f'vllm:request_success_total{{{self.labels},finished_reason="{reason}"}} '
+                f"{self.success[reason]}"
+            )
+        for name, hist in self.histograms.items():
+            lines.append(f"# TYPE {name} histogram")
+            cumulative = 0
+            for bound, count in zip(hist.buckets, hist.counts, strict=True):
+                cumulative += count
+                lines.append(f'{name}_bucket{{{self.labels},le="{bound}"}} {cumulative}')
+            lines.append(f'{name}_bucket{{{self.labels},le="+Inf"}} {hist.count}')
+            lines.append(f"{name}_sum{{{self.labels}}} {hist.total}")
+            lines.append(f"{name}_count{{{self.labels}}} {hist.count}")
+        return "\n".join(lines) + "\n"

@@ -1,0 +1,66 @@
+"""Celery entry points. Thin: ids in, a service call out; limits declared here."""
+
+from __future__ import annotations
+
+import logging
+
+from celery import shared_task
+from celery.signals import worker_ready
+from django.conf import settings
+
+log = logging.getLogger(__name__)
+
+
+@shared_task(name="fleet.reconcile", soft_time_limit=30, time_limit=60)
+def fleet_reconcile() -> None:
+    """Control-plane side: make rows for missing replicas, place them, poke every node."""
+    from controlplane.fleet.models import Node
+    from controlplane.fleet.services import instances_place, tier_replicas_sync
+
+    tier_replicas_sync()
+    instances_place()
+    for node in Node.objects.all():
+        node_reconcile.apply_async(args=[node.name], queue=node.queue,
+                                   expires=settings.FLEET_RECONCILE_SECONDS * 2)
+
+
+@shared_task(name="fleet.node_reconcile", soft_time_limit=60, time_limit=90)
+def node_reconcile(node_name: str) -> int:
+    from workers.supervision import node_reconcile as reconcile
+
+    if node_name != settings.NODE_NAME:
+        log.warning("node %s received work for node %s; ignoring", settings.NODE_NAME, node_name)
+        return 0
+    return reconcile(node_name)
+
+
+@shared_task(name="metering.rollup_daily", soft_time_limit=300, time_limit=360)
+def metering_rollup_daily() -> int:
+    from controlplane.metering.services import rollup_daily
+
+    return rollup_daily()
+
+
+@shared_task(name="benchmarks.run", soft_time_limit=3600, time_limit=3700)
+def benchmark_run(run_id: int) -> None:
+    from controlplane.benchmarks.services import benchmark_execute
+
+    benchmark_execute(run_id=run_id)
+
+
+@worker_ready.connect
+def _register_node(sender=None, **_kwargs):
+    """A worker that consumes this node's queue is the node agent: register, then reconcile."""
+    from controlplane.fleet.models import Node
+
+    queues = {q.name for q in sender.task_consumer.queues} if sender is not None else set()
+    if Node.queue_for(settings.NODE_NAME) not in queues:
+        return
+    from controlplane.fleet.services import instances_place, tier_replicas_sync
+    from workers.supervision import node_reconcile as reconcile
+    from workers.supervision import this_node
+
+    this_node()
+    tier_replicas_sync()
+    instances_place()
+    reconcile(settings.NODE_NAME)
