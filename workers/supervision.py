@@ -69,6 +69,11 @@ def this_node() -> Node:
                          gpus=detect_gpus(), vllm_version=detect_vllm_version())
 
 
+def engine_marker(instance: EngineInstance) -> str:
+    """Tags the engine's environment so a reused pid is never mistaken for the engine."""
+    return f"{settings.NODE_NAME}/{instance.pk}"
+
+
 def _launch_spec(instance: EngineInstance, port: int) -> LaunchSpec:
     tier = instance.tier
     policy = tier.resolution_policy
@@ -109,7 +114,7 @@ def engine_launch(instance: EngineInstance, node: Node) -> None:
         instance_transition(instance=instance, to_state=A.FAILED, reason=f"cannot launch: {exc}")
         return
     log_path = Path(settings.ENGINE_LOG_DIR) / f"instance-{instance.pk}.log"
-    pid = process.spawn(argv, env, log_path=log_path, instance_id=instance.pk,
+    pid = process.spawn(argv, env, log_path=log_path, instance_id=engine_marker(instance),
                         cwd=str(settings.BASE_DIR))
     instance_transition(
         instance=instance, to_state=A.STARTING, reason=f"launched pid {pid} on port {port}",
@@ -119,7 +124,7 @@ def engine_launch(instance: EngineInstance, node: Node) -> None:
 
 
 def engine_stop(instance: EngineInstance, reason: str) -> None:
-    if instance.pid and process.is_alive(instance.pid, instance_id=instance.pk):
+    if instance.pid and process.is_alive(instance.pid, instance_id=engine_marker(instance)):
         process.terminate(instance.pid)
     instance_transition(instance=instance, to_state=A.STOPPED, reason=reason, pid=None,
                         healthy=False)
@@ -136,7 +141,7 @@ def _health(instance: EngineInstance) -> bool:
 def engine_check(instance: EngineInstance, now: dt.datetime) -> None:
     """One supervision step for one instance on this node."""
     desired_running = instance.desired_state == EngineInstance.Desired.RUNNING
-    alive = process.is_alive(instance.pid, instance_id=instance.pk)
+    alive = process.is_alive(instance.pid, instance_id=engine_marker(instance))
     if not desired_running:
         if alive or instance.actual_state not in (A.STOPPED, A.PENDING):
             engine_stop(instance, "stopped as requested")

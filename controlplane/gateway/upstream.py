@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
+import weakref
 from collections import defaultdict
 
 import httpx
@@ -10,19 +12,22 @@ from django.conf import settings
 
 from controlplane.gateway.state import InstanceSpec
 
-_client: httpx.AsyncClient | None = None
+# One pooled client per event loop (a server has one loop; tests may run several).
+_clients: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # Requests this process has in flight per instance: the least-outstanding-work signal.
 outstanding: defaultdict[int, int] = defaultdict(int)
 
 
 def client() -> httpx.AsyncClient:
-    global _client
-    if _client is None or _client.is_closed:
-        _client = httpx.AsyncClient(
+    loop = asyncio.get_running_loop()
+    pooled = _clients.get(loop)
+    if pooled is None or pooled.is_closed:
+        pooled = httpx.AsyncClient(
             timeout=httpx.Timeout(settings.GATEWAY_UPSTREAM_TIMEOUT, connect=3.0),
             limits=httpx.Limits(max_connections=512, max_keepalive_connections=128),
         )
-    return _client
+        _clients[loop] = pooled
+    return pooled
 
 
 def choose(candidates: list[InstanceSpec], *, exclude: set[int] = frozenset()) -> InstanceSpec | None:

@@ -17,7 +17,14 @@ from django.views.decorators.csrf import csrf_exempt
 
 from controlplane.gateway import state, upstream
 from controlplane.gateway.errors import GatewayError, error_response
-from controlplane.gateway.prepare import Prepared, RequestInvalid, TierSpec, prepare, validate_body
+from controlplane.gateway.prepare import (
+    Prepared,
+    RequestInvalid,
+    TierSpec,
+    image_parts,
+    prepare,
+    validate_body,
+)
 from controlplane.metering.services import UsageRecord, usage_record
 
 log = logging.getLogger(__name__)
@@ -82,6 +89,15 @@ def _pick_tier(model: str, key: state.KeyInfo, tiers: dict[str, TierSpec], has_i
 @csrf_exempt
 async def chat_completions(request):
     request_id = f"req_{uuid.uuid4().hex}"
+    try:
+        return await _chat_completions(request, request_id)
+    except Exception:
+        log.exception("gateway failure on %s", request_id)
+        return error_response(500, "the gateway failed on this request; it has been logged",
+                              code="internal_error", request_id=request_id)
+
+
+async def _chat_completions(request, request_id: str):
     if request.method != "POST":
         return error_response(405, f"{request.method} is not allowed on /v1/chat/completions",
                               request_id=request_id)
@@ -100,8 +116,6 @@ async def chat_completions(request):
             validate_body(body)
         except RequestInvalid as exc:
             raise GatewayError(400, str(exc), code=exc.code, param=exc.param) from None
-        from controlplane.gateway.prepare import image_parts
-
         tier = _pick_tier(body["model"], key, await state.tiers(), bool(image_parts(body["messages"])))
         try:
             prepared = await prepare(body, tier, max_image_bytes=settings.GATEWAY_MAX_BODY_BYTES)
@@ -246,10 +260,12 @@ def _stream(request_id, record, prepared, body, response, instance, started):
                 record.status = "aborted"
             if not record.output_tokens:
                 record.output_tokens = produced  # what was actually generated before the end
-            # The client may be gone and this task cancelled: record in a task of its own.
+            # The client may be gone and this generator cancelled: the record runs in a task
+            # of its own that cancellation cannot interrupt.
             task = asyncio.ensure_future(_record(record, started))
             _background.add(task)
             task.add_done_callback(_background.discard)
+            await asyncio.shield(task)
 
     streaming = StreamingHttpResponse(events(), content_type="text/event-stream")
     streaming["Cache-Control"] = "no-cache"

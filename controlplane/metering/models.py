@@ -56,6 +56,9 @@ class UsageImage(models.Model):
     class Meta:
         ordering = ["event", "position"]
 
+    def __str__(self):
+        return f"{self.event_id}#{self.position} {self.width}x{self.height}"
+
 
 class DailyUsage(models.Model):
     day = models.DateField()
@@ -75,6 +78,9 @@ class DailyUsage(models.Model):
             models.UniqueConstraint(fields=["day", "tenant", "tier"], name="one_row_per_day_tenant_tier")
         ]
 
+    def __str__(self):
+        return f"{self.day} {self.tenant_id}/{self.tier_id}"
+
 
 class RollupState(models.Model):
     """How far the rollup has read, so each run only revisits days touched since."""
@@ -82,3 +88,6 @@ class RollupState(models.Model):
     name = models.CharField(max_length=32, unique=True)
     watermark = models.DateTimeField(null=True, blank=True)
     ran_at = models.DateTimeField(null=True, blank=True)
+
+    def __str__(self):
+        return f"{self.name} up to {self.watermark}"

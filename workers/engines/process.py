@@ -13,7 +13,7 @@ from pathlib import Path
 MARKER_ENV = "VLM_ENGINE_INSTANCE"
 
 
-def spawn(argv: list[str], env: dict[str, str], *, log_path: Path, instance_id: int, cwd: str) -> int:
+def spawn(argv: list[str], env: dict[str, str], *, log_path: Path, instance_id: str, cwd: str) -> int:
     log_path.parent.mkdir(parents=True, exist_ok=True)
     full_env = {**os.environ, **env, MARKER_ENV: str(instance_id)}
     with open(log_path, "ab", buffering=0) as log:
@@ -32,7 +32,7 @@ def _reap(pid: int) -> None:
         pass
 
 
-def is_alive(pid: int | None, *, instance_id: int | None = None) -> bool:
+def is_alive(pid: int | None, *, instance_id: str | None = None) -> bool:
     """True when `pid` runs and (if instance_id is given) is that instance's engine."""
     if not pid:
         return False

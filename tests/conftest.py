@@ -1,0 +1,57 @@
+"""The fixed test world: tenants alice and bob with keys, charlie who must never see
+alice's data, staff with each role, and the tiers of the demo."""
+
+from dataclasses import dataclass
+
+import pytest
+
+from controlplane.tenants.services import api_key_create
+from tests.factories import (
+    TenantFactory,
+    TextTierFactory,
+    VisionTierFactory,
+    make_finance,
+    make_operator,
+    make_tenant_admin,
+)
+
+
+@dataclass
+class World:
+    alice: object
+    bob: object
+    charlie: object
+    alice_key: str
+    bob_key: str
+    charlie_key: str
+    vision: object
+    text: object
+    operator: object
+    finance: object
+    alice_admin: object
+    charlie_admin: object
+
+
+@pytest.fixture
+def world(db):
+    vision, text = VisionTierFactory(), TextTierFactory()
+    alice, bob, charlie = (TenantFactory(name=n) for n in ("alice", "bob", "charlie"))
+    return World(
+        alice=alice, bob=bob, charlie=charlie,
+        alice_key=api_key_create(tenant=alice, name="alice-main").secret,
+        bob_key=api_key_create(tenant=bob).secret,
+        charlie_key=api_key_create(tenant=charlie).secret,
+        vision=vision, text=text,
+        operator=make_operator(), finance=make_finance(),
+        alice_admin=make_tenant_admin(alice, "alice-admin"),
+        charlie_admin=make_tenant_admin(charlie, "charlie-admin"),
+    )
+
+
+@pytest.fixture(autouse=True)
+def _fresh_gateway_caches():
+    from controlplane.gateway import state
+
+    state.clear_caches()
+    yield
+    state.clear_caches()
