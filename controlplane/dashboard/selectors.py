@@ -13,6 +13,7 @@ def image_tokens_per_day(*, tenants, since: dt.date) -> dict[str, list[tuple[dt.
         DailyUsage.objects.filter(tenant__in=tenants, day__gte=since)
         .values("day", "tier__name")
         .annotate(tokens=Sum("image_tokens"))
+        .filter(tokens__gt=0)  # text-only tiers would only draw empty bars
         .order_by("day", "tier__name")
     )
     series: dict[str, list[tuple[dt.date, int]]] = {}

@@ -40,15 +40,16 @@ def index(request):
 @login_required
 def keys(request):
     _require(roles.is_operator, request.user)
-    issued = None
     form = ApiKeyForm(request.POST or None)
     if request.method == "POST" and form.is_valid():
         result = api_key_create(tenant=form.cleaned_data["tenant"], name=form.cleaned_data["name"],
                                 created_by=request.user, expires_at=form.cleaned_data["expires_at"])
-        issued = result.secret  # rendered once, never stored
-        form = ApiKeyForm()
+        # Post/redirect/get: a reload must not mint a second key. The secret rides in the
+        # server-side session only until the next page view, which removes it.
+        request.session["issued_key"] = result.secret
+        return redirect("dashboard:keys")
     return render(request, "dashboard/keys.html", {
-        "form": form, "issued": issued,
+        "form": form, "issued": request.session.pop("issued_key", None),
         "keys": ApiKey.objects.select_related("tenant").order_by("tenant__name", "-created_at"),
     })
 

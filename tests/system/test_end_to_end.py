@@ -1,0 +1,162 @@
+"""The product as a tenant meets it: the official openai client against a started system."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import httpx
+import openai
+import pytest
+from django.utils import timezone
+
+from controlplane.fleet.models import EngineEvent, EngineInstance
+from controlplane.imaging.tokens import count_image_tokens
+from controlplane.metering.models import DailyUsage, UsageEvent
+from controlplane.tenants.models import ApiKey
+from tests.images import data_url, image_bytes
+from tests.system.harness import wait_for
+
+
+@pytest.fixture
+def client(system):
+    return openai.OpenAI(base_url=f"{system.base_url}/v1", api_key=system.api_key, max_retries=0)
+
+
+def _image_message(url, text="What is in this picture?"):
+    return [{"role": "user", "content": [{"type": "text", "text": text},
+                                         {"type": "image_url", "image_url": {"url": url}}]}]
+
+
+def test_it_meters_an_image_request_from_the_openai_client(client, system_db):
+    photo = data_url(image_bytes(1920, 1080))
+    raw = client.chat.completions.with_raw_response.create(
+        model="vlm-lite", messages=_image_message(photo), max_tokens=24)
+    completion = raw.parse()
+    request_id = raw.headers["x-request-id"]
+
+    # The policy (1,003,520 px) brings 1920x1080 to 1335x751; Qwen2.5-VL then uses 1316x728:
+    # 47 x 26 merged patches = 1222 features, plus vision start and end.
+    expected = count_image_tokens("qwen2_5_vl", 1335, 751, max_pixels=1003520, min_pixels=3136)
+    assert expected == 1224
+    assert completion.usage.prompt_tokens_details.image_tokens == expected
+    assert completion.choices[0].message.content
+
+    event = UsageEvent.objects.using(system_db).get(request_id=request_id)
+    assert event.tier.name == "vlm-lite"
+    assert (event.image_count, event.image_tokens) == (1, expected)
+    assert event.text_tokens == completion.usage.prompt_tokens - expected
+    assert event.output_tokens == completion.usage.completion_tokens
+    assert event.cost > 0
+    image = event.images.get()
+    assert (image.source_width, image.source_height, image.width, image.height) == (1920, 1080, 1335, 751)
+
+
+def test_it_meters_a_streamed_request_with_the_tokens_produced(client, system_db):
+    stream = client.chat.completions.with_raw_response.create(
+        model="vlm-flagship", messages=_image_message(data_url(image_bytes(800, 600))),
+        stream=True, stream_options={"include_usage": True}, max_tokens=12)
+    request_id = stream.headers["x-request-id"]
+    chunks = list(stream.parse())
+    usage = chunks[-1].usage
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text and usage.completion_tokens <= 12
+    event = wait_for(lambda: UsageEvent.objects.using(system_db).filter(request_id=request_id).first(),
+                     timeout=10, what="the streamed request's usage event")
+    assert event.stream and event.status == "ok"
+    assert event.output_tokens == usage.completion_tokens
+    assert event.image_tokens == usage.prompt_tokens_details.image_tokens > 0
+
+
+def test_auto_sends_text_to_the_text_tier_and_images_to_a_vision_tier(client, system_db):
+    text = client.chat.completions.with_raw_response.create(
+        model="auto", messages=[{"role": "user", "content": "Say hi"}], max_tokens=4)
+    image = client.chat.completions.with_raw_response.create(
+        model="auto", messages=_image_message(data_url(image_bytes(64, 64))), max_tokens=4)
+    events = UsageEvent.objects.using(system_db).select_related("tier")
+    assert events.get(request_id=text.headers["x-request-id"]).tier.kind == "text"
+    assert events.get(request_id=image.headers["x-request-id"]).tier.kind == "vision"
+
+
+def test_beat_rolls_usage_into_daily_totals(client, system_db):
+    for _ in range(2):
+        client.chat.completions.create(model="vlm-lite", max_tokens=4,
+                                       messages=_image_message(data_url(image_bytes(640, 480))))
+    today = timezone.now().date()
+
+    def rolled_up():
+        events = UsageEvent.objects.using(system_db).filter(
+            created_at__date=today, tier__name="vlm-lite", tenant__name="demo")
+        want = sum(e.image_tokens for e in events)
+        row = DailyUsage.objects.using(system_db).filter(
+            day=today, tier__name="vlm-lite", tenant__name="demo").first()
+        return row is not None and row.image_tokens == want and row.requests == events.count()
+
+    wait_for(rolled_up, timeout=30, interval=0.5, what="the daily rollup to match the events")
+
+
+def test_a_revoked_key_stops_working_within_seconds(system, system_db):
+    secret = system.manage("create_api_key", "--tenant", "demo").stdout.strip()
+    tenant_client = openai.OpenAI(base_url=f"{system.base_url}/v1", api_key=secret, max_retries=0)
+    assert "vlm-lite" in [m.id for m in tenant_client.models.list().data]
+
+    ApiKey.objects.using(system_db).filter(prefix=secret.split("-")[1]).update(revoked_at=timezone.now())
+
+    def refused():
+        try:
+            tenant_client.models.list()
+        except openai.AuthenticationError:
+            return True
+        return False
+
+    wait_for(refused, timeout=10, what="the revoked key to be refused")
+
+
+def test_bad_requests_get_openai_style_errors(client, system):
+    with pytest.raises(openai.NotFoundError) as unknown:
+        client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "x"}])
+    assert unknown.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{system.base_url}/v1", api_key="vlm-wrong", max_retries=0).models.list()
+    malformed = httpx.post(f"{system.base_url}/v1/chat/completions", content=b"{not json",
+                           headers={"Authorization": f"Bearer {system.api_key}"})
+    assert malformed.status_code == 400
+    assert malformed.json()["error"]["code"] == "invalid_json"
+    with pytest.raises(openai.BadRequestError) as hostile:
+        client.chat.completions.create(model="vlm-lite", messages=_image_message(
+            "data:image/png;base64," + "QUJD" * 10))
+    assert "image 1" in hostile.value.body["message"]
+
+
+def test_the_metering_api_shows_a_tenant_its_own_requests_only(client, system, system_db):
+    raw = client.chat.completions.with_raw_response.create(
+        model="text", messages=[{"role": "user", "content": "count me"}], max_tokens=3)
+    request_id = raw.headers["x-request-id"]
+    mine = httpx.get(f"{system.base_url}/api/v1/usage/requests/", params={"request_id": request_id},
+                     headers={"Authorization": f"Bearer {system.api_key}"}).json()
+    assert [r["request_id"] for r in mine["results"]] == [request_id]
+
+    system.manage("shell", "-c", "from controlplane.tenants.models import Tenant; "
+                  "Tenant.objects.get_or_create(name='other')")
+    other_key = system.manage("create_api_key", "--tenant", "other").stdout.strip()
+    theirs = httpx.get(f"{system.base_url}/api/v1/usage/requests/", params={"request_id": request_id},
+                       headers={"Authorization": f"Bearer {other_key}"}).json()
+    assert theirs["results"] == []
+
+
+def test_the_node_agent_restarts_an_engine_killed_with_sigkill(system, system_db):
+    instances = EngineInstance.objects.using(system_db)
+    victim = instances.get(tier__name="text")
+    old_pid = victim.pid
+    os.kill(old_pid, signal.SIGKILL)
+
+    crashed = wait_for(lambda: EngineEvent.objects.using(system_db).filter(
+        instance_id=victim.pk, to_state="crashed").first(), timeout=15, what="the crash to be noticed")
+    assert "restart 1 in 10s" in crashed.reason
+
+    def back():
+        current = instances.get(pk=victim.pk)
+        return current.pid not in (None, old_pid) and current.actual_state == "running" and current.healthy
+
+    wait_for(back, timeout=40, interval=0.5, what="the engine to be restarted and healthy")
+    assert instances.get(pk=victim.pk).restart_count == 1
