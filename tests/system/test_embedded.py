@@ -1,0 +1,60 @@
+"""Embedded mode: what `make run` gives on a machine with no database or Redis server."""
+
+from __future__ import annotations
+
+import sqlite3
+
+import openai
+import pytest
+
+from tests.images import data_url, image_bytes
+from tests.system.harness import System, free_port, system_env, wait_for
+
+
+@pytest.fixture(scope="module")
+def embedded(tmp_path_factory):
+    var_dir = tmp_path_factory.mktemp("embedded")
+    env = system_env(var_dir=var_dir, extra={"NODE_NAME": "embedded-node", "DEBUG": "true"})
+    env.pop("SECRET_KEY")  # DEBUG on: a key is generated once under var/
+    running = System(env=env, var_dir=var_dir, port=free_port())
+    running.start()
+    running.wait_for_engines(tiers=("text", "vlm-lite"))
+    yield running
+    running.stop()
+
+
+def _db(system: System) -> sqlite3.Connection:
+    return sqlite3.connect(system.var_dir / "controlplane.sqlite3", timeout=20)
+
+
+def test_it_serves_and_meters_an_image_request_without_any_server(embedded):
+    client = openai.OpenAI(base_url=f"{embedded.base_url}/v1", api_key=embedded.api_key, max_retries=0)
+    raw = client.chat.completions.with_raw_response.create(
+        model="vlm-lite", max_tokens=8, messages=[{"role": "user", "content": [
+            {"type": "text", "text": "Describe"},
+            {"type": "image_url", "image_url": {"url": data_url(image_bytes(1280, 720))}}]}])
+    completion = raw.parse()
+    with _db(embedded) as db:
+        row = db.execute(
+            "SELECT image_count, image_tokens, output_tokens FROM metering_usageevent WHERE request_id=?",
+            (raw.headers["x-request-id"],)).fetchone()
+    assert row == (1, completion.usage.prompt_tokens_details.image_tokens, completion.usage.completion_tokens)
+    assert (embedded.var_dir / "secret_key").exists()
+
+    def rolled_up():
+        with _db(embedded) as db:
+            total = db.execute("SELECT SUM(image_tokens) FROM metering_dailyusage").fetchone()[0]
+        return total and total >= completion.usage.prompt_tokens_details.image_tokens
+
+    wait_for(rolled_up, timeout=30, interval=0.5, what="beat to roll usage up over the file broker")
+
+
+def test_a_second_run_starts_cleanly_with_the_same_demo_key(embedded):
+    key = embedded.api_key
+    embedded.stop()
+    with _db(embedded) as db:
+        pids = db.execute("SELECT pid FROM fleet_engineinstance WHERE pid IS NOT NULL").fetchall()
+    assert pids == []  # Ctrl-C stopped the engines too
+    embedded.start()  # migrate, seed and run again, as a second `make run` does
+    assert embedded.api_key == key
+    embedded.wait_for_engines(tiers=("text",))
