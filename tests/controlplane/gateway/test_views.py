@@ -1,0 +1,221 @@
+"""The gateway in-process (Django test client) in front of real simulator engines."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from asgiref.sync import async_to_sync
+from django.test import AsyncClient
+from django.utils import timezone
+
+from controlplane.fleet.models import EngineInstance, Node
+from controlplane.metering.models import UsageEvent
+from controlplane.tenants.services import api_key_revoke
+from tests.engines import simulator
+from tests.images import data_url, image_bytes
+
+
+@pytest.fixture(scope="module")
+def engines():
+    with simulator(name="vlm-lite") as vision_port, simulator(family="qwen2", name="text",
+                                                              images=None) as text_port:
+        yield {"vlm-lite": vision_port, "text": text_port}
+
+
+@pytest.fixture
+def routed(world, engines):
+    node = Node.objects.create(name="local", address="127.0.0.1", queue="node.local",
+                               last_seen_at=timezone.now())
+    for tier in (world.vision, world.text):
+        EngineInstance.objects.create(
+            tier=tier, node=node, port=engines[tier.name], actual_state="running", healthy=True,
+            last_health_at=timezone.now(),
+        )
+    return world
+
+
+def post(client, key, body, **headers):
+    return client.post("/v1/chat/completions", data=json.dumps(body) if not isinstance(body, bytes) else body,
+                       content_type="application/json", HTTP_AUTHORIZATION=f"Bearer {key}", **headers)
+
+
+def image_message(url, detail=None):
+    image = {"url": url} if detail is None else {"url": url, "detail": detail}
+    return [{"role": "user", "content": [{"type": "text", "text": "what is this"},
+                                         {"type": "image_url", "image_url": image}]}]
+
+
+@async_to_sync
+async def post_and_read_stream(key, body):
+    """Request and read a stream in one event loop, as the ASGI server does."""
+    response = await AsyncClient().post("/v1/chat/completions", data=json.dumps(body),
+                                        content_type="application/json",
+                                        headers={"Authorization": f"Bearer {key}"})
+    return response, b"".join([chunk async for chunk in response.streaming_content])
+
+
+def error_of(response):
+    body = response.json()
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    return body["error"]
+
+
+@pytest.mark.django_db
+class TestAuthentication:
+    def test_it_refuses_a_missing_key(self, client, world):
+        response = client.get("/v1/models")
+        assert response.status_code == 401
+        assert error_of(response)["code"] == "invalid_api_key"
+
+    def test_it_refuses_a_wrong_key(self, client, world):
+        response = client.get("/v1/models", HTTP_AUTHORIZATION="Bearer vlm-0000-nope")
+        assert response.status_code == 401
+
+    def test_it_refuses_a_revoked_key(self, client, world):
+        from controlplane.tenants.models import ApiKey
+
+        api_key_revoke(api_key=ApiKey.objects.get(name="alice-main"))
+        response = client.get("/v1/models", HTTP_AUTHORIZATION=f"Bearer {world.alice_key}")
+        assert response.status_code == 401
+
+
+@pytest.mark.django_db
+def test_models_lists_auto_and_the_tiers_a_key_may_use(client, world):
+    world.bob.allowed_tiers.set([world.text])
+    alice = client.get("/v1/models", HTTP_AUTHORIZATION=f"Bearer {world.alice_key}").json()
+    bob = client.get("/v1/models", HTTP_AUTHORIZATION=f"Bearer {world.bob_key}").json()
+    assert [m["id"] for m in alice["data"]] == ["auto", "text", "vlm-lite"]
+    assert [m["id"] for m in bob["data"]] == ["auto", "text"]
+
+
+@pytest.mark.django_db
+def test_it_forwards_an_image_request_and_records_its_usage(client, routed):
+    response = post(client, routed.alice_key, {"model": "vlm-lite", "max_tokens": 16,
+                                               "messages": image_message(data_url(image_bytes(1920, 1080)))})
+    assert response.status_code == 200
+    body = response.json()
+    assert body["usage"]["prompt_tokens_details"]["image_tokens"] == 1224
+    event = UsageEvent.objects.get(request_id=response["x-request-id"])
+    assert event.tenant == routed.alice
+    assert (event.image_count, event.image_tokens, event.output_tokens) == (
+        1, 1224, body["usage"]["completion_tokens"])
+    assert event.text_tokens == body["usage"]["prompt_tokens"] - 1224
+
+
+@pytest.mark.django_db
+def test_low_detail_costs_fewer_image_tokens(client, routed):
+    url = data_url(image_bytes(1920, 1080))
+    high = post(client, routed.alice_key, {"model": "vlm-lite", "messages": image_message(url, "high")})
+    low = post(client, routed.alice_key, {"model": "vlm-lite", "messages": image_message(url, "low")})
+    high_tokens = high.json()["usage"]["prompt_tokens_details"]["image_tokens"]
+    low_tokens = low.json()["usage"]["prompt_tokens_details"]["image_tokens"]
+    assert low_tokens < high_tokens / 3
+
+
+@pytest.mark.django_db
+def test_a_stream_ends_with_done_and_is_metered(client, routed):
+    response, raw = post_and_read_stream(routed.alice_key, {
+        "model": "text", "stream": True, "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]})
+    assert response.status_code == 200
+    body = raw.decode()
+    events = [line[6:] for line in body.split("\n\n") if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert not any(c.get("usage") for c in chunks)  # the client did not ask for usage
+    produced = sum(1 for c in chunks for ch in c["choices"] if ch["delta"].get("content"))
+    event = UsageEvent.objects.get(request_id=response["x-request-id"])
+    assert event.stream and event.output_tokens == produced == 5
+
+
+@pytest.mark.django_db
+def test_auto_routes_text_to_the_text_tier(client, routed):
+    response = post(client, routed.alice_key, {"model": "auto", "messages": [{"role": "user", "content": "hi"}]})
+    assert response.json()["model"] == "text"
+
+
+@pytest.mark.django_db
+def test_no_healthy_engine_is_a_503_with_retry_after(client, world):
+    response = post(client, world.alice_key, {"model": "text", "messages": [{"role": "user", "content": "x"}]})
+    assert response.status_code == 503
+    assert response["Retry-After"]
+    assert error_of(response)["code"] == "engine_unavailable"
+
+
+@pytest.mark.django_db
+def test_a_dead_engine_is_skipped_for_a_live_one(client, routed):
+    node = Node.objects.get(name="local")
+    # A second instance whose port has nothing listening: the gateway must retry elsewhere.
+    from tests.system.harness import free_port
+
+    EngineInstance.objects.create(tier=routed.text, node=node, port=free_port(),
+                                  actual_state="running", healthy=True, last_health_at=timezone.now())
+    for _ in range(4):
+        response = post(client, routed.alice_key, {"model": "text", "messages": [{"role": "user", "content": "x"}]})
+        assert response.status_code == 200
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("body, status, code", [
+    (b"{nope", 400, "invalid_json"),
+    (b"[1, 2]", 400, "invalid_request"),
+    ({"messages": [{"role": "user", "content": "x"}]}, 400, "missing_model"),
+    ({"model": "text", "messages": []}, 400, "invalid_request"),
+    ({"model": "text", "messages": [{"content": "x"}]}, 400, "invalid_request"),
+    ({"model": "text", "n": 3, "messages": [{"role": "user", "content": "x"}]}, 400, "invalid_request"),
+    ({"model": "text", "max_tokens": 10**6, "messages": [{"role": "user", "content": "x"}]}, 400, "invalid_request"),
+    ({"model": "text", "max_tokens": "ten", "messages": [{"role": "user", "content": "x"}]}, 400, "invalid_request"),
+    ({"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}, 404, "model_not_found"),
+])
+def test_bad_requests_get_a_clear_4xx(client, world, body, status, code):
+    response = post(client, world.alice_key, body)
+    assert response.status_code == status
+    assert error_of(response)["code"] == code
+
+
+@pytest.mark.django_db
+def test_a_tier_outside_the_keys_tenant_allowance_is_a_403(client, world):
+    world.bob.allowed_tiers.set([world.text])
+    response = post(client, world.bob_key, {"model": "vlm-lite", "messages": [{"role": "user", "content": "x"}]})
+    assert response.status_code == 403
+    assert error_of(response)["code"] == "model_not_allowed"
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("url, code", [
+    ("https://example.com/cat.png", "image_url_not_supported"),
+    ("data:image/png;base64,!!!!", "invalid_image_url"),
+    ("data:image/png;base64," + "QUJD" * 8, "unsupported_image_format"),
+    (data_url(b"<svg xmlns='http://www.w3.org/2000/svg'/>", "image/svg+xml"), "unsupported_image_format"),
+    (data_url(image_bytes(64, 64)[:40]), "corrupt_image"),
+])
+def test_unacceptable_images_are_refused_with_the_reason(client, world, url, code):
+    response = post(client, world.alice_key, {"model": "vlm-lite", "messages": image_message(url)})
+    assert response.status_code == 400
+    assert error_of(response)["code"] == code
+    assert "image 1" in error_of(response)["message"]
+
+
+@pytest.mark.django_db
+def test_too_many_images_and_images_to_a_text_tier_are_refused(client, world):
+    parts = [{"type": "image_url", "image_url": {"url": data_url(image_bytes(32, 32))}}] * 5
+    many = post(client, world.alice_key, {"model": "vlm-lite", "messages": [{"role": "user", "content": parts}]})
+    assert many.status_code == 400 and error_of(many)["code"] == "too_many_images"
+    text = post(client, world.alice_key, {"model": "text", "messages": image_message(data_url(image_bytes(32, 32)))})
+    assert text.status_code == 400 and error_of(text)["code"] == "images_not_supported"
+
+
+@pytest.mark.django_db
+def test_an_oversized_body_is_a_413(client, world, settings):
+    settings.DATA_UPLOAD_MAX_MEMORY_SIZE = 10_000
+    settings.GATEWAY_MAX_BODY_BYTES = 10_000
+    response = post(client, world.alice_key, {"model": "text", "messages": [{"role": "user", "content": "x" * 20_000}]})
+    assert response.status_code == 413
+    assert error_of(response)["code"] == "request_too_large"
+
+
+@pytest.mark.django_db
+def test_unknown_endpoints_and_methods_get_openai_errors(client, world):
+    assert error_of(client.get("/v1/embeddings"))["code"] == "unknown_url"
+    response = client.get("/v1/chat/completions", HTTP_AUTHORIZATION=f"Bearer {world.alice_key}")
+    assert response.status_code == 405
