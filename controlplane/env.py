@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import parse_qs, unquote, urlsplit
@@ -125,15 +126,26 @@ def validate_redis_url(url: str) -> str:
 
 
 def local_secret_key(path: Path) -> str:
-    """A secret generated once and kept under var/ so that sessions survive restarts."""
+    """A secret generated once and kept under var/ so that sessions survive restarts.
+
+    Web, worker and beat may start together: each writes a private temporary file and
+    links it into place, so the first writer wins and everyone reads the same key.
+    """
     if path.exists():
         key = path.read_text().strip()
         if len(key) >= 50:
             return key
+        path.unlink(missing_ok=True)  # a truncated key is useless; make a new one
     path.parent.mkdir(parents=True, exist_ok=True)
-    key = secrets.token_urlsafe(64)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(key)
-    os.chmod(tmp, 0o600)
-    os.replace(tmp, path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".secret_key.")
+    try:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(secrets.token_urlsafe(64))
+        os.chmod(tmp, 0o600)
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            pass  # another process won the race; use its key
+    finally:
+        os.unlink(tmp)
     return path.read_text().strip()

@@ -23,6 +23,7 @@ class PricePlanFactory(factory.django.DjangoModelFactory):
     class Meta:
         model = PricePlan
         django_get_or_create = ["name"]
+        skip_postgeneration_save = True
 
     name = factory.Sequence(lambda n: f"plan-{n}")
 
@@ -73,9 +74,15 @@ class UserFactory(factory.django.DjangoModelFactory):
     class Meta:
         model = get_user_model()
         django_get_or_create = ["username"]
+        skip_postgeneration_save = True
 
     username = factory.Sequence(lambda n: f"user-{n}")
-    password = factory.PostGenerationMethodCall("set_password", "password")
+
+    @factory.post_generation
+    def password(user, create, extracted, **kwargs):
+        user.set_password(extracted or "password")
+        if create:
+            user.save(update_fields=["password"])
 
 
 def make_operator(username="olivia"):

@@ -81,7 +81,7 @@ def decode_data_url(url: str, *, max_bytes: int) -> bytes:
     if not match.group("b64"):
         raise InvalidDataURL("image data URLs must be base64 encoded (;base64,)")
     payload = url[match.end():]
-    if len(payload) * 3 // 4 > max_bytes:
+    if (len(payload) * 3 // 4) - (len(payload) - len(payload.rstrip("="))) > max_bytes:
         raise ImageTooLarge(f"image is larger than {max_bytes} bytes")
     try:
         data = base64.b64decode(payload, validate=True)

@@ -1,0 +1,310 @@
+"""The resolution policy: what a tenant's image becomes before it reaches the engine."""
+
+import base64
+import io
+import struct
+import zlib
+
+import pytest
+from PIL import Image
+
+from controlplane.imaging.errors import (
+    CorruptImage,
+    ImageTooLarge,
+    InvalidDataURL,
+    PolicyViolation,
+    UnsupportedFormat,
+)
+from controlplane.imaging.policy import Policy, decode_data_url, normalise
+from tests.images import data_url, image_bytes
+
+STANDARD = Policy()  # max_pixels 1003520, low detail 200704
+LOSSLESS = Policy(output_format="png")  # exact pixels in the output, for pixel checks
+
+
+def encode(image, fmt, **save):
+    buffer = io.BytesIO()
+    image.save(buffer, fmt, **save)
+    return buffer.getvalue()
+
+
+def decoded(result):
+    image = Image.open(io.BytesIO(result.data))
+    image.load()
+    return image
+
+
+def png_header_only(width, height):
+    """A PNG that declares `width`x`height` but carries almost no pixel data: reading its
+    header is cheap, decoding it fails. Refusing it as too large proves nothing was decoded."""
+
+    def chunk(kind, payload):
+        return (struct.pack(">I", len(payload)) + kind + payload
+                + struct.pack(">I", zlib.crc32(kind + payload)))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr)
+            + chunk(b"IDAT", zlib.compress(b"\x00" * 16)) + chunk(b"IEND", b""))
+
+
+def noisy_rgb(width, height, seed=0):
+    import random
+
+    rng = random.Random(seed)
+    return Image.frombytes("RGB", (width, height), rng.randbytes(width * height * 3))
+
+
+# --- downscaling -------------------------------------------------------------------------
+
+
+def test_large_jpeg_is_brought_within_max_pixels_keeping_aspect_ratio():
+    result = normalise(image_bytes(4000, 3000), STANDARD)
+    assert result.width * result.height <= STANDARD.max_pixels
+    # the largest 4:3 size inside the cap: sqrt(1003520 / 12e6) * (4000, 3000), floored
+    assert (result.width, result.height) == (1156, 867)
+    assert result.width / result.height == pytest.approx(4 / 3, rel=2e-3)
+    assert (result.source_format, result.source_width, result.source_height) == ("JPEG", 4000, 3000)
+    assert result.mime == "image/jpeg"
+    out = decoded(result)
+    assert out.format == "JPEG" and out.size == (1156, 867) and out.mode == "RGB"
+
+
+def test_small_image_is_not_upscaled():
+    result = normalise(image_bytes(320, 200, fmt="PNG"), STANDARD)
+    assert (result.width, result.height) == (320, 200)
+    assert decoded(result).format == "JPEG"
+
+
+def test_long_edge_cap_applies_even_under_the_pixel_cap():
+    policy = Policy(max_long_edge=1000)
+    result = normalise(image_bytes(3000, 300), policy)
+    assert (result.width, result.height) == (1000, 100)
+
+
+def test_data_url_of_the_result_round_trips():
+    result = normalise(image_bytes(64, 48), STANDARD)
+    url = result.data_url()
+    assert url.startswith("data:image/jpeg;base64,")
+    assert base64.b64decode(url.split(",", 1)[1]) == result.data
+
+
+def test_png_and_webp_output_formats():
+    png = normalise(image_bytes(64, 48), Policy(output_format="png"))
+    webp = normalise(image_bytes(64, 48), Policy(output_format="webp"))
+    assert (png.mime, decoded(png).format) == ("image/png", "PNG")
+    assert (webp.mime, decoded(webp).format) == ("image/webp", "WEBP")
+
+
+# --- orientation and colour --------------------------------------------------------------
+
+
+def test_exif_orientation_6_is_applied_and_swaps_width_and_height():
+    stored = Image.new("RGB", (400, 200), (0, 0, 255))
+    stored.paste((255, 0, 0), (0, 0, 200, 200))  # left half red, right half blue
+    exif = Image.Exif()
+    exif[0x0112] = 6  # "rotate 90 CW to display"
+    result = normalise(encode(stored, "JPEG", exif=exif, quality=95), LOSSLESS)
+    assert (result.width, result.height) == (200, 400)
+    assert (result.source_width, result.source_height) == (200, 400)
+    out = decoded(result)
+    # turned clockwise, the stored left half ends up on top
+    top, bottom = out.getpixel((100, 50)), out.getpixel((100, 350))
+    assert top[0] > 200 and top[2] < 60
+    assert bottom[2] > 200 and bottom[0] < 60
+
+
+def test_exif_rotated_large_jpeg_is_capped_in_display_orientation():
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    result = normalise(image_bytes(4000, 3000, exif=exif), STANDARD)
+    assert (result.width, result.height) == (867, 1156)
+
+
+def test_transparent_png_is_composited_onto_white():
+    image = Image.new("RGBA", (40, 20), (255, 0, 0, 0))  # fully transparent red
+    image.putpixel((1, 1), (0, 0, 255, 255))  # one opaque blue pixel
+    image.putpixel((2, 1), (0, 0, 0, 128))  # half transparent black
+    out = decoded(normalise(encode(image, "PNG"), LOSSLESS))
+    assert out.mode == "RGB"
+    assert out.getpixel((10, 10)) == (255, 255, 255)
+    assert out.getpixel((1, 1)) == (0, 0, 255)
+    assert all(126 <= c <= 128 for c in out.getpixel((2, 1)))
+
+
+def test_cmyk_jpeg_decodes_to_rgb():
+    result = normalise(encode(Image.new("CMYK", (64, 32), (0, 255, 255, 0)), "JPEG"), LOSSLESS)
+    out = decoded(result)
+    assert result.source_format == "JPEG" and out.mode == "RGB"
+    red, green, blue = out.getpixel((10, 10))
+    assert red > 240 and green < 15 and blue < 15
+
+
+def test_16_bit_grey_png_decodes_to_rgb():
+    image = Image.new("I;16", (64, 32), 32768)  # mid grey on a 16-bit scale
+    image.putpixel((0, 0), 65535)
+    result = normalise(encode(image, "PNG"), LOSSLESS)
+    out = decoded(result)
+    assert out.mode == "RGB"
+    assert out.getpixel((10, 10)) == (128, 128, 128)
+    assert out.getpixel((0, 0)) == (255, 255, 255)
+
+
+def test_palette_gif_decodes_to_rgb():
+    image = Image.new("P", (64, 32), 1)
+    image.putpalette([255, 255, 0] + [0, 128, 0] + [0, 0, 0] * 254)
+    result = normalise(encode(image, "GIF"), LOSSLESS)
+    out = decoded(result)
+    assert result.source_format == "GIF" and out.mode == "RGB"
+    assert out.getpixel((5, 5)) == (0, 128, 0)
+
+
+# --- refusals ----------------------------------------------------------------------------
+
+
+def test_truncated_jpeg_is_corrupt():
+    data = encode(noisy_rgb(800, 600), "JPEG")
+    with pytest.raises(CorruptImage) as caught:
+        normalise(data[: len(data) // 2], STANDARD)
+    assert caught.value.code == "corrupt_image"
+
+
+def test_jpeg_cut_inside_its_header_is_corrupt():
+    with pytest.raises(CorruptImage):
+        normalise(encode(noisy_rgb(80, 60), "JPEG")[:400], STANDARD)
+
+
+def test_zero_bytes_are_corrupt():
+    with pytest.raises(CorruptImage):
+        normalise(b"", STANDARD)
+
+
+def test_svg_is_an_unsupported_format():
+    svg = b'<svg xmlns="http://www.w3.org/2000/svg" width="10" height="10"><rect/></svg>'
+    with pytest.raises(UnsupportedFormat) as caught:
+        normalise(svg, STANDARD)
+    assert caught.value.code == "unsupported_image_format"
+
+
+def test_more_pixels_than_max_input_pixels_is_refused_before_decoding():
+    # 2000x2000 is under Pillow's own bomb limit: only the policy can refuse it. The
+    # header-only PNG is CorruptImage once decoded, so ImageTooLarge means it never was.
+    header_only = png_header_only(2000, 2000)
+    with pytest.raises(CorruptImage):
+        normalise(header_only, Policy())
+    with pytest.raises(ImageTooLarge, match="2000x2000") as caught:
+        normalise(header_only, Policy(max_input_pixels=1_000_000))
+    assert caught.value.code == "image_too_large"
+
+
+def test_ten_thousand_square_png_is_refused_as_too_large():
+    with pytest.raises(ImageTooLarge):
+        normalise(png_header_only(10_000, 10_000), Policy(max_input_pixels=1_000_000))
+
+
+def test_format_outside_allowed_formats_is_refused():
+    policy = Policy(allowed_formats=("PNG",))
+    with pytest.raises(UnsupportedFormat, match="not allowed"):
+        normalise(image_bytes(32, 32, fmt="JPEG"), policy)
+    assert normalise(image_bytes(32, 32, fmt="PNG"), policy).source_format == "PNG"
+
+
+# --- detail and aspect ratio -------------------------------------------------------------
+
+
+def test_low_detail_uses_the_low_detail_cap():
+    data = image_bytes(4000, 3000)
+    low = normalise(data, STANDARD, detail="low")
+    assert low.width * low.height <= STANDARD.low_detail_max_pixels
+    # sqrt(200704 / 12e6) * (4000, 3000), floored
+    assert (low.width, low.height) == (517, 387)
+    high = normalise(data, STANDARD, detail="high")
+    assert (high.width, high.height) == (1156, 867)
+
+
+def test_auto_detail_follows_the_policy_default():
+    data = image_bytes(4000, 3000)
+    low_default = Policy(default_detail="low")
+    assert normalise(data, low_default, detail="auto").width == 517
+    assert normalise(data, low_default).width == 517
+    assert normalise(data, STANDARD, detail="auto").width == 1156
+
+
+@pytest.mark.parametrize("detail", ["medium", "HIGH", ""])
+def test_invalid_detail_is_a_policy_violation(detail):
+    with pytest.raises(PolicyViolation, match="detail"):
+        normalise(image_bytes(32, 32), STANDARD, detail=detail)
+
+
+def test_aspect_ratio_beyond_the_policy_is_a_policy_violation():
+    with pytest.raises(PolicyViolation, match="aspect ratio"):
+        normalise(image_bytes(2100, 100), STANDARD)  # 21:1 > 20
+    with pytest.raises(PolicyViolation):
+        normalise(image_bytes(100, 2100, fmt="PNG"), STANDARD)
+    assert normalise(image_bytes(2000, 100), STANDARD).width == 2000  # exactly 20:1 passes
+
+
+# --- fingerprints ------------------------------------------------------------------------
+
+
+def test_fingerprint_is_the_same_for_the_same_pixels_in_lossless_formats():
+    pixels = noisy_rgb(120, 80, seed=1)
+    as_png = normalise(encode(pixels, "PNG"), STANDARD)
+    as_bmp = normalise(encode(pixels, "BMP"), STANDARD)
+    assert as_png.source_format == "PNG" and as_bmp.source_format == "BMP"
+    assert as_png.fingerprint == as_bmp.fingerprint
+    assert len(as_png.fingerprint) == 32
+
+
+def test_fingerprint_differs_for_different_images():
+    one = normalise(encode(noisy_rgb(120, 80, seed=1), "PNG"), STANDARD)
+    other = normalise(encode(noisy_rgb(120, 80, seed=2), "PNG"), STANDARD)
+    assert one.fingerprint != other.fingerprint
+
+
+# --- data URLs ---------------------------------------------------------------------------
+
+
+def test_decode_data_url_returns_the_bytes():
+    data = image_bytes(16, 16)
+    assert decode_data_url(data_url(data), max_bytes=1_000_000) == data
+
+
+@pytest.mark.parametrize("url", [
+    "https://example.com/cat.jpg",
+    "file:///etc/passwd",
+    "",
+    "data image/png;base64,AAAA",
+])
+def test_decode_data_url_refuses_non_data_urls(url):
+    with pytest.raises(InvalidDataURL) as caught:
+        decode_data_url(url, max_bytes=1_000_000)
+    assert caught.value.code == "invalid_image_url"
+
+
+def test_decode_data_url_refuses_data_urls_that_are_not_base64():
+    with pytest.raises(InvalidDataURL, match="base64"):
+        decode_data_url("data:image/png,rawbytes", max_bytes=1_000_000)
+
+
+@pytest.mark.parametrize("payload", ["abc", "@@@@", "AAAA AAAA", "AA==AA"])
+def test_decode_data_url_refuses_bad_base64(payload):
+    with pytest.raises(InvalidDataURL, match="not valid base64"):
+        decode_data_url("data:image/png;base64," + payload, max_bytes=1_000_000)
+
+
+def test_decode_data_url_refuses_payloads_over_max_bytes():
+    url = data_url(b"\xff" * 3000)
+    with pytest.raises(ImageTooLarge):
+        decode_data_url(url, max_bytes=2999)
+    assert len(decode_data_url(url, max_bytes=3000)) == 3000
+
+
+def test_decode_data_url_refuses_an_empty_payload():
+    with pytest.raises(CorruptImage):
+        decode_data_url("data:image/png;base64,", max_bytes=1_000_000)
+
+
+@pytest.mark.parametrize("size", [3001, 3002])
+def test_decode_data_url_accepts_a_padded_payload_of_exactly_max_bytes(size):
+    data = b"\xff" * size  # base64 of 3001 / 3002 bytes ends in '==' / '='
+    assert len(decode_data_url(data_url(data), max_bytes=size)) == size

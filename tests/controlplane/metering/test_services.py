@@ -1,0 +1,249 @@
+"""Usage recording and the daily rollup, against the real database."""
+
+import datetime as dt
+from collections import defaultdict
+from decimal import Decimal
+
+import pytest
+from django.utils import timezone
+
+from controlplane.catalog.models import PriceRate
+from controlplane.imaging.policy import Policy, normalise
+from controlplane.metering.models import DailyUsage, RollupState, UsageEvent, UsageImage
+from controlplane.metering.services import UsageRecord, rollup_daily, usage_record
+from tests.images import image_bytes
+
+pytestmark = pytest.mark.django_db
+
+NEW_PRICES_FROM = timezone.now().replace(microsecond=0) - dt.timedelta(days=5)
+
+
+def _record(world, request_id, *, tenant=None, tier=None, created_at=None, text=0, image=0,
+            cached=0, output=0, images=(), status="ok"):
+    tenant = tenant or world.alice
+    tier = tier or world.vision
+    return usage_record(record=UsageRecord(
+        request_id=request_id,
+        tenant_id=tenant.pk,
+        api_key_id=None,
+        tier_id=tier.pk,
+        images=list(images),
+        image_tokens=image,
+        text_tokens=text,
+        output_tokens=output,
+        cached_tokens=cached,
+        status=status,
+        http_status=200 if status == "ok" else 502,
+        created_at=created_at or timezone.now(),
+    ))
+
+
+def _new_prices(tier):
+    return PriceRate.objects.create(
+        plan=tier.price_plan, effective_from=NEW_PRICES_FROM,
+        text_input_per_mtok=Decimal("1"), image_per_mtok=Decimal("2"),
+        output_per_mtok=Decimal("3"), per_image_fee=Decimal("0.01"),
+        cached_image_discount=Decimal("0"),
+    )
+
+
+# --- usage_record ------------------------------------------------------------------------
+
+
+def test_usage_record_stores_one_event_with_its_images(world):
+    wide = normalise(image_bytes(1920, 1080), Policy())
+    small = normalise(image_bytes(320, 240, fmt="PNG", color=(1, 2, 3)), Policy())
+    event = _record(world, "req-images", text=100, image=1224 + 102, cached=0, output=50,
+                    images=[(wide, 1224), (small, 102)])
+
+    stored = UsageEvent.objects.get(request_id="req-images")
+    assert stored.pk == event.pk
+    assert (stored.tenant_id, stored.tier_id) == (world.alice.pk, world.vision.pk)
+    assert (stored.image_count, stored.image_tokens, stored.text_tokens, stored.output_tokens) == (
+        2, 1326, 100, 50)
+    rows = list(UsageImage.objects.filter(event=stored).order_by("position"))
+    assert [(r.position, r.tokens) for r in rows] == [(0, 1224), (1, 102)]
+    assert (rows[0].source_format, rows[0].source_width, rows[0].source_height) == ("JPEG", 1920, 1080)
+    assert (rows[0].width, rows[0].height) == (wide.width, wide.height)
+    assert rows[0].width * rows[0].height <= 1003520
+    assert (rows[1].source_format, rows[1].width, rows[1].height) == ("PNG", 320, 240)
+    assert rows[0].fingerprint == wide.fingerprint != rows[1].fingerprint
+
+
+def test_usage_record_prices_with_the_rate_in_effect_when_the_request_was_made(world):
+    _new_prices(world.vision)
+    image = normalise(image_bytes(64, 64), Policy())
+    usage = {"text": 100, "image": 2448, "cached": 1224, "output": 50,
+             "images": [(image, 1224), (image, 1224)]}
+
+    before = _record(world, "req-old-price", created_at=NEW_PRICES_FROM - dt.timedelta(days=1),
+                     **usage)
+    after = _record(world, "req-new-price", created_at=NEW_PRICES_FROM + dt.timedelta(hours=1),
+                    **usage)
+
+    # old card (0.20 / 0.30 / 0.60 per Mtok, 0.001 per image, cached images half price):
+    # (100*0.20 + (2448 - 1224*0.5)*0.30 + 50*0.60) / 1e6 + 2*0.001 = 0.0026008 -> 0.002601
+    assert UsageEvent.objects.get(pk=before.pk).cost == Decimal("0.002601")
+    # new card (1 / 2 / 3 per Mtok, 0.01 per image, no cache discount):
+    # (100*1 + 2448*2 + 50*3) / 1e6 + 2*0.01 = 0.025146
+    assert UsageEvent.objects.get(pk=after.pk).cost == Decimal("0.025146")
+
+
+def test_usage_record_caps_cached_tokens_at_image_tokens_for_pricing(world):
+    # The engine's cached count includes text prefix hits; only image tokens are discounted.
+    event = _record(world, "req-cached-text", text=1000, image=100, cached=900, output=0)
+    # (1000*0.20 + (100 - 100*0.5)*0.30) / 1e6 = 0.000215
+    assert UsageEvent.objects.get(pk=event.pk).cost == Decimal("0.000215")
+    assert UsageEvent.objects.get(pk=event.pk).cached_tokens == 900
+
+
+def test_failed_requests_are_recorded_but_cost_nothing(world):
+    event = _record(world, "req-failed", text=500, output=0, status="error")
+    stored = UsageEvent.objects.get(pk=event.pk)
+    assert (stored.status, stored.http_status, stored.text_tokens) == ("error", 502, 500)
+    assert stored.cost == Decimal("0")
+
+
+def test_recording_the_same_request_twice_keeps_one_event(world):
+    image = normalise(image_bytes(64, 64), Policy())
+    first = _record(world, "req-twice", text=10, image=70, output=5, images=[(image, 70)])
+    second = _record(world, "req-twice", text=999, image=0, output=999)
+
+    assert second.pk == first.pk
+    assert UsageEvent.objects.filter(request_id="req-twice").count() == 1
+    stored = UsageEvent.objects.get(request_id="req-twice")
+    assert (stored.text_tokens, stored.output_tokens, stored.image_count) == (10, 5, 1)
+    assert UsageImage.objects.filter(event=stored).count() == 1
+
+
+# --- rollup_daily ------------------------------------------------------------------------
+
+
+def _day(days_ago, hour):
+    today = timezone.now().astimezone(dt.UTC).date()
+    return dt.datetime.combine(today - dt.timedelta(days=days_ago), dt.time(hour), tzinfo=dt.UTC)
+
+
+def _expected_totals():
+    """Per (day, tenant, tier), the sum of the stored events, added up in Python."""
+    totals = defaultdict(lambda: defaultdict(int))
+    for e in UsageEvent.objects.all():
+        row = totals[(e.created_at.astimezone(dt.UTC).date(), e.tenant_id, e.tier_id)]
+        row["requests"] += 1
+        for field, value in (("images", e.image_count), ("image_tokens", e.image_tokens),
+                             ("cached_tokens", e.cached_tokens), ("text_tokens", e.text_tokens),
+                             ("output_tokens", e.output_tokens), ("cost", e.cost)):
+            row[field] += value
+    return {key: dict(values) for key, values in totals.items()}
+
+
+def _rolled_up():
+    return {
+        (r.day, r.tenant_id, r.tier_id): {
+            "requests": r.requests, "images": r.images, "image_tokens": r.image_tokens,
+            "cached_tokens": r.cached_tokens, "text_tokens": r.text_tokens,
+            "output_tokens": r.output_tokens, "cost": r.cost,
+        }
+        for r in DailyUsage.objects.all()
+    }
+
+
+def _backdate_recording(seconds=60):
+    """Make every stored event look recorded `seconds` ago (as a real run would see it)."""
+    UsageEvent.objects.update(recorded_at=timezone.now() - dt.timedelta(seconds=seconds))
+
+
+def _seed_usage(world):
+    image = normalise(image_bytes(64, 64), Policy())
+    specs = [
+        # (tenant, tier, days ago, hour, text, image tokens, cached, output, images)
+        (world.alice, world.vision, 2, 1, 100, 1224, 0, 40, 1),
+        (world.alice, world.vision, 2, 23, 50, 2448, 1224, 10, 2),
+        (world.alice, world.text, 2, 12, 800, 0, 0, 200, 0),
+        (world.bob, world.vision, 2, 5, 30, 1224, 1224, 7, 1),
+        (world.alice, world.vision, 1, 0, 10, 1224, 0, 1, 1),
+        (world.bob, world.text, 1, 9, 123, 0, 0, 456, 0),
+    ]
+    for n, (tenant, tier, days_ago, hour, text, img, cached, out, count) in enumerate(specs):
+        _record(world, f"seed-{n}", tenant=tenant, tier=tier, created_at=_day(days_ago, hour),
+                text=text, image=img, cached=cached, output=out, images=[(image, 1224)] * count)
+
+
+def test_rollup_totals_equal_the_sum_of_events_per_day_tenant_and_tier(world):
+    _seed_usage(world)
+    _backdate_recording()
+
+    assert rollup_daily(now=timezone.now()) == 2  # two days touched
+
+    rolled = _rolled_up()
+    assert rolled == _expected_totals()
+    assert len(rolled) == 5
+    alice_vision_two_days_ago = rolled[(_day(2, 0).date(), world.alice.pk, world.vision.pk)]
+    assert alice_vision_two_days_ago["requests"] == 2
+    assert alice_vision_two_days_ago["image_tokens"] == 1224 + 2448
+    assert alice_vision_two_days_ago["images"] == 3
+    assert alice_vision_two_days_ago["text_tokens"] == 150
+
+
+def test_rollup_twice_gives_the_same_totals(world):
+    _seed_usage(world)
+    _backdate_recording()
+    rollup_daily(now=timezone.now())
+    first = _rolled_up()
+
+    assert rollup_daily(now=timezone.now() + dt.timedelta(seconds=5)) == 0
+    assert _rolled_up() == first
+
+    # Even a full recomputation from scratch (watermark lost) does not double count.
+    RollupState.objects.all().delete()
+    assert rollup_daily(now=timezone.now() + dt.timedelta(seconds=10)) == 2
+    assert _rolled_up() == first
+    assert DailyUsage.objects.count() == 5
+
+
+def test_a_late_event_updates_its_own_day_on_the_next_run(world):
+    _seed_usage(world)
+    _backdate_recording()
+    rollup_daily(now=timezone.now())
+    yesterday, two_days_ago = _day(1, 0).date(), _day(2, 0).date()
+    before_all = _rolled_up()
+    before = before_all[(yesterday, world.alice.pk, world.vision.pk)]
+    assert before["requests"] == 1
+
+    # Recorded now, but the request was made yesterday (e.g. a stream that ended late).
+    _record(world, "late", tenant=world.alice, tier=world.vision, created_at=_day(1, 22),
+            text=7, image=1224, output=3,
+            images=[(normalise(image_bytes(64, 64), Policy()), 1224)])
+
+    assert rollup_daily(now=timezone.now() + dt.timedelta(seconds=2)) == 1  # only yesterday
+    after = _rolled_up()
+    assert after == _expected_totals()
+    row = after[(yesterday, world.alice.pk, world.vision.pk)]
+    assert row["requests"] == 2
+    assert row["text_tokens"] == before["text_tokens"] + 7
+    assert row["cost"] > before["cost"]
+    # the other day is unchanged
+    assert {k: v for k, v in after.items() if k[0] == two_days_ago} == {
+        k: v for k, v in before_all.items() if k[0] == two_days_ago}
+
+
+def test_the_watermark_means_a_run_without_new_events_rewrites_nothing(world):
+    _seed_usage(world)
+    _backdate_recording()
+    assert rollup_daily(now=timezone.now()) == 2
+    watermark = RollupState.objects.get(name="daily").watermark
+    assert watermark is not None
+
+    assert rollup_daily(now=timezone.now() + dt.timedelta(seconds=3)) == 0
+    state = RollupState.objects.get(name="daily")
+    assert state.watermark > watermark
+    assert state.ran_at is not None
+
+
+def test_events_recorded_within_the_last_second_wait_for_the_next_run(world):
+    _record(world, "just-now", text=10, created_at=_day(0, 0))
+    now = timezone.now()
+    assert rollup_daily(now=now) == 0
+    assert DailyUsage.objects.count() == 0
+    assert rollup_daily(now=now + dt.timedelta(seconds=2)) == 1
+    assert DailyUsage.objects.get().requests == 1

@@ -1,0 +1,186 @@
+"""The engine command line: `vllm serve` on GPU hosts, the simulator elsewhere, same flags."""
+
+import json
+import sys
+
+import pytest
+
+from workers.engines.launch import LaunchSpec, build_command
+from workers.engines.simulator.__main__ import parse_args
+
+ALL_SETTINGS = {
+    "tensor_parallel_size": 2,
+    "gpu_memory_utilization": 0.85,
+    "max_model_len": 32768,
+    "max_num_seqs": 16,
+    "max_num_batched_tokens": 8192,
+    "mm_processor_cache_gb": 4,
+    "kv_cache_dtype": "fp8",
+    "scheduling_policy": "priority",
+    "dtype": "bfloat16",
+    "prefill_us_per_token": 50,
+    "decode_ms_per_token": 12.5,
+    "encode_us_per_image_token": 30,
+}
+
+
+def vision_spec(engine_kind="vllm", **changes):
+    fields = {
+        "engine_kind": engine_kind,
+        "model_id": "Qwen/Qwen2.5-VL-7B-Instruct",
+        "served_model_name": "vlm-flagship",
+        "family": "qwen2_5_vl",
+        "host": "127.0.0.1",
+        "port": 8101,
+        "gpu_indices": (2, 3),
+        "settings": dict(ALL_SETTINGS),
+        "images_per_prompt": 4,
+        "min_pixels": 3136,
+        "max_pixels": 1003520,
+        "max_input_pixels": 50_000_000,
+    }
+    fields.update(changes)
+    return LaunchSpec(**fields)
+
+
+def flag_value(argv, flag):
+    assert argv.count(flag) == 1, f"{flag} appears {argv.count(flag)} times in {argv}"
+    return argv[argv.index(flag) + 1]
+
+
+def test_vllm_command_starts_with_vllm_serve_and_the_model():
+    argv, _ = build_command(vision_spec())
+    assert argv[:3] == ["vllm", "serve", "Qwen/Qwen2.5-VL-7B-Instruct"]
+
+
+def test_vllm_command_names_port_and_parallelism():
+    argv, _ = build_command(vision_spec())
+    assert flag_value(argv, "--served-model-name") == "vlm-flagship"
+    assert flag_value(argv, "--host") == "127.0.0.1"
+    assert flag_value(argv, "--port") == "8101"
+    assert flag_value(argv, "--tensor-parallel-size") == "2"
+    assert float(flag_value(argv, "--gpu-memory-utilization")) == 0.85
+    assert flag_value(argv, "--max-model-len") == "32768"
+    assert flag_value(argv, "--max-num-seqs") == "16"
+    assert flag_value(argv, "--max-num-batched-tokens") == "8192"
+    assert flag_value(argv, "--dtype") == "bfloat16"
+
+
+def test_vllm_command_limits_images_and_sets_the_processor_pixels():
+    argv, _ = build_command(vision_spec())
+    assert json.loads(flag_value(argv, "--limit-mm-per-prompt")) == {"image": 4}
+    assert json.loads(flag_value(argv, "--mm-processor-kwargs")) == {
+        "min_pixels": 3136, "max_pixels": 1003520}
+    assert flag_value(argv, "--mm-processor-cache-gb") == "4"
+
+
+def test_vllm_command_enables_prefix_caching_and_prompt_token_details():
+    argv, _ = build_command(vision_spec())
+    assert "--enable-prefix-caching" in argv
+    assert "--enable-prompt-tokens-details" in argv
+
+
+def test_prefix_caching_can_be_turned_off():
+    settings = dict(ALL_SETTINGS, enable_prefix_caching=False)
+    argv, _ = build_command(vision_spec(settings=settings))
+    assert "--enable-prefix-caching" not in argv
+
+
+def test_fp8_kv_cache_and_priority_scheduling_when_set():
+    argv, _ = build_command(vision_spec())
+    assert flag_value(argv, "--kv-cache-dtype") == "fp8"
+    assert flag_value(argv, "--scheduling-policy") == "priority"
+
+
+def test_unset_settings_emit_no_flags():
+    argv, _ = build_command(vision_spec(settings={}))
+    for flag in ("--kv-cache-dtype", "--scheduling-policy", "--tensor-parallel-size",
+                 "--gpu-memory-utilization", "--max-model-len", "--dtype"):
+        assert flag not in argv
+    assert not any(arg.startswith("--sim-") for arg in argv)
+
+
+def test_vllm_command_never_gets_simulator_cost_flags():
+    argv, _ = build_command(vision_spec())
+    assert not any(arg.startswith("--sim-") for arg in argv)
+
+
+def test_environment_pins_gpus_and_blocks_media_redirects():
+    _, env = build_command(vision_spec())
+    assert env["CUDA_VISIBLE_DEVICES"] == "2,3"
+    assert env["VLLM_MEDIA_URL_ALLOW_REDIRECTS"] == "0"
+    assert env["VLLM_MAX_IMAGE_PIXELS"] == "50000000"
+
+
+def test_environment_without_a_pixel_limit_omits_it():
+    _, env = build_command(vision_spec(max_input_pixels=None, gpu_indices=(0,)))
+    assert env["CUDA_VISIBLE_DEVICES"] == "0"
+    assert "VLLM_MAX_IMAGE_PIXELS" not in env
+
+
+def test_text_tier_gets_no_multimodal_flags():
+    spec = vision_spec(model_id="Qwen/Qwen2.5-7B-Instruct", family="qwen2", images_per_prompt=None,
+                       min_pixels=None, max_pixels=None, allowed_media_domains=("cdn.example",))
+    argv, _ = build_command(spec)
+    assert "--limit-mm-per-prompt" not in argv
+    assert "--mm-processor-kwargs" not in argv
+    assert "--allowed-media-domains" not in argv
+    assert "--enable-prompt-tokens-details" in argv
+
+
+def test_media_domains_and_api_key_are_passed_through():
+    spec = vision_spec(allowed_media_domains=("a.example", "b.example"), api_key="engine-secret")
+    argv, _ = build_command(spec)
+    start = argv.index("--allowed-media-domains")
+    assert argv[start + 1:start + 3] == ["a.example", "b.example"]
+    assert flag_value(argv, "--api-key") == "engine-secret"
+
+
+def test_simulator_command_runs_the_simulator_module_with_the_family():
+    argv, env = build_command(vision_spec("simulator", gpu_indices=()))
+    assert argv[:4] == [sys.executable, "-m", "workers.engines.simulator",
+                        "Qwen/Qwen2.5-VL-7B-Instruct"]
+    assert flag_value(argv, "--family") == "qwen2_5_vl"
+    assert flag_value(argv, "--sim-prefill-us-per-token") == "50"
+    assert flag_value(argv, "--sim-decode-ms-per-token") == "12.5"
+    assert flag_value(argv, "--sim-encode-us-per-image-token") == "30"
+    assert "vllm" not in argv[:3]
+    assert env["CUDA_VISIBLE_DEVICES"] == ""
+
+
+@pytest.mark.parametrize("kind", ["sglang", "VLLM", ""])
+def test_unknown_engine_kind_is_refused(kind):
+    with pytest.raises(ValueError, match="cannot be launched"):
+        build_command(vision_spec(kind))
+
+
+def test_simulator_accepts_every_flag_build_command_emits():
+    spec = vision_spec("simulator", allowed_media_domains=("a.example", "b.example"),
+                       api_key="engine-secret")
+    argv, _ = build_command(spec)
+    assert argv[1:3] == ["-m", "workers.engines.simulator"]
+
+    args = parse_args(argv[3:])  # SystemExit here would mean an unknown flag
+
+    assert args.model == "Qwen/Qwen2.5-VL-7B-Instruct"
+    assert args.family == "qwen2_5_vl"
+    assert args.served_model_name == "vlm-flagship"
+    assert (args.host, args.port) == ("127.0.0.1", 8101)
+    assert (args.max_model_len, args.max_num_seqs, args.max_num_batched_tokens) == (32768, 16, 8192)
+    assert args.limit_mm_per_prompt == {"image": 4}
+    assert args.mm_processor_kwargs == {"min_pixels": 3136, "max_pixels": 1003520}
+    assert args.allowed_media_domains == ["a.example", "b.example"]
+    assert args.api_key == "engine-secret"
+    assert args.enable_prefix_caching and args.enable_prompt_tokens_details
+    assert args.kv_cache_dtype == "fp8" and args.scheduling_policy == "priority"
+    assert (args.sim_prefill_us_per_token, args.sim_decode_ms_per_token,
+            args.sim_encode_us_per_image_token) == (50.0, 12.5, 30.0)
+
+
+def test_simulator_accepts_a_text_tier_command():
+    spec = vision_spec("simulator", family="qwen2", images_per_prompt=None, min_pixels=None,
+                       max_pixels=None, settings={})
+    argv, _ = build_command(spec)
+    args = parse_args(argv[3:])
+    assert args.limit_mm_per_prompt is None
+    assert args.family == "qwen2"
