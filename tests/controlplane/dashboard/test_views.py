@@ -1,0 +1,89 @@
+from __future__ import annotations
+
+import datetime as dt
+
+import pytest
+from django.utils import timezone
+
+from controlplane.metering.models import DailyUsage
+from controlplane.tenants.models import ApiKey
+from controlplane.tenants.services import api_key_lookup
+
+pytestmark = pytest.mark.django_db
+
+
+def _usage(tenant, tier, image_tokens, day=None):
+    return DailyUsage.objects.create(day=day or timezone.now().date(), tenant=tenant, tier=tier,
+                                     requests=1, images=1, image_tokens=image_tokens, cost="0.5")
+
+
+def test_anonymous_visitors_are_sent_to_login(client):
+    response = client.get("/")
+    assert response.status_code == 302 and response["Location"].startswith("/login/")
+
+
+def test_the_operator_dashboard_draws_image_tokens_per_day_with_local_plotly(client, world):
+    _usage(world.alice, world.vision, 1224)
+    client.force_login(world.operator)
+    page = client.get("/").content.decode()
+    assert 'id="image-tokens-chart"' in page
+    assert '<script src="/static/vendor/plotly.min.js">' in page
+    assert "cdn" not in page.lower()
+    assert "1224" in page
+    assert client.get("/static/vendor/plotly.min.js").status_code == 200
+
+
+def test_a_tenant_admin_sees_only_their_own_tenants_figures(client, world):
+    _usage(world.alice, world.vision, 777_001)
+    _usage(world.charlie, world.vision, 333_002)
+    client.force_login(world.charlie_admin)
+    page = client.get("/").content.decode()
+    assert "333002" in page
+    assert "777001" not in page
+
+
+def test_finance_sees_usage_but_not_the_fleet_or_keys(client, world):
+    client.force_login(world.finance)
+    assert client.get("/").status_code == 200
+    assert client.get("/keys/").status_code == 403
+    assert client.get("/fleet/").status_code == 403
+    assert client.get("/admin/", follow=False).status_code == 302  # not staff
+
+
+def test_a_user_with_no_role_sees_nothing(client, world):
+    from tests.factories import UserFactory
+
+    client.force_login(UserFactory(username="nobody"))
+    assert client.get("/").status_code == 403
+
+
+def test_an_operator_creates_a_key_shown_once_and_revokes_it(client, world):
+    client.force_login(world.operator)
+    response = client.post("/keys/", {"tenant": world.bob.pk, "name": "ci"})
+    assert response.status_code == 302
+    page = client.get("/keys/").content.decode()
+    secret = page.split('id="issued-key">')[1].split("<")[0]
+    assert api_key_lookup(secret).tenant == world.bob
+    assert secret not in client.get("/keys/").content.decode()
+
+    created = ApiKey.objects.get(name="ci")
+    client.post(f"/keys/{created.pk}/revoke/")
+    assert api_key_lookup(secret) is None
+
+
+def test_the_fleet_page_lists_instances_and_their_events(client, world):
+    from controlplane.fleet.models import EngineInstance
+    from controlplane.fleet.services import instance_transition
+
+    instance = EngineInstance.objects.create(tier=world.vision)
+    instance_transition(instance=instance, to_state="crashed", reason="engine process 42 exited")
+    client.force_login(world.operator)
+    page = client.get("/fleet/").content.decode()
+    assert "engine process 42 exited" in page
+    assert "crashed" in page
+
+
+def test_old_days_fall_outside_the_thirty_day_window(client, world):
+    _usage(world.alice, world.vision, 999_123, day=timezone.now().date() - dt.timedelta(days=45))
+    client.force_login(world.operator)
+    assert "999123" not in client.get("/").content.decode()

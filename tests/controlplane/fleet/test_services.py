@@ -1,0 +1,78 @@
+from __future__ import annotations
+
+import datetime as dt
+
+import pytest
+from django.utils import timezone
+
+from controlplane.catalog.models import ModelTier
+from controlplane.fleet.models import EngineEvent, EngineInstance, Node
+from controlplane.fleet.selectors import routable_instances
+from controlplane.fleet.services import instances_place, node_register, tier_replicas_sync
+
+pytestmark = pytest.mark.django_db
+
+
+def _gpu_tier(world, name="vlm-big", replicas=1, tp=1):
+    return ModelTier.objects.create(
+        name=name, family="qwen2_5_vl", model_id="Qwen/Qwen2.5-VL-72B-Instruct", kind="vision",
+        engine_kind="vllm", engine_settings={"tensor_parallel_size": tp}, replicas=replicas,
+        gpus_per_replica=tp, resolution_policy=world.vision.resolution_policy,
+        price_plan=world.vision.price_plan)
+
+
+def test_a_node_registers_its_gpus_and_forgets_removed_ones():
+    node = node_register(name="gpu-a", address="10.0.0.5",
+                         gpus=[{"index": 0, "model": "H100", "memory_mib": 81559},
+                               {"index": 1, "model": "H100", "memory_mib": 81559}])
+    assert node.queue == "node.gpu-a"
+    node_register(name="gpu-a", address="10.0.0.5", gpus=[{"index": 0, "model": "H100"}])
+    assert list(node.gpus.values_list("index", flat=True)) == [0]
+
+
+def test_replicas_are_created_once(world):
+    tier = _gpu_tier(world, replicas=3)
+    tier_replicas_sync()
+    tier_replicas_sync()
+    assert tier.instances.count() == 3
+
+
+def test_one_gpu_is_never_given_to_two_engines(world):
+    node_register(name="gpu-a", address="10.0.0.5", gpus=[{"index": 0}, {"index": 1}, {"index": 2}])
+    tier = _gpu_tier(world, replicas=2, tp=2)
+    tier_replicas_sync()
+    instances_place()
+    assert tier.instances.exclude(node=None).count() == 1  # 3 GPUs fit one TP-2 engine, not two
+    placed = tier.instances.exclude(node=None).get()
+    assert sorted(placed.gpus.values_list("index", flat=True)) == [0, 1]
+    assert tier.instances.filter(node=None).count() == 1
+
+    node_register(name="gpu-b", address="10.0.0.6", gpus=[{"index": 0}, {"index": 1}])
+    instances_place()
+    assert tier.instances.filter(node=None).count() == 0
+    everyone = [g for i in tier.instances.all() for g in i.gpus.all()]
+    assert len(everyone) == len(set(everyone)) == 4
+    assert EngineEvent.objects.filter(reason__startswith="placed on gpu-b").exists()
+
+
+def test_nodes_not_seen_lately_get_no_new_engines(world):
+    node_register(name="gpu-a", address="10.0.0.5", gpus=[{"index": 0}])
+    Node.objects.update(last_seen_at=timezone.now() - dt.timedelta(minutes=5))
+    tier = _gpu_tier(world)
+    tier_replicas_sync()
+    instances_place()
+    assert not EngineInstance.objects.exclude(node=None).exists()
+    assert tier.instances.count() == 1
+
+
+def test_only_fresh_healthy_running_instances_are_routable(world):
+    node = node_register(name="local", address="127.0.0.1", gpus=[])
+    now = timezone.now()
+    fields = {"tier": world.vision, "node": node, "port": 9000, "healthy": True, "last_health_at": now,
+              "actual_state": "running"}
+    good = EngineInstance.objects.create(**fields)
+    EngineInstance.objects.create(**{**fields, "port": 9001, "healthy": False})
+    EngineInstance.objects.create(**{**fields, "port": 9002, "last_health_at": now - dt.timedelta(minutes=2)})
+    EngineInstance.objects.create(**{**fields, "port": 9003, "desired_state": "stopped"})
+    EngineInstance.objects.create(**{**fields, "port": 9004, "actual_state": "starting"})
+    assert [i.pk for i in routable_instances(tier_id=world.vision.pk)] == [good.pk]

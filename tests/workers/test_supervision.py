@@ -1,0 +1,118 @@
+"""The node agent against real engine processes (the simulator, launched like vLLM)."""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+from django.utils import timezone
+
+from controlplane.fleet.models import EngineEvent, EngineInstance
+from tests.system.harness import ROOT, wait_for
+from workers import supervision
+from workers.engines import process
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture
+def agent(world, settings, tmp_path):
+    settings.ENGINE_LOG_DIR = tmp_path / "engines"
+    settings.ENGINE_PORT_BASE = 21000 + (os.getpid() % 500) * 8
+    settings.ENGINE_HEALTH_TIMEOUT = 0.5
+    node = supervision.this_node()
+    instance = EngineInstance.objects.create(tier=world.vision, node=node)
+    yield instance
+    instance.refresh_from_db()
+    if instance.pid and process.is_alive(instance.pid):
+        os.killpg(instance.pid, signal.SIGCONT)
+        process.terminate(instance.pid, grace=2)
+
+
+def _reconcile_until(instance, predicate, what, timeout=20):
+    def step():
+        supervision.node_reconcile(instance.node.name)
+        instance.refresh_from_db()
+        return predicate(instance)
+
+    return wait_for(step, timeout=timeout, interval=0.2, what=what)
+
+
+def _running(i):
+    return i.actual_state == "running" and i.healthy
+
+
+def test_the_agent_launches_an_engine_with_its_log_in_a_file(agent):
+    _reconcile_until(agent, _running, "the engine to come up")
+    assert process.is_alive(agent.pid)
+    assert agent.command[1:3] == ["-m", "workers.engines.simulator"]
+    assert "--limit-mm-per-prompt" in agent.command
+    assert "=== start" in open(agent.log_path).read()
+    states = list(EngineEvent.objects.filter(instance=agent).values_list("to_state", flat=True))
+    assert states[:2] == ["running", "starting"]
+
+
+def test_a_killed_engine_is_restarted_after_a_backoff(agent):
+    _reconcile_until(agent, _running, "the engine to come up")
+    first_pid = agent.pid
+    os.kill(first_pid, signal.SIGKILL)
+    _reconcile_until(agent, lambda i: i.actual_state == "crashed", "the crash to be noticed", timeout=10)
+    assert agent.restart_count == 1
+    assert 9 <= (agent.next_start_at - timezone.now()).total_seconds() <= 10
+
+    supervision.node_reconcile(agent.node.name)  # still inside the backoff: nothing starts
+    agent.refresh_from_db()
+    assert agent.actual_state == "crashed" and agent.pid is None
+
+    supervision.engine_check(agent, timezone.now() + dt.timedelta(seconds=11))
+    agent.refresh_from_db()
+    assert agent.pid not in (None, first_pid)
+    _reconcile_until(agent, _running, "the restarted engine to be healthy")
+
+
+def test_backoff_doubles_to_a_five_minute_cap():
+    assert [supervision.restart_delay(n) for n in range(1, 8)] == [10, 20, 40, 80, 160, 300, 300]
+
+
+def test_a_stopped_engine_leaves_rotation_and_returns_when_it_resumes(agent):
+    from controlplane.fleet.selectors import routable_instances
+
+    _reconcile_until(agent, _running, "the engine to come up")
+    os.kill(agent.pid, signal.SIGSTOP)  # alive, answers nothing: a hang
+    _reconcile_until(agent, lambda i: i.actual_state == "unhealthy", "the hang to be noticed")
+    assert routable_instances(tier_id=agent.tier_id) == []
+    os.kill(agent.pid, signal.SIGCONT)
+    _reconcile_until(agent, _running, "the engine to be healthy again")
+    assert [i.pk for i in routable_instances(tier_id=agent.tier_id)] == [agent.pk]
+
+
+def test_a_restarted_agent_adopts_the_engines_still_running(agent):
+    # A separate agent process launches the engine, then exits, as a worker restart does.
+    script = ("import django; django.setup(); from workers import supervision; "
+              f"supervision.node_reconcile({agent.node.name!r})")
+    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "tests.settings",
+           "ENGINE_LOG_DIR": str(agent.log_path or "") or os.environ.get("ENGINE_LOG_DIR", "/tmp"),
+           "ENGINE_PORT_BASE": str(21000 + (os.getpid() % 500) * 8 + 4)}
+    from django.db import connection
+
+    env["DATABASE_URL"] = "postgres://postgres@127.0.0.1:5432/" + connection.settings_dict["NAME"]
+    subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, check=True, timeout=60)
+    agent.refresh_from_db()
+    assert agent.actual_state == "starting" and process.is_alive(agent.pid)
+    launched = agent.pid
+
+    _reconcile_until(agent, _running, "this agent to adopt the engine")
+    assert agent.pid == launched  # adopted, not relaunched
+    assert EngineEvent.objects.filter(instance=agent, to_state="starting").count() == 1
+
+
+def test_setting_desired_stopped_terminates_the_engine(agent):
+    _reconcile_until(agent, _running, "the engine to come up")
+    pid = agent.pid
+    EngineInstance.objects.filter(pk=agent.pk).update(desired_state="stopped")
+    _reconcile_until(agent, lambda i: i.actual_state == "stopped", "the engine to stop")
+    assert not process.is_alive(pid) and agent.pid is None
