@@ -39,7 +39,7 @@ lint: install-dev
 	$(PY) -m ruff check .
 
 bench: install-dev
-	$(PY) -m bench.gateway_overhead
+	$(PY) -m bench.imaging
 
 clean:
 	rm -rf var/ .pytest_cache
