@@ -44,7 +44,8 @@ async def _load(base_url: str, model: str, profile: BenchmarkProfile) -> list[di
 
     async def worker(client: httpx.AsyncClient):
         for n in counter:
-            with_image = (n % 100) < profile.image_share * 100
+            # Spread images evenly: request n carries one when the running share steps up.
+            with_image = int((n + 1) * profile.image_share) > int(n * profile.image_share)
             content = [{"type": "text", "text": f"request {n}: describe"}]
             if with_image:
                 content.append({"type": "image_url", "image_url": {"url": image}})
