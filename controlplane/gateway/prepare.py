@@ -82,10 +82,21 @@ def validate_body(body) -> None:
             raise RequestInvalid(f"messages[{index}].content must be a string or an array",
                                  param="messages")
     n = body.get("n", 1)
-    if n != 1:
+    if n is not None and (n != 1 or isinstance(n, bool)):
         raise RequestInvalid("only n=1 is supported", param="n")
     if body.get("stream") not in (None, True, False):
         raise RequestInvalid("stream must be a boolean", param="stream")
+    options = body.get("stream_options")
+    if options is not None:
+        if not isinstance(options, dict):
+            raise RequestInvalid("stream_options must be an object", param="stream_options")
+        if options.get("include_usage") not in (None, True, False):
+            raise RequestInvalid("stream_options.include_usage must be a boolean",
+                                 param="stream_options")
+    for name in ("max_tokens", "max_completion_tokens"):
+        limit = body.get(name)
+        if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
+            raise RequestInvalid(f"{name} must be a positive integer", param=name)
 
 
 async def prepare(body: dict, tier: TierSpec, *, max_image_bytes: int) -> Prepared:
@@ -93,9 +104,7 @@ async def prepare(body: dict, tier: TierSpec, *, max_image_bytes: int) -> Prepar
     if parts and tier.kind != "vision":
         raise RequestInvalid(f"model {tier.name} does not accept images", param="messages",
                              code="images_not_supported")
-    limit = body.get("max_completion_tokens", body.get("max_tokens"))
-    if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
-        raise RequestInvalid("max_tokens must be a positive integer", param="max_tokens")
+    limit = body.get("max_completion_tokens") or body.get("max_tokens")
     if limit is not None and limit > tier.max_output_tokens:
         raise RequestInvalid(
             f"max_tokens {limit} exceeds this model's limit of {tier.max_output_tokens}",
