@@ -1,34 +1,38 @@
-"""Resolution policy: decode safely, orient, flatten, downscale, re-encode."""
+"""Resolution policy: the first cost gate of VLM serving.
+
+`normalise_tiles` decodes untrusted bytes safely, applies the EXIF orientation, flattens
+to RGB, brings the image within the policy's pixel bounds (long images are cut into tiles
+in reading order rather than squashed) and re-encodes it for the engine. Downscaling is
+cheap: JPEGs decode straight at 1/2, 1/4 or 1/8 scale in the DCT domain when that still
+covers the target, then `reduce()` and one bicubic resample finish the job.
+Pure Python: no Django, no Celery.
+"""
 
 from __future__ import annotations
 
 import base64
 import binascii
-import hashlib
 import io
 import math
 import re
-import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from PIL import Image, ImageOps, UnidentifiedImageError
+from PIL import Image
 
-from controlplane.imaging.errors import (
-    CorruptImage,
-    ImageTooLarge,
-    InvalidDataURL,
-    PolicyViolation,
-    UnsupportedFormat,
+from controlplane.imaging.decode import (
+    SUPPORTED_FORMATS,
+    open_image,
+    orientation,
+    source_format,
+    to_rgb,
+    upright,
 )
+from controlplane.imaging.errors import CorruptImage, ImageTooLarge, InvalidDataURL, PolicyViolation
+from controlplane.imaging.fingerprint import FingerprintIndex, fingerprint
 
-try:  # HEIC/HEIF and AVIF through libheif
-    import pillow_heif
+__all__ = ["SUPPORTED_FORMATS", "NormalisedImage", "Policy", "decode_data_url", "fit_within",
+           "normalise", "normalise_tiles", "plan_tiles"]
 
-    pillow_heif.register_heif_opener()
-except ImportError:  # pragma: no cover - pinned dependency, but decoding others still works
-    pillow_heif = None
-
-SUPPORTED_FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF", "HEIF", "AVIF")
 _MIME = {"jpeg": "image/jpeg", "png": "image/png", "webp": "image/webp"}
 _DATA_URL = re.compile(r"^data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[\w.+-]+=[\w.+-]+)*)(?P<b64>;base64)?,")
 
@@ -69,6 +73,8 @@ class NormalisedImage:
     data: bytes
     mime: str
     fingerprint: str
+    tile: int = 0  # position in reading order when a long image was cut
+    tiles: int = 1
 
     def data_url(self) -> str:
         return f"data:{self.mime};base64,{base64.b64encode(self.data).decode('ascii')}"
@@ -81,14 +87,15 @@ def decode_data_url(url: str, *, max_bytes: int) -> bytes:
     if not match.group("b64"):
         raise InvalidDataURL("image data URLs must be base64 encoded (;base64,)")
     payload = url[match.end():]
-    if (len(payload) * 3 // 4) - (len(payload) - len(payload.rstrip("="))) > max_bytes:
+    padding = len(payload) - len(payload.rstrip("="))
+    if len(payload) * 3 // 4 - padding > max_bytes:
         raise ImageTooLarge(f"image is larger than {max_bytes} bytes")
     try:
         data = base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError):
         raise InvalidDataURL("image data URL is not valid base64") from None
     if not data:
-        raise CorruptImage("image data is empty")
+        raise CorruptImage("image data is empty (zero bytes)")
     return data
 
 
@@ -100,102 +107,98 @@ def fit_within(width: int, height: int, *, max_pixels: int, max_long_edge: int) 
     return max(1, math.floor(width * scale)), max(1, math.floor(height * scale))
 
 
-def _open(data: bytes, policy: Policy) -> Image.Image:
-    if not data:
-        raise CorruptImage("image data is empty")
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            image = Image.open(io.BytesIO(data))
-    except (Image.DecompressionBombError, Image.DecompressionBombWarning):
-        raise ImageTooLarge("image has more pixels than allowed") from None
-    except UnidentifiedImageError:
-        raise UnsupportedFormat(
-            "image format not recognised (supported: " + ", ".join(SUPPORTED_FORMATS) + ")"
-        ) from None
-    except (OSError, SyntaxError, ValueError) as exc:
-        raise CorruptImage(f"image could not be read: {exc}") from None
-    fmt = (image.format or "").upper()
-    if fmt == "MPO":  # multi-picture JPEG from cameras; the first picture is a JPEG
-        fmt = "JPEG"
-    if fmt not in SUPPORTED_FORMATS:
-        raise UnsupportedFormat(f"image format {fmt or 'unknown'} is not supported")
-    if policy.allowed_formats and fmt not in policy.allowed_formats:
-        raise UnsupportedFormat(
-            f"image format {fmt} is not allowed here (allowed: {', '.join(policy.allowed_formats)})"
-        )
-    width, height = image.size
-    if width <= 0 or height <= 0:
-        raise CorruptImage("image has no pixels")
-    if width * height > policy.max_input_pixels:
-        raise ImageTooLarge(
-            f"image is {width}x{height} ({width * height} pixels); at most "
-            f"{policy.max_input_pixels} pixels are accepted"
-        )
-    return image
+@dataclass(frozen=True)
+class TilePlan:
+    width: int  # the whole image after scaling
+    height: int
+    boxes: tuple[tuple[int, int, int, int], ...]  # crops of the scaled image, in reading order
 
 
-def _to_rgb(image: Image.Image) -> Image.Image:
-    if image.mode == "RGB":
-        return image
-    if image.mode in ("I;16", "I;16B", "I;16L", "I"):
-        image = image.point(lambda v: v / 256).convert("L")
-    if image.mode == "P":
-        image = image.convert("RGBA" if "transparency" in image.info else "RGB")
-    if image.mode in ("RGBA", "LA", "PA") or (image.mode == "RGBa"):
-        rgba = image.convert("RGBA")
-        background = Image.new("RGB", rgba.size, (255, 255, 255))
-        background.paste(rgba, mask=rgba.getchannel("A"))
-        return background
-    return image.convert("RGB")
-
-
-def normalise(data: bytes, policy: Policy, *, detail: str | None = None) -> NormalisedImage:
-    """Decode `data` safely and bring it within `policy`, ready to send to the engine."""
-    cap = policy.pixel_cap(detail)
-    image = _open(data, policy)
-    source_format = "JPEG" if image.format == "MPO" else image.format
-    try:
-        stored_w, stored_h = image.size
-        orientation = image.getexif().get(0x0112, 1)
-        swapped = orientation in (5, 6, 7, 8)
-        width, height = (stored_h, stored_w) if swapped else (stored_w, stored_h)
-        ratio = max(width, height) / min(width, height)
-        if ratio > policy.max_aspect_ratio:
+def plan_tiles(width: int, height: int, policy: Policy, cap: int) -> TilePlan:
+    """How an upright `width` x `height` image becomes one or more images within `policy`."""
+    ratio = max(width, height) / min(width, height)
+    count = 1
+    if ratio > policy.max_aspect_ratio:
+        if not policy.tile_long_images:
             raise PolicyViolation(
-                f"image aspect ratio {ratio:.1f} exceeds the policy's {policy.max_aspect_ratio:g}"
-            )
-        target_w, target_h = fit_within(
-            width, height, max_pixels=cap, max_long_edge=policy.max_long_edge
-        )
-        if source_format == "JPEG" and (target_w, target_h) != (width, height):
-            # DCT-domain downscale: decode at 1/2, 1/4 or 1/8 size when that still covers the target.
-            draft = (target_h, target_w) if swapped else (target_w, target_h)
-            image.draft("RGB", draft)
-        image.seek(0)
-        image.load()
-        image = ImageOps.exif_transpose(image)
-        image = _to_rgb(image)
-        if image.size != (target_w, target_h):
-            image = image.resize((target_w, target_h), Image.Resampling.LANCZOS, reducing_gap=2.0)
+                f"image aspect ratio {ratio:.1f} exceeds the policy's {policy.max_aspect_ratio:g}")
+        count = math.ceil(ratio / policy.max_aspect_ratio)
+        if count > policy.max_images_per_request:
+            raise PolicyViolation(
+                f"image aspect ratio {ratio:.1f} would need {count} tiles; at most "
+                f"{policy.max_images_per_request} images are allowed per request")
+    tall = height >= width
+    long_side, short_side = (height, width) if tall else (width, height)
+    # Every tile gets the full pixel cap: a long receipt stays legible tile by tile.
+    tile_long = long_side / count
+    scale = min(1.0, math.sqrt(cap / (tile_long * short_side)), policy.max_long_edge / max(tile_long, short_side))
+    # Equal tiles of a whole number of pixels, so no tile exceeds the budget by rounding.
+    scaled_short = max(1, math.floor(short_side * scale))
+    piece = max(1, math.floor(tile_long * scale))
+    if count > 1:  # flooring the short side must not push a tile past the aspect bound
+        piece = min(piece, math.floor(scaled_short * policy.max_aspect_ratio))
+    scaled_long = piece * count
+    boxes = tuple(
+        (0, i * piece, scaled_short, (i + 1) * piece) if tall else (i * piece, 0, (i + 1) * piece, scaled_short)
+        for i in range(count)
+    )
+    scaled = (scaled_short, scaled_long) if tall else (scaled_long, scaled_short)
+    return TilePlan(width=scaled[0], height=scaled[1], boxes=boxes)
+
+
+def _decode_scaled(image: Image.Image, fmt: str, turn: int, target: tuple[int, int]) -> Image.Image:
+    """Decode `image` upright, at the smallest scale the JPEG decoder offers above `target`."""
+    width, height = target
+    if fmt == "JPEG" and (width, height) != image.size:
+        swapped = turn in (5, 6, 7, 8)
+        image.draft("RGB", (height, width) if swapped else (width, height))
+    image.load()
+    return upright(to_rgb(image), turn)
+
+
+def normalise_tiles(data: bytes, policy: Policy, *, detail: str | None = None,
+                    index: FingerprintIndex | None = None) -> list[NormalisedImage]:
+    """Bring an untrusted image within `policy`; one image, or tiles for a long one.
+
+    With an `index`, re-encodings of a picture seen before get that picture's fingerprint.
+    """
+    cap = policy.pixel_cap(detail)
+    image = open_image(data, allowed_formats=policy.allowed_formats,
+                       max_input_pixels=policy.max_input_pixels)
+    fmt = source_format(image)
+    turn = orientation(image)
+    stored_w, stored_h = image.size
+    width, height = (stored_h, stored_w) if turn in (5, 6, 7, 8) else (stored_w, stored_h)
+    plan = plan_tiles(width, height, policy, cap)
+    try:
+        image.seek(0)  # the first frame of an animation
+        pixels = _decode_scaled(image, fmt, turn, (plan.width, plan.height))
+        if pixels.size != (plan.width, plan.height):
+            pixels = pixels.resize((plan.width, plan.height), Image.Resampling.BICUBIC, reducing_gap=2.0)
     except (OSError, SyntaxError, ValueError, EOFError, Image.DecompressionBombError) as exc:
-        if isinstance(exc, PolicyViolation):
-            raise
         raise CorruptImage(f"image data is truncated or corrupt: {exc}") from None
-    fingerprint = hashlib.blake2b(
-        image.tobytes(), digest_size=16, person=b"vlm-pixels"
-    ).hexdigest()
+    tiles = [pixels] if len(plan.boxes) == 1 else [pixels.crop(box) for box in plan.boxes]
+    return [
+        _encode(tile, policy, fmt=fmt, source=(width, height), position=position, count=len(tiles),
+                index=index)
+        for position, tile in enumerate(tiles)
+    ]
+
+
+def normalise(data: bytes, policy: Policy, *, detail: str | None = None,
+              index: FingerprintIndex | None = None) -> NormalisedImage:
+    """Like `normalise_tiles` for callers that need exactly one image: long images are refused."""
+    return normalise_tiles(data, replace(policy, tile_long_images=False), detail=detail, index=index)[0]
+
+
+def _encode(image: Image.Image, policy: Policy, *, fmt: str, source: tuple[int, int], position: int,
+            count: int, index: FingerprintIndex | None) -> NormalisedImage:
     out = io.BytesIO()
-    fmt = policy.output_format
-    save_args = {"quality": policy.output_quality} if fmt in ("jpeg", "webp") else {}
-    image.save(out, format=fmt.upper(), **save_args)
+    kind = policy.output_format
+    options = {"quality": policy.output_quality} if kind in ("jpeg", "webp") else {}
+    image.save(out, format=kind.upper(), **options)
     return NormalisedImage(
-        source_format=source_format,
-        source_width=width,
-        source_height=height,
-        width=image.width,
-        height=image.height,
-        data=out.getvalue(),
-        mime=_MIME[fmt],
-        fingerprint=fingerprint,
+        source_format=fmt, source_width=source[0], source_height=source[1],
+        width=image.width, height=image.height, data=out.getvalue(), mime=_MIME[kind],
+        fingerprint=fingerprint(image, index), tile=position, tiles=count,
     )

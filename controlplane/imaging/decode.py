@@ -1,0 +1,134 @@
+"""Opening untrusted image bytes safely.
+
+The format comes from the bytes (Pillow's signature checks), never from a file name, a MIME
+type or a header. Only the formats a policy allows are even tried, the pixel count is read
+from the header and checked before any pixel is decoded, and the bytes are searched for the
+payloads polyglot files smuggle (HTML, script, PHP, PDF, ZIP).
+"""
+
+from __future__ import annotations
+
+import io
+import re
+import warnings
+
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+from controlplane.imaging.errors import CorruptImage, ImageTooLarge, UnsupportedFormat
+
+try:  # HEIC/HEIF through libheif; AVIF is native in Pillow 11.3+
+    import pillow_heif
+
+    pillow_heif.register_heif_opener()
+except ImportError:  # pragma: no cover - a pinned dependency
+    pillow_heif = None
+
+SUPPORTED_FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF", "HEIF", "AVIF")
+_PLUGINS = {"JPEG": ("JPEG", "MPO"), "TIFF": ("TIFF",), "HEIF": ("HEIF",)}
+_SVG = re.compile(rb"^\s*(<\?xml[^>]*>\s*)?(<!--.*?-->\s*)*(<!doctype svg|<svg)", re.I | re.S)
+# Six or more distinctive bytes each, so that compressed pixel data matches by chance
+# with negligible probability.
+_PAYLOAD = re.compile(rb"<(script|html|\?php|iframe|object)[\s>]|%PDF-\d\.\d", re.I)
+_ZIP_DIRECTORY_END = b"PK\x05\x06"
+
+
+class PolyglotImage(CorruptImage):
+    code = "polyglot_image"
+
+
+def _plugins(allowed: tuple[str, ...]) -> tuple[str, ...]:
+    Image.init()
+    names = []
+    for fmt in allowed or SUPPORTED_FORMATS:
+        names += [name for name in _PLUGINS.get(fmt, (fmt,)) if name in Image.OPEN]
+    return tuple(names)
+
+
+def sniff_problem(data: bytes) -> None:
+    """Refuse what is not a raster image before Pillow looks at it."""
+    if not data:
+        raise CorruptImage("image data is empty (zero bytes)")
+    if _SVG.match(data[:4096]):
+        raise UnsupportedFormat("SVG (vector) images are not supported; send a raster image "
+                                "such as PNG or JPEG")
+    payload = _PAYLOAD.search(data)
+    if payload is not None:
+        raise PolyglotImage(f"image data carries an embedded {payload.group(0)[:8]!r}… document; "
+                            "polyglot files are refused")
+    if _ZIP_DIRECTORY_END in data[-65_557:]:
+        raise PolyglotImage("image data carries an embedded ZIP archive; polyglot files are refused")
+
+
+def open_image(data: bytes, *, allowed_formats: tuple[str, ...], max_input_pixels: int) -> Image.Image:
+    """Open `data` lazily (header only) and check its format and pixel count."""
+    sniff_problem(data)
+    try:
+        with warnings.catch_warnings():
+            # Our own cap below decides; Pillow's bomb warning would only add noise.
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            image = Image.open(io.BytesIO(data), formats=_plugins(allowed_formats))
+    except Image.DecompressionBombError:
+        raise ImageTooLarge("image has more pixels than allowed") from None
+    except UnidentifiedImageError:
+        if allowed_formats:
+            try:
+                detected = Image.open(io.BytesIO(data)).format
+            except Exception:  # noqa: BLE001 - any failure means "not an image we know"
+                detected = None
+            if detected:
+                raise UnsupportedFormat(
+                    f"image format {detected} is not allowed here "
+                    f"(allowed: {', '.join(allowed_formats)})") from None
+        raise UnsupportedFormat(
+            "image format not recognised (supported: " + ", ".join(SUPPORTED_FORMATS) + ")"
+        ) from None
+    except (OSError, SyntaxError, ValueError, EOFError) as exc:
+        raise CorruptImage(f"image header could not be read: {exc}") from None
+    width, height = image.size
+    if width <= 0 or height <= 0:
+        raise CorruptImage("image has no pixels")
+    if width * height > max_input_pixels:
+        # For a GIF this is the canvas: a tiny frame on a huge canvas is still a huge image.
+        raise ImageTooLarge(
+            f"image is {width}x{height} ({width * height:,} pixels); at most "
+            f"{max_input_pixels:,} pixels are accepted")
+    return image
+
+
+def source_format(image: Image.Image) -> str:
+    return "JPEG" if image.format == "MPO" else (image.format or "UNKNOWN")
+
+
+def orientation(image: Image.Image) -> int:
+    try:
+        value = image.getexif().get(0x0112, 1)
+    except Exception:  # noqa: BLE001 - a broken EXIF block is as good as none
+        return 1
+    return value if value in range(1, 9) else 1
+
+
+def to_rgb(image: Image.Image) -> Image.Image:
+    """RGB whatever the mode: 16-bit scaled down, palette expanded, alpha composited on white."""
+    if image.mode == "RGB":
+        return image
+    if image.mode in ("I;16", "I;16B", "I;16L", "I;16N"):
+        image = image.convert("I")
+    if image.mode == "I":
+        image = image.point(lambda v: v * (1 / 256)).convert("L")
+    if image.mode == "F":
+        image = image.convert("L")
+    if image.mode == "P":
+        image = image.convert("RGBA" if "transparency" in image.info else "RGB")
+    if image.mode in ("RGBA", "LA", "PA", "RGBa", "La"):
+        rgba = image.convert("RGBA")
+        background = Image.new("RGB", rgba.size, (255, 255, 255))
+        background.paste(rgba, mask=rgba.getchannel("A"))
+        return background
+    if image.mode == "1":
+        image = image.convert("L")
+    return image.convert("RGB")
+
+
+def upright(image: Image.Image, turn: int) -> Image.Image:
+    """Apply an EXIF orientation (1..8) to decoded pixels."""
+    return ImageOps.exif_transpose(image) if turn != 1 else image

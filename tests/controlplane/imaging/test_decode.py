@@ -1,0 +1,84 @@
+"""What is not a plain raster image is refused with a reason, before it is decoded."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+from PIL import Image, JpegImagePlugin
+
+from controlplane.imaging.decode import PolyglotImage
+from controlplane.imaging.errors import UnsupportedFormat
+from controlplane.imaging.policy import Policy, normalise
+from tests.images import image_bytes
+
+JPEG = image_bytes(320, 240, "JPEG")
+
+
+@pytest.mark.parametrize("payload, what", [
+    (b"<html><body><script>alert(1)</script></body></html>", "html"),
+    (b"<script>fetch('/steal')</script>", "script"),
+    (b"<?php system($_GET['c']); ?>", "php"),
+    (b"%PDF-1.7\n1 0 obj<<>>endobj", "PDF"),
+])
+def test_images_carrying_documents_are_refused_as_polyglots(payload, what):
+    with pytest.raises(PolyglotImage) as refused:
+        normalise(JPEG + payload, Policy())
+    assert refused.value.code == "polyglot_image"
+
+
+def test_an_image_with_a_zip_archive_appended_is_refused():
+    zipped = io.BytesIO()
+    import zipfile
+
+    with zipfile.ZipFile(zipped, "w") as archive:
+        archive.writestr("payload.txt", "hidden")
+    with pytest.raises(PolyglotImage, match="ZIP"):
+        normalise(JPEG + zipped.getvalue(), Policy())
+
+
+@pytest.mark.parametrize("svg", [
+    b'<svg xmlns="http://www.w3.org/2000/svg" width="10" height="10"/>',
+    b'<?xml version="1.0"?>\n<!-- a drawing -->\n<svg xmlns="http://www.w3.org/2000/svg"/>',
+    b"  <!DOCTYPE svg PUBLIC '-//W3C//DTD SVG 1.1//EN' 'x'><svg/>",
+])
+def test_svg_is_refused_with_a_clear_reason(svg):
+    with pytest.raises(UnsupportedFormat, match="SVG"):
+        normalise(svg, Policy())
+
+
+def test_a_policy_that_allows_only_png_refuses_a_jpeg_and_says_so():
+    with pytest.raises(UnsupportedFormat, match="JPEG is not allowed here"):
+        normalise(JPEG, Policy(allowed_formats=("PNG",)))
+
+
+def test_formats_outside_the_supported_set_are_never_opened():
+    for fmt in ("ICO", "PCX", "TGA", "PPM"):
+        buffer = io.BytesIO()
+        Image.new("RGB", (16, 16)).save(buffer, fmt)
+        with pytest.raises(UnsupportedFormat):
+            normalise(buffer.getvalue(), Policy())
+
+
+def test_a_twelve_megapixel_jpeg_is_decoded_at_half_scale_for_a_one_megapixel_target(monkeypatch):
+    decoded = []
+    original = JpegImagePlugin.JpegImageFile.load_prepare
+
+    def spy(self):
+        decoded.append(self.size)
+        return original(self)
+
+    monkeypatch.setattr(JpegImagePlugin.JpegImageFile, "load_prepare", spy)
+    result = normalise(image_bytes(4000, 3000, "JPEG"), Policy(max_pixels=1_003_520))
+    assert decoded == [(2000, 1500)]  # DCT-domain scaling: never the full 12 MP
+    assert result.width * result.height <= 1_003_520
+
+
+def test_heif_and_avif_are_decoded():
+    pillow_heif = pytest.importorskip("pillow_heif")
+    pillow_heif.register_heif_opener()
+    for fmt in ("HEIF", "AVIF"):
+        buffer = io.BytesIO()
+        Image.new("RGB", (640, 480), (10, 120, 200)).save(buffer, fmt, quality=80)
+        result = normalise(buffer.getvalue(), Policy())
+        assert (result.source_format, result.width, result.height) == (fmt, 640, 480)

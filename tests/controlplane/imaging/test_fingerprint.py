@@ -1,0 +1,77 @@
+"""Fingerprints identify a picture across re-encodings, and only that picture."""
+
+from __future__ import annotations
+
+import io
+import itertools
+
+import pytest
+from PIL import Image, ImageDraw
+
+from controlplane.imaging.fingerprint import FingerprintIndex, perceptual_bits
+from controlplane.imaging.policy import Policy, normalise
+
+ENCODINGS = [("PNG", {}), ("BMP", {}), ("JPEG", {"quality": 95}), ("JPEG", {"quality": 85}),
+             ("JPEG", {"quality": 70}), ("WEBP", {"quality": 90}), ("WEBP", {"quality": 75})]
+
+
+def picture(seed: int) -> Image.Image:
+    image = Image.new("RGB", (640 + seed * 23, 480 - seed * 7), ((seed * 47) % 255, 90, 160))
+    draw = ImageDraw.Draw(image)
+    for k in range(25):
+        x, y = (k * 97 + seed * 31) % image.width, (k * 53 + seed * 17) % image.height
+        draw.rectangle([x, y, x + 60 + k * 3, y + 30 + seed], fill=((k * 40) % 255, (seed * 60) % 255, (k * seed) % 255))
+        draw.ellipse([y % 300, x % 200, y % 300 + 50, x % 200 + 40], fill=(k * 9 % 255, 200, 40))
+    return image
+
+
+def encoded(image: Image.Image, fmt: str, options: dict) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, fmt, **options)
+    return buffer.getvalue()
+
+
+CORPUS = [picture(seed) for seed in range(16)]
+
+
+@pytest.mark.parametrize("seed", range(len(CORPUS)))
+def test_re_encodings_of_a_picture_share_one_fingerprint_through_the_index(seed):
+    index = FingerprintIndex()
+    prints = {normalise(encoded(CORPUS[seed], fmt, options), Policy(), index=index).fingerprint
+              for fmt, options in ENCODINGS}
+    assert len(prints) == 1
+
+
+def test_different_pictures_never_share_a_fingerprint():
+    index = FingerprintIndex()
+    prints = [normalise(encoded(image, "PNG", {}), Policy(), index=index).fingerprint for image in CORPUS]
+    assert len(set(prints)) == len(CORPUS)
+
+
+def test_the_bits_of_re_encodings_stay_close_and_of_different_pictures_far_apart():
+    within = [bin(perceptual_bits(CORPUS[s]) ^ perceptual_bits(Image.open(io.BytesIO(encoded(CORPUS[s], f, o))))).count("1")
+              for s in range(len(CORPUS)) for f, o in ENCODINGS]
+    between = [bin(perceptual_bits(a) ^ perceptual_bits(b)).count("1") for a, b in itertools.combinations(CORPUS, 2)]
+    assert max(within) <= 6 < 12 <= min(between)
+
+
+def test_a_lossless_re_encoding_has_the_same_fingerprint_even_without_an_index():
+    png = normalise(encoded(CORPUS[0], "PNG", {}), Policy()).fingerprint
+    bmp = normalise(encoded(CORPUS[0], "BMP", {}), Policy()).fingerprint
+    assert png == bmp
+
+
+def test_the_same_picture_at_another_size_is_another_fingerprint():
+    index = FingerprintIndex()
+    big = normalise(encoded(CORPUS[0], "PNG", {}), Policy(), index=index).fingerprint
+    small = normalise(encoded(CORPUS[0].resize((320, 240)), "PNG", {}), Policy(), index=index).fingerprint
+    assert big != small
+
+
+def test_the_index_forgets_the_least_recently_seen_beyond_its_bound():
+    index = FingerprintIndex(max_items=4)
+    first = index.canonical(CORPUS[0])
+    for image in CORPUS[1:6]:
+        index.canonical(image)
+    assert len(index) == 4
+    assert index.canonical(CORPUS[0]) == first  # recomputed, and deterministic
