@@ -10,9 +10,15 @@ import asyncio
 from dataclasses import dataclass, field
 
 from controlplane.imaging.errors import ImageError
-from controlplane.imaging.policy import NormalisedImage, Policy, decode_data_url, normalise
+from controlplane.imaging.fetch import FetchPolicy
+from controlplane.imaging.fingerprint import FingerprintIndex
+from controlplane.imaging.intake import image_source_bytes
+from controlplane.imaging.policy import NormalisedImage, Policy, normalise_tiles
 from controlplane.imaging.tokens import count_image_tokens
 from controlplane.textcount import prompt_text_tokens
+
+# Re-encodings of a picture this process has seen get that picture's fingerprint.
+index_of_pictures = FingerprintIndex()
 
 
 class RequestInvalid(ValueError):
@@ -33,6 +39,7 @@ class TierSpec:
     large_image_threshold: int
     max_output_tokens: int
     price_plan_id: int
+    fetch_policy: FetchPolicy | None = None  # None: image URLs are refused
 
 
 @dataclass
@@ -120,6 +127,7 @@ async def prepare(body: dict, tier: TierSpec, *, max_image_bytes: int) -> Prepar
             f"{policy.max_images_per_request}", param="messages", code="too_many_images",
         )
     total_pixels = 0
+    replacements: dict[int, list[dict]] = {}
     for index, part in enumerate(parts):
         key = "image_url" if part.get("type") == "image_url" else "input_image"
         spec = part.get(key)
@@ -128,30 +136,39 @@ async def prepare(body: dict, tier: TierSpec, *, max_image_bytes: int) -> Prepar
         )
         if not isinstance(url, str) or not url:
             raise RequestInvalid(f"image {index + 1} has no url", param="messages")
-        if not url.startswith("data:"):
-            raise RequestInvalid(
-                f"image {index + 1}: only base64 data URLs are accepted here",
-                param="messages", code="image_url_not_supported",
-            )
         try:
-            data = decode_data_url(url, max_bytes=max_image_bytes)
-            image = await asyncio.to_thread(normalise, data, policy, detail=detail)
+            data = await asyncio.to_thread(image_source_bytes, url, max_bytes=max_image_bytes,
+                                           fetch=tier.fetch_policy)
+            tiles = await asyncio.to_thread(normalise_tiles, data, policy, detail=detail, index=index_of_pictures)
         except ImageError as exc:
             raise RequestInvalid(f"image {index + 1}: {exc}", param="messages", code=exc.code) from None
-        total_pixels += image.source_width * image.source_height
+        total_pixels += tiles[0].source_width * tiles[0].source_height
         if total_pixels > policy.max_total_pixels:
             raise RequestInvalid(
                 f"images in this request exceed {policy.max_total_pixels} pixels in total",
                 param="messages", code="image_too_large",
             )
-        try:
-            tokens = count_image_tokens(tier.family, image.width, image.height, **tier.processor_options)
-        except ValueError as exc:
-            raise RequestInvalid(f"image {index + 1}: {exc}", param="messages",
-                                 code="image_policy_violation") from None
-        prepared.images.append(PreparedImage(image=image, tokens=tokens))
-        # What the engine receives: the normalised image, no client UUID, no detail hint.
-        part.clear()
-        part["type"] = "image_url"
-        part["image_url"] = {"url": image.data_url()}
+        for tile in tiles:
+            try:
+                tokens = count_image_tokens(tier.family, tile.width, tile.height, **tier.processor_options)
+            except ValueError as exc:
+                raise RequestInvalid(f"image {index + 1}: {exc}", param="messages",
+                                     code="image_policy_violation") from None
+            prepared.images.append(PreparedImage(image=tile, tokens=tokens))
+        # What the engine receives: the normalised image (or its tiles, in reading order),
+        # without the client's multimodal UUID or detail hint.
+        replacements[id(part)] = [{"type": "image_url", "image_url": {"url": t.data_url()}} for t in tiles]
+    if len(prepared.images) > policy.max_images_per_request:
+        raise RequestInvalid(
+            f"the images of this request make {len(prepared.images)} images once long ones are "
+            f"tiled; this model takes at most {policy.max_images_per_request}",
+            param="messages", code="too_many_images",
+        )
+    for message in body["messages"]:
+        content = message.get("content")
+        if isinstance(content, list):
+            message["content"] = [
+                new for part in content
+                for new in (replacements.get(id(part)) or [part])
+            ]
     return prepared

@@ -16,6 +16,7 @@ from django.conf import settings
 from django.utils import timezone
 
 from controlplane.gateway.prepare import TierSpec
+from controlplane.imaging.fetch import FetchPolicy
 from controlplane.imaging.tokens import processor_options
 
 
@@ -112,6 +113,14 @@ def _load_tiers() -> dict[str, TierSpec]:
             if policy else {}
         )
         engine = tier.engine_settings or {}
+        fetch = None
+        if policy is not None and engine.get("fetch_image_urls", True):
+            fetch = FetchPolicy(
+                max_bytes=settings.GATEWAY_IMAGE_FETCH_MAX_BYTES,
+                timeout_s=settings.GATEWAY_IMAGE_FETCH_TIMEOUT_S,
+                allowed_domains=tuple(engine.get("allowed_media_domains") or ()),
+                trusted_networks=tuple(settings.GATEWAY_TRUSTED_IMAGE_NETWORKS),
+            )
         specs[tier.name] = TierSpec(
             id=tier.pk,
             name=tier.name,
@@ -122,6 +131,7 @@ def _load_tiers() -> dict[str, TierSpec]:
             large_image_threshold=tier.large_image_threshold,
             max_output_tokens=int(engine.get("max_output_tokens", 4096)),
             price_plan_id=tier.price_plan_id,
+            fetch_policy=fetch,
         )
     return specs
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import threading
 from collections import OrderedDict
 
 from PIL import Image
@@ -77,6 +78,7 @@ class FingerprintIndex:
         self._band_width = math.ceil(self.BITS / self.bands)
         self._items: OrderedDict[str, tuple[int, int, int]] = OrderedDict()  # id -> (w, h, bits)
         self._buckets: dict[tuple, set[str]] = {}
+        self._lock = threading.Lock()  # the gateway normalises images on several threads
 
     def __len__(self) -> int:
         return len(self._items)
@@ -90,6 +92,10 @@ class FingerprintIndex:
         return self.lookup(image.width, image.height, perceptual_bits(image))
 
     def lookup(self, width: int, height: int, bits: int) -> str:
+        with self._lock:
+            return self._lookup(width, height, bits)
+
+    def _lookup(self, width: int, height: int, bits: int) -> str:
         for key in self._keys(width, height, bits):
             for known in self._buckets.get(key, ()):
                 _, _, other = self._items[known]

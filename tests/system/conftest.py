@@ -40,6 +40,7 @@ def system(tmp_path_factory, django_db_blocker):
         "DATABASE_URL": f"postgres://postgres@127.0.0.1:5432/{name}",
         "REDIS_URL": f"redis://127.0.0.1:6379/{SYSTEM_REDIS_DB}",
         "NODE_NAME": f"e2e-{os.getpid()}",
+        "GATEWAY_TRUSTED_IMAGE_NETWORKS": "127.0.0.1/32",  # the tests' own image server
     })
     running = System(env=env, var_dir=var_dir, port=free_port())
     try:

@@ -14,7 +14,7 @@ from controlplane.fleet.models import EngineEvent, EngineInstance
 from controlplane.imaging.tokens import count_image_tokens
 from controlplane.metering.models import DailyUsage, UsageEvent
 from controlplane.tenants.models import ApiKey
-from tests.images import data_url, image_bytes
+from tests.images import data_url, image_bytes, serve_files
 from tests.system.harness import wait_for
 
 
@@ -50,6 +50,22 @@ def test_it_meters_an_image_request_from_the_openai_client(client, system_db):
     assert event.cost > 0
     image = event.images.get()
     assert (image.source_width, image.source_height, image.width, image.height) == (1920, 1080, 1335, 751)
+
+
+def test_it_fetches_an_http_image_url_for_the_openai_client(client, system_db):
+    with serve_files({"/street.jpg": (image_bytes(1920, 1080), "image/jpeg")}) as base:
+        raw = client.chat.completions.with_raw_response.create(
+            model="vlm-lite", messages=_image_message(f"{base}/street.jpg"), max_tokens=8)
+    assert raw.parse().usage.prompt_tokens_details.image_tokens == 1224
+    image = UsageEvent.objects.using(system_db).get(request_id=raw.headers["x-request-id"]).images.get()
+    assert (image.source_width, image.source_height) == (1920, 1080)
+
+
+def test_it_refuses_an_image_url_aimed_at_the_cloud_metadata_service(client):
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(
+            model="vlm-lite", messages=_image_message("http://169.254.169.254/latest/meta-data/"))
+    assert refused.value.body["code"] == "unsafe_image_url"
 
 
 def test_it_meters_a_streamed_request_with_the_tokens_produced(client, system_db):

@@ -13,7 +13,7 @@ from controlplane.fleet.models import EngineInstance, Node
 from controlplane.metering.models import UsageEvent
 from controlplane.tenants.services import api_key_revoke
 from tests.engines import simulator
-from tests.images import data_url, image_bytes
+from tests.images import data_url, image_bytes, serve_files
 
 
 @pytest.fixture(scope="module")
@@ -183,7 +183,11 @@ def test_a_tier_outside_the_keys_tenant_allowance_is_a_403(client, world):
 
 @pytest.mark.django_db
 @pytest.mark.parametrize("url, code", [
-    ("https://example.com/cat.png", "image_url_not_supported"),
+    ("http://127.0.0.1/cat.png", "unsafe_image_url"),
+    ("http://169.254.169.254/latest/meta-data/", "unsafe_image_url"),
+    ("http://2130706433/cat.png", "unsafe_image_url"),
+    ("http://example.com\\@127.0.0.1/cat.png", "unsafe_image_url"),
+    ("file:///etc/passwd", "invalid_image_url"),
     ("data:image/png;base64,!!!!", "invalid_image_url"),
     ("data:image/png;base64," + "QUJD" * 8, "unsupported_image_format"),
     (data_url(b"<svg xmlns='http://www.w3.org/2000/svg'/>", "image/svg+xml"), "unsupported_image_format"),
@@ -219,3 +223,52 @@ def test_unknown_endpoints_and_methods_get_openai_errors(client, world):
     assert error_of(client.get("/v1/embeddings"))["code"] == "unknown_url"
     response = client.get("/v1/chat/completions", HTTP_AUTHORIZATION=f"Bearer {world.alice_key}")
     assert response.status_code == 405
+
+
+@pytest.mark.django_db
+def test_an_image_url_is_fetched_normalised_and_counted(client, routed, settings):
+    settings.GATEWAY_TRUSTED_IMAGE_NETWORKS = ["127.0.0.1/32"]  # the test's image server
+    with serve_files({"/photo.jpg": (image_bytes(1920, 1080), "image/jpeg")}) as base:
+        response = post(client, routed.alice_key, {"model": "vlm-lite", "max_tokens": 8,
+                                                   "messages": image_message(f"{base}/photo.jpg")})
+    assert response.status_code == 200, response.content
+    assert response.json()["usage"]["prompt_tokens_details"]["image_tokens"] == 1224
+
+
+@pytest.mark.django_db
+def test_a_tier_can_refuse_image_urls_or_limit_their_domains(client, world, settings):
+    settings.GATEWAY_TRUSTED_IMAGE_NETWORKS = ["127.0.0.1/32"]
+    world.vision.engine_settings = {**world.vision.engine_settings, "allowed_media_domains": ["images.example.com"]}
+    world.vision.save()
+    with serve_files({"/a.png": (image_bytes(64, 64, "PNG"), "image/png")}) as base:
+        response = post(client, world.alice_key, {"model": "vlm-lite", "messages": image_message(f"{base}/a.png")})
+    assert response.status_code == 400
+    assert "allowed domains" in error_of(response)["message"]
+
+    from controlplane.gateway import state
+
+    world.vision.engine_settings = {**world.vision.engine_settings, "fetch_image_urls": False}
+    world.vision.save()
+    state.clear_caches()
+    response = post(client, world.alice_key, {"model": "vlm-lite",
+                                              "messages": image_message("https://images.example.com/a.png")})
+    assert response.status_code == 400
+    assert "base64 data URL" in error_of(response)["message"]
+
+
+@pytest.mark.django_db
+def test_a_long_image_reaches_the_engine_as_tiles_and_is_metered_per_tile(client, routed):
+    policy = routed.vision.resolution_policy
+    policy.max_aspect_ratio = 4
+    policy.save()
+    receipt = data_url(image_bytes(400, 4000, "PNG"), "image/png")  # aspect 10 -> 3 tiles
+    response = post(client, routed.alice_key, {"model": "vlm-lite", "messages": image_message(receipt)})
+    assert response.status_code == 200, response.content
+    event = UsageEvent.objects.get(request_id=response["x-request-id"])
+    assert event.image_count == 3
+    tiles = list(event.images.order_by("position"))
+    assert all(t.height <= 4 * t.width for t in tiles)
+    # The engine counted three images too: its prompt grew by exactly the tiles' tokens.
+    body = response.json()
+    assert body["usage"]["prompt_tokens_details"]["image_tokens"] == sum(t.tokens for t in tiles)
+    assert "image 3" in body["choices"][0]["message"]["content"]
