@@ -14,6 +14,11 @@ ROOT = Path(__file__).resolve().parents[2]
 PURE_MODULES = [
     "controlplane.imaging.policy",
     "controlplane.imaging.tokens",
+    "controlplane.imaging.decode",
+    "controlplane.imaging.fetch",
+    "controlplane.imaging.fingerprint",
+    "controlplane.imaging.intake",
+    "controlplane.imaging.kv",
     "controlplane.textcount",
     "controlplane.metering.rating",
     "controlplane.gateway.prepare",

@@ -1,0 +1,190 @@
+"""How much KV cache an image holds, and how many requests a GPU fits.
+
+KV bytes per token = 2 (K and V) x layers x KV heads x head dim x bytes per element. With
+tensor parallelism each GPU holds its share of the KV heads (at least one: vLLM replicates
+heads when there are fewer heads than GPUs). vLLM allocates KV in blocks of 16 tokens, so
+a request occupies whole blocks. The memory left for KV on each GPU is its memory times
+`gpu_memory_utilization`, less its share of the weights and an allowance for activations,
+CUDA graphs and the vision encoder's working memory during prefill.
+Pure Python: no Django, no Celery.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from controlplane.imaging.tokens import count_image_tokens
+
+GIB = 1024 ** 3
+BLOCK_TOKENS = 16
+DTYPE_BYTES = {"auto": 2, "bfloat16": 2, "float16": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
+
+
+@dataclass(frozen=True)
+class ModelArch:
+    model_id: str
+    family: str
+    layers: int
+    kv_heads: int
+    head_dim: int
+    params_billion: float  # language model and vision tower
+    dtype_bytes: int = 2  # weights in bf16
+    processor_options: dict = field(default_factory=dict)
+
+
+# From each checkpoint's config.json (num_hidden_layers, num_key_value_heads,
+# hidden_size / num_attention_heads) and its model card's parameter count.
+PRESETS = {
+    "qwen2.5-vl-3b": ModelArch("Qwen/Qwen2.5-VL-3B-Instruct", "qwen2_5_vl", 36, 2, 128, 3.75),
+    "qwen2.5-vl-7b": ModelArch("Qwen/Qwen2.5-VL-7B-Instruct", "qwen2_5_vl", 28, 4, 128, 8.29),
+    "qwen2.5-vl-72b": ModelArch("Qwen/Qwen2.5-VL-72B-Instruct", "qwen2_5_vl", 80, 8, 128, 73.4),
+}
+
+
+@dataclass(frozen=True)
+class Gpu:
+    name: str
+    memory_gib: float
+
+
+GPUS = {g.name: g for g in (
+    Gpu("L4", 24), Gpu("A10G", 24), Gpu("RTX 4090", 24), Gpu("L40S", 48), Gpu("A100 40GB", 40),
+    Gpu("A100 80GB", 80), Gpu("H100 80GB", 80), Gpu("H200", 141), Gpu("B200", 180),
+)}
+
+
+def preset_for(model_id: str) -> ModelArch | None:
+    """The preset whose checkpoint `model_id` names, if any (case-insensitive)."""
+    for arch in PRESETS.values():
+        if arch.model_id.lower() == model_id.lower():
+            return arch
+    return None
+
+
+def kv_bytes_per_token(arch: ModelArch, *, tensor_parallel: int = 1, kv_cache_dtype: str = "auto",
+                       per_gpu: bool = False) -> int:
+    """KV bytes one token holds, in total or (per_gpu) on each of the tensor-parallel GPUs."""
+    element = DTYPE_BYTES[kv_cache_dtype]
+    if not per_gpu:
+        return 2 * arch.layers * arch.kv_heads * arch.head_dim * element
+    heads = max(1, arch.kv_heads // tensor_parallel)
+    return 2 * arch.layers * heads * arch.head_dim * element
+
+
+def blocks(tokens: int) -> int:
+    return math.ceil(tokens / BLOCK_TOKENS)
+
+
+def image_tokens(arch: ModelArch, width: int, height: int, **options) -> int:
+    return count_image_tokens(arch.family, width, height, **{**arch.processor_options, **options})
+
+
+def image_kv_bytes(arch: ModelArch, width: int, height: int, *, kv_cache_dtype: str = "auto",
+                   **options) -> int:
+    """KV bytes (all GPUs together) that one image holds for as long as its request runs."""
+    return image_tokens(arch, width, height, **options) * kv_bytes_per_token(arch, kv_cache_dtype=kv_cache_dtype)
+
+
+@dataclass(frozen=True)
+class Deployment:
+    arch: ModelArch
+    gpu: Gpu
+    tensor_parallel: int = 1
+    gpu_memory_utilization: float = 0.9
+    kv_cache_dtype: str = "auto"
+    overhead_gib: float = 2.0  # activations, CUDA graphs, encoder working memory, per GPU
+
+    @property
+    def weights_bytes_per_gpu(self) -> float:
+        return self.arch.params_billion * 1e9 * self.arch.dtype_bytes / self.tensor_parallel
+
+    @property
+    def kv_budget_bytes_per_gpu(self) -> float:
+        usable = self.gpu.memory_gib * GIB * self.gpu_memory_utilization
+        return max(0.0, usable - self.weights_bytes_per_gpu - self.overhead_gib * GIB)
+
+    @property
+    def kv_bytes_per_token_per_gpu(self) -> int:
+        return kv_bytes_per_token(self.arch, tensor_parallel=self.tensor_parallel,
+                                  kv_cache_dtype=self.kv_cache_dtype, per_gpu=True)
+
+    @property
+    def kv_token_capacity(self) -> int:
+        """Tokens of KV the deployment holds (whole blocks)."""
+        block_bytes = BLOCK_TOKENS * self.kv_bytes_per_token_per_gpu
+        return int(self.kv_budget_bytes_per_gpu // block_bytes) * BLOCK_TOKENS
+
+
+@dataclass(frozen=True)
+class RequestClass:
+    share: float  # fraction of requests of this class
+    text_tokens: int
+    output_tokens: int
+    images: tuple[tuple[int, int], ...] = ()  # width, height of each image
+
+    def kv_tokens(self, arch: ModelArch, **options) -> int:
+        prompt = self.text_tokens + sum(image_tokens(arch, w, h, **options) for w, h in self.images)
+        return blocks(prompt + self.output_tokens) * BLOCK_TOKENS
+
+
+@dataclass(frozen=True)
+class Fit:
+    concurrent_requests: int
+    kv_tokens_per_request: float
+    kv_token_capacity: int
+    kv_budget_gib_per_gpu: float
+
+
+def concurrency(deployment: Deployment, mix: list[RequestClass], **options) -> Fit:
+    """How many requests of this traffic mix run at once before KV runs out."""
+    total = sum(c.share for c in mix)
+    if total <= 0:
+        raise ValueError("a traffic mix needs at least one class with a positive share")
+    per_request = sum(c.share * c.kv_tokens(deployment.arch, **options) for c in mix) / total
+    capacity = deployment.kv_token_capacity
+    return Fit(
+        concurrent_requests=int(capacity // per_request) if per_request else 0,
+        kv_tokens_per_request=per_request,
+        kv_token_capacity=capacity,
+        kv_budget_gib_per_gpu=deployment.kv_budget_bytes_per_gpu / GIB,
+    )
+
+
+@dataclass(frozen=True)
+class Resolution:
+    width: int
+    height: int
+    image_tokens: int
+    concurrent_requests: int
+
+
+def largest_resolution(deployment: Deployment, *, target_concurrency: int, aspect: tuple[int, int] = (4, 3),
+                       text_tokens: int = 100, output_tokens: int = 256, images_per_request: int = 1,
+                       max_side: int = 16384) -> Resolution | None:
+    """The largest image (of `aspect`) at which `target_concurrency` requests still fit.
+
+    The processor's own pixel cap is lifted so that the answer is about memory alone.
+    Returns None when not even the smallest image fits.
+    """
+    aw, ah = aspect
+    unbounded = {"max_pixels": max_side * max_side} if deployment.arch.family.startswith("qwen") else {}
+
+    def fit(scale: float) -> tuple[int, int, int, int]:
+        width, height = max(1, round(aw * scale)), max(1, round(ah * scale))
+        tokens = image_tokens(deployment.arch, width, height, **unbounded)
+        request = RequestClass(1.0, text_tokens, output_tokens, ((width, height),) * images_per_request)
+        return width, height, tokens, concurrency(deployment, [request], **unbounded).concurrent_requests
+
+    low, high = 1.0, max_side / max(aw, ah)
+    if fit(low)[3] < target_concurrency:
+        return None
+    if fit(high)[3] >= target_concurrency:
+        return Resolution(*fit(high))
+    for _ in range(40):
+        middle = (low + high) / 2
+        if fit(middle)[3] >= target_concurrency:
+            low = middle
+        else:
+            high = middle
+    return Resolution(*fit(low))
