@@ -1,47 +1,84 @@
-"""Normalise throughput on one core: the gateway's image policy against a naive pipeline.
+"""Normalise throughput on one core: the gateway's image policy against a naive Pillow
+pipeline and against transformers' Qwen2VLImageProcessor, on the same inputs.
 
-    python -m bench.imaging
+    python -m bench.imaging          (or: make bench)
 
-Each pipeline runs in its own child process (one core, same inputs) so that its peak
-resident memory can be read on its own: "peak +MB" is the growth over the child's
-resident size before the first image. Naive: full decode, LANCZOS resize, JPEG encode.
-Ours: controlplane.imaging.policy.normalise (JPEG draft decoding, reducing_gap resize).
+Each pipeline runs in its own child process on one core, so that its peak memory is its
+own: "peak +MB" is the growth of the child's resident memory over its size before the
+first image (VmHWM after resetting it through /proc/self/clear_refs).
+- ours:   controlplane.imaging.policy.normalise (DCT-domain draft decode, reduce, one
+          bicubic resample, JPEG encode, perceptual fingerprint)
+- naive:  full decode, LANCZOS resize to the same size, JPEG encode
+- hf:     full decode, then transformers' Qwen2VLImageProcessor at the same pixel cap
+          (resize, rescale, normalise, patchify: what a Python VLM server would run)
+The inputs are photo-like (smooth regions, edges, fine grain), not noise, so that their
+compressed sizes resemble camera files.
 """
 
 from __future__ import annotations
 
 import io
-import math
+import itertools
 import multiprocessing
 import time
 
-from PIL import Image
+from PIL import Image, ImageDraw, ImageFilter
 
+from controlplane.imaging.fingerprint import perceptual_bits
 from controlplane.imaging.policy import Policy, fit_within, normalise
 
-POLICY = Policy(max_pixels=1_003_520, max_long_edge=8192, max_input_pixels=200_000_000)
+CAP = 1_003_520
+POLICY = Policy(max_pixels=CAP, max_long_edge=8192, max_input_pixels=200_000_000)
 
 
-def _photo(width: int, height: int, fmt: str) -> bytes:
-    # A smooth gradient with detail: compresses like a photo, not like a flat colour.
-    base = Image.radial_gradient("L").resize((width, height))
-    noise = Image.effect_noise((width, height), 40)
-    image = Image.merge("RGB", (base, noise, Image.linear_gradient("L").resize((width, height))))
+def photo(width: int, height: int) -> Image.Image:
+    size = (width, height)
+    base = Image.merge("RGB", (
+        Image.radial_gradient("L").resize(size),
+        Image.linear_gradient("L").rotate(90).resize(size),
+        Image.radial_gradient("L").resize(size).transpose(Image.Transpose.FLIP_LEFT_RIGHT),
+    ))
+    grain = Image.effect_noise((width // 4, height // 4), 64).resize(size, Image.Resampling.BICUBIC)
+    grain = grain.filter(ImageFilter.GaussianBlur(2))
+    image = Image.blend(base, Image.merge("RGB", (grain, grain, grain)), 0.35)
+    draw = ImageDraw.Draw(image)
+    for x in range(0, width, 97):
+        draw.line([(x, 0), (width - x, height)], fill=(x % 255, 80, 200 - x % 200), width=3)
+    fine = Image.effect_noise(size, 12)
+    return Image.blend(image, Image.merge("RGB", (fine, fine, fine)), 0.08)
+
+
+def encoded(image: Image.Image, fmt: str, **options) -> bytes:
     buffer = io.BytesIO()
-    image.save(buffer, fmt, **({"quality": 90} if fmt in ("JPEG", "WEBP") else {}))
+    image.save(buffer, fmt, **options)
     return buffer.getvalue()
 
 
-def naive(data: bytes) -> bytes:
+def naive(data: bytes) -> object:
     image = Image.open(io.BytesIO(data)).convert("RGB")
-    size = fit_within(image.width, image.height, max_pixels=POLICY.max_pixels, max_long_edge=8192)
+    size = fit_within(image.width, image.height, max_pixels=CAP, max_long_edge=8192)
     out = io.BytesIO()
     image.resize(size, Image.Resampling.LANCZOS).save(out, "JPEG", quality=90)
-    return out.getvalue()
+    return out
 
 
-def ours(data: bytes) -> bytes:
-    return normalise(data, POLICY).data
+def ours(data: bytes) -> object:
+    return normalise(data, POLICY)
+
+
+_hf = None
+
+
+def hf(data: bytes) -> object:
+    global _hf
+    if _hf is None:
+        from transformers import Qwen2VLImageProcessor
+
+        _hf = Qwen2VLImageProcessor(min_pixels=3136, max_pixels=CAP)
+    return _hf(images=Image.open(io.BytesIO(data)).convert("RGB"), return_tensors=None)
+
+
+PIPELINES = {"ours": ours, "naive": naive, "hf": hf}
 
 
 def _status_kb(field: str) -> int:
@@ -53,46 +90,77 @@ def _status_kb(field: str) -> int:
 
 
 def _run(name: str, data: bytes, seconds: float, queue) -> None:
-    fn = {"naive": naive, "ours": ours}[name]
-    # ru_maxrss survives execve on Linux (it would report the parent's peak); VmHWM is per
-    # address space, and writing 5 to clear_refs resets it to the current resident size.
+    import pillow_heif
+
+    pillow_heif.register_heif_opener()
+    fn = PIPELINES[name]
+    try:
+        fn(data)  # warm up (and import what the pipeline needs) before measuring memory
+    except ImportError as exc:
+        queue.put((None, str(exc)))
+        return
     with open("/proc/self/clear_refs", "w") as refs:
         refs.write("5")
     baseline = _status_kb("VmRSS")
-    fn(data)  # warm up
     count, started = 0, time.perf_counter()
     while time.perf_counter() - started < seconds:
         fn(data)
         count += 1
     elapsed = time.perf_counter() - started
-    peak = _status_kb("VmHWM")
-    queue.put((count / elapsed, (peak - baseline) / 1024))
+    queue.put((count / elapsed, (_status_kb("VmHWM") - baseline) / 1024))
 
 
-def measure(name: str, data: bytes, seconds: float = 3.0) -> tuple[float, float]:
+def measure(name: str, data: bytes, seconds: float) -> tuple[float | None, float | str]:
     context = multiprocessing.get_context("spawn")
     queue = context.Queue()
     child = context.Process(target=_run, args=(name, data, seconds, queue))
     child.start()
-    result = queue.get(timeout=seconds * 20 + 60)
+    result = queue.get(timeout=seconds * 30 + 120)
     child.join()
     return result
 
 
-def main() -> None:
+def fingerprint_distances() -> tuple[list[int], list[int]]:
+    pictures = [photo(800 + 40 * i, 600 - 10 * i) for i in range(6)]
+    within = []
+    for picture in pictures:
+        reference = perceptual_bits(picture)
+        for fmt, options in (("JPEG", {"quality": 95}), ("JPEG", {"quality": 75}), ("JPEG", {"quality": 60}),
+                             ("WEBP", {"quality": 80}), ("PNG", {})):
+            again = Image.open(io.BytesIO(encoded(picture, fmt, **options)))
+            within.append(bin(reference ^ perceptual_bits(again)).count("1"))
+    between = [bin(perceptual_bits(a) ^ perceptual_bits(b)).count("1") for a, b in itertools.combinations(pictures, 2)]
+    return within, between
+
+
+def main(seconds: float = 3.0) -> None:
+    import pillow_heif
+
+    pillow_heif.register_heif_opener()
+    twelve = photo(4000, 3000)
     inputs = {
-        "12 MP JPEG (4000x3000)": _photo(4000, 3000, "JPEG"),
-        "4K PNG (3840x2160)": _photo(3840, 2160, "PNG"),
-        "WebP (3000x2000)": _photo(3000, 2000, "WEBP"),
+        "12 MP JPEG 4000x3000": encoded(twelve, "JPEG", quality=90),
+        "4K PNG 3840x2160": encoded(photo(3840, 2160), "PNG"),
+        "12 MP HEIC 4000x3000": encoded(twelve, "HEIF", quality=85),
+        "WebP 3000x2000": encoded(photo(3000, 2000), "WEBP", quality=85),
     }
-    print(f"target: at most {POLICY.max_pixels:,} pixels, JPEG q90, one core per pipeline\n")
-    print(f"{'input':26} {'pipeline':8} {'images/s':>9} {'peak +MB':>12} {'speed-up':>9}")
+    print(f"target: at most {CAP:,} pixels; one core per pipeline; {seconds:g} s per measurement\n")
+    print(f"{'input':24} {'size':>8} {'pipeline':8} {'images/s':>9} {'peak +MB':>9} {'ours vs':>8}")
     for label, data in inputs.items():
-        naive_rate, naive_rss = measure("naive", data)
-        our_rate, our_rss = measure("ours", data)
-        print(f"{label:26} {'naive':8} {naive_rate:9.2f} {naive_rss:12.0f}")
-        print(f"{'':26} {'ours':8} {our_rate:9.2f} {our_rss:12.0f} {our_rate / naive_rate:8.1f}x")
-    print(f"\n(sqrt of the area ratio for the JPEG: {math.sqrt(12e6 / POLICY.max_pixels):.1f}x per side)")
+        rates = {}
+        for name in ("ours", "naive", "hf"):
+            rate, memory = measure(name, data, seconds)
+            rates[name] = rate
+            if rate is None:
+                print(f"{label:24} {'':>8} {name:8} {'skipped: ' + memory}")
+                continue
+            versus = "" if name == "ours" else f"{rates['ours'] / rate:7.1f}x"
+            shown = label if name == "ours" else ""
+            size = f"{len(data) / 1e6:.1f} MB" if name == "ours" else ""
+            print(f"{shown:24} {size:>8} {name:8} {rate:9.2f} {memory:9.0f} {versus:>8}")
+    within, between = fingerprint_distances()
+    print(f"\nfingerprint bits differing (of 63): re-encodings max {max(within)}, "
+          f"different pictures min {min(between)}")
 
 
 if __name__ == "__main__":

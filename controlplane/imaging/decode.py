@@ -30,6 +30,7 @@ _SVG = re.compile(rb"^\s*(<\?xml[^>]*>\s*)?(<!--.*?-->\s*)*(<!doctype svg|<svg)"
 # with negligible probability.
 _PAYLOAD = re.compile(rb"<(script|html|\?php|iframe|object)[\s>]|%PDF-\d\.\d", re.I)
 _ZIP_DIRECTORY_END = b"PK\x05\x06"
+_SCAN_WINDOW = 256 * 1024
 
 
 class PolyglotImage(CorruptImage):
@@ -51,7 +52,13 @@ def sniff_problem(data: bytes) -> None:
     if _SVG.match(data[:4096]):
         raise UnsupportedFormat("SVG (vector) images are not supported; send a raster image "
                                 "such as PNG or JPEG")
-    payload = _PAYLOAD.search(data)
+    # Polyglots put their document where other parsers look: at the start, in metadata
+    # near the start, or appended after the image. (Anything hidden inside the pixel data
+    # is discarded when the image is re-encoded.) Scanning the head and the tail keeps
+    # this cheap on large files.
+    window = _SCAN_WINDOW
+    regions = (data,) if len(data) <= 2 * window else (data[:window], data[-window:])
+    payload = next((m for m in map(_PAYLOAD.search, regions) if m is not None), None)
     if payload is not None:
         raise PolyglotImage(f"image data carries an embedded {payload.group(0)[:8]!r}… document; "
                             "polyglot files are refused")

@@ -167,21 +167,22 @@ def largest_resolution(deployment: Deployment, *, target_concurrency: int, aspec
     The processor's own pixel cap is lifted so that the answer is about memory alone.
     Returns None when not even the smallest image fits.
     """
-    aw, ah = aspect
+    long_side = max(aspect)
+    share_w, share_h = aspect[0] / long_side, aspect[1] / long_side
     unbounded = {"max_pixels": max_side * max_side} if deployment.arch.family.startswith("qwen") else {}
 
-    def fit(scale: float) -> tuple[int, int, int, int]:
-        width, height = max(1, round(aw * scale)), max(1, round(ah * scale))
+    def fit(edge: float) -> tuple[int, int, int, int]:
+        width, height = max(1, round(share_w * edge)), max(1, round(share_h * edge))
         tokens = image_tokens(deployment.arch, width, height, **unbounded)
         request = RequestClass(1.0, text_tokens, output_tokens, ((width, height),) * images_per_request)
         return width, height, tokens, concurrency(deployment, [request], **unbounded).concurrent_requests
 
-    low, high = 1.0, max_side / max(aw, ah)
+    low, high = 28.0, float(max_side)  # the long edge, in pixels
     if fit(low)[3] < target_concurrency:
         return None
     if fit(high)[3] >= target_concurrency:
         return Resolution(*fit(high))
-    for _ in range(40):
+    while high - low > 1:
         middle = (low + high) / 2
         if fit(middle)[3] >= target_concurrency:
             low = middle
