@@ -9,8 +9,10 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from controlplane.imaging.tokens import (
+    VISION_FAMILIES,
     UnknownFamily,
     count_image_tokens,
+    family_options,
     processor_options,
     qwen_smart_resize,
 )
@@ -135,3 +137,87 @@ def test_every_aspect_ratio_beyond_200_is_refused(short, stretch):
         count_image_tokens("qwen2_5_vl", long, short)
     with pytest.raises(ValueError):
         count_image_tokens("qwen2_5_vl", short, long)
+
+
+# ---------------------------------------------------------------- the other families
+# Hand-computed from each processor's rules; test_tokens_parity.py checks them against
+# transformers itself.
+
+
+def test_every_supported_vision_family_is_listed():
+    assert set(VISION_FAMILIES) == {
+        "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "llava_next", "internvl", "gemma3",
+        "pixtral", "idefics3", "phi3_v",
+    }
+
+
+def test_llava_next_two_to_one_image_fills_a_one_by_two_grid():
+    # 672x336 picks the 336x672 (h x w) grid exactly: 24 x 48 patches, no padding to remove,
+    # 1152 features + 24 row newlines + the 576-feature base image.
+    assert count_image_tokens("llava_next", 672, 336) == 1152 + 24 + 576
+
+
+def test_internvl_tiles_by_aspect_ratio_plus_thumbnail():
+    # 448x448: 1x1 (the 2x2 tie loses: the image covers less than half of 2x2 tiles).
+    assert count_image_tokens("internvl", 448, 448) == 256 + 2
+    # 896x448: 2x1 tiles plus a thumbnail, 256 tokens each, plus <img></img>.
+    assert count_image_tokens("internvl", 896, 448) == 3 * 256 + 2
+    # max_patches 1 switches tiling off.
+    assert count_image_tokens("internvl", 896, 448, max_patches=1) == 256 + 2
+
+
+def test_gemma3_is_fixed_unless_pan_and_scan_cuts_crops():
+    # "\n\n" <start_of_image> 256 x <image_soft_token> <end_of_image> "\n\n".
+    assert count_image_tokens("gemma3", 1920, 1080) == 260
+    assert count_image_tokens("gemma3", 10, 5000) == 260
+    # 1500x500 with pan-and-scan: 3 crops of 500x500 -> 4 images of 260, plus the
+    # (estimated) prose the processor writes around the crops.
+    assert count_image_tokens("gemma3", 1500, 500, do_pan_and_scan=True) == 4 * 260 + 17 + 2
+
+
+def test_pixtral_counts_a_break_per_row():
+    # 1024x1024: 64 x 64 patches of 16 px, each of the 64 rows closed by [IMG_BREAK]/[IMG_END].
+    assert count_image_tokens("pixtral", 1024, 1024) == 64 * 64 + 64
+    # 2048x1024 is halved to 1024x512: 32 rows of 64.
+    assert count_image_tokens("pixtral", 2048, 1024) == 32 * 64 + 32
+    assert count_image_tokens("pixtral", 2048, 1024, longest_edge=2048) == 64 * 128 + 64
+
+
+def test_idefics3_full_hd_is_three_rows_of_four_tiles_plus_global():
+    # Longest edge to 1456: 1456x820 (819 rounded up to even); tiles of 364: 4 x 3.
+    # Global: <fake><global-img> 169 x <image> <fake> = 172; each row: 4 x (2 + 169) + "\n".
+    assert count_image_tokens("idefics3", 1920, 1080) == 172 + 3 * (4 * 171 + 1)
+    assert count_image_tokens("idefics3", 1920, 1080, do_image_splitting=False) == 172
+
+
+def test_phi3_v_square_image_with_four_crops():
+    # Scale 2 -> 672x672 -> 2 x 2 crops: (4 + 1) * 144 + 1 + (2 + 1) * 12.
+    assert count_image_tokens("phi3_v", 336, 336) == 757
+
+
+def test_options_meant_for_another_family_are_ignored_like_the_processor_does():
+    # The engine launcher passes min/max pixels to every vision tier; LLaVA-NeXT ignores them.
+    assert count_image_tokens("llava_next", 672, 336, min_pixels=3136, max_pixels=1003520) == 1752
+
+
+def test_an_option_no_processor_takes_is_refused():
+    with pytest.raises(TypeError, match="max_pixel"):
+        count_image_tokens("qwen2_5_vl", 448, 448, max_pixel=200704)
+
+
+def test_none_means_the_default():
+    assert count_image_tokens("qwen2_5_vl", 448, 448, min_pixels=None, max_pixels=None) == 258
+
+
+def test_family_options_shows_the_checkpoint_defaults():
+    assert family_options("qwen2_5_vl") == {
+        "max_pixels": 12845056, "merge_size": 2, "min_pixels": 3136, "patch_size": 14}
+    assert family_options("phi3_v") == {"num_crops": 4}
+
+
+def test_processor_options_cover_every_qwen_vl_family_and_nothing_else():
+    for family in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl"):
+        assert processor_options(family, min_pixels=65536, max_pixels=1003520) == {
+            "min_pixels": 65536, "max_pixels": 1003520}
+    for family in ("qwen2", "qwen3", "internvl", "pixtral", "gemma3", "idefics3", "phi3_v"):
+        assert processor_options(family, min_pixels=3136, max_pixels=1003520) == {}
