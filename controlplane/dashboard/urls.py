@@ -8,4 +8,6 @@ urlpatterns = [
     path("keys/", views.keys, name="keys"),
     path("keys/<int:pk>/revoke/", views.key_revoke, name="key-revoke"),
     path("fleet/", views.fleet, name="fleet"),
+    path("policies/", views.policies, name="policies"),
+    path("capacity/", views.capacity, name="capacity"),
 ]

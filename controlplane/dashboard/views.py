@@ -71,3 +71,76 @@ def fleet(request):
         "instances": EngineInstance.objects.select_related("tier", "node").order_by("tier__name", "id"),
         "events": EngineEvent.objects.select_related("instance__tier")[:30],
     })
+
+
+@login_required
+def policies(request):
+    """Drop in a sample image: what each vision tier makes of it, and what it would cost."""
+    _require(lambda u: roles.is_operator(u) or roles.is_finance(u), request.user)
+    from controlplane.catalog.services import policy_preview, resolution_curve, vision_tiers
+    from controlplane.dashboard.charts import resolution_curves_chart
+    from controlplane.dashboard.forms import PolicyPreviewForm
+
+    form = PolicyPreviewForm(request.POST or None, request.FILES or None)
+    preview = source = commercial = error = None
+    if request.method == "POST" and form.is_valid():
+        data = form.cleaned_data["image"].read()
+        source, error = _source_size(data)
+        if source:
+            from controlplane.imaging.commercial import commercial_costs
+
+            preview = policy_preview(data=data, detail=form.cleaned_data["detail"])
+            commercial = commercial_costs(*source)
+    tiers = list(vision_tiers())
+    return render(request, "dashboard/policies.html", {
+        "form": form, "preview": preview, "source": source, "commercial": commercial, "error": error,
+        "tiers": tiers,
+        "chart": resolution_curves_chart({t.name: resolution_curve(t) for t in tiers}) if tiers else "",
+    })
+
+
+def _source_size(data: bytes):
+    """The upright size of an uploaded image, or the reason it cannot be read."""
+    from controlplane.imaging.decode import open_image, orientation
+    from controlplane.imaging.errors import ImageError
+
+    try:
+        image = open_image(data, allowed_formats=(), max_input_pixels=200_000_000)
+    except ImageError as exc:
+        return None, str(exc)
+    width, height = image.size
+    return ((height, width) if orientation(image) in (5, 6, 7, 8) else (width, height)), None
+
+
+@login_required
+def capacity(request):
+    """The KV estimator's answers for a model, a GPU and a traffic mix."""
+    _require(roles.is_operator, request.user)
+    from controlplane.dashboard.forms import CapacityForm
+    from controlplane.imaging import kv
+
+    form = CapacityForm(request.GET or None)
+    result = None
+    if form.is_valid():
+        data = form.cleaned_data
+        arch = kv.PRESETS[data["model"]]
+        deployment = kv.Deployment(arch, kv.GPUS[data["gpu"]], tensor_parallel=data["tensor_parallel"],
+                                   gpu_memory_utilization=data["gpu_memory_utilization"],
+                                   kv_cache_dtype=data["kv_cache_dtype"])
+        options = {"max_pixels": data["max_pixels"]}
+        size = (data["image_width"], data["image_height"])
+        mix = [kv.RequestClass(1 - data["image_share"], data["text_tokens"], data["output_tokens"]),
+               kv.RequestClass(data["image_share"], data["text_tokens"], data["output_tokens"], (size,))]
+        result = {
+            "deployment": deployment,
+            "per_token": kv.kv_bytes_per_token(arch, kv_cache_dtype=data["kv_cache_dtype"]),
+            "per_token_gpu": deployment.kv_bytes_per_token_per_gpu,
+            "weights_gib": deployment.weights_bytes_per_gpu / kv.GIB,
+            "image_tokens": kv.image_tokens(arch, *size, **options),
+            "image_mib": kv.image_kv_bytes(arch, *size, kv_cache_dtype=data["kv_cache_dtype"], **options) / 2**20,
+            "fit": kv.concurrency(deployment, mix, **options),
+            "largest": kv.largest_resolution(deployment, target_concurrency=data["target_concurrency"],
+                                             aspect=size, text_tokens=data["text_tokens"],
+                                             output_tokens=data["output_tokens"]),
+        }
+    return render(request, "dashboard/capacity.html", {"form": form, "result": result})
