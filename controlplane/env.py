@@ -122,6 +122,13 @@ def validate_redis_url(url: str) -> str:
         raise EnvError(f"REDIS_URL scheme {parts.scheme!r} is not redis://, rediss:// or unix://")
     if parts.scheme != "unix" and not parts.hostname:
         raise EnvError(f"REDIS_URL {url!r} has no host")
+    try:
+        _ = parts.port  # urllib only checks the port when asked for it
+    except ValueError:
+        raise EnvError(f"REDIS_URL {url!r} has an invalid port") from None
+    db = parts.path.lstrip("/")
+    if parts.scheme != "unix" and db and not db.isdigit():
+        raise EnvError(f"REDIS_URL {url!r}: the database must be a number")
     return url
 
 

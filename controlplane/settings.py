@@ -180,12 +180,12 @@ CELERY_BEAT_SCHEDULE = {
     "fleet-reconcile": {
         "task": "fleet.reconcile",
         "schedule": timedelta(seconds=FLEET_RECONCILE_SECONDS),
-        "options": {"expires": FLEET_RECONCILE_SECONDS * 0.9},
+        "options": {"expire_seconds": max(1, int(FLEET_RECONCILE_SECONDS * 0.9))},
     },
     "metering-rollup-daily": {
         "task": "metering.rollup_daily",
         "schedule": timedelta(seconds=ROLLUP_SECONDS),
-        "options": {"expires": ROLLUP_SECONDS * 0.9},
+        "options": {"expire_seconds": max(1, int(ROLLUP_SECONDS * 0.9))},
     },
 }
 

@@ -7,6 +7,8 @@ instance is the truth; this code moves it from state to state and logs why.
 from __future__ import annotations
 
 import datetime as dt
+import fcntl
+import hashlib
 import logging
 import shutil
 import subprocess
@@ -14,10 +16,12 @@ from pathlib import Path
 
 import httpx
 from django.conf import settings
+from django.db import connection
 from django.utils import timezone
 
 from controlplane.fleet.models import EngineInstance, Node
 from controlplane.fleet.services import instance_transition, node_register
+from controlplane.imaging.tokens import processor_options
 from workers.engines import process
 from workers.engines.launch import LaunchSpec, build_command
 
@@ -69,9 +73,20 @@ def this_node() -> Node:
                          gpus=detect_gpus(), vllm_version=detect_vllm_version())
 
 
+def deployment_id() -> str:
+    """Which control plane this is, from the database it runs on.
+
+    Engines are tagged with it, so that two deployments (or test runs) on one machine never
+    take each other's engines for orphans.
+    """
+    db = connection.settings_dict
+    key = f"{db['ENGINE']}|{db.get('HOST')}|{db.get('PORT')}|{db['NAME']}"
+    return hashlib.sha256(key.encode()).hexdigest()[:12]
+
+
 def engine_marker(instance: EngineInstance) -> str:
     """Tags the engine's environment so a reused pid is never mistaken for the engine."""
-    return f"{settings.NODE_NAME}/{instance.pk}"
+    return f"{deployment_id()}/{settings.NODE_NAME}/{instance.pk}"
 
 
 def _launch_spec(instance: EngineInstance, port: int) -> LaunchSpec:
@@ -88,10 +103,11 @@ def _launch_spec(instance: EngineInstance, port: int) -> LaunchSpec:
         gpu_indices=tuple(instance.gpus.values_list("index", flat=True)),
         settings=tier.engine_settings or {},
         images_per_prompt=policy.max_images_per_request if vision else None,
-        min_pixels=policy.min_pixels if vision else None,
-        max_pixels=policy.max_pixels if vision else None,
+        processor_kwargs=processor_options(tier.family, min_pixels=policy.min_pixels,
+                                          max_pixels=policy.max_pixels) if vision else {},
         max_input_pixels=policy.max_input_pixels if vision else None,
         allowed_media_domains=tuple((tier.engine_settings or {}).get("allowed_media_domains", ())),
+        api_key=instance.api_key,
     )
 
 
@@ -184,18 +200,45 @@ def engine_check(instance: EngineInstance, now: dt.datetime) -> None:
 
 
 def node_reconcile(node_name: str | None = None) -> int:
-    """Bring every instance placed on this node to its desired state. Adopts running engines."""
+    """Bring every instance placed on this node to its desired state. Adopts running engines.
+
+    One pass at a time per node: overlapping passes would each relaunch the same crashed
+    engine. A pass that finds the lock taken skips; the next beat tick comes soon.
+    """
     node = this_node() if node_name is None else Node.objects.get(name=node_name)
     Node.objects.filter(pk=node.pk).update(last_seen_at=timezone.now())
-    now = timezone.now()
-    instances = EngineInstance.objects.filter(node=node).select_related("tier", "node",
-                                                                       "tier__resolution_policy")
-    for instance in instances:
+    lock_path = Path(settings.ENGINE_LOG_DIR) / f".reconcile-{node.name}.lock"
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_path, "w") as lock:
         try:
-            engine_check(instance, now)
-        except Exception:
-            log.exception("supervising %s failed", instance)
-    return len(instances)
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("a reconcile pass for %s is already running; skipping", node.name)
+            return 0
+        now = timezone.now()
+        instances = list(EngineInstance.objects.filter(node=node).select_related(
+            "tier", "node", "tier__resolution_policy"))
+        for instance in instances:
+            try:
+                engine_check(instance, now)
+            except Exception:
+                log.exception("supervising %s failed", instance)
+        stop_orphans(node)
+        return len(instances)
+
+
+def stop_orphans(node: Node) -> int:
+    """Stop engines this node launched that no instance row owns (any more)."""
+    owned = {
+        engine_marker(i): i.pid for i in EngineInstance.objects.filter(node=node).exclude(pid=None)
+    }
+    stopped = 0
+    for pid, marker in process.marked_processes(f"{deployment_id()}/{settings.NODE_NAME}/").items():
+        if owned.get(marker) != pid:
+            log.warning("stopping orphaned engine pid %s (%s)", pid, marker)
+            process.terminate(pid, grace=5)
+            stopped += 1
+    return stopped
 
 
 def node_stop_all(node_name: str, reason: str) -> int:
@@ -205,4 +248,7 @@ def node_stop_all(node_name: str, reason: str) -> int:
         if instance.pid:
             engine_stop(instance, reason)
             stopped += 1
+    node = Node.objects.filter(name=node_name).first()
+    if node is not None:
+        stopped += stop_orphans(node)
     return stopped

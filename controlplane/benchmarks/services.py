@@ -37,7 +37,7 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))] if ordered else 0.0
 
 
-async def _load(base_url: str, model: str, profile: BenchmarkProfile) -> list[dict]:
+async def _load(base_url: str, model: str, profile: BenchmarkProfile, api_key: str = "") -> list[dict]:
     image = _image_url(profile.image_width, profile.image_height)
     results: list[dict] = []
     counter = iter(range(profile.requests))
@@ -62,7 +62,8 @@ async def _load(base_url: str, model: str, profile: BenchmarkProfile) -> list[di
                             "latency": time.monotonic() - started,
                             "output_tokens": usage.get("completion_tokens", 0)})
 
-    async with httpx.AsyncClient(timeout=120) as client:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    async with httpx.AsyncClient(timeout=120, headers=headers) as client:
         await asyncio.gather(*(worker(client) for _ in range(profile.concurrency)))
     return results
 
@@ -80,7 +81,8 @@ def benchmark_execute(*, run_id: int) -> None:
         run.save()
         return
     started = time.monotonic()
-    results = asyncio.run(_load(instances[0].base_url, run.profile.tier.name, run.profile))
+    results = asyncio.run(_load(instances[0].base_url, run.profile.tier.name, run.profile,
+                                instances[0].api_key))
     elapsed = time.monotonic() - started
     summary = {}
     for cls in ("text", "image"):

@@ -67,7 +67,7 @@ def seed_demo() -> Tenant:
         user, created = User.objects.get_or_create(username=username)
         if created:
             user.set_password(password)
-            user.is_staff = role == roles.OPERATOR
+            user.is_staff = role in (roles.OPERATOR, roles.FINANCE)  # finance views usage in the admin
             user.save()
         if role in (roles.OPERATOR, roles.FINANCE):
             group, _ = Group.objects.get_or_create(name=role)

@@ -1,5 +1,11 @@
+import secrets
+
 from django.db import models
 from django.utils import timezone
+
+
+def engine_api_key() -> str:
+    return secrets.token_urlsafe(32)
 
 
 class Node(models.Model):
@@ -74,6 +80,8 @@ class EngineInstance(models.Model):
     state_reason = models.CharField(max_length=255, blank=True)
     log_path = models.CharField(max_length=512, blank=True)
     command = models.JSONField(default=list, blank=True)
+    # Engines listen on the network on multi-host setups: only the gateway may call them.
+    api_key = models.CharField(max_length=64, default=engine_api_key, editable=False)
 
     class Meta:
         ordering = ["tier", "id"]

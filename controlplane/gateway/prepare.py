@@ -39,6 +39,7 @@ class TierSpec:
     large_image_threshold: int
     max_output_tokens: int
     price_plan_id: int
+    max_model_len: int = 32768
     fetch_policy: FetchPolicy | None = None  # None: image URLs are refused
 
 
@@ -59,22 +60,55 @@ class Prepared:
         return sum(p.tokens for p in self.images)
 
 
+# What a tenant may send. Everything else (vLLM's mm_processor_kwargs, chat_template,
+# priority, cache_salt, request ids...) would let a client steer the engine around the
+# gateway's policies, so it is refused by name.
+REQUEST_FIELDS = frozenset({
+    "model", "messages", "stream", "stream_options", "max_tokens", "max_completion_tokens",
+    "temperature", "top_p", "n", "stop", "presence_penalty", "frequency_penalty", "seed",
+    "logprobs", "top_logprobs", "logit_bias", "user", "response_format", "tools", "tool_choice",
+    "parallel_tool_calls", "top_k", "min_p", "repetition_penalty", "metadata", "store",
+})
+MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id", "refusal"})
+ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+IMAGE_TYPES = ("image_url", "input_image")
+
+
 def image_parts(messages: list) -> list[dict]:
-    """Every image part of a chat request, in order."""
+    """Every image part of a (validated) chat request, in order."""
     found = []
     for message in messages:
         content = message.get("content") if isinstance(message, dict) else None
         if isinstance(content, list):
-            found.extend(
-                part for part in content
-                if isinstance(part, dict) and part.get("type") in ("image_url", "input_image")
-            )
+            found.extend(part for part in content if isinstance(part, dict) and part.get("type") in IMAGE_TYPES)
     return found
+
+
+def _validate_content(index: int, content) -> None:
+    if content is None or isinstance(content, str):
+        return
+    if not isinstance(content, list):
+        raise RequestInvalid(f"messages[{index}].content must be a string or an array", param="messages")
+    for n, part in enumerate(content):
+        where = f"messages[{index}].content[{n}]"
+        if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+            raise RequestInvalid(f"{where} must be an object with a type", param="messages")
+        kind = part["type"]
+        if kind == "text":  # rebuilt below without extra keys
+            if not isinstance(part.get("text"), str) or set(part) - {"type", "text"}:
+                raise RequestInvalid(f"{where} must be {{'type': 'text', 'text': <string>}}", param="messages")
+        elif kind not in IMAGE_TYPES:
+            raise RequestInvalid(f"{where} has type {kind!r}; only text and image_url parts are accepted",
+                                 param="messages", code="unsupported_content_type")
 
 
 def validate_body(body) -> None:
     if not isinstance(body, dict):
         raise RequestInvalid("the request body must be a JSON object")
+    unknown = sorted(set(body) - REQUEST_FIELDS)
+    if unknown:
+        raise RequestInvalid(f"unrecognized request argument: {unknown[0]}", param=unknown[0],
+                             code="unknown_parameter")
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise RequestInvalid("you must provide a model parameter", param="model", code="missing_model")
@@ -82,12 +116,14 @@ def validate_body(body) -> None:
     if not isinstance(messages, list) or not messages:
         raise RequestInvalid("messages must be a non-empty array", param="messages")
     for index, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise RequestInvalid(f"messages[{index}] must be an object with a role", param="messages")
-        content = message.get("content")
-        if content is not None and not isinstance(content, (str, list)):
-            raise RequestInvalid(f"messages[{index}].content must be a string or an array",
-                                 param="messages")
+        role = message.get("role") if isinstance(message, dict) else None
+        if not isinstance(role, str) or role not in ROLES:
+            raise RequestInvalid(f"messages[{index}] must be an object with a role "
+                                 f"({', '.join(sorted(ROLES))})", param="messages")
+        extra = sorted(set(message) - MESSAGE_FIELDS)
+        if extra:
+            raise RequestInvalid(f"messages[{index}] has an unrecognized field: {extra[0]}", param="messages")
+        _validate_content(index, message.get("content"))
     n = body.get("n", 1)
     if n is not None and (n != 1 or isinstance(n, bool)):
         raise RequestInvalid("only n=1 is supported", param="n")
@@ -95,8 +131,8 @@ def validate_body(body) -> None:
         raise RequestInvalid("stream must be a boolean", param="stream")
     options = body.get("stream_options")
     if options is not None:
-        if not isinstance(options, dict):
-            raise RequestInvalid("stream_options must be an object", param="stream_options")
+        if not isinstance(options, dict) or set(options) - {"include_usage", "continuous_usage_stats"}:
+            raise RequestInvalid("stream_options must be an object with include_usage", param="stream_options")
         if options.get("include_usage") not in (None, True, False):
             raise RequestInvalid("stream_options.include_usage must be a boolean",
                                  param="stream_options")
@@ -111,15 +147,27 @@ async def prepare(body: dict, tier: TierSpec, *, max_image_bytes: int) -> Prepar
     if parts and tier.kind != "vision":
         raise RequestInvalid(f"model {tier.name} does not accept images", param="messages",
                              code="images_not_supported")
-    limit = body.get("max_completion_tokens") or body.get("max_tokens")
+    limit = body.pop("max_completion_tokens", None) or body.get("max_tokens")
     if limit is not None and limit > tier.max_output_tokens:
         raise RequestInvalid(
             f"max_tokens {limit} exceeds this model's limit of {tier.max_output_tokens}",
             param="max_tokens",
         )
     prepared = Prepared(body=body, text_tokens=prompt_text_tokens(body["messages"]))
-    if not parts:
-        return prepared
+    if parts:
+        await _prepare_images(prepared, parts, tier, max_image_bytes=max_image_bytes)
+    # Always bounded: without a limit the engine would generate up to the rest of its context.
+    room = tier.max_model_len - prepared.text_tokens - prepared.image_tokens
+    if room < 1:
+        raise RequestInvalid(
+            f"this request needs about {tier.max_model_len - room} prompt tokens; the model's context "
+            f"is {tier.max_model_len}", param="messages", code="context_length_exceeded")
+    body["max_tokens"] = min(limit or tier.max_output_tokens, room)
+    return prepared
+
+
+async def _prepare_images(prepared: Prepared, parts: list[dict], tier: TierSpec, *, max_image_bytes: int) -> None:
+    body = prepared.body
     policy = tier.policy
     if len(parts) > policy.max_images_per_request:
         raise RequestInvalid(
@@ -171,4 +219,3 @@ async def prepare(body: dict, tier: TierSpec, *, max_image_bytes: int) -> Prepar
                 new for part in content
                 for new in (replacements.get(id(part)) or [part])
             ]
-    return prepared

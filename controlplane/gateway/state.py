@@ -35,6 +35,7 @@ class InstanceSpec:
     tier_id: int
     base_url: str
     pool: str
+    api_key: str = ""
 
 
 class TTLCache:
@@ -130,6 +131,7 @@ def _load_tiers() -> dict[str, TierSpec]:
             processor_options=options,
             large_image_threshold=tier.large_image_threshold,
             max_output_tokens=int(engine.get("max_output_tokens", 4096)),
+            max_model_len=int(engine.get("max_model_len", 32768)),
             price_plan_id=tier.price_plan_id,
             fetch_policy=fetch,
         )
@@ -148,7 +150,7 @@ def _load_instances(tier_id: int) -> list[InstanceSpec]:
     from controlplane.fleet.selectors import routable_instances
 
     return [
-        InstanceSpec(id=i.pk, tier_id=i.tier_id, base_url=i.base_url, pool=i.pool)
+        InstanceSpec(id=i.pk, tier_id=i.tier_id, base_url=i.base_url, pool=i.pool, api_key=i.api_key)
         for i in routable_instances(tier_id=tier_id)
     ]
 

@@ -112,6 +112,8 @@ async def _chat_completions(request, request_id: str):
             body = json.loads(raw)
         except (ValueError, UnicodeDecodeError):
             raise GatewayError(400, "the request body is not valid JSON", code="invalid_json") from None
+        except RecursionError:
+            raise GatewayError(400, "the request body is nested too deeply", code="invalid_json") from None
         try:
             validate_body(body)
         except RequestInvalid as exc:
@@ -152,31 +154,48 @@ async def _forward(request_id: str, key: state.KeyInfo, tier: TierSpec, prepared
     body = _upstream_body(key, tier, prepared)
     payload = json.dumps(body).encode()
     tried: set[int] = set()
-    for _attempt in range(2):  # a connection failure is retried once on another instance
+    for _attempt in range(2):  # a request that never reached an engine is retried once elsewhere
         instance = upstream.choose(candidates, exclude=tried)
         if instance is None:
             break
         tried.add(instance.id)
         record.instance_id = instance.id
         upstream.outstanding[instance.id] += 1
+        handed_over = False  # to the stream, which then owns the counter and the record
         try:
             req = upstream.client().build_request(
                 "POST", f"{instance.base_url}/v1/chat/completions", content=payload,
-                headers={"content-type": "application/json", "x-request-id": request_id},
+                headers={"content-type": "application/json", "x-request-id": request_id,
+                         **({"authorization": f"Bearer {instance.api_key}"} if instance.api_key else {})},
             )
-            response = await upstream.client().send(req, stream=True)
-        except httpx.TransportError as exc:
-            upstream.outstanding[instance.id] -= 1
-            log.warning("engine %s unreachable for %s: %s", instance.id, request_id, exc)
-            continue
-        if record.stream and response.status_code == 200:
-            return _stream(request_id, record, prepared, body, response, instance, started)
-        try:
-            content = await response.aread()
+            try:
+                response = await upstream.client().send(req, stream=True)
+            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+                log.warning("engine %s unreachable for %s: %s", instance.id, request_id, exc)
+                continue
+            except httpx.TransportError as exc:
+                # The engine may have started work: do not run the request a second time.
+                log.warning("engine %s failed %s mid-request: %s", instance.id, request_id, exc)
+                record.status, record.http_status = "error", 502
+                await _record(record, started)
+                return error_response(502, "the engine failed while answering; retry the request",
+                                      code="engine_error", request_id=request_id)
+            if record.stream and response.status_code == 200:
+                handed_over = True
+                return _stream(request_id, record, prepared, body, response, instance, started)
+            try:
+                content = await response.aread()
+            finally:
+                await response.aclose()
+            return await _finish_plain(request_id, record, prepared, response.status_code, content, started)
+        except asyncio.CancelledError:
+            # The client went away before the engine answered: the engine still did work.
+            record.status, record.http_status = "aborted", 499
+            await asyncio.shield(_record_in_background(record, started))
+            raise
         finally:
-            await response.aclose()
-            upstream.outstanding[instance.id] -= 1
-        return await _finish_plain(request_id, record, prepared, response.status_code, content, started)
+            if not handed_over:
+                upstream.outstanding[instance.id] -= 1
     record.status, record.http_status = "error", 503
     await _record(record, started)
     return error_response(503, f"no healthy engine is serving '{tier.name}' right now; retry shortly",
@@ -262,15 +281,19 @@ def _stream(request_id, record, prepared, body, response, instance, started):
                 record.output_tokens = produced  # what was actually generated before the end
             # The client may be gone and this generator cancelled: the record runs in a task
             # of its own that cancellation cannot interrupt.
-            task = asyncio.ensure_future(_record(record, started))
-            _background.add(task)
-            task.add_done_callback(_background.discard)
-            await asyncio.shield(task)
+            await asyncio.shield(_record_in_background(record, started))
 
     streaming = StreamingHttpResponse(events(), content_type="text/event-stream")
     streaming["Cache-Control"] = "no-cache"
     streaming["x-request-id"] = request_id
     return streaming
+
+
+def _record_in_background(record: UsageRecord, started: float) -> asyncio.Task:
+    task = asyncio.ensure_future(_record(record, started))
+    _background.add(task)
+    task.add_done_callback(_background.discard)
+    return task
 
 
 async def _record(record: UsageRecord, started: float) -> None:

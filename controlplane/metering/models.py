@@ -33,6 +33,8 @@ class UsageEvent(models.Model):
     text_tokens = models.PositiveIntegerField(default=0)
     output_tokens = models.PositiveIntegerField(default=0)
     cost = models.DecimalField(max_digits=14, decimal_places=6, default=Decimal("0"))
+    # False when no price was in effect: the usage is kept and the cost must be set later.
+    rated = models.BooleanField(default=True)
 
     class Meta:
         ordering = ["-created_at"]

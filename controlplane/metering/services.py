@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import logging
 from dataclasses import dataclass, field
 
 from django.db import IntegrityError, transaction
@@ -8,9 +9,14 @@ from django.db.models import Count, Sum
 from django.db.models.functions import TruncDate
 from django.utils import timezone
 
-from controlplane.catalog.models import ModelTier
+from controlplane.catalog.models import ModelTier, PriceRate
 from controlplane.metering.models import DailyUsage, RollupState, UsageEvent, UsageImage
 from controlplane.metering.rating import Usage, price
+
+log = logging.getLogger(__name__)
+# Events are stamped before they commit; a slow commit can land behind the watermark. Each
+# run looks back this far again (recomputing a day is idempotent, so overlap costs little).
+ROLLUP_OVERLAP = dt.timedelta(minutes=5)
 
 
 @dataclass
@@ -51,7 +57,15 @@ def usage_record(*, record: UsageRecord) -> UsageEvent:
         output_tokens=record.output_tokens,
         images=len(record.images),
     )
-    cost = usage_cost(tier=tier, when=record.created_at, usage=usage) if billable else 0
+    rated, cost = True, 0
+    if billable:
+        try:
+            cost = usage_cost(tier=tier, when=record.created_at, usage=usage)
+        except PriceRate.DoesNotExist:
+            # Never lose usage over a pricing gap: keep the event, flagged for rating.
+            log.error("no price in effect for tier %s at %s; %s stored unrated",
+                      tier.name, record.created_at, record.request_id)
+            rated = False
     try:
         with transaction.atomic():
             event = UsageEvent.objects.create(
@@ -71,6 +85,7 @@ def usage_record(*, record: UsageRecord) -> UsageEvent:
                 text_tokens=record.text_tokens,
                 output_tokens=record.output_tokens,
                 cost=cost,
+                rated=rated,
             )
             UsageImage.objects.bulk_create(
                 UsageImage(
@@ -105,7 +120,7 @@ def rollup_daily(*, now: dt.datetime | None = None) -> int:
         upto = now - dt.timedelta(seconds=1)
         new = UsageEvent.objects.filter(recorded_at__lte=upto)
         if state.watermark is not None:
-            new = new.filter(recorded_at__gt=state.watermark)
+            new = new.filter(recorded_at__gt=state.watermark - ROLLUP_OVERLAP)
         days = sorted(set(new.annotate(day=TruncDate("created_at")).values_list("day", flat=True)))
         for day in days:
             _rollup_day(day)

@@ -45,3 +45,21 @@ def visible_tenants(user) -> QuerySet:
     if tenant is None:
         return Tenant.objects.none()
     return Tenant.objects.filter(pk=tenant.pk)
+
+
+FINANCE_VIEWS = ("metering", "catalog", "tenants")
+
+
+def roles_sync(**_kwargs) -> None:
+    """Give the role groups their admin permissions (run after every migrate).
+
+    Operators may do everything; finance may view usage, prices and tenants, and change
+    nothing. Tenant admins have no admin access at all.
+    """
+    from django.contrib.auth.models import Group, Permission
+
+    operator, _ = Group.objects.get_or_create(name=OPERATOR)
+    operator.permissions.set(Permission.objects.all())
+    finance, _ = Group.objects.get_or_create(name=FINANCE)
+    finance.permissions.set(Permission.objects.filter(
+        codename__startswith="view_", content_type__app_label__in=FINANCE_VIEWS))

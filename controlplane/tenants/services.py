@@ -6,7 +6,7 @@ import secrets
 from dataclasses import dataclass
 from datetime import datetime
 
-from django.db import transaction
+from django.db import IntegrityError, transaction
 from django.utils import timezone
 
 from controlplane.tenants.models import ApiKey, Tenant
@@ -28,18 +28,25 @@ def key_hash(secret: str) -> str:
 def api_key_create(
     *, tenant: Tenant, name: str = "", created_by=None, expires_at: datetime | None = None
 ) -> IssuedKey:
-    prefix = secrets.token_hex(4)
-    secret = f"{KEY_PREFIX}{prefix}-{secrets.token_urlsafe(32)}"
-    with transaction.atomic():
-        api_key = ApiKey.objects.create(
-            tenant=tenant,
-            name=name,
-            prefix=prefix,
-            key_hash=key_hash(secret),
-            created_by=created_by,
-            expires_at=expires_at,
-        )
-    return IssuedKey(api_key=api_key, secret=secret)
+    for attempt in range(5):
+        prefix = secrets.token_hex(4)  # 32 bits: collisions are rare, not impossible
+        secret = f"{KEY_PREFIX}{prefix}-{secrets.token_urlsafe(32)}"
+        try:
+            with transaction.atomic():
+                api_key = ApiKey.objects.create(
+                    tenant=tenant,
+                    name=name,
+                    prefix=prefix,
+                    key_hash=key_hash(secret),
+                    created_by=created_by,
+                    expires_at=expires_at,
+                )
+        except IntegrityError:
+            if attempt == 4:
+                raise
+            continue
+        return IssuedKey(api_key=api_key, secret=secret)
+    raise AssertionError("unreachable")
 
 
 def api_key_revoke(*, api_key: ApiKey) -> None:

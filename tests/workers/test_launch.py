@@ -35,8 +35,7 @@ def vision_spec(engine_kind="vllm", **changes):
         "gpu_indices": (2, 3),
         "settings": dict(ALL_SETTINGS),
         "images_per_prompt": 4,
-        "min_pixels": 3136,
-        "max_pixels": 1003520,
+        "processor_kwargs": {"min_pixels": 3136, "max_pixels": 1003520},
         "max_input_pixels": 50_000_000,
     }
     fields.update(changes)
@@ -120,7 +119,7 @@ def test_environment_without_a_pixel_limit_omits_it():
 
 def test_text_tier_gets_no_multimodal_flags():
     spec = vision_spec(model_id="Qwen/Qwen2.5-7B-Instruct", family="qwen2", images_per_prompt=None,
-                       min_pixels=None, max_pixels=None, allowed_media_domains=("cdn.example",))
+                       processor_kwargs={}, allowed_media_domains=("cdn.example",))
     argv, _ = build_command(spec)
     assert "--limit-mm-per-prompt" not in argv
     assert "--mm-processor-kwargs" not in argv
@@ -130,10 +129,18 @@ def test_text_tier_gets_no_multimodal_flags():
 
 def test_media_domains_and_api_key_are_passed_through():
     spec = vision_spec(allowed_media_domains=("a.example", "b.example"), api_key="engine-secret")
-    argv, _ = build_command(spec)
+    argv, env = build_command(spec)
     start = argv.index("--allowed-media-domains")
     assert argv[start + 1:start + 3] == ["a.example", "b.example"]
-    assert flag_value(argv, "--api-key") == "engine-secret"
+    # The key goes in the environment vLLM reads, never on the command line `ps` shows.
+    assert env["VLLM_API_KEY"] == "engine-secret"
+    assert "engine-secret" not in argv and "--api-key" not in argv
+
+
+def test_a_family_whose_processor_takes_no_pixel_bounds_gets_no_processor_kwargs():
+    argv, _ = build_command(vision_spec(family="llava_next", processor_kwargs={}))
+    assert "--mm-processor-kwargs" not in argv
+    assert "--limit-mm-per-prompt" in argv
 
 
 def test_simulator_command_runs_the_simulator_module_with_the_family():
@@ -154,12 +161,13 @@ def test_unknown_engine_kind_is_refused(kind):
         build_command(vision_spec(kind))
 
 
-def test_simulator_accepts_every_flag_build_command_emits():
+def test_simulator_accepts_every_flag_build_command_emits(monkeypatch):
     spec = vision_spec("simulator", allowed_media_domains=("a.example", "b.example"),
                        api_key="engine-secret")
-    argv, _ = build_command(spec)
+    argv, env = build_command(spec)
     assert argv[1:3] == ["-m", "workers.engines.simulator"]
 
+    monkeypatch.setenv("VLLM_API_KEY", env["VLLM_API_KEY"])  # as the spawned engine sees it
     args = parse_args(argv[3:])  # SystemExit here would mean an unknown flag
 
     assert args.model == "Qwen/Qwen2.5-VL-7B-Instruct"
@@ -178,8 +186,8 @@ def test_simulator_accepts_every_flag_build_command_emits():
 
 
 def test_simulator_accepts_a_text_tier_command():
-    spec = vision_spec("simulator", family="qwen2", images_per_prompt=None, min_pixels=None,
-                       max_pixels=None, settings={})
+    spec = vision_spec("simulator", family="qwen2", images_per_prompt=None, processor_kwargs={},
+                       settings={})
     argv, _ = build_command(spec)
     args = parse_args(argv[3:])
     assert args.limit_mm_per_prompt is None

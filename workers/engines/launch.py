@@ -19,8 +19,7 @@ class LaunchSpec:
     gpu_indices: tuple[int, ...] = ()
     settings: dict = field(default_factory=dict)
     images_per_prompt: int | None = None  # None: a text-only tier
-    min_pixels: int | None = None
-    max_pixels: int | None = None
+    processor_kwargs: dict = field(default_factory=dict)  # e.g. Qwen's min_pixels/max_pixels
     max_input_pixels: int | None = None
     allowed_media_domains: tuple[str, ...] = ()
     api_key: str | None = None
@@ -58,18 +57,11 @@ def build_command(spec: LaunchSpec) -> tuple[list[str], dict[str, str]]:
         argv.append("--enable-prefix-caching")
     if spec.images_per_prompt is not None:
         argv += ["--limit-mm-per-prompt", json.dumps({"image": spec.images_per_prompt})]
-        kwargs = {}
-        if spec.min_pixels is not None:
-            kwargs["min_pixels"] = spec.min_pixels
-        if spec.max_pixels is not None:
-            kwargs["max_pixels"] = spec.max_pixels
-        if kwargs:
-            argv += ["--mm-processor-kwargs", json.dumps(kwargs)]
+        if spec.processor_kwargs:  # only options the family's processor takes
+            argv += ["--mm-processor-kwargs", json.dumps(spec.processor_kwargs)]
         if spec.allowed_media_domains:
             argv += ["--allowed-media-domains", *spec.allowed_media_domains]
     argv.append("--enable-prompt-tokens-details")
-    if spec.api_key:
-        argv += ["--api-key", spec.api_key]
     if spec.engine_kind == "simulator":
         for key in _SIMULATOR:
             if settings.get(key) is not None:
@@ -80,4 +72,8 @@ def build_command(spec: LaunchSpec) -> tuple[list[str], dict[str, str]]:
     }
     if spec.max_input_pixels:
         env["VLLM_MAX_IMAGE_PIXELS"] = str(spec.max_input_pixels)
+    if spec.api_key:
+        # vLLM reads VLLM_API_KEY like --api-key; in the environment it stays out of `ps`
+        # and out of the command line stored on the instance row.
+        env["VLLM_API_KEY"] = spec.api_key
     return argv, env

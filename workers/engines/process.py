@@ -55,6 +55,26 @@ def is_alive(pid: int | None, *, instance_id: str | None = None) -> bool:
     return True
 
 
+def marked_processes(prefix: str) -> dict[int, str]:
+    """Running processes whose engine marker starts with `prefix`: pid -> marker."""
+    found = {}
+    needle = f"{MARKER_ENV}={prefix}".encode()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            environ = Path(f"/proc/{entry}/environ").read_bytes()
+        except (FileNotFoundError, PermissionError, ProcessLookupError):
+            continue
+        for item in environ.split(b"\0"):
+            if item.startswith(needle):
+                pid = int(entry)
+                if is_alive(pid):
+                    found[pid] = item.split(b"=", 1)[1].decode()
+                break
+    return found
+
+
 def is_stopped(pid: int | None) -> bool:
     """True when the process is stopped by a signal (SIGSTOP): alive but doing nothing."""
     try:

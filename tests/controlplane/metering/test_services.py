@@ -148,7 +148,7 @@ def _rolled_up():
     }
 
 
-def _backdate_recording(seconds=60):
+def _backdate_recording(seconds=600):
     """Make every stored event look recorded `seconds` ago (as a real run would see it)."""
     UsageEvent.objects.update(recorded_at=timezone.now() - dt.timedelta(seconds=seconds))
 
@@ -247,3 +247,13 @@ def test_events_recorded_within_the_last_second_wait_for_the_next_run(world):
     assert DailyUsage.objects.count() == 0
     assert rollup_daily(now=now + dt.timedelta(seconds=2)) == 1
     assert DailyUsage.objects.get().requests == 1
+
+
+def test_an_event_that_commits_after_the_rollup_passed_its_stamp_is_still_counted(world):
+    """A slow commit (or a gateway clock a little behind) stamps an event before the watermark."""
+    now = timezone.now()
+    rollup_daily(now=now)
+    late = _record(world, "slow-commit", text=11, created_at=_day(0, 0))
+    UsageEvent.objects.filter(pk=late.pk).update(recorded_at=now - dt.timedelta(seconds=30))
+    assert rollup_daily(now=now + dt.timedelta(seconds=10)) == 1
+    assert DailyUsage.objects.get(day=_day(0, 0).date()).text_tokens == 11

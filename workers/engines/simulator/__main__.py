@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 import uvicorn
 
@@ -23,7 +24,7 @@ def parse_args(argv=None):
     parser.add_argument("--max-num-batched-tokens", type=int)
     parser.add_argument("--limit-mm-per-prompt", type=json.loads)
     parser.add_argument("--mm-processor-kwargs", type=json.loads, default={})
-    parser.add_argument("--api-key")
+    parser.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY"))
     # Accepted for command-line parity with `vllm serve`; they shape GPU memory, not behaviour here.
     for flag in ("--tensor-parallel-size", "--gpu-memory-utilization", "--mm-processor-cache-gb",
                  "--kv-cache-dtype", "--scheduling-policy", "--dtype"):

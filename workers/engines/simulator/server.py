@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hmac
 import json
 import time
 import uuid
@@ -78,7 +79,8 @@ class App:
                                "text/plain; version=0.0.4")
         if path.startswith("/v1/") and self.api_key:
             headers = dict(scope["headers"])
-            if headers.get(b"authorization", b"").decode() != f"Bearer {self.api_key}":
+            sent = headers.get(b"authorization", b"").decode("latin-1")
+            if not hmac.compare_digest(sent, f"Bearer {self.api_key}"):
                 return await _send(send, 401, _json({"error": "Unauthorized"}))
         if path == "/v1/models" and method == "GET":
             return await _send(send, 200, _json({"object": "list", "data": [{
