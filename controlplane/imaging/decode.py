@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import re
+import struct
 import warnings
 
 from PIL import Image, ImageOps, UnidentifiedImageError
@@ -89,7 +90,8 @@ def open_image(data: bytes, *, allowed_formats: tuple[str, ...], max_input_pixel
         raise UnsupportedFormat(
             "image format not recognised (supported: " + ", ".join(SUPPORTED_FORMATS) + ")"
         ) from None
-    except (OSError, SyntaxError, ValueError, EOFError) as exc:
+    except (OSError, SyntaxError, ValueError, EOFError, RuntimeError, struct.error, IndexError,
+            KeyError, TypeError) as exc:
         raise CorruptImage(f"image header could not be read: {exc}") from None
     width, height = image.size
     if width <= 0 or height <= 0:

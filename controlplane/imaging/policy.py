@@ -15,6 +15,7 @@ import binascii
 import io
 import math
 import re
+import struct
 from dataclasses import dataclass, replace
 
 from PIL import Image
@@ -177,6 +178,10 @@ def normalise_tiles(data: bytes, policy: Policy, *, detail: str | None = None,
             pixels = pixels.resize((plan.width, plan.height), Image.Resampling.BICUBIC, reducing_gap=2.0)
     except (OSError, SyntaxError, ValueError, EOFError, Image.DecompressionBombError) as exc:
         raise CorruptImage(f"image data is truncated or corrupt: {exc}") from None
+    except (RuntimeError, MemoryError, struct.error, IndexError, KeyError, TypeError) as exc:
+        # Decoder libraries signal hostile input in their own ways (pillow-heif raises
+        # RuntimeError on its security limits); all of it means the same to the caller.
+        raise CorruptImage(f"image data could not be decoded: {exc}") from None
     tiles = [pixels] if len(plan.boxes) == 1 else [pixels.crop(box) for box in plan.boxes]
     return [
         _encode(tile, policy, fmt=fmt, source=(width, height), position=position, count=len(tiles),

@@ -21,14 +21,6 @@ def _admin(sql: str) -> None:
         conn.execute(sql)
 
 
-def pytest_collection_modifyitems(items):
-    for item in items:
-        if "tests/system/" in str(item.fspath):
-            group = "embedded" if "embedded" in item.module.__name__ else "system"
-            item.add_marker(pytest.mark.xdist_group(group))
-            item.add_marker(pytest.mark.system)
-
-
 @pytest.fixture(scope="session")
 def system(tmp_path_factory, django_db_blocker):
     """The whole product on PostgreSQL and Redis, started with `manage.py runlocal`."""

@@ -10,6 +10,9 @@ from playwright.sync_api import expect, sync_playwright
 
 from tests.images import data_url, image_bytes
 
+# One started system serves every test of the group, on one xdist worker.
+pytestmark = [pytest.mark.system, pytest.mark.xdist_group("system")]
+
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
         "--disable-background-networking", "--disable-component-update", "--disable-sync"]

@@ -10,6 +10,9 @@ import pytest
 from tests.images import data_url, image_bytes
 from tests.system.harness import System, free_port, system_env, wait_for
 
+# One started system serves every test of the group, on one xdist worker.
+pytestmark = [pytest.mark.system, pytest.mark.xdist_group("embedded")]
+
 
 @pytest.fixture(scope="module")
 def embedded(tmp_path_factory):

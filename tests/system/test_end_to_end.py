@@ -17,6 +17,9 @@ from controlplane.tenants.models import ApiKey
 from tests.images import data_url, image_bytes, serve_files
 from tests.system.harness import wait_for
 
+# One started system serves every test of the group, on one xdist worker.
+pytestmark = [pytest.mark.system, pytest.mark.xdist_group("system")]
+
 
 @pytest.fixture
 def client(system):
