@@ -260,3 +260,9 @@ def test_processes_starting_together_all_get_the_one_stored_key(tmp_path):
         keys = {queue.get(timeout=5) for _ in workers}
         assert keys == {path.read_text().strip()}
         assert list(path.parent.iterdir()) == [path]  # no temporary files left behind
+
+
+@pytest.mark.parametrize("url", ["redis://host:abc/0", "redis://host:6379/zero", "redis://:6379/0"])
+def test_a_malformed_redis_url_is_refused(url):
+    with pytest.raises(EnvError):
+        validate_redis_url(url)

@@ -9,6 +9,7 @@ import pytest
 
 from tests.images import data_url, image_bytes
 from tests.system.harness import System, free_port, system_env, wait_for
+from workers.engines import process
 
 # One started system serves every test of the group, on one xdist worker.
 pytestmark = [pytest.mark.system, pytest.mark.xdist_group("embedded")]
@@ -37,6 +38,9 @@ def test_it_serves_and_meters_an_image_request_without_any_server(embedded):
             {"type": "text", "text": "Describe"},
             {"type": "image_url", "image_url": {"url": data_url(image_bytes(1280, 720))}}]}])
     completion = raw.parse()
+    # 1280x720 is under the 1,003,520-pixel cap; Qwen2.5-VL rounds it to 1288x728:
+    # 46 x 26 merged patches = 1196 features, plus vision start and end.
+    assert completion.usage.prompt_tokens_details.image_tokens == 1198
     with _db(embedded) as db:
         row = db.execute(
             "SELECT image_count, image_tokens, output_tokens FROM metering_usageevent WHERE request_id=?",
@@ -54,10 +58,14 @@ def test_it_serves_and_meters_an_image_request_without_any_server(embedded):
 
 def test_a_second_run_starts_cleanly_with_the_same_demo_key(embedded):
     key = embedded.api_key
+    with _db(embedded) as db:
+        running = [pid for (pid,) in db.execute("SELECT pid FROM fleet_engineinstance WHERE pid IS NOT NULL")]
+    assert running
     embedded.stop()
     with _db(embedded) as db:
         pids = db.execute("SELECT pid FROM fleet_engineinstance WHERE pid IS NOT NULL").fetchall()
-    assert pids == []  # Ctrl-C stopped the engines too
+    assert pids == []  # Ctrl-C stopped the engines too...
+    assert not [pid for pid in running if process.is_alive(pid)]  # ...really: no process is left
     embedded.start()  # migrate, seed and run again, as a second `make run` does
     assert embedded.api_key == key
     embedded.wait_for_engines(tiers=("text",))

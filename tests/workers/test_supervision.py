@@ -116,3 +116,53 @@ def test_setting_desired_stopped_terminates_the_engine(agent):
     EngineInstance.objects.filter(pk=agent.pk).update(desired_state="stopped")
     _reconcile_until(agent, lambda i: i.actual_state == "stopped", "the engine to stop")
     assert not process.is_alive(pid) and agent.pid is None
+
+
+def test_a_pass_that_finds_another_pass_running_launches_nothing(agent):
+    import fcntl
+    from pathlib import Path
+
+    from django.conf import settings
+
+    lock_path = Path(settings.ENGINE_LOG_DIR) / f".reconcile-{agent.node.name}.lock"
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_path, "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # another pass is at work
+        assert supervision.node_reconcile(agent.node.name) == 0
+        agent.refresh_from_db()
+        assert agent.pid is None and agent.actual_state == "pending"
+    _reconcile_until(agent, _running, "the engine to come up once the lock is free")
+    assert EngineEvent.objects.filter(instance=agent, to_state="starting").count() == 1
+
+
+def test_an_engine_no_row_owns_is_stopped_as_an_orphan(agent):
+    _reconcile_until(agent, _running, "the engine to come up")
+    # A second copy of the same engine, as an overlapping pass or a lost row would leave.
+    from tests.system.harness import free_port
+
+    marker = supervision.engine_marker(agent)
+    orphan = subprocess.Popen(
+        [sys.executable, "-m", "workers.engines.simulator", "m", "--family", "qwen2", "--port", str(free_port())],
+        cwd=ROOT, env={**os.environ, process.MARKER_ENV: marker}, start_new_session=True,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_for(lambda: orphan.pid in process.marked_processes(marker), timeout=10, what="the orphan to start")
+    supervision.node_reconcile(agent.node.name)
+    assert orphan.wait(timeout=10) is not None  # stopped
+    agent.refresh_from_db()
+    assert process.is_alive(agent.pid)  # the owned engine runs on
+
+
+def test_engines_of_another_deployment_on_the_same_host_are_left_alone(agent):
+    _reconcile_until(agent, _running, "the engine to come up")
+    from tests.system.harness import free_port
+
+    other = subprocess.Popen(
+        [sys.executable, "-m", "workers.engines.simulator", "m", "--family", "qwen2", "--port", str(free_port())],
+        cwd=ROOT, env={**os.environ, process.MARKER_ENV: f"another-deployment/{agent.node.name}/{agent.pk}"},
+        start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        supervision.node_reconcile(agent.node.name)
+        assert other.poll() is None
+    finally:
+        other.kill()
+        other.wait()

@@ -62,7 +62,9 @@ content_part = st.sampled_from([
     {"type": "image_url", "image_url": {"url": "data:image/png;base64,"}},
     {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo=", "detail": "huge"}},
     {"type": "image_url", "image_url": {"url": "data:;base64,AAAA"}}, {"type": "input_image"},
-    {"type": "mystery"}, "text", 5, None,
+    {"type": "mystery"}, "text", 5, None, {"image_url": {"url": "http://127.0.0.1/"}},
+    {"uuid": "another-tenants-image"}, {"type": "video_url", "video_url": {"url": "x"}},
+    {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}, "uuid": "x"},
 ])
 near_valid = st.fixed_dictionaries(
     {"model": st.sampled_from(["auto", "text", "vlm-lite"]),
@@ -72,7 +74,7 @@ near_valid = st.fixed_dictionaries(
          min_size=1, max_size=2)},
     optional={key: confusing for key in (
         "stream", "stream_options", "max_tokens", "max_completion_tokens", "n", "cache_salt",
-        "temperature", "priority", "user")},
+        "temperature", "priority", "user", "mm_processor_kwargs", "chat_template")},
 )
 
 

@@ -130,3 +130,14 @@ def test_create_api_key_command_refuses_an_unknown_tenant(world):
     with pytest.raises(CommandError, match="no tenant named 'mallory'"):
         call_command("create_api_key", tenant="mallory", stdout=StringIO())
     assert ApiKey.objects.count() == before
+
+
+def test_a_key_prefix_collision_is_retried_not_a_failure(world, monkeypatch):
+    from controlplane.tenants import services
+
+    taken = world.alice.api_keys.first().prefix
+    prefixes = iter([taken, taken, "0badcafe"])
+    monkeypatch.setattr(services.secrets, "token_hex", lambda n: next(prefixes))
+    issued = services.api_key_create(tenant=world.bob)
+    assert issued.api_key.prefix == "0badcafe"
+    assert services.api_key_lookup(issued.secret).tenant == world.bob

@@ -1,0 +1,59 @@
+from __future__ import annotations
+
+import datetime as dt
+
+import pytest
+from django.core.exceptions import ValidationError
+from django.utils import timezone
+
+from controlplane.catalog.demo import demo_api_key, seed_demo
+from controlplane.catalog.models import ModelTier, PriceRate
+from controlplane.fleet.models import EngineInstance
+from controlplane.metering.services import UsageRecord, usage_record
+from controlplane.tenants.models import ApiKey, Tenant
+
+pytestmark = pytest.mark.django_db
+
+
+def test_seeding_twice_changes_nothing_and_keeps_the_demo_key(tmp_path):
+    seed_demo()
+    key = demo_api_key(Tenant.objects.get(name="demo"), tmp_path / "key")
+    counts = [m.objects.count() for m in (ModelTier, Tenant, ApiKey, PriceRate)]
+    seed_demo()
+    assert demo_api_key(Tenant.objects.get(name="demo"), tmp_path / "key") == key
+    assert [m.objects.count() for m in (ModelTier, Tenant, ApiKey, PriceRate)] == counts
+    assert sorted(ModelTier.objects.values_list("name", flat=True)) == ["text", "vlm-flagship", "vlm-lite"]
+
+
+def test_a_vision_tier_needs_a_resolution_policy(world):
+    world.vision.resolution_policy = None
+    with pytest.raises(ValidationError, match="resolution policy"):
+        world.vision.clean()
+
+
+def test_operators_manage_everything_in_the_admin_and_finance_only_views(client, world):
+    seed_demo()
+    client.login(username="operator", password="operator")
+    assert client.get("/admin/catalog/modeltier/").status_code == 200
+    assert client.get("/admin/tenants/tenant/add/").status_code == 200
+    client.login(username="finance", password="finance")
+    assert client.get("/admin/metering/usageevent/").status_code == 200
+    assert client.get("/admin/catalog/priceplan/").status_code == 200
+    assert client.get("/admin/catalog/priceplan/add/").status_code == 403
+    assert client.get("/admin/fleet/engineinstance/").status_code == 403
+    client.login(username="demo-admin", password="demo-admin")
+    assert client.get("/admin/").status_code == 302  # tenant admins have no admin at all
+
+
+def test_usage_is_kept_when_no_price_is_in_effect(world):
+    plan = world.vision.price_plan
+    plan.rates.update(effective_from=timezone.now() + dt.timedelta(days=30))  # only a future price
+    event = usage_record(record=UsageRecord(request_id="req_no_price", tenant_id=world.alice.pk,
+                                            api_key_id=None, tier_id=world.vision.pk, image_tokens=500))
+    assert event.pk and event.image_tokens == 500
+    assert event.rated is False and event.cost == 0
+
+
+def test_every_engine_instance_has_its_own_key(world):
+    keys = {EngineInstance.objects.create(tier=world.vision).api_key for _ in range(5)}
+    assert len(keys) == 5 and all(len(k) >= 40 for k in keys)
