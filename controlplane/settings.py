@@ -196,6 +196,8 @@ NODE_GPUS = env_str("NODE_GPUS", "")  # e.g. "0:A100-80GB:81920,1:A100-80GB:8192
 ENGINE_PORT_BASE = env_int("ENGINE_PORT_BASE", 8100, minimum=1024)
 ENGINE_LOG_DIR = Path(env_str("ENGINE_LOG_DIR", str(VAR_DIR / "engines")))
 ENGINE_HEALTH_TIMEOUT = float(env_int("ENGINE_HEALTH_TIMEOUT_MS", 2000, minimum=1)) / 1000
+ENGINE_DRAIN_TIMEOUT_S = env_int("ENGINE_DRAIN_TIMEOUT_S", 120, minimum=1)
+FLEET_METRICS_RETENTION_HOURS = env_int("FLEET_METRICS_RETENTION_HOURS", 6, minimum=1)
 
 # --- gateway --------------------------------------------------------------------------
 GATEWAY_UPSTREAM_TIMEOUT = float(env_int("GATEWAY_UPSTREAM_TIMEOUT_S", 300, minimum=1))

@@ -15,10 +15,13 @@ log = logging.getLogger(__name__)
 def fleet_reconcile() -> None:
     """Control-plane side: make rows for missing replicas, place them, poke every node."""
     from controlplane.fleet.models import Node
-    from controlplane.fleet.services import instances_place, tier_replicas_sync
+    from controlplane.fleet.services import instances_place, samples_prune, tier_replicas_sync
+    from workers.supervision import external_reconcile
 
     tier_replicas_sync()
     instances_place()
+    external_reconcile()
+    samples_prune()
     for node in Node.objects.all():
         node_reconcile.apply_async(args=[node.name], queue=node.queue,
                                    expires=settings.FLEET_RECONCILE_SECONDS * 2)

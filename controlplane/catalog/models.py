@@ -126,6 +126,7 @@ class ModelTier(models.Model):
     class EngineKind(models.TextChoices):
         VLLM = "vllm", "vLLM"
         SIMULATOR = "simulator", "simulator"
+        EXTERNAL = "external", "external (already running, registered by URL)"
 
     name = models.SlugField(max_length=64, unique=True, help_text="The `model` tenants ask for")
     display_name = models.CharField(max_length=128, blank=True)

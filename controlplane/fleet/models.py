@@ -58,6 +58,7 @@ class EngineInstance(models.Model):
         DRAINING = "draining", "draining"
         STOPPED = "stopped", "stopped"
         CRASHED = "crashed", "crashed"
+        CRASH_LOOP = "crashloop", "crash loop"  # crashed again and again; still retried, with backoff
         FAILED = "failed", "failed"  # cannot be launched as configured
 
     tier = models.ForeignKey("catalog.ModelTier", on_delete=models.CASCADE, related_name="instances")
@@ -82,6 +83,22 @@ class EngineInstance(models.Model):
     command = models.JSONField(default=list, blank=True)
     # Engines listen on the network on multi-host setups: only the gateway may call them.
     api_key = models.CharField(max_length=64, default=engine_api_key, editable=False)
+    # Engine kind "external": an endpoint started elsewhere, watched and routed to, never launched.
+    external_url = models.URLField(blank=True, help_text="For external engines: e.g. http://vllm-7b.svc:8000")
+    drain = models.BooleanField(default=False, help_text="Stop gracefully: no new work, wait for in-flight")
+    drain_started_at = models.DateTimeField(null=True, blank=True)
+    # Liveness beyond /health: counters must move when there is work, and a tiny completion
+    # must come back. A hung engine can still answer /health.
+    last_progress = models.FloatField(default=0.0)
+    last_progress_at = models.DateTimeField(null=True, blank=True)
+    last_probe_at = models.DateTimeField(null=True, blank=True)
+    probe_failures = models.PositiveSmallIntegerField(default=0)
+    # Latest scrape of the engine's /metrics (full samples live in EngineMetricSample).
+    num_running = models.FloatField(default=0.0)
+    num_waiting = models.FloatField(default=0.0)
+    kv_cache_usage = models.FloatField(default=0.0)
+    metrics_at = models.DateTimeField(null=True, blank=True)
+    log_tail = models.TextField(blank=True)
 
     class Meta:
         ordering = ["tier", "id"]
@@ -91,6 +108,8 @@ class EngineInstance(models.Model):
 
     @property
     def base_url(self) -> str | None:
+        if self.external_url:
+            return self.external_url.rstrip("/")
         if self.node is None or self.port is None:
             return None
         return f"http://{self.node.address}:{self.port}"
@@ -108,3 +127,29 @@ class EngineEvent(models.Model):
 
     def __str__(self):
         return f"{self.instance}: {self.from_state} -> {self.to_state} ({self.reason})"
+
+
+class EngineMetricSample(models.Model):
+    """One scrape of an engine's /metrics. Kept for FLEET_METRICS_RETENTION_HOURS."""
+
+    instance = models.ForeignKey(EngineInstance, on_delete=models.CASCADE, related_name="samples")
+    at = models.DateTimeField(default=timezone.now, db_index=True)
+    running = models.FloatField(default=0.0)
+    waiting = models.FloatField(default=0.0)
+    kv_cache_usage = models.FloatField(default=0.0)
+    prompt_tokens = models.FloatField(default=0.0)
+    generation_tokens = models.FloatField(default=0.0)
+    prefix_cache_queries = models.FloatField(default=0.0)
+    prefix_cache_hits = models.FloatField(default=0.0)
+    mm_cache_queries = models.FloatField(default=0.0)
+    mm_cache_hits = models.FloatField(default=0.0)
+    preemptions = models.FloatField(default=0.0)
+    ttft = models.JSONField(null=True, blank=True)
+    e2e = models.JSONField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-at"]
+        indexes = [models.Index(fields=["instance", "at"])]
+
+    def __str__(self):
+        return f"{self.instance} @ {self.at:%H:%M:%S}"

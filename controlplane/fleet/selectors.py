@@ -1,5 +1,6 @@
 import datetime as dt
 
+from django.db import models
 from django.utils import timezone
 
 from controlplane.fleet.models import EngineInstance
@@ -18,7 +19,8 @@ def routable_instances(*, tier_id: int):
             actual_state=EngineInstance.Actual.RUNNING,
             healthy=True,
             last_health_at__gte=fresh,
-            port__isnull=False,
-            node__isnull=False,
+        ).filter(
+            # launched here (a node and a port) or registered by URL (external)
+            models.Q(port__isnull=False, node__isnull=False) | ~models.Q(external_url=""),
         ).select_related("node")
     )

@@ -53,7 +53,8 @@ def tier_replicas_sync() -> int:
         EngineInstance.objects.filter(desired_state=EngineInstance.Desired.RUNNING)
         .values_list("tier_id").annotate(n=Count("id"))
     )
-    for tier in ModelTier.objects.filter(enabled=True):
+    # External engines are registered by URL, one row each, by an operator: never created here.
+    for tier in ModelTier.objects.filter(enabled=True).exclude(engine_kind=ModelTier.EngineKind.EXTERNAL):
         for _ in range(tier.replicas - counts.get(tier.pk, 0)):
             EngineInstance.objects.create(tier=tier)
             created += 1
@@ -78,6 +79,7 @@ def instances_place(now=None) -> int:
     pending = (
         EngineInstance.objects.select_for_update()
         .filter(node__isnull=True, desired_state=EngineInstance.Desired.RUNNING)
+        .exclude(tier__engine_kind=ModelTier.EngineKind.EXTERNAL)
         .select_related("tier")
     )
     for instance in pending:
@@ -109,3 +111,37 @@ def instance_set_desired(*, instance: EngineInstance, desired: str, reason: str)
     instance.save(update_fields=["desired_state"])
     EngineEvent.objects.create(instance=instance, from_state=instance.actual_state,
                                to_state=instance.actual_state, reason=f"desired {desired}: {reason}")
+
+
+def samples_prune(now=None) -> int:
+    """Drop metric samples past their retention."""
+    from django.conf import settings
+
+    from controlplane.fleet.models import EngineMetricSample
+
+    cutoff = (now or timezone.now()) - dt.timedelta(hours=settings.FLEET_METRICS_RETENTION_HOURS)
+    deleted, _ = EngineMetricSample.objects.filter(at__lt=cutoff).delete()
+    return deleted
+
+
+def instance_action(*, instance: EngineInstance, action: str, user) -> None:
+    """What an operator asks of an instance from the fleet page: launch, stop or drain."""
+    who = getattr(user, "username", "system")
+    if action == "launch":
+        if instance.tier.engine_kind == ModelTier.EngineKind.EXTERNAL:
+            instance_set_desired(instance=instance, desired=EngineInstance.Desired.RUNNING,
+                                 reason=f"back in rotation, by {who}")
+            return
+        EngineInstance.objects.filter(pk=instance.pk).update(
+            restart_count=0, next_start_at=None, drain=False, drain_started_at=None,
+            actual_state=EngineInstance.Actual.PENDING
+            if instance.actual_state == EngineInstance.Actual.FAILED else instance.actual_state)
+        instance.refresh_from_db()
+        instance_set_desired(instance=instance, desired=EngineInstance.Desired.RUNNING, reason=f"launched by {who}")
+    elif action in ("stop", "drain"):
+        instance.drain = action == "drain"
+        instance.save(update_fields=["drain"])
+        instance_set_desired(instance=instance, desired=EngineInstance.Desired.STOPPED,
+                             reason=f"{'drain' if instance.drain else 'stop'} requested by {who}")
+    else:
+        raise ValueError(f"unknown action {action!r}")

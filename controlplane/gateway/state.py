@@ -36,6 +36,7 @@ class InstanceSpec:
     base_url: str
     pool: str
     api_key: str = ""
+    queued: float = 0.0  # the engine's own running + waiting requests, from its last scrape
 
 
 class TTLCache:
@@ -150,7 +151,8 @@ def _load_instances(tier_id: int) -> list[InstanceSpec]:
     from controlplane.fleet.selectors import routable_instances
 
     return [
-        InstanceSpec(id=i.pk, tier_id=i.tier_id, base_url=i.base_url, pool=i.pool, api_key=i.api_key)
+        InstanceSpec(id=i.pk, tier_id=i.tier_id, base_url=i.base_url, pool=i.pool, api_key=i.api_key,
+                     queued=i.num_running + i.num_waiting)
         for i in routable_instances(tier_id=tier_id)
     ]
 

@@ -34,5 +34,8 @@ def choose(candidates: list[InstanceSpec], *, exclude: set[int] = frozenset()) -
     pool = [c for c in candidates if c.id not in exclude]
     if not pool:
         return None
-    least = min(outstanding[c.id] for c in pool)
-    return random.choice([c for c in pool if outstanding[c.id] == least])
+    # Least outstanding work: this process's requests in flight, plus what the engine itself
+    # reported queued at its last scrape (other gateway replicas' work shows up there).
+    load = {c.id: outstanding[c.id] + c.queued for c in pool}
+    least = min(load.values())
+    return random.choice([c for c in pool if load[c.id] == least])

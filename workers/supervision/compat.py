@@ -1,0 +1,61 @@
+"""Can this node run this tier? vLLM gained each model architecture in a given release;
+launching one on an older vLLM would fail minutes later in a log nobody reads. Refuse it up
+front, with the reason on the instance row."""
+
+from __future__ import annotations
+
+import re
+
+# Hugging Face model_type -> (architecture vLLM registers, first vLLM release that serves it).
+ARCHITECTURES = {
+    "qwen2_vl": ("Qwen2VLForConditionalGeneration", "0.6.1"),
+    "qwen2_5_vl": ("Qwen2_5_VLForConditionalGeneration", "0.7.2"),
+    "qwen3_vl": ("Qwen3VLForConditionalGeneration", "0.11.0"),
+    "llava": ("LlavaForConditionalGeneration", "0.3.0"),
+    "llava_next": ("LlavaNextForConditionalGeneration", "0.4.1"),
+    "internvl": ("InternVLChatModel", "0.5.4"),
+    "gemma3": ("Gemma3ForConditionalGeneration", "0.8.0"),
+    "pixtral": ("PixtralForConditionalGeneration", "0.6.2"),
+    "idefics3": ("Idefics3ForConditionalGeneration", "0.6.4"),
+    "phi3_v": ("Phi3VForCausalLM", "0.4.3"),
+    "qwen2": ("Qwen2ForCausalLM", "0.3.0"),
+    "qwen3": ("Qwen3ForCausalLM", "0.8.5"),
+    "llama": ("LlamaForCausalLM", "0.1.0"),
+    "mistral": ("MistralForCausalLM", "0.1.0"),
+}
+# Flags the launcher always passes, and the release that introduced them.
+FLAGS = {"--mm-processor-cache-gb": "0.10.2", "--allowed-media-domains": "0.11.0"}
+
+
+def version_tuple(text: str) -> tuple[int, ...]:
+    """'0.11.0rc2.dev5+g123' -> (0, 11, 0): release numbers only."""
+    numbers = re.match(r"^\s*v?(\d+(?:\.\d+)*)", text or "")
+    if numbers is None:
+        raise ValueError(f"not a version: {text!r}")
+    return tuple(int(part) for part in numbers.group(1).split("."))
+
+
+def launch_refusal(tier, node) -> str | None:
+    """Why `tier` cannot be launched on `node`, or None when it can."""
+    if tier.engine_kind != "vllm":
+        return None
+    if not node.vllm_version:
+        return f"vLLM is not installed on node {node.name} (pip install 'vlm-serving-controlplane[vllm]')"
+    try:
+        installed = version_tuple(node.vllm_version)
+    except ValueError:
+        return f"node {node.name} reports an unreadable vLLM version {node.vllm_version!r}"
+    known = ARCHITECTURES.get(tier.family)
+    if known is None:
+        return f"no known vLLM architecture for model family {tier.family!r}"
+    architecture, minimum = known
+    if installed < version_tuple(minimum):
+        return (f"{architecture} ({tier.family}) needs vLLM {minimum} or newer; node {node.name} "
+                f"has {node.vllm_version}")
+    settings = tier.engine_settings or {}
+    uses = {"--mm-processor-cache-gb": settings.get("mm_processor_cache_gb") is not None,
+            "--allowed-media-domains": bool(settings.get("allowed_media_domains"))}
+    for flag, needed in uses.items():
+        if needed and installed < version_tuple(FLAGS[flag]):
+            return f"{flag} needs vLLM {FLAGS[flag]} or newer; node {node.name} has {node.vllm_version}"
+    return None

@@ -1,0 +1,102 @@
+"""Is an engine alive, and is it doing its work? /health alone cannot say: a hung engine
+still answers it. So each pass also scrapes /metrics (work pending but counters frozen
+means hung) and now and then sends a real one-token completion."""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+from dataclasses import dataclass
+
+import httpx
+from django.conf import settings
+
+from controlplane.fleet.models import EngineInstance, EngineMetricSample
+from workers.engines.metrics import MetricsError, Snapshot, snapshot
+
+log = logging.getLogger(__name__)
+HANG_AFTER = dt.timedelta(seconds=20)  # work pending, counters frozen this long: hung
+PROBE_EVERY = dt.timedelta(seconds=15)
+PROBE_TIMEOUT_S = 5.0
+PROBE_FAILURES_HUNG = 2
+
+
+@dataclass
+class Liveness:
+    healthy: bool
+    reason: str = ""
+    snapshot: Snapshot | None = None
+
+
+def _headers(instance: EngineInstance) -> dict:
+    return {"Authorization": f"Bearer {instance.api_key}"} if instance.api_key else {}
+
+
+def health_ok(instance: EngineInstance) -> bool:
+    try:
+        response = httpx.get(f"{instance.base_url}/health", timeout=settings.ENGINE_HEALTH_TIMEOUT)
+    except httpx.HTTPError:
+        return False
+    return response.status_code == 200
+
+
+def scrape(instance: EngineInstance) -> Snapshot | None:
+    try:
+        response = httpx.get(f"{instance.base_url}/metrics", timeout=settings.ENGINE_HEALTH_TIMEOUT,
+                             headers=_headers(instance))
+        response.raise_for_status()
+        return snapshot(response.text)
+    except (httpx.HTTPError, MetricsError) as exc:
+        log.info("could not scrape %s: %s", instance, exc)
+        return None
+
+
+def probe(instance: EngineInstance) -> bool:
+    """A real one-token completion: the engine must still be able to serve."""
+    body = {"model": instance.tier.name, "max_tokens": 1,
+            "messages": [{"role": "user", "content": "ping"}]}
+    if (instance.tier.engine_settings or {}).get("scheduling_policy") == "priority":
+        body["priority"] = -1000  # ahead of tenant traffic, so a busy engine is not mistaken for a hung one
+    try:
+        response = httpx.post(f"{instance.base_url}/v1/chat/completions", json=body,
+                              headers=_headers(instance), timeout=PROBE_TIMEOUT_S)
+    except httpx.HTTPError:
+        return False
+    return response.status_code == 200
+
+
+def record_sample(instance: EngineInstance, snap: Snapshot, now: dt.datetime) -> None:
+    EngineMetricSample.objects.create(
+        instance=instance, at=now, running=snap.running, waiting=snap.waiting,
+        kv_cache_usage=snap.kv_cache_usage, prompt_tokens=snap.prompt_tokens,
+        generation_tokens=snap.generation_tokens, prefix_cache_queries=snap.prefix_cache_queries,
+        prefix_cache_hits=snap.prefix_cache_hits, mm_cache_queries=snap.mm_cache_queries,
+        mm_cache_hits=snap.mm_cache_hits, preemptions=snap.preemptions,
+        ttft=snap.ttft.as_json() if snap.ttft else None, e2e=snap.e2e.as_json() if snap.e2e else None,
+    )
+
+
+def assess(instance: EngineInstance, now: dt.datetime, fields: dict) -> Liveness:
+    """Health, progress and probe for a running process; fills `fields` with what to save."""
+    if not health_ok(instance):
+        return Liveness(False, "health check failed")
+    snap = scrape(instance)
+    if snap is not None:
+        record_sample(instance, snap, now)
+        fields.update(num_running=snap.running, num_waiting=snap.waiting,
+                      kv_cache_usage=snap.kv_cache_usage, metrics_at=now)
+        if snap.progress != instance.last_progress or instance.last_progress_at is None:
+            fields.update(last_progress=snap.progress, last_progress_at=now)
+        elif snap.running + snap.waiting > 0 and now - instance.last_progress_at > HANG_AFTER:
+            return Liveness(False, f"hung: {snap.running + snap.waiting:g} requests pending and no "
+                                   f"progress for {(now - instance.last_progress_at).seconds}s", snap)
+    due = instance.last_probe_at is None or now - instance.last_probe_at >= PROBE_EVERY
+    if due or instance.actual_state != EngineInstance.Actual.RUNNING:
+        ok = probe(instance)
+        failures = 0 if ok else instance.probe_failures + 1
+        fields.update(last_probe_at=now, probe_failures=failures)
+        if failures >= PROBE_FAILURES_HUNG:
+            return Liveness(False, f"completion probe failed {failures} times in a row", snap)
+        if not ok and instance.actual_state != EngineInstance.Actual.RUNNING:
+            return Liveness(False, "not serving completions yet", snap)
+    return Liveness(True, snapshot=snap)

@@ -1,0 +1,131 @@
+"""The node agent: one per host, inside the Celery worker that consumes `node.<name>`."""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import shutil
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from django.conf import settings
+from django.db import close_old_connections
+from django.utils import timezone
+
+from controlplane.fleet.models import EngineInstance, Node
+from controlplane.fleet.services import node_register
+from workers.engines import process
+from workers.supervision.engine import deployment_id, engine_check, engine_marker, engine_stop
+
+log = logging.getLogger(__name__)
+
+
+def detect_gpus() -> list[dict]:
+    if settings.NODE_GPUS:
+        gpus = []
+        for item in settings.NODE_GPUS.split(","):
+            index, model, memory = (item.split(":") + ["", ""])[:3]
+            gpus.append({"index": int(index), "model": model, "memory_mib": int(memory or 0)})
+        return gpus
+    if shutil.which("nvidia-smi"):
+        try:
+            out = subprocess.run(
+                ["nvidia-smi", "--query-gpu=index,name,memory.total", "--format=csv,noheader,nounits"],
+                capture_output=True, text=True, timeout=10, check=True,
+            ).stdout
+        except (subprocess.SubprocessError, OSError):
+            log.warning("nvidia-smi failed; registering no GPUs")
+            return []
+        return [
+            {"index": int(i), "model": name.strip(), "memory_mib": int(float(mem))}
+            for i, name, mem in (line.split(",") for line in out.strip().splitlines() if line)
+        ]
+    return []
+
+
+def detect_vllm_version() -> str:
+    """The vLLM installed beside this agent, read from package metadata (importing vllm is slow)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("vllm")
+    except PackageNotFoundError:
+        return ""
+
+
+def this_node() -> Node:
+    return node_register(name=settings.NODE_NAME, address=settings.NODE_ADDRESS,
+                         gpus=detect_gpus(), vllm_version=detect_vllm_version())
+
+
+def _check(instance: EngineInstance, now) -> None:
+    try:
+        engine_check(instance, now)
+    except Exception:
+        log.exception("supervising %s failed", instance)
+    finally:
+        close_old_connections()
+
+
+def node_reconcile(node_name: str | None = None) -> int:
+    """Bring every instance placed on this node to its desired state. Adopts running engines.
+
+    One pass at a time per node: overlapping passes would each relaunch the same crashed
+    engine. A pass that finds the lock taken skips; the next beat tick comes soon. Within a
+    pass, instances are checked in parallel, so that one slow probe does not delay noticing
+    another engine's crash.
+    """
+    node = this_node() if node_name is None else Node.objects.get(name=node_name)
+    Node.objects.filter(pk=node.pk).update(last_seen_at=timezone.now())
+    lock_path = Path(settings.ENGINE_LOG_DIR) / f".reconcile-{node.name}.lock"
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_path, "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("a reconcile pass for %s is already running; skipping", node.name)
+            return 0
+        now = timezone.now()
+        instances = list(EngineInstance.objects.filter(node=node).select_related(
+            "tier", "node", "tier__resolution_policy"))
+        if len(instances) <= 1 or settings.DATABASES["default"]["ENGINE"].endswith("sqlite3"):
+            for instance in instances:  # SQLite: one writer at a time anyway
+                _check_inline(instance, now)
+        else:
+            with ThreadPoolExecutor(max_workers=min(8, len(instances))) as pool:
+                list(pool.map(lambda i: _check(i, now), instances))
+        stop_orphans(node)
+        return len(instances)
+
+
+def _check_inline(instance: EngineInstance, now) -> None:
+    try:
+        engine_check(instance, now)
+    except Exception:
+        log.exception("supervising %s failed", instance)
+
+
+def stop_orphans(node: Node) -> int:
+    """Stop engines this node launched that no instance row owns (any more)."""
+    owned = {engine_marker(i): i.pid for i in EngineInstance.objects.filter(node=node).exclude(pid=None)}
+    stopped = 0
+    for pid, marker in process.marked_processes(f"{deployment_id()}/{settings.NODE_NAME}/").items():
+        if owned.get(marker) != pid:
+            log.warning("stopping orphaned engine pid %s (%s)", pid, marker)
+            process.terminate(pid, grace=5)
+            stopped += 1
+    return stopped
+
+
+def node_stop_all(node_name: str, reason: str) -> int:
+    """Stop every engine process of this node (used when a local run shuts down)."""
+    stopped = 0
+    for instance in EngineInstance.objects.filter(node__name=node_name).select_related("tier", "node"):
+        if instance.pid:
+            engine_stop(instance, reason)
+            stopped += 1
+    node = Node.objects.filter(name=node_name).first()
+    if node is not None:
+        stopped += stop_orphans(node)
+    return stopped
