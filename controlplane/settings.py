@@ -198,6 +198,7 @@ ENGINE_LOG_DIR = Path(env_str("ENGINE_LOG_DIR", str(VAR_DIR / "engines")))
 ENGINE_HEALTH_TIMEOUT = float(env_int("ENGINE_HEALTH_TIMEOUT_MS", 2000, minimum=1)) / 1000
 ENGINE_DRAIN_TIMEOUT_S = env_int("ENGINE_DRAIN_TIMEOUT_S", 120, minimum=1)
 FLEET_METRICS_RETENTION_HOURS = env_int("FLEET_METRICS_RETENTION_HOURS", 6, minimum=1)
+METRICS_TOKEN = env_str("METRICS_TOKEN")  # when set, /metrics wants `Authorization: Bearer <token>`
 
 # --- gateway --------------------------------------------------------------------------
 GATEWAY_UPSTREAM_TIMEOUT = float(env_int("GATEWAY_UPSTREAM_TIMEOUT_S", 300, minimum=1))

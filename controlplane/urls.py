@@ -3,11 +3,14 @@ from django.contrib.auth import views as auth_views
 from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
+from controlplane.fleet.prometheus import metrics
+
 urlpatterns = [
     path("v1/", include("controlplane.gateway.urls")),
     path("api/v1/", include("controlplane.metering.api.urls")),
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="api-docs"),
+    path("metrics", metrics, name="metrics"),
     path("admin/", admin.site.urls),
     path("login/", auth_views.LoginView.as_view(), name="login"),
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),

@@ -8,6 +8,9 @@ urlpatterns = [
     path("keys/", views.keys, name="keys"),
     path("keys/<int:pk>/revoke/", views.key_revoke, name="key-revoke"),
     path("fleet/", views.fleet, name="fleet"),
+    path("fleet/external/", views.fleet_register_external, name="fleet-external"),
+    path("fleet/<int:pk>/", views.fleet_instance, name="fleet-instance"),
+    path("fleet/<int:pk>/<str:action>/", views.fleet_action, name="fleet-action"),
     path("policies/", views.policies, name="policies"),
     path("capacity/", views.capacity, name="capacity"),
 ]

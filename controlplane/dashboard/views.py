@@ -67,10 +67,68 @@ def key_revoke(request, pk: int):
 @login_required
 def fleet(request):
     _require(roles.is_operator, request.user)
+    from controlplane.catalog.models import ModelTier
+    from controlplane.fleet.models import Node
+
+    instances = EngineInstance.objects.select_related("tier", "node").prefetch_related("gpus").order_by(
+        "tier__name", "id")
     return render(request, "dashboard/fleet.html", {
-        "instances": EngineInstance.objects.select_related("tier", "node").order_by("tier__name", "id"),
-        "events": EngineEvent.objects.select_related("instance__tier")[:30],
+        "nodes": Node.objects.prefetch_related("gpus__instances").order_by("name"),
+        "instances": instances,
+        "events": EngineEvent.objects.select_related("instance__tier")[:40],
+        "external_tiers": ModelTier.objects.filter(engine_kind=ModelTier.EngineKind.EXTERNAL),
     })
+
+
+@login_required
+def fleet_instance(request, pk: int):
+    _require(roles.is_operator, request.user)
+    instance = get_object_or_404(EngineInstance.objects.select_related("tier", "node"), pk=pk)
+    return render(request, "dashboard/fleet_instance.html", {
+        "instance": instance,
+        "events": instance.events.all()[:50],
+        "samples": instance.samples.all()[:20],
+    })
+
+
+@login_required
+@require_POST
+def fleet_action(request, pk: int, action: str):
+    _require(roles.is_operator, request.user)
+    from django.db import transaction
+
+    from controlplane.fleet.services import instance_action
+    from workers.tasks import fleet_reconcile
+
+    instance = get_object_or_404(EngineInstance.objects.select_related("tier"), pk=pk)
+    if action not in ("launch", "stop", "drain"):
+        raise PermissionDenied
+    instance_action(instance=instance, action=action, user=request.user)
+    transaction.on_commit(fleet_reconcile.delay)  # act now rather than at the next beat tick
+    messages.success(request, f"{action.capitalize()} requested for {instance}.")
+    return redirect("dashboard:fleet")
+
+
+@login_required
+@require_POST
+def fleet_register_external(request):
+    _require(roles.is_operator, request.user)
+    from django.core.validators import URLValidator
+
+    from controlplane.catalog.models import ModelTier
+
+    tier = get_object_or_404(ModelTier, pk=request.POST.get("tier"), engine_kind=ModelTier.EngineKind.EXTERNAL)
+    url = (request.POST.get("url") or "").strip()
+    try:
+        URLValidator(schemes=["http", "https"])(url)
+    except Exception:  # noqa: BLE001 - any invalid URL gets the same answer
+        messages.error(request, f"{url!r} is not an http(s) URL")
+        return redirect("dashboard:fleet")
+    instance = EngineInstance.objects.create(tier=tier, external_url=url)
+    EngineEvent.objects.create(instance=instance, from_state="pending", to_state="pending",
+                               reason=f"registered at {url} by {request.user.username}")
+    messages.success(request, f"Registered {url} for {tier.name}; it joins rotation once healthy.")
+    return redirect("dashboard:fleet")
 
 
 @login_required

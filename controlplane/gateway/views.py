@@ -15,7 +15,7 @@ from django.core.exceptions import RequestDataTooBig
 from django.http import JsonResponse, StreamingHttpResponse
 from django.views.decorators.csrf import csrf_exempt
 
-from controlplane.gateway import state, upstream
+from controlplane.gateway import counters, state, upstream
 from controlplane.gateway.errors import GatewayError, error_response
 from controlplane.gateway.prepare import (
     Prepared,
@@ -30,6 +30,7 @@ from controlplane.metering.services import UsageRecord, usage_record
 log = logging.getLogger(__name__)
 AUTO = "auto"
 _background: set[asyncio.Task] = set()
+_tier_names: dict[int, str] = {}
 
 
 async def _authenticate(request) -> state.KeyInfo:
@@ -143,6 +144,7 @@ def _upstream_body(key: state.KeyInfo, tier: TierSpec, prepared: Prepared) -> di
 
 async def _forward(request_id: str, key: state.KeyInfo, tier: TierSpec, prepared: Prepared):
     started = time.monotonic()
+    _tier_names[tier.id] = tier.name
     record = UsageRecord(
         request_id=request_id, tenant_id=key.tenant_id, api_key_id=key.key_id, tier_id=tier.id,
         stream=bool(prepared.body.get("stream")), images=[
@@ -298,6 +300,8 @@ def _record_in_background(record: UsageRecord, started: float) -> asyncio.Task:
 
 async def _record(record: UsageRecord, started: float) -> None:
     record.latency_ms = int((time.monotonic() - started) * 1000)
+    counters.count(tier=_tier_names.get(record.tier_id, str(record.tier_id)), status=record.status,
+                   images=record.image_tokens)
     try:
         await sync_to_async(usage_record)(record=record)
     except Exception:  # never lose the response over metering; the error is logged loudly

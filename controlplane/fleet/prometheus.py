@@ -1,0 +1,64 @@
+"""The control plane's own /metrics: the fleet as the database knows it, and this gateway
+process's request counters. Scraped by Prometheus beside the engines' own /metrics."""
+
+from __future__ import annotations
+
+import hmac
+
+from django.conf import settings
+from django.db.models import Count, Sum
+from django.http import HttpResponse
+from django.utils import timezone
+
+from controlplane.fleet.models import EngineInstance
+from controlplane.gateway import counters
+from controlplane.metering.models import DailyUsage
+
+
+def _label(value) -> str:
+    return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def _line(name: str, labels: dict, value) -> str:
+    inner = ",".join(f'{k}="{_label(v)}"' for k, v in labels.items())
+    return f"{name}{{{inner}}} {float(value):g}"
+
+
+def render() -> str:
+    out = ["# HELP vlmcp_engine_instances Engine instances by tier and state.",
+           "# TYPE vlmcp_engine_instances gauge"]
+    for row in EngineInstance.objects.values("tier__name", "actual_state").annotate(n=Count("id")).order_by():
+        out.append(_line("vlmcp_engine_instances", {"tier": row["tier__name"], "state": row["actual_state"]}, row["n"]))
+    per_instance = {
+        "vlmcp_engine_healthy": ("Whether the instance passed its last health check.", "healthy"),
+        "vlmcp_engine_kv_cache_usage": ("KV cache in use, 0..1, from the engine's last scrape.", "kv_cache_usage"),
+        "vlmcp_engine_requests_running": ("Requests running on the engine at its last scrape.", "num_running"),
+        "vlmcp_engine_requests_waiting": ("Requests waiting on the engine at its last scrape.", "num_waiting"),
+        "vlmcp_engine_restarts": ("Restarts since the instance was last healthy for 10 minutes.", "restart_count"),
+    }
+    instances = list(EngineInstance.objects.select_related("tier").order_by("id"))
+    for name, (help_text, attribute) in per_instance.items():
+        out += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge"]
+        out += [_line(name, {"instance": i.pk, "tier": i.tier.name}, getattr(i, attribute)) for i in instances]
+    requests, image_tokens = counters.snapshot()
+    out += ["# HELP vlmcp_gateway_requests_total Requests this gateway process answered.",
+            "# TYPE vlmcp_gateway_requests_total counter"]
+    out += [_line("vlmcp_gateway_requests_total", {"tier": t, "status": s}, n) for (t, s), n in sorted(requests.items())]
+    out += ["# HELP vlmcp_gateway_image_tokens_total Image tokens this gateway process sent to engines.",
+            "# TYPE vlmcp_gateway_image_tokens_total counter"]
+    out += [_line("vlmcp_gateway_image_tokens_total", {"tier": t}, n) for t, n in sorted(image_tokens.items())]
+    out += ["# HELP vlmcp_usage_image_tokens_today Image tokens metered today (UTC), from the rollups.",
+            "# TYPE vlmcp_usage_image_tokens_today gauge"]
+    today = DailyUsage.objects.filter(day=timezone.now().date()).values("tier__name").annotate(
+        tokens=Sum("image_tokens")).order_by("tier__name")
+    out += [_line("vlmcp_usage_image_tokens_today", {"tier": r["tier__name"]}, r["tokens"]) for r in today]
+    return "\n".join(out) + "\n"
+
+
+def metrics(request):
+    token = settings.METRICS_TOKEN
+    if token:
+        sent = request.headers.get("Authorization", "")
+        if not hmac.compare_digest(sent, f"Bearer {token}"):
+            return HttpResponse("unauthorized\n", status=401, content_type="text/plain")
+    return HttpResponse(render(), content_type="text/plain; version=0.0.4; charset=utf-8")

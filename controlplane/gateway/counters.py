@@ -1,0 +1,22 @@
+"""Counters of this gateway process, exposed at /metrics (each replica reports its own)."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+
+_lock = threading.Lock()
+requests: Counter = Counter()  # (tier, status) -> requests answered
+image_tokens: Counter = Counter()  # tier -> image tokens sent to engines
+
+
+def count(*, tier: str, status: str, images: int = 0) -> None:
+    with _lock:
+        requests[(tier, status)] += 1
+        if images:
+            image_tokens[tier] += images
+
+
+def snapshot() -> tuple[dict, dict]:
+    with _lock:
+        return dict(requests), dict(image_tokens)

@@ -1,0 +1,84 @@
+from __future__ import annotations
+
+import pytest
+from django.utils import timezone
+
+from controlplane.catalog.models import ModelTier
+from controlplane.fleet.models import EngineEvent, EngineInstance, Gpu, Node
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture
+def fleet(world):
+    node = Node.objects.create(name="gpu-a", address="10.0.0.5", queue="node.gpu-a", vllm_version="0.11.0",
+                               last_seen_at=timezone.now())
+    gpu = Gpu.objects.create(node=node, index=0, model="H100", memory_mib=81559)
+    running = EngineInstance.objects.create(tier=world.vision, node=node, port=8100, pid=4242, actual_state="running",
+                                            healthy=True, kv_cache_usage=0.37, num_running=3, num_waiting=2,
+                                            log_tail="INFO engine ready\n")
+    running.gpus.add(gpu)
+    return world, node, running
+
+
+def test_operators_see_nodes_gpus_and_instances_with_their_load(client, fleet):
+    world, node, running = fleet
+    client.force_login(world.operator)
+    page = client.get("/fleet/").content.decode()
+    assert "gpu-a" in page and "H100" in page and f"→ #{running.pk}" in page  # which engine holds the GPU
+    row = page.split(f'data-instance="{running.pk}"')[1].split("</tr>")[0]
+    assert "37%" in row and "3 / 2" in row and "running" in row
+
+
+def test_drain_stop_and_launch_move_the_desired_state_and_are_logged(client, fleet):
+    world, node, running = fleet
+    client.force_login(world.operator)
+    client.post(f"/fleet/{running.pk}/drain/")
+    running.refresh_from_db()
+    assert running.desired_state == "stopped" and running.drain
+    client.post(f"/fleet/{running.pk}/launch/")
+    running.refresh_from_db()
+    assert running.desired_state == "running" and not running.drain
+    reasons = list(EngineEvent.objects.filter(instance=running).values_list("reason", flat=True))
+    assert any("drain requested by olivia" in r for r in reasons)
+    assert any("launched by olivia" in r for r in reasons)
+
+
+def test_only_operators_act_on_the_fleet(client, fleet):
+    world, node, running = fleet
+    client.force_login(world.finance)
+    assert client.post(f"/fleet/{running.pk}/stop/").status_code == 403
+    assert client.get(f"/fleet/{running.pk}/").status_code == 403
+    running.refresh_from_db()
+    assert running.desired_state == "running"
+
+
+def test_the_instance_page_shows_its_log_tail_and_command(client, fleet):
+    world, node, running = fleet
+    client.force_login(world.operator)
+    page = client.get(f"/fleet/{running.pk}/").content.decode()
+    assert "INFO engine ready" in page
+
+
+def test_an_external_engine_is_registered_by_url(client, world):
+    tier = ModelTier.objects.create(name="vlm-k8s", family="qwen2_5_vl", model_id="Qwen/Qwen2.5-VL-7B-Instruct",
+                                    kind="vision", engine_kind="external", resolution_policy=world.vision.resolution_policy,
+                                    price_plan=world.vision.price_plan)
+    client.force_login(world.operator)
+    client.post("/fleet/external/", {"tier": tier.pk, "url": "http://vllm-7b.inference.svc:8000"})
+    instance = EngineInstance.objects.get(tier=tier)
+    assert instance.base_url == "http://vllm-7b.inference.svc:8000" and instance.node is None
+    client.post("/fleet/external/", {"tier": tier.pk, "url": "file:///etc/passwd"})
+    assert EngineInstance.objects.filter(tier=tier).count() == 1
+
+
+def test_the_control_plane_exposes_its_own_prometheus_metrics(client, fleet, settings):
+    from workers.engines.metrics import parse
+
+    world, node, running = fleet
+    series = parse(client.get("/metrics").content.decode())
+    assert ({"tier": "vlm-lite", "state": "running"}, 1.0) in series["vlmcp_engine_instances"]
+    assert ({"instance": str(running.pk), "tier": "vlm-lite"}, 0.37) in series["vlmcp_engine_kv_cache_usage"]
+    settings.METRICS_TOKEN = "scrape-me"
+    assert client.get("/metrics").status_code == 401
+    assert client.get("/metrics", HTTP_AUTHORIZATION="Bearer scrape-me").status_code == 200
