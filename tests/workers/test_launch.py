@@ -91,12 +91,14 @@ def test_fp8_kv_cache_and_priority_scheduling_when_set():
     assert flag_value(argv, "--scheduling-policy") == "priority"
 
 
-def test_unset_settings_emit_no_flags():
+def test_unset_settings_emit_no_flags_but_gpu_memory_stays_explicit():
     argv, _ = build_command(vision_spec(settings={}))
     for flag in ("--kv-cache-dtype", "--scheduling-policy", "--tensor-parallel-size",
-                 "--gpu-memory-utilization", "--max-model-len", "--dtype"):
+                 "--max-model-len", "--dtype"):
         assert flag not in argv
     assert not any(arg.startswith("--sim-") for arg in argv)
+    # vLLM's own default moved from 0.9 to 0.92 in 0.20: the launcher never leaves it implicit.
+    assert flag_value(argv, "--gpu-memory-utilization") == "0.9"
 
 
 def test_vllm_command_never_gets_simulator_cost_flags():

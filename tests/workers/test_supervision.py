@@ -166,3 +166,95 @@ def test_engines_of_another_deployment_on_the_same_host_are_left_alone(agent):
     finally:
         other.kill()
         other.wait()
+
+
+def test_each_pass_scrapes_the_engine_into_samples_and_gauges(agent):
+    from controlplane.fleet.models import EngineMetricSample
+
+    _reconcile_until(agent, _running, "the engine to come up")
+    _reconcile_until(agent, lambda i: i.metrics_at is not None, "a scrape")
+    sample = EngineMetricSample.objects.filter(instance=agent).first()
+    assert sample is not None and sample.generation_tokens >= 1  # the completion probe produced a token
+    assert agent.last_probe_at is not None and agent.probe_failures == 0
+
+
+def test_repeated_crashes_show_as_a_crash_loop(agent):
+    now = timezone.now()
+    for n in range(1, 4):
+        _reconcile_until(agent, lambda i: i.pid and process.is_alive(i.pid), f"start {n}")
+        os.kill(agent.pid, signal.SIGKILL)
+        wait_for(lambda: not process.is_alive(agent.pid), timeout=5, what="the kill")
+        now = now + dt.timedelta(seconds=400)  # past any backoff
+        supervision.engine_check(EngineInstance.objects.select_related("tier", "node").get(pk=agent.pk), now)
+        agent.refresh_from_db()
+        assert agent.restart_count == n
+        assert agent.actual_state == ("crashloop" if n >= 3 else "crashed")
+        supervision.engine_check(EngineInstance.objects.select_related("tier", "node").get(pk=agent.pk),
+                                 now + dt.timedelta(seconds=301))
+        agent.refresh_from_db()
+    assert "restart 3 in 40s" in agent.events.filter(to_state="crashloop").first().reason
+
+
+def test_an_idle_engine_drains_and_stops(agent):
+    from controlplane.fleet.services import instance_action
+
+    _reconcile_until(agent, _running, "the engine to come up")
+    pid = agent.pid
+    instance_action(instance=agent, action="drain", user=None)
+    _reconcile_until(agent, lambda i: i.actual_state == "draining", "draining to start")
+    assert not agent.healthy
+    _reconcile_until(agent, lambda i: i.actual_state == "stopped", "the drained engine to stop", timeout=30)
+    assert not process.is_alive(pid)
+    assert "drained after" in agent.state_reason
+
+
+def test_a_draining_engine_finishes_its_in_flight_request_first(agent, settings):
+    import threading
+
+    import httpx
+
+    from controlplane.fleet.services import instance_action
+
+    agent.tier.engine_settings = {**agent.tier.engine_settings, "decode_ms_per_token": 150}
+    agent.tier.save()
+    _reconcile_until(agent, _running, "the engine to come up")
+    result = {}
+
+    def long_request():
+        response = httpx.post(f"{agent.base_url}/v1/chat/completions", timeout=60,
+                              headers={"Authorization": f"Bearer {agent.api_key}"},
+                              json={"model": agent.tier.name, "max_tokens": 30,
+                                    "messages": [{"role": "user", "content": "a long answer please"}]})
+        result["status"] = response.status_code
+
+    client = threading.Thread(target=long_request)
+    client.start()
+    wait_for(lambda: supervision.node_reconcile(agent.node.name) is not None and
+             EngineInstance.objects.get(pk=agent.pk).num_running >= 1, timeout=10, what="the request to run")
+    instance_action(instance=agent, action="drain", user=None)
+    _reconcile_until(agent, lambda i: i.actual_state == "draining", "draining to start")
+    supervision.node_reconcile(agent.node.name)
+    agent.refresh_from_db()
+    assert agent.actual_state == "draining"  # still busy: not stopped under the request
+    client.join(timeout=30)
+    assert result["status"] == 200  # the in-flight request completed
+    _reconcile_until(agent, lambda i: i.actual_state == "stopped", "the engine to stop once idle", timeout=30)
+
+
+def test_an_external_engine_is_watched_and_routed_to_but_never_launched(world):
+    from controlplane.catalog.models import ModelTier
+    from controlplane.fleet.selectors import routable_instances
+    from tests.engines import simulator
+
+    tier = ModelTier.objects.create(name="vlm-ext", family="qwen2_5_vl", model_id="m", kind="vision",
+                                    engine_kind="external", resolution_policy=world.vision.resolution_policy,
+                                    price_plan=world.vision.price_plan)
+    with simulator(name="vlm-ext") as port:
+        instance = EngineInstance.objects.create(tier=tier, external_url=f"http://127.0.0.1:{port}")
+        supervision.external_reconcile()
+        instance.refresh_from_db()
+        assert (instance.actual_state, instance.healthy, instance.pid) == ("running", True, None)
+        assert [i.pk for i in routable_instances(tier_id=tier.pk)] == [instance.pk]
+    supervision.external_reconcile()  # the endpoint is gone
+    instance.refresh_from_db()
+    assert instance.actual_state == "unhealthy" and routable_instances(tier_id=tier.pk) == []

@@ -50,6 +50,9 @@ def build_command(spec: LaunchSpec) -> tuple[list[str], dict[str, str]]:
     else:
         raise ValueError(f"engine kind {spec.engine_kind!r} cannot be launched")
     argv += ["--served-model-name", spec.served_model_name, "--host", spec.host, "--port", str(spec.port)]
+    if spec.engine_kind == "vllm" and settings.get("gpu_memory_utilization") is None:
+        # Always explicit: vLLM's own default moved from 0.9 to 0.92 in 0.20.
+        settings = {**settings, "gpu_memory_utilization": 0.9}
     for key, flag in _VALUED.items():
         if settings.get(key) is not None:
             argv += [flag, str(settings[key])]

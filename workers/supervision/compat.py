@@ -7,24 +7,26 @@ from __future__ import annotations
 import re
 
 # Hugging Face model_type -> (architecture vLLM registers, first vLLM release that serves it).
+# Read from the published vLLM packages 0.6.0 ... 0.33.0 (vllm/model_executor/models/registry.py);
+# "0.6.0" means "in every release checked", the oldest being 0.6.0.
 ARCHITECTURES = {
     "qwen2_vl": ("Qwen2VLForConditionalGeneration", "0.6.1"),
     "qwen2_5_vl": ("Qwen2_5_VLForConditionalGeneration", "0.7.2"),
     "qwen3_vl": ("Qwen3VLForConditionalGeneration", "0.11.0"),
-    "llava": ("LlavaForConditionalGeneration", "0.3.0"),
-    "llava_next": ("LlavaNextForConditionalGeneration", "0.4.1"),
-    "internvl": ("InternVLChatModel", "0.5.4"),
+    "llava": ("LlavaForConditionalGeneration", "0.6.0"),
+    "llava_next": ("LlavaNextForConditionalGeneration", "0.6.0"),
+    "internvl": ("InternVLChatModel", "0.6.0"),  # the HF-native InternVLForConditionalGeneration: 0.10.2
     "gemma3": ("Gemma3ForConditionalGeneration", "0.8.0"),
-    "pixtral": ("PixtralForConditionalGeneration", "0.6.2"),
+    "pixtral": ("PixtralForConditionalGeneration", "0.6.1"),
     "idefics3": ("Idefics3ForConditionalGeneration", "0.6.4"),
-    "phi3_v": ("Phi3VForCausalLM", "0.4.3"),
-    "qwen2": ("Qwen2ForCausalLM", "0.3.0"),
-    "qwen3": ("Qwen3ForCausalLM", "0.8.5"),
-    "llama": ("LlamaForCausalLM", "0.1.0"),
-    "mistral": ("MistralForCausalLM", "0.1.0"),
+    "phi3_v": ("Phi3VForCausalLM", "0.6.0"),
+    "qwen2": ("Qwen2ForCausalLM", "0.6.0"),
+    "qwen3": ("Qwen3ForCausalLM", "0.8.4"),
+    "llama": ("LlamaForCausalLM", "0.6.0"),
+    "mistral": ("MistralForCausalLM", "0.6.0"),
 }
 # Flags the launcher always passes, and the release that introduced them.
-FLAGS = {"--mm-processor-cache-gb": "0.10.2", "--allowed-media-domains": "0.11.0"}
+FLAGS = {"--mm-processor-cache-gb": "0.10.1", "--allowed-media-domains": "0.11.0"}
 
 
 def version_tuple(text: str) -> tuple[int, ...]:
