@@ -62,8 +62,11 @@ def build_command(spec: LaunchSpec) -> tuple[list[str], dict[str, str]]:
         argv += ["--limit-mm-per-prompt", json.dumps({"image": spec.images_per_prompt})]
         if spec.processor_kwargs:  # only options the family's processor takes
             argv += ["--mm-processor-kwargs", json.dumps(spec.processor_kwargs)]
-        if spec.allowed_media_domains:
-            argv += ["--allowed-media-domains", *spec.allowed_media_domains]
+        # The gateway fetches image URLs itself and sends data URLs, so the engine need fetch
+        # nothing. vLLM matches exact host names only (no wildcards) and has no "none"
+        # value: a reserved .invalid name switches its fetching off.
+        exact = [d for d in spec.allowed_media_domains if "*" not in d]
+        argv += ["--allowed-media-domains", *(exact or ["no-engine-fetching.invalid"])]
     argv.append("--enable-prompt-tokens-details")
     if spec.engine_kind == "simulator":
         for key in _SIMULATOR:

@@ -56,7 +56,7 @@ def launch_refusal(tier, node) -> str | None:
                 f"has {node.vllm_version}")
     settings = tier.engine_settings or {}
     uses = {"--mm-processor-cache-gb": settings.get("mm_processor_cache_gb") is not None,
-            "--allowed-media-domains": bool(settings.get("allowed_media_domains"))}
+            "--allowed-media-domains": tier.kind == "vision"}  # always passed to vision engines
     for flag, needed in uses.items():
         if needed and installed < version_tuple(FLAGS[flag]):
             return f"{flag} needs vLLM {FLAGS[flag]} or newer; node {node.name} has {node.vllm_version}"
