@@ -179,3 +179,51 @@ def test_the_node_agent_restarts_an_engine_killed_with_sigkill(system, system_db
 
     wait_for(back, timeout=40, interval=0.5, what="the engine to be restarted and healthy")
     assert instances.get(pk=victim.pk).restart_count == 1
+
+
+def _chat(system, model="vlm-lite"):
+    return httpx.post(f"{system.base_url}/v1/chat/completions", timeout=30,
+                      headers={"Authorization": f"Bearer {system.api_key}"},
+                      json={"model": model, "max_tokens": 2, "messages": [{"role": "user", "content": "ping"}]})
+
+
+def test_a_stopped_engine_leaves_rotation_and_returns_when_it_resumes(system, system_db):
+    instance = EngineInstance.objects.using(system_db).get(tier__name="vlm-lite")
+    os.kill(instance.pid, signal.SIGSTOP)  # alive but answering nothing: a hang
+    try:
+        event = wait_for(lambda: EngineEvent.objects.using(system_db).filter(
+            instance_id=instance.pk, to_state="unhealthy").first(), timeout=30, what="the hang to be noticed")
+        assert "out of rotation" in event.reason
+        # Its only replica is out: the gateway says so instead of sending work into the void.
+        wait_for(lambda: _chat(system).status_code == 503, timeout=10, what="the gateway to stop routing to it")
+    finally:
+        os.kill(instance.pid, signal.SIGCONT)
+    wait_for(lambda: _chat(system).status_code == 200, timeout=30, interval=0.5, what="the engine back in rotation")
+
+
+def _worker_pids(node_name: str) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                cmdline = open(f"/proc/{entry}/cmdline", "rb").read().split(b"\0")
+            except OSError:
+                continue
+            if b"worker" in cmdline and f"agent@{node_name}".encode() in cmdline:
+                found.append(int(entry))
+    return found
+
+
+def test_a_restarted_node_agent_adopts_the_engines_still_running(system, system_db):
+    node_name = system.env["NODE_NAME"]
+    before = {i.pk: i.pid for i in EngineInstance.objects.using(system_db).all()}
+    started_before = EngineEvent.objects.using(system_db).filter(to_state="starting").count()
+    (agent,) = _worker_pids(node_name)
+    os.kill(agent, signal.SIGKILL)
+    wait_for(lambda: [p for p in _worker_pids(node_name) if p != agent], timeout=30,
+             what="the local runner to restart the agent")
+    # The new agent registers, reconciles, and finds every engine alive: nothing is relaunched.
+    wait_for(lambda: _chat(system, "text").status_code == 200, timeout=20, what="serving after the agent restart")
+    after = {i.pk: i.pid for i in EngineInstance.objects.using(system_db).all()}
+    assert after == before
+    assert EngineEvent.objects.using(system_db).filter(to_state="starting").count() == started_before

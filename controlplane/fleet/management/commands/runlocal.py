@@ -63,11 +63,21 @@ class Command(BaseCommand):
             "Press Ctrl-C to stop.\n"
         )
         exit_code = 0
+        restarts: dict[str, list[float]] = {name: [] for name in commands}
         while not stopping:
-            for name, child in children.items():
-                if child.poll() is not None:
-                    self.stderr.write(f"{name} exited with {child.returncode}; stopping")
+            for name, child in list(children.items()):
+                if child.poll() is None or stopping:
+                    continue
+                # A crashed child is restarted, as a process supervisor would; a child that
+                # keeps crashing stops the whole run rather than spin.
+                recent = [t for t in restarts[name] if time.monotonic() - t < 60] + [time.monotonic()]
+                restarts[name] = recent
+                if len(recent) > 5:
+                    self.stderr.write(f"{name} exited {len(recent)} times in a minute; stopping")
                     stopping, exit_code = True, 1
+                    break
+                self.stderr.write(f"{name} exited with {child.returncode}; restarting it")
+                children[name] = subprocess.Popen(commands[name], cwd=settings.BASE_DIR)
             time.sleep(0.5)
         self._shutdown(children)
         sys.exit(exit_code)
