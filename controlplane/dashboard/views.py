@@ -84,10 +84,13 @@ def fleet(request):
 def fleet_instance(request, pk: int):
     _require(roles.is_operator, request.user)
     instance = get_object_or_404(EngineInstance.objects.select_related("tier", "node"), pk=pk)
+    from controlplane.dashboard.charts import engine_load_chart
+
+    samples = list(instance.samples.all()[:360])  # the last half hour at the default 5 s pass
     return render(request, "dashboard/fleet_instance.html", {
         "instance": instance,
         "events": instance.events.all()[:50],
-        "samples": instance.samples.all()[:20],
+        "chart": engine_load_chart(samples) if samples else "",
     })
 
 

@@ -53,11 +53,17 @@ def test_only_operators_act_on_the_fleet(client, fleet):
     assert running.desired_state == "running"
 
 
-def test_the_instance_page_shows_its_log_tail_and_command(client, fleet):
+def test_the_instance_page_shows_its_log_tail_and_load_chart(client, fleet):
+    from controlplane.fleet.models import EngineMetricSample
+
     world, node, running = fleet
+    ttft = {"buckets": [[0.1, 4], ["+Inf", 5]], "sum": 0.4, "count": 5}
+    for n in range(3):
+        EngineMetricSample.objects.create(instance=running, running=n, waiting=1, kv_cache_usage=0.2, ttft=ttft)
     client.force_login(world.operator)
     page = client.get(f"/fleet/{running.pk}/").content.decode()
     assert "INFO engine ready" in page
+    assert 'id="engine-load"' in page and "TTFT p50" in page
 
 
 def test_an_external_engine_is_registered_by_url(client, world):
