@@ -1,12 +1,9 @@
-"""The simulated engine: token accounting, an encoder cache and a timing cost model.
+"""The simulated engine's front half: request checks, token accounting and replies.
 
-Cost parameters (defaults are small so that tests and demos run quickly; set them to the
-figures of a real GPU to reproduce its latency shape):
-- prefill_us_per_token: prompt processing per token, image tokens included. An H100 runs
-  a 7B model's prefill at roughly 10-20k tokens/s, i.e. 50-100 us per token.
-- encode_us_per_image_token: the vision encoder, per image token, skipped on a cache hit.
-- decode_ms_per_token: one decode step per output token; a 7B model decodes at ~10-30 ms
-  per step when batched.
+It decodes the images a request carries, counts their tokens with the gateway's family
+formulas, lays the prompt out (where each image sits, which message prefixes it has) and
+hands a Sequence to the Scheduler (scheduler.py), which owns timing, batching, KV and the
+caches; the cost parameters and what a real GPU has are described there.
 """
 
 from __future__ import annotations
@@ -16,16 +13,28 @@ import base64
 import binascii
 import hashlib
 import io
+import json
+import math
 import random
 import time
-from collections import OrderedDict
 from dataclasses import dataclass
 
 from PIL import Image, UnidentifiedImageError
 
 from controlplane.imaging.tokens import count_image_tokens
-from controlplane.textcount import prompt_text_tokens
+from controlplane.textcount import MESSAGE_OVERHEAD, count_text_tokens, prompt_text_tokens
+from workers.engines.simulator.caches import EncoderCache
 from workers.engines.simulator.metrics import Metrics
+from workers.engines.simulator.scheduler import (
+    FAULT_MODES,
+    CostModel,
+    Faults,
+    Scheduler,
+    SchedulerConfig,
+)
+from workers.engines.simulator.sequence import BLOCK_SIZE, ImageSpan, Sequence
+
+__all__ = ["CostModel", "EngineDead", "EngineRequestError", "Faults", "SimulatedEngine"]
 
 _WORDS = ("the", "a", "of", "and", "is", "in", "on", "with", "blue", "red", "one", "two",
           "left", "top", "text", "line", "bar", "shows", "near", "edge", "sky", "tree", "cat")
@@ -35,11 +44,8 @@ class EngineRequestError(ValueError):
     pass
 
 
-@dataclass
-class CostModel:
-    prefill_us_per_token: float = 20.0
-    encode_us_per_image_token: float = 10.0
-    decode_ms_per_token: float = 1.0
+class EngineDead(RuntimeError):
+    pass
 
 
 @dataclass
@@ -51,49 +57,69 @@ class ImageInput:
 
 
 @dataclass
+class Prompt:
+    tokens: int
+    max_tokens: int
+    priority: int
+    images: list[ImageInput]
+    spans: list[tuple[int, ImageInput]]  # (prompt position, image)
+    prefixes: list[tuple[str, int]]  # (hash of messages[:k], their tokens), k = 1..n
+
+
+@dataclass
 class Completion:
     prompt_tokens: int
     image_tokens: int
-    cached_image_tokens: int
+    cached_tokens: int
     tokens: list[str]
     finish_reason: str
+
+
+def _number(name: str, value, valid) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise EngineRequestError(f"{name} must be a number")
+    if not valid(value):
+        raise EngineRequestError(f"{name} {value} is out of range")
+    return float(value)
 
 
 class SimulatedEngine:
     def __init__(self, *, served_model_name: str, family: str, mm_processor_kwargs: dict,
                  max_num_seqs: int, max_model_len: int, images_per_prompt: int | None,
-                 cost: CostModel, encoder_cache_items: int = 256):
+                 cost: CostModel, encoder_cache_items: int = 256,
+                 max_num_batched_tokens: int = 8192, kv_cache_tokens: int = 65536,
+                 scheduling_policy: str = "fcfs", enable_prefix_caching: bool = False,
+                 faults: Faults | None = None, clock=time.monotonic, sleep=asyncio.sleep):
         self.name = served_model_name
         self.family = family
         self.mm_kwargs = mm_processor_kwargs
-        self.max_model_len = max_model_len
         self.images_per_prompt = images_per_prompt
         self.cost = cost
         self.metrics = Metrics(served_model_name)
-        self.slots = asyncio.Semaphore(max_num_seqs)
+        config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, kv_cache_tokens,
+                                 scheduling_policy or "fcfs", enable_prefix_caching)
+        self.scheduler = Scheduler(config, cost, self.metrics, faults=faults, clock=clock,
+                                   sleep=sleep, encoder_cache=EncoderCache(encoder_cache_items))
+        # vLLM refuses to start when one sequence of max_model_len cannot fit in the KV
+        # cache; the simulator shrinks max_model_len to the KV instead.
+        self.max_model_len = min(max_model_len, self.scheduler.total_blocks * BLOCK_SIZE)
         self.max_num_seqs = max_num_seqs
-        self.encoder_cache: OrderedDict[str, int] = OrderedDict()
-        self.encoder_cache_items = encoder_cache_items
 
-    def parse_images(self, messages: list) -> list[ImageInput]:
-        images = []
-        for message in messages:
-            content = message.get("content") if isinstance(message, dict) else None
-            if not isinstance(content, list):
-                continue
-            for part in content:
-                if not isinstance(part, dict) or part.get("type") != "image_url":
-                    continue
-                spec = part.get("image_url")
-                url = spec.get("url") if isinstance(spec, dict) else spec
-                images.append(self._decode(url))
-        if images and self.images_per_prompt is None:
-            raise EngineRequestError(f"{self.name} is not a multimodal model")
-        if self.images_per_prompt is not None and len(images) > self.images_per_prompt:
-            raise EngineRequestError(
-                f"At most {self.images_per_prompt} image(s) may be provided in one prompt."
-            )
-        return images
+    @property
+    def faults(self) -> Faults:
+        return self.scheduler.faults
+
+    def set_fault(self, mode, factor=None, rate=None) -> Faults:
+        """Inject a fault ("none" clears it); factor and rate keep their defaults when None."""
+        if mode not in FAULT_MODES:
+            raise EngineRequestError(f"mode must be one of {', '.join(FAULT_MODES)}")
+        faults = Faults(mode)
+        if factor is not None:
+            faults.factor = _number("factor", factor, lambda v: v > 0)
+        if rate is not None:
+            faults.rate = _number("rate", rate, lambda v: 0 <= v <= 1)
+        self.scheduler.set_fault(faults)
+        return faults
 
     def _decode(self, url) -> ImageInput:
         if not isinstance(url, str) or not url.startswith("data:") or ";base64," not in url[:100]:
@@ -107,24 +133,58 @@ class SimulatedEngine:
         tokens = count_image_tokens(self.family, width, height, **self.mm_kwargs)
         return ImageInput(width, height, tokens, hashlib.blake2b(data, digest_size=16).hexdigest())
 
-    def _encoder_lookup(self, image: ImageInput) -> bool:
-        self.metrics.counters["vllm:mm_cache_queries_total"] += 1
-        if image.digest in self.encoder_cache:
-            self.encoder_cache.move_to_end(image.digest)
-            self.metrics.counters["vllm:mm_cache_hits_total"] += 1
-            return True
-        self.encoder_cache[image.digest] = image.tokens
-        while len(self.encoder_cache) > self.encoder_cache_items:
-            self.encoder_cache.popitem(last=False)
-        return False
+    def _layout(self, messages: list, salt) -> tuple[list, list]:
+        """Images at their prompt positions, and the hash chain of whole-message prefixes."""
+        spans, prefixes, position = [], [], 0
+        chain = hashlib.blake2b(json.dumps(salt).encode(), digest_size=16)
+        for message in messages:
+            if not isinstance(message, dict):
+                raise EngineRequestError("each message must be an object")
+            content = message.get("content")
+            position += MESSAGE_OVERHEAD
+            shape = [message.get("role")]
+            if isinstance(content, str):
+                position += count_text_tokens(content)
+                shape.append(content)
+            for part in content if isinstance(content, list) else ():
+                if not isinstance(part, dict):
+                    continue
+                if part.get("type") == "text":
+                    text = str(part.get("text", ""))
+                    position += count_text_tokens(text)
+                    shape.append(text)
+                elif part.get("type") == "image_url":
+                    spec = part.get("image_url")
+                    image = self._decode(spec.get("url") if isinstance(spec, dict) else spec)
+                    spans.append((position, image))
+                    position += image.tokens
+                    shape.append({"image": image.digest})
+            chain.update(json.dumps(shape).encode())
+            prefixes.append((chain.hexdigest(), position))
+        return spans, prefixes
 
-    def plan(self, body: dict) -> tuple[list[ImageInput], int, int]:
+    def plan(self, body: dict) -> Prompt:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise EngineRequestError("messages must be a non-empty list")
-        images = self.parse_images(messages)
-        text = prompt_text_tokens(messages)
-        prompt = text + sum(i.tokens for i in images)
+        salt = body.get("cache_salt")
+        if salt is not None and (not isinstance(salt, str) or not salt):
+            raise EngineRequestError("cache_salt must be a non-empty string")
+        priority = body.get("priority") or 0
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise EngineRequestError("priority must be an integer")
+        if priority and self.scheduler.config.policy != "priority":
+            raise EngineRequestError(
+                f"Got priority {priority} but priority scheduling is not enabled.")
+        spans, prefixes = self._layout(messages, salt)
+        images = [image for _, image in spans]
+        if images and self.images_per_prompt is None:
+            raise EngineRequestError(f"{self.name} is not a multimodal model")
+        if self.images_per_prompt is not None and len(images) > self.images_per_prompt:
+            raise EngineRequestError(
+                f"At most {self.images_per_prompt} image(s) may be provided in one prompt."
+            )
+        prompt = prompt_text_tokens(messages) + sum(i.tokens for i in images)
         limit = body.get("max_completion_tokens") or body.get("max_tokens")
         if limit is not None and (not isinstance(limit, int) or limit < 1):
             raise EngineRequestError("max_tokens must be a positive integer")
@@ -134,7 +194,7 @@ class SimulatedEngine:
                 f"your request has {prompt} input tokens."
             )
         budget = self.max_model_len - prompt
-        return images, prompt, min(limit or budget, budget)
+        return Prompt(prompt, min(limit or budget, budget), priority, images, spans, prefixes)
 
     def reply_tokens(self, body: dict, images: list[ImageInput], max_tokens: int) -> tuple[list[str], str]:
         """Deterministic output: a description of what was received, then filler words."""
@@ -148,52 +208,35 @@ class SimulatedEngine:
             return tokens[:max_tokens], "length"
         return tokens, "stop"
 
-    async def generate(self, body: dict, images: list[ImageInput], prompt_tokens: int,
-                       max_tokens: int):
-        """Yield (event, payload): ("first", Completion) then ("token", str) per output token."""
-        arrived = time.monotonic()
-        self.metrics.waiting += 1
+    async def generate(self, body: dict, prompt: Prompt):
+        """Yield ("first", Completion) with the first token, then ("token", str) per token.
+        Leaving the iteration early (or being cancelled) aborts the sequence."""
+        tokens, finish_reason = self.reply_tokens(body, prompt.images, prompt.max_tokens)
+        seq = Sequence(prompt.tokens, tokens, finish_reason, prompt.priority,
+                       images=[ImageSpan(at, i.tokens, i.digest) for at, i in prompt.spans],
+                       prefixes=prompt.prefixes)
         try:
-            await self.slots.acquire()
-        finally:
-            self.metrics.waiting -= 1
-        self.metrics.running += 1
-        self.metrics.kv_usage = self.metrics.running / self.max_num_seqs
-        started = time.monotonic()
-        finish = "abort"
+            self.scheduler.submit(seq)
+        except RuntimeError as exc:
+            raise EngineDead(str(exc)) from None
+        first = True
         try:
-            cached = [self._encoder_lookup(image) for image in images]
-            encode_tokens = sum(i.tokens for i, hit in zip(images, cached, strict=True) if not hit)
-            prefill = (prompt_tokens * self.cost.prefill_us_per_token
-                       + encode_tokens * self.cost.encode_us_per_image_token) / 1e6
-            await asyncio.sleep(prefill)
-            tokens, finish_reason = self.reply_tokens(body, images, max_tokens)
-            self.metrics.counters["vllm:prompt_tokens_total"] += prompt_tokens
-            first = time.monotonic()
-            self.metrics.histograms["vllm:request_queue_time_seconds"].observe(started - arrived)
-            self.metrics.histograms["vllm:request_prefill_time_seconds"].observe(first - started)
-            self.metrics.histograms["vllm:time_to_first_token_seconds"].observe(first - arrived)
-            yield "first", Completion(
-                prompt_tokens=prompt_tokens,
-                image_tokens=sum(i.tokens for i in images),
-                cached_image_tokens=sum(i.tokens for i, hit in zip(images, cached, strict=True) if hit),
-                tokens=tokens,
-                finish_reason=finish_reason,
-            )
-            last = first
-            for index, token in enumerate(tokens):
-                if index:
-                    await asyncio.sleep(self.cost.decode_ms_per_token / 1000)
-                    now = time.monotonic()
-                    self.metrics.histograms["vllm:inter_token_latency_seconds"].observe(now - last)
-                    last = now
-                self.metrics.counters["vllm:generation_tokens_total"] += 1
-                yield "token", token
-            finish = finish_reason
-            self.metrics.histograms["vllm:request_decode_time_seconds"].observe(time.monotonic() - first)
-            self.metrics.histograms["vllm:e2e_request_latency_seconds"].observe(time.monotonic() - arrived)
+            while True:
+                kind, payload = await seq.events.get()
+                if kind == "error":
+                    raise EngineDead(payload)
+                if kind == "finish":
+                    return
+                if first:
+                    first = False
+                    yield "first", Completion(
+                        prompt_tokens=prompt.tokens,
+                        image_tokens=sum(i.tokens for i in prompt.images),
+                        cached_tokens=seq.cached_tokens,
+                        tokens=tokens,
+                        finish_reason=finish_reason,
+                    )
+                yield "token", payload
         finally:
-            self.metrics.success[finish] += 1
-            self.metrics.running -= 1
-            self.metrics.kv_usage = self.metrics.running / self.max_num_seqs
-            self.slots.release()
+            if seq.state != "finished":
+                self.scheduler.abort(seq)

@@ -5,8 +5,15 @@ from __future__ import annotations
 import bisect
 from collections import defaultdict
 
-LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
-                   2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+# vLLM's own bucket boundaries (vllm/v1/metrics/loggers.py, the same from 0.10 to 0.33), so
+# that dashboards and quantiles read the simulator exactly as they read vLLM.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                   240.0, 480.0, 960.0, 1920.0, 7680.0)
+TOKEN_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                         10.0, 20.0, 40.0, 80.0)
+LATENCY_BUCKETS = TTFT_BUCKETS
 
 
 class Histogram:
@@ -30,12 +37,12 @@ class Metrics:
         self.counters: dict[str, float] = defaultdict(float)
         self.success: dict[str, int] = defaultdict(int)
         self.histograms = {
-            "vllm:time_to_first_token_seconds": Histogram(),
-            "vllm:inter_token_latency_seconds": Histogram(),
-            "vllm:e2e_request_latency_seconds": Histogram(),
-            "vllm:request_queue_time_seconds": Histogram(),
-            "vllm:request_prefill_time_seconds": Histogram(),
-            "vllm:request_decode_time_seconds": Histogram(),
+            "vllm:time_to_first_token_seconds": Histogram(TTFT_BUCKETS),
+            "vllm:inter_token_latency_seconds": Histogram(TOKEN_LATENCY_BUCKETS),
+            "vllm:e2e_request_latency_seconds": Histogram(REQUEST_BUCKETS),
+            "vllm:request_queue_time_seconds": Histogram(REQUEST_BUCKETS),
+            "vllm:request_prefill_time_seconds": Histogram(REQUEST_BUCKETS),
+            "vllm:request_decode_time_seconds": Histogram(REQUEST_BUCKETS),
         }
         self.running = 0
         self.waiting = 0

@@ -1,16 +1,22 @@
-"""The simulator's HTTP surface: the subset of vLLM's OpenAI server the platform uses."""
+"""The simulator's HTTP surface: the subset of vLLM's OpenAI server the platform uses,
+plus /sim/fault to inject faults (crash, hang, slow, error_rate) in tests and drills."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hmac
 import json
+import os
+import random
 import time
 import uuid
 
-from workers.engines.simulator.engine import EngineRequestError, SimulatedEngine
+from workers.engines.simulator.engine import EngineDead, EngineRequestError, SimulatedEngine
 
 VERSION = "0.0.0+simulator"
 MAX_BODY = 256 * 1024 * 1024
+CRASH_EXIT_CODE = 1
 
 
 async def _read_body(receive) -> bytes:
@@ -28,6 +34,11 @@ async def _read_body(receive) -> bytes:
             return b"".join(chunks)
 
 
+async def _until_disconnect(receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
 async def _send(send, status: int, body: bytes, content_type: str = "application/json") -> None:
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", content_type.encode()),
@@ -39,9 +50,8 @@ def _json(data) -> bytes:
     return json.dumps(data, separators=(",", ":")).encode()
 
 
-def _error(message: str, status: int = 400) -> bytes:
-    return _json({"error": {"message": message, "type": "BadRequestError", "param": None,
-                            "code": status}})
+def _error(message: str, status: int = 400, kind: str = "BadRequestError") -> bytes:
+    return _json({"error": {"message": message, "type": kind, "param": None, "code": status}})
 
 
 def _usage(completion, completion_tokens: int) -> dict:
@@ -49,7 +59,7 @@ def _usage(completion, completion_tokens: int) -> dict:
         "prompt_tokens": completion.prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": completion.prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": completion.cached_image_tokens},
+        "prompt_tokens_details": {"cached_tokens": completion.cached_tokens},
     }
 
 
@@ -57,6 +67,7 @@ class App:
     def __init__(self, engine: SimulatedEngine, api_key: str | None = None):
         self.engine = engine
         self.api_key = api_key
+        self.random = random.Random()
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "lifespan":
@@ -70,14 +81,14 @@ class App:
         if scope["type"] != "http":
             return
         path, method = scope["path"], scope["method"]
-        if path == "/health":
-            return await _send(send, 200, b"", "text/plain")
+        if path == "/health":  # a hung loop still answers 200, as vLLM's does
+            return await _send(send, 503 if self.engine.scheduler.dead else 200, b"", "text/plain")
         if path == "/version":
             return await _send(send, 200, _json({"version": VERSION}))
         if path == "/metrics":
             return await _send(send, 200, self.engine.metrics.render().encode(),
                                "text/plain; version=0.0.4")
-        if path.startswith("/v1/") and self.api_key:
+        if path.startswith(("/v1/", "/sim/")) and self.api_key:
             headers = dict(scope["headers"])
             sent = headers.get(b"authorization", b"").decode("latin-1")
             if not hmac.compare_digest(sent, f"Bearer {self.api_key}"):
@@ -89,28 +100,78 @@ class App:
                 "max_model_len": self.engine.max_model_len}]}))
         if path == "/v1/chat/completions" and method == "POST":
             return await self.chat(receive, send)
+        if path == "/sim/fault" and method in ("GET", "POST"):
+            return await self.fault(receive, send, method)
         return await _send(send, 404, _json({"detail": "Not Found"}))
+
+    async def fault(self, receive, send, method):
+        if method == "POST":
+            try:
+                body = json.loads(await _read_body(receive))
+                if not isinstance(body, dict):
+                    raise EngineRequestError("request body must be a JSON object")
+                self.engine.set_fault(body.get("mode"), body.get("factor"), body.get("rate"))
+            except ConnectionError:
+                return
+            except (ValueError, EngineRequestError) as exc:
+                return await _send(send, 400, _error(str(exc)))
+        faults = self.engine.faults
+        await _send(send, 200, _json({"mode": faults.mode, "factor": faults.factor,
+                                      "rate": faults.rate}))
+        if faults.mode == "crash":  # right after the answer has been written
+            asyncio.get_running_loop().call_later(0.01, os._exit, CRASH_EXIT_CODE)
 
     async def chat(self, receive, send):
         try:
             body = json.loads(await _read_body(receive))
             if not isinstance(body, dict):
                 raise EngineRequestError("request body must be a JSON object")
-            images, prompt_tokens, max_tokens = self.engine.plan(body)
+            prompt = self.engine.plan(body)
         except ConnectionError:
             return
         except (ValueError, EngineRequestError) as exc:
             return await _send(send, 400, _error(str(exc)))
+        faults = self.engine.faults
+        if faults.mode == "error_rate" and self.random.random() < faults.rate:
+            return await _send(send, 500, _error("simulated engine error (fault injection)", 500,
+                                                 "InternalServerError"))
+        # A client that goes away (stream or not) aborts its sequence and frees its KV.
+        answer = asyncio.ensure_future(self.answer(body, prompt, send))
+        gone = asyncio.ensure_future(_until_disconnect(receive))
+        await asyncio.wait((answer, gone), return_when=asyncio.FIRST_COMPLETED)
+        for task in (gone, answer):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def answer(self, body, prompt, send):
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        generation = self.engine.generate(body, images, prompt_tokens, max_tokens)
-        if not body.get("stream"):
-            completion, produced = None, []
-            async for kind, payload in generation:
-                if kind == "first":
-                    completion = payload
-                else:
+        stream = bool(body.get("stream"))
+        completion, produced = None, []
+        if stream:
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"text/event-stream"),
+                                    (b"cache-control", b"no-cache")]})
+        try:
+            async with contextlib.aclosing(self.engine.generate(body, prompt)) as generation:
+                async for kind, payload in generation:
+                    if kind == "first":
+                        completion = payload
+                        if stream:
+                            await self._emit(send, self._chunk(request_id, created,
+                                                               {"role": "assistant", "content": ""}))
+                        continue
+                    if stream:
+                        delta = {"content": (" " if produced else "") + payload}
+                        await self._emit(send, self._chunk(request_id, created, delta))
                     produced.append(payload)
+        except EngineDead as exc:
+            if not stream:
+                return await _send(send, 500, _error(f"engine is dead: {exc}", 500,
+                                                     "InternalServerError"))
+            return await send({"type": "http.response.body", "body": b"", "more_body": False})
+        if not stream:
             return await _send(send, 200, _json({
                 "id": request_id, "object": "chat.completion", "created": created,
                 "model": self.engine.name,
@@ -118,33 +179,20 @@ class App:
                              "logprobs": None, "finish_reason": completion.finish_reason}],
                 "usage": _usage(completion, len(produced)),
             }))
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]})
+        await self._emit(send, self._chunk(request_id, created, {}, completion.finish_reason))
+        options = body.get("stream_options")
+        if isinstance(options, dict) and options.get("include_usage"):
+            await self._emit(send, {"id": request_id, "object": "chat.completion.chunk",
+                                    "created": created, "model": self.engine.name, "choices": [],
+                                    "usage": _usage(completion, len(produced))})
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
 
-        def chunk(delta, finish=None):
-            return {"id": request_id, "object": "chat.completion.chunk", "created": created,
-                    "model": self.engine.name,
-                    "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+    def _chunk(self, request_id, created, delta, finish=None):
+        return {"id": request_id, "object": "chat.completion.chunk", "created": created,
+                "model": self.engine.name,
+                "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
 
-        async def emit(data):
-            await send({"type": "http.response.body", "body": b"data: " + _json(data) + b"\n\n",
-                        "more_body": True})
-
-        completion, produced = None, 0
-        try:
-            async for kind, payload in generation:
-                if kind == "first":
-                    completion = payload
-                    await emit(chunk({"role": "assistant", "content": ""}))
-                else:
-                    await emit(chunk({"content": (" " if produced else "") + payload}))
-                    produced += 1
-            await emit(chunk({}, completion.finish_reason))
-            if include_usage:
-                await emit({"id": request_id, "object": "chat.completion.chunk", "created": created,
-                            "model": self.engine.name, "choices": [],
-                            "usage": _usage(completion, produced)})
-            await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
-        except OSError:  # the client disconnected mid-stream
-            await generation.aclose()
+    @staticmethod
+    async def _emit(send, data):
+        await send({"type": "http.response.body", "body": b"data: " + _json(data) + b"\n\n",
+                    "more_body": True})
