@@ -38,7 +38,8 @@ _VALUED = {
     "dtype": "--dtype",
 }
 # simulator-only cost parameters, passed as --sim-* flags
-_SIMULATOR = ("prefill_us_per_token", "decode_ms_per_token", "encode_us_per_image_token")
+_SIMULATOR = ("prefill_us_per_token", "decode_ms_per_token", "encode_us_per_image_token", "step_overhead_ms",
+              "kv_cache_tokens")
 
 
 def build_command(spec: LaunchSpec) -> tuple[list[str], dict[str, str]]:

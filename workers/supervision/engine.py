@@ -5,6 +5,8 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import logging
+import threading
+import time
 from pathlib import Path
 
 from django.conf import settings
@@ -73,14 +75,26 @@ def launch_spec(instance: EngineInstance, port: int) -> LaunchSpec:
     )
 
 
+# Engines launched in the same pass (checks run in parallel) must not pick the same port: a
+# port is not bound until its engine starts listening, so choosing and recording it happen
+# under one lock, and ports handed out recently stay taken while their engines start.
+_port_lock = threading.Lock()
+_recently_given: dict[int, float] = {}
+
+
 def _free_port(node: Node, instance: EngineInstance) -> int:
     taken = set(
         EngineInstance.objects.filter(node=node).exclude(pk=instance.pk)
         .exclude(port__isnull=True).values_list("port", flat=True)
     )
+    now = time.monotonic()
+    for port, given in list(_recently_given.items()):
+        if now - given > 120:
+            del _recently_given[port]
     port = settings.ENGINE_PORT_BASE
-    while port in taken or not process.port_is_free(port):
+    while port in taken or port in _recently_given or not process.port_is_free(port):
         port += 1
+    _recently_given[port] = now
     return port
 
 
@@ -89,7 +103,8 @@ def engine_launch(instance: EngineInstance, node: Node) -> None:
     if refusal:
         instance_transition(instance=instance, to_state=A.FAILED, reason=refusal)
         return
-    port = _free_port(node, instance)
+    with _port_lock:
+        port = _free_port(node, instance)
     try:
         argv, env = build_command(launch_spec(instance, port))
     except ValueError as exc:
