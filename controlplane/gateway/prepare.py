@@ -15,7 +15,7 @@ from controlplane.imaging.fingerprint import FingerprintIndex
 from controlplane.imaging.intake import image_source_bytes
 from controlplane.imaging.policy import NormalisedImage, Policy, normalise_tiles
 from controlplane.imaging.tokens import count_image_tokens
-from controlplane.textcount import prompt_text_tokens
+from controlplane.textcount import image_positions, prompt_text_tokens
 
 # Re-encodings of a picture this process has seen get that picture's fingerprint.
 index_of_pictures = FingerprintIndex()
@@ -47,6 +47,7 @@ class TierSpec:
 class PreparedImage:
     image: NormalisedImage
     tokens: int
+    position: int = 0  # where the image starts in the prompt
 
 
 @dataclass
@@ -219,3 +220,6 @@ async def _prepare_images(prepared: Prepared, parts: list[dict], tier: TierSpec,
                 new for part in content
                 for new in (replacements.get(id(part)) or [part])
             ]
+    positions = image_positions(body["messages"], [p.tokens for p in prepared.images])
+    for image, position in zip(prepared.images, positions, strict=True):
+        image.position = position

@@ -148,7 +148,7 @@ async def _forward(request_id: str, key: state.KeyInfo, tier: TierSpec, prepared
     record = UsageRecord(
         request_id=request_id, tenant_id=key.tenant_id, api_key_id=key.key_id, tier_id=tier.id,
         stream=bool(prepared.body.get("stream")), images=[
-            (p.image, p.tokens) for p in prepared.images
+            (p.image, p.tokens, False) for p in prepared.images
         ],
         image_tokens=prepared.image_tokens, text_tokens=prepared.text_tokens,
     )
@@ -212,13 +212,17 @@ def _usage_details(usage: dict, prepared: Prepared) -> dict:
     return {**usage, "prompt_tokens_details": details}
 
 
-def _apply_usage(record: UsageRecord, usage: dict | None) -> None:
+def _apply_usage(record: UsageRecord, usage: dict | None, prepared: Prepared) -> None:
     if not usage:
         return
     prompt = int(usage.get("prompt_tokens") or 0)
     record.text_tokens = max(0, prompt - record.image_tokens) if prompt else record.text_tokens
     record.output_tokens = int(usage.get("completion_tokens") or 0)
     record.cached_tokens = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+    # The engine reports one number of cached prompt tokens: the prefix it reused. An image
+    # was served from that cache when all of it lies inside the prefix.
+    record.images = [(p.image, p.tokens, p.position + p.tokens <= record.cached_tokens) for p in prepared.images]
+    record.cached_image_tokens = sum(tokens for _, tokens, cached in record.images if cached)
 
 
 async def _finish_plain(request_id, record, prepared, status, content, started):
@@ -234,7 +238,7 @@ async def _finish_plain(request_id, record, prepared, status, content, started):
             message = f"the engine refused the request: {data['error'].get('message', '')}"
         http = status if 400 <= status < 500 else 502
         return error_response(http, message, code="upstream_error", request_id=request_id)
-    _apply_usage(record, data.get("usage"))
+    _apply_usage(record, data.get("usage"), prepared)
     if data.get("usage"):
         data["usage"] = _usage_details(data["usage"], prepared)
     data["id"] = data.get("id") or request_id
@@ -264,7 +268,7 @@ def _stream(request_id, record, prepared, body, response, instance, started):
                 except ValueError:
                     continue
                 if chunk.get("usage"):
-                    _apply_usage(record, chunk["usage"])
+                    _apply_usage(record, chunk["usage"], prepared)
                     chunk["usage"] = _usage_details(chunk["usage"], prepared)
                     if not chunk.get("choices") and not client_wants_usage:
                         continue

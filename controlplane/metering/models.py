@@ -54,6 +54,7 @@ class UsageImage(models.Model):
     height = models.PositiveIntegerField()
     tokens = models.PositiveIntegerField()
     fingerprint = models.CharField(max_length=32, db_index=True)
+    cached = models.BooleanField(default=False, help_text="Served from the engine's prefix cache")
 
     class Meta:
         ordering = ["event", "position"]

@@ -26,11 +26,12 @@ class UsageRecord:
     api_key_id: int | None
     tier_id: int
     stream: bool = False
-    images: list = field(default_factory=list)  # (NormalisedImage, tokens)
+    images: list = field(default_factory=list)  # (NormalisedImage, tokens, served from cache)
     image_tokens: int = 0
     text_tokens: int = 0
     output_tokens: int = 0
-    cached_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens the engine reused from its prefix cache
+    cached_image_tokens: int = 0  # of which image tokens (whole images inside the cached prefix)
     instance_id: int | None = None
     status: str = "ok"
     http_status: int = 200
@@ -47,9 +48,11 @@ def usage_record(*, record: UsageRecord) -> UsageEvent:
     existing = UsageEvent.objects.filter(request_id=record.request_id).first()
     if existing is not None:
         return existing
+    # (image, tokens) pairs are images not served from a cache.
+    record.images = [item if len(item) == 3 else (*item, False) for item in record.images]
     tier = ModelTier.objects.select_related("price_plan").get(pk=record.tier_id)
     billable = record.status != UsageEvent.Status.ERROR
-    cached_image = min(record.cached_tokens, record.image_tokens)
+    cached_image = min(record.cached_image_tokens, record.image_tokens)
     usage = Usage(
         text_tokens=record.text_tokens,
         image_tokens=record.image_tokens,
@@ -98,8 +101,9 @@ def usage_record(*, record: UsageRecord) -> UsageEvent:
                     height=image.height,
                     tokens=tokens,
                     fingerprint=image.fingerprint,
+                    cached=cached,
                 )
-                for position, (image, tokens) in enumerate(record.images)
+                for position, (image, tokens, cached) in enumerate(record.images)
             )
     except IntegrityError:
         # A concurrent writer stored the same request id first: that copy is the record.

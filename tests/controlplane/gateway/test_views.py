@@ -272,3 +272,24 @@ def test_a_long_image_reaches_the_engine_as_tiles_and_is_metered_per_tile(client
     body = response.json()
     assert body["usage"]["prompt_tokens_details"]["image_tokens"] == sum(t.tokens for t in tiles)
     assert "image 3" in body["choices"][0]["message"]["content"]
+
+
+@pytest.mark.django_db
+def test_an_image_in_a_reused_prefix_is_metered_as_cached(client, world):
+    with simulator(name="vlm-lite", extra=("--enable-prefix-caching",)) as port:
+        node = Node.objects.create(name="cache", queue="node.cache", last_seen_at=timezone.now())
+        EngineInstance.objects.create(tier=world.vision, node=node, port=port, actual_state="running",
+                                      healthy=True, last_health_at=timezone.now())
+        first_turn = [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": data_url(image_bytes(1024, 768))}},
+            {"type": "text", "text": "What is in this picture?"}]}]
+        first = post(client, world.alice_key, {"model": "vlm-lite", "messages": first_turn})
+        follow_up = first_turn + [{"role": "assistant", "content": first.json()["choices"][0]["message"]["content"]},
+                                  {"role": "user", "content": "And what colour is it?"}]
+        second = post(client, world.alice_key, {"model": "vlm-lite", "messages": follow_up})
+    first_image = UsageEvent.objects.get(request_id=first["x-request-id"]).images.get()
+    second_event = UsageEvent.objects.get(request_id=second["x-request-id"])
+    assert not first_image.cached
+    assert second_event.cached_tokens >= second_event.images.get().tokens
+    assert second_event.images.get().cached
+    assert second.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == second_event.cached_tokens

@@ -32,6 +32,7 @@ def _record(world, request_id, *, tenant=None, tier=None, created_at=None, text=
         text_tokens=text,
         output_tokens=output,
         cached_tokens=cached,
+        cached_image_tokens=cached,  # these tests cache whole images only
         status=status,
         http_status=200 if status == "ok" else 502,
         created_at=created_at or timezone.now(),
@@ -257,3 +258,18 @@ def test_an_event_that_commits_after_the_rollup_passed_its_stamp_is_still_counte
     UsageEvent.objects.filter(pk=late.pk).update(recorded_at=now - dt.timedelta(seconds=30))
     assert rollup_daily(now=now + dt.timedelta(seconds=10)) == 1
     assert DailyUsage.objects.get(day=_day(0, 0).date()).text_tokens == 11
+
+
+def test_only_images_inside_the_cached_prefix_are_priced_as_cached(world):
+    """The engine reuses a prefix; text in it is not an image and earns no image discount."""
+    image = normalise(image_bytes(64, 64), Policy())
+    event = usage_record(record=UsageRecord(
+        request_id="req-prefix", tenant_id=world.alice.pk, api_key_id=None, tier_id=world.vision.pk,
+        images=[(image, 1000, True), (image, 1000, False)], image_tokens=2000, text_tokens=500,
+        output_tokens=10, cached_tokens=1400, cached_image_tokens=1000))
+    rate = world.vision.price_plan.rate_at(timezone.now()).as_rates()
+    from controlplane.metering.rating import Usage, price
+
+    assert event.cost == price(Usage(text_tokens=500, image_tokens=2000, cached_image_tokens=1000,
+                                     output_tokens=10, images=2), rate)
+    assert [i.cached for i in event.images.order_by("position")] == [True, False]
