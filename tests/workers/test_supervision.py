@@ -258,3 +258,21 @@ def test_an_external_engine_is_watched_and_routed_to_but_never_launched(world):
     supervision.external_reconcile()  # the endpoint is gone
     instance.refresh_from_db()
     assert instance.actual_state == "unhealthy" and routable_instances(tier_id=tier.pk) == []
+
+
+def test_a_hang_that_health_does_not_show_is_caught_within_30_seconds(agent):
+    """The engine answers /health but serves nothing: counters freeze, the probe times out."""
+    import time
+
+    import httpx
+
+    _reconcile_until(agent, _running, "the engine to come up")
+    headers = {"Authorization": f"Bearer {agent.api_key}"}
+    httpx.post(f"{agent.base_url}/sim/fault", json={"mode": "hang"}, headers=headers, timeout=5).raise_for_status()
+    hung_at = time.monotonic()
+    assert httpx.get(f"{agent.base_url}/health", timeout=5).status_code == 200  # health still says fine
+    _reconcile_until(agent, lambda i: i.actual_state == "unhealthy", "the hang to be caught", timeout=40)
+    assert time.monotonic() - hung_at < 30
+    assert "hung" in agent.state_reason or "probe failed" in agent.state_reason
+    httpx.post(f"{agent.base_url}/sim/fault", json={"mode": "none"}, headers=headers, timeout=5)
+    _reconcile_until(agent, _running, "the engine back in rotation")

@@ -16,8 +16,11 @@ from workers.engines.metrics import MetricsError, Snapshot, snapshot
 
 log = logging.getLogger(__name__)
 HANG_AFTER = dt.timedelta(seconds=20)  # work pending, counters frozen this long: hung
-PROBE_EVERY = dt.timedelta(seconds=15)
-PROBE_TIMEOUT_S = 5.0
+# A hung engine may never even queue new work, so its counters say nothing; the probe does.
+# Every 10 s, and again on the very next pass after a failure: two failures in a row mark
+# the engine hung within about 10 + 4 + pass + 4 s, under the 30 s target.
+PROBE_EVERY = dt.timedelta(seconds=10)
+PROBE_TIMEOUT_S = 4.0
 PROBE_FAILURES_HUNG = 2
 
 
@@ -90,7 +93,8 @@ def assess(instance: EngineInstance, now: dt.datetime, fields: dict) -> Liveness
         elif snap.running + snap.waiting > 0 and now - instance.last_progress_at > HANG_AFTER:
             return Liveness(False, f"hung: {snap.running + snap.waiting:g} requests pending and no "
                                    f"progress for {(now - instance.last_progress_at).seconds}s", snap)
-    due = instance.last_probe_at is None or now - instance.last_probe_at >= PROBE_EVERY
+    due = (instance.last_probe_at is None or instance.probe_failures > 0
+           or now - instance.last_probe_at >= PROBE_EVERY)
     if due or instance.actual_state != EngineInstance.Actual.RUNNING:
         ok = probe(instance)
         failures = 0 if ok else instance.probe_failures + 1
