@@ -1,6 +1,7 @@
 """Test settings: the real PostgreSQL and Redis on 127.0.0.1 unless the environment says otherwise."""
 
 import os
+import uuid
 from pathlib import Path
 
 os.environ.setdefault("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/test")
@@ -12,4 +13,6 @@ os.environ.setdefault("NODE_NAME", f"test-node-{os.environ.get('PYTEST_XDIST_WOR
 from controlplane.settings import *  # noqa: E402,F403
 
 PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]  # fast logins in tests
-CACHES["default"]["KEY_PREFIX"] = f"tests-{os.environ.get('PYTEST_XDIST_WORKER', 'main')}"  # noqa: F405
+# A prefix per test run: cached keys and quota counters in Redis outlive a run, and tenant ids
+# repeat from one run to the next.
+CACHES["default"]["KEY_PREFIX"] = f"tests-{os.environ.get('PYTEST_XDIST_WORKER', 'main')}-{uuid.uuid4().hex[:8]}"  # noqa: F405

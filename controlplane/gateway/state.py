@@ -15,6 +15,7 @@ from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.utils import timezone
 
+from controlplane.gateway.admission import Limits
 from controlplane.gateway.prepare import TierSpec
 from controlplane.imaging.fetch import FetchPolicy
 from controlplane.imaging.tokens import processor_options
@@ -27,6 +28,7 @@ class KeyInfo:
     tenant_name: str
     cache_salt: str | None
     allowed_tier_ids: frozenset[int] | None  # None: every enabled tier
+    limits: Limits | None = None  # None: no quota
 
 
 @dataclass(frozen=True)
@@ -86,12 +88,19 @@ def _load_key(secret: str) -> KeyInfo | None:
     now = timezone.now()
     if api_key.last_used_at is None or (now - api_key.last_used_at).total_seconds() > 60:
         type(api_key).objects.filter(pk=api_key.pk).update(last_used_at=now)
+    quota = getattr(tenant, "quota", None)
+    limits = None
+    if quota is not None:
+        limits = Limits(period=quota.period, image_tokens=quota.image_tokens, total_tokens=quota.total_tokens,
+                        requests_per_minute=quota.requests_per_minute,
+                        concurrent_large_images=quota.concurrent_large_images)
     return KeyInfo(
         key_id=api_key.pk,
         tenant_id=tenant.pk,
         tenant_name=tenant.name,
         cache_salt=_salt(tenant.name) if tenant.isolate_prefix_cache else None,
         allowed_tier_ids=allowed or None,
+        limits=None if limits is None or limits.unlimited else limits,
     )
 
 

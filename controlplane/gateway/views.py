@@ -13,9 +13,11 @@ from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.core.exceptions import RequestDataTooBig
 from django.http import JsonResponse, StreamingHttpResponse
+from django.utils import timezone
 from django.views.decorators.csrf import csrf_exempt
 
-from controlplane.gateway import counters, state, upstream
+from controlplane.gateway import admission, counters, state, upstream
+from controlplane.gateway.admission import Ask, Refused
 from controlplane.gateway.errors import GatewayError, error_response
 from controlplane.gateway.prepare import (
     Prepared,
@@ -124,9 +126,25 @@ async def _chat_completions(request, request_id: str):
             prepared = await prepare(body, tier, max_image_bytes=settings.GATEWAY_MAX_BODY_BYTES)
         except RequestInvalid as exc:
             raise GatewayError(400, str(exc), code=exc.code, param=exc.param) from None
+        reservation = await _admit(key, tier, prepared)
     except GatewayError as exc:
         return exc.response(request_id)
-    return await _forward(request_id, key, tier, prepared)
+    return await _forward(request_id, key, tier, prepared, reservation)
+
+
+async def _admit(key: state.KeyInfo, tier: TierSpec, prepared: Prepared):
+    """Reserve the request against the tenant's quota, or refuse it with a 429."""
+    if key.limits is None:
+        return None
+    ask = Ask(image_tokens=prepared.image_tokens,
+              total_tokens=prepared.text_tokens + prepared.image_tokens + prepared.body["max_tokens"],
+              large=prepared.image_tokens > tier.large_image_threshold)
+    try:
+        return await admission.backend().reserve(key.tenant_id, key.limits, ask, timezone.now())
+    except Refused as refused:
+        code = "rate_limit_exceeded" if refused.limit in ("requests_per_minute", "concurrent_large_images") \
+            else "insufficient_quota"
+        raise GatewayError(429, str(refused), code=code, headers={"Retry-After": str(refused.retry_after)}) from None
 
 
 def _upstream_body(key: state.KeyInfo, tier: TierSpec, prepared: Prepared) -> dict:
@@ -142,11 +160,12 @@ def _upstream_body(key: state.KeyInfo, tier: TierSpec, prepared: Prepared) -> di
     return body
 
 
-async def _forward(request_id: str, key: state.KeyInfo, tier: TierSpec, prepared: Prepared):
+async def _forward(request_id: str, key: state.KeyInfo, tier: TierSpec, prepared: Prepared, reservation=None):
     started = time.monotonic()
     _tier_names[tier.id] = tier.name
     record = UsageRecord(
         request_id=request_id, tenant_id=key.tenant_id, api_key_id=key.key_id, tier_id=tier.id,
+        reservation=reservation,
         stream=bool(prepared.body.get("stream")), images=[
             (p.image, p.tokens, False) for p in prepared.images
         ],
@@ -304,6 +323,14 @@ def _record_in_background(record: UsageRecord, started: float) -> asyncio.Task:
 
 async def _record(record: UsageRecord, started: float) -> None:
     record.latency_ms = int((time.monotonic() - started) * 1000)
+    if record.reservation is not None:  # correct the reservation to what was really used
+        used_total = record.text_tokens + record.image_tokens + record.output_tokens
+        billable = record.status != "error"
+        try:
+            await admission.backend().settle(record.reservation, image_tokens=record.image_tokens if billable else 0,
+                                             total_tokens=used_total if billable else 0)
+        except Exception:
+            log.exception("could not settle the quota reservation of %s", record.request_id)
     counters.count(tier=_tier_names.get(record.tier_id, str(record.tier_id)), status=record.status,
                    images=record.image_tokens)
     try:

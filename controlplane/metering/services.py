@@ -37,6 +37,7 @@ class UsageRecord:
     http_status: int = 200
     latency_ms: int = 0
     created_at: dt.datetime = field(default_factory=timezone.now)
+    reservation: object = None  # the quota reservation to settle (gateway only)
 
 
 def usage_cost(*, tier: ModelTier, when: dt.datetime, usage: Usage):

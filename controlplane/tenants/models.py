@@ -77,3 +77,22 @@ class Membership(models.Model):
 
     def __str__(self):
         return f"{self.user} admin of {self.tenant}"
+
+
+class QuotaCounter(models.Model):
+    """Embedded-mode admission counters (with Redis, these live in Redis).
+
+    One row per tenant and limit; `window` names the period (or minute) the count belongs
+    to, so a new period starts from zero without a reset job.
+    """
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="quota_counters")
+    key = models.CharField(max_length=32)  # image_tokens, total_tokens, requests, large_images
+    window = models.CharField(max_length=32, default="")
+    used = models.BigIntegerField(default=0)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["tenant", "key"], name="one_counter_per_limit")]
+
+    def __str__(self):
+        return f"{self.tenant} {self.key}@{self.window}: {self.used}"

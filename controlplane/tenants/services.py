@@ -60,7 +60,7 @@ def api_key_lookup(secret: str) -> ApiKey | None:
     if not secret.startswith(KEY_PREFIX) or len(secret) > 200:
         return None
     digest = key_hash(secret)
-    api_key = ApiKey.objects.select_related("tenant").filter(key_hash=digest).first()
+    api_key = ApiKey.objects.select_related("tenant", "tenant__quota").filter(key_hash=digest).first()
     if api_key is None or not hmac.compare_digest(api_key.key_hash, digest):
         return None
     return api_key if api_key.is_usable() else None
