@@ -49,15 +49,20 @@ def live_nodes(now=None):
 def tier_replicas_sync() -> int:
     """Create instance rows until every enabled tier has its replicas. Returns rows created."""
     created = 0
-    counts = dict(
+    counts = {
+        (tier_id, pool): n for tier_id, pool, n in
         EngineInstance.objects.filter(desired_state=EngineInstance.Desired.RUNNING)
-        .values_list("tier_id").annotate(n=Count("id"))
-    )
+        .values_list("tier_id", "pool").annotate(n=Count("id")).values_list("tier_id", "pool", "n")
+    }
     # External engines are registered by URL, one row each, by an operator: never created here.
     for tier in ModelTier.objects.filter(enabled=True).exclude(engine_kind=ModelTier.EngineKind.EXTERNAL):
-        for _ in range(tier.replicas - counts.get(tier.pk, 0)):
-            EngineInstance.objects.create(tier=tier)
-            created += 1
+        wanted = {"standard": tier.replicas,
+                  # an isolated pool for requests past the large-image threshold
+                  "large": int((tier.engine_settings or {}).get("large_pool_replicas", 0))}
+        for pool, replicas in wanted.items():
+            for _ in range(replicas - counts.get((tier.pk, pool), 0)):
+                EngineInstance.objects.create(tier=tier, pool=pool)
+                created += 1
     return created
 
 

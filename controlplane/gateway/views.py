@@ -16,7 +16,7 @@ from django.http import JsonResponse, StreamingHttpResponse
 from django.utils import timezone
 from django.views.decorators.csrf import csrf_exempt
 
-from controlplane.gateway import admission, counters, state, upstream
+from controlplane.gateway import admission, counters, routing, state, upstream
 from controlplane.gateway.admission import Ask, Refused
 from controlplane.gateway.errors import GatewayError, error_response
 from controlplane.gateway.prepare import (
@@ -147,9 +147,13 @@ async def _admit(key: state.KeyInfo, tier: TierSpec, prepared: Prepared):
         raise GatewayError(429, str(refused), code=code, headers={"Retry-After": str(refused.retry_after)}) from None
 
 
-def _upstream_body(key: state.KeyInfo, tier: TierSpec, prepared: Prepared) -> dict:
+def _upstream_body(key: state.KeyInfo, tier: TierSpec, prepared: Prepared, *, large: bool = False) -> dict:
     body = dict(prepared.body)
     body["model"] = tier.name
+    if tier.priority_scheduling:
+        # Lower runs first in vLLM: text ahead of images, images ahead of large images, so
+        # a large prefill does not hold up the text beside it.
+        body["priority"] = 2 if large else 1 if prepared.images else 0
     if key.cache_salt:
         body["cache_salt"] = key.cache_salt
     else:
@@ -171,17 +175,53 @@ async def _forward(request_id: str, key: state.KeyInfo, tier: TierSpec, prepared
         ],
         image_tokens=prepared.image_tokens, text_tokens=prepared.text_tokens,
     )
-    candidates = await state.instances(tier.id)
-    body = _upstream_body(key, tier, prepared)
+    large = prepared.image_tokens > tier.large_image_threshold
+    fingerprints = tuple(p.image.fingerprint for p in prepared.images)
+    body = _upstream_body(key, tier, prepared, large=large)
     payload = json.dumps(body).encode()
+    slot = None
+    try:
+        candidates = await state.instances(tier.id)
+        if large and not routing.has_dedicated_large_pool(candidates):
+            # No isolated pool: large requests take turns, so they never fill every batch.
+            slot = _Slot(routing.large_slots(tier.id, tier.large_image_concurrency))
+            await slot.acquire()
+        return await _attempts(request_id, tier, prepared, record, candidates, payload, started,
+                               large=large, fingerprints=fingerprints, slot=slot)
+    except asyncio.CancelledError:
+        if not record.recorded:  # gone while waiting for a slot: release the quota it reserved
+            record.status, record.http_status = "aborted", 499
+            await asyncio.shield(_record_in_background(record, started))
+        raise
+    finally:
+        if slot is not None and not slot.handed_over:
+            slot.release()
+
+
+class _Slot:
+    def __init__(self, semaphore: asyncio.Semaphore):
+        self.semaphore, self.held, self.handed_over = semaphore, False, False
+
+    async def acquire(self):
+        await self.semaphore.acquire()
+        self.held = True
+
+    def release(self):
+        if self.held:
+            self.held = False
+            self.semaphore.release()
+
+
+async def _attempts(request_id, tier, prepared, record, candidates, payload, started, *, large, fingerprints, slot):
+    body = prepared.body
     tried: set[int] = set()
     for _attempt in range(2):  # a request that never reached an engine is retried once elsewhere
-        instance = upstream.choose(candidates, exclude=tried)
+        instance = routing.choose(candidates, exclude=tried, large=large, fingerprints=fingerprints)
         if instance is None:
             break
         tried.add(instance.id)
         record.instance_id = instance.id
-        upstream.outstanding[instance.id] += 1
+        routing.outstanding[instance.id] += 1
         handed_over = False  # to the stream, which then owns the counter and the record
         try:
             req = upstream.client().build_request(
@@ -201,9 +241,13 @@ async def _forward(request_id: str, key: state.KeyInfo, tier: TierSpec, prepared
                 await _record(record, started)
                 return error_response(502, "the engine failed while answering; retry the request",
                                       code="engine_error", request_id=request_id)
+            if response.status_code == 200:
+                routing.remember(fingerprints, instance.id)
             if record.stream and response.status_code == 200:
                 handed_over = True
-                return _stream(request_id, record, prepared, body, response, instance, started)
+                if slot is not None:
+                    slot.handed_over = True
+                return _stream(request_id, record, prepared, body, response, instance, started, slot)
             try:
                 content = await response.aread()
             finally:
@@ -216,7 +260,7 @@ async def _forward(request_id: str, key: state.KeyInfo, tier: TierSpec, prepared
             raise
         finally:
             if not handed_over:
-                upstream.outstanding[instance.id] -= 1
+                routing.outstanding[instance.id] -= 1
     record.status, record.http_status = "error", 503
     await _record(record, started)
     return error_response(503, f"no healthy engine is serving '{tier.name}' right now; retry shortly",
@@ -267,7 +311,7 @@ async def _finish_plain(request_id, record, prepared, status, content, started):
     return response
 
 
-def _stream(request_id, record, prepared, body, response, instance, started):
+def _stream(request_id, record, prepared, body, response, instance, started, slot=None):
     client_wants_usage = bool((prepared.body.get("stream_options") or {}).get("include_usage"))
 
     async def events():
@@ -299,7 +343,9 @@ def _stream(request_id, record, prepared, body, response, instance, started):
                 yield f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n".encode()
         finally:
             await response.aclose()
-            upstream.outstanding[instance.id] -= 1
+            routing.outstanding[instance.id] -= 1
+            if slot is not None:
+                slot.release()
             if not finished:
                 record.status = "aborted"
             if not record.output_tokens:
@@ -322,6 +368,9 @@ def _record_in_background(record: UsageRecord, started: float) -> asyncio.Task:
 
 
 async def _record(record: UsageRecord, started: float) -> None:
+    if record.recorded:
+        return
+    record.recorded = True
     record.latency_ms = int((time.monotonic() - started) * 1000)
     if record.reservation is not None:  # correct the reservation to what was really used
         used_total = record.text_tokens + record.image_tokens + record.output_tokens

@@ -38,6 +38,7 @@ class UsageRecord:
     latency_ms: int = 0
     created_at: dt.datetime = field(default_factory=timezone.now)
     reservation: object = None  # the quota reservation to settle (gateway only)
+    recorded: bool = False  # set once the gateway has handed the record over
 
 
 def usage_cost(*, tier: ModelTier, when: dt.datetime, usage: Usage):

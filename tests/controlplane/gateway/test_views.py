@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -293,3 +294,35 @@ def test_an_image_in_a_reused_prefix_is_metered_as_cached(client, world):
     assert second_event.cached_tokens >= second_event.images.get().tokens
     assert second_event.images.get().cached
     assert second.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == second_event.cached_tokens
+
+
+@pytest.mark.django_db
+def test_with_priority_scheduling_text_runs_ahead_of_images(client, world):
+    world.vision.engine_settings = {**world.vision.engine_settings, "scheduling_policy": "priority"}
+    world.vision.save()
+    # One sequence slot and a slow decode: requests queue, and the engine orders the queue.
+    extra = ("--scheduling-policy", "priority", "--max-num-seqs", "1", "--sim-decode-ms-per-token", "20")
+    with simulator(name="vlm-lite", extra=extra) as port:
+        node = Node.objects.create(name="prio", queue="node.prio", last_seen_at=timezone.now())
+        EngineInstance.objects.create(tier=world.vision, node=node, port=port, actual_state="running",
+                                      healthy=True, last_health_at=timezone.now())
+
+        @async_to_sync
+        async def burst():
+            image = {"model": "vlm-lite", "max_tokens": 10, "messages": image_message(data_url(image_bytes(256, 256)))}
+            text = {"model": "vlm-lite", "max_tokens": 10, "messages": [{"role": "user", "content": "quick"}]}
+            finished = []
+
+            async def send(name, body, delay):
+                await asyncio.sleep(delay)
+                response = await AsyncClient().post("/v1/chat/completions", data=json.dumps(body),
+                                                    content_type="application/json",
+                                                    headers={"Authorization": f"Bearer {world.alice_key}"})
+                assert response.status_code == 200, response.content
+                finished.append(name)
+
+            await asyncio.gather(*(send(f"image{n}", image, 0.0) for n in range(4)), send("text", text, 0.05))
+            return finished
+
+        order = burst()
+    assert order.index("text") <= 1  # it overtook the images queued before it

@@ -1,0 +1,69 @@
+"""Which engine gets a request.
+
+- Isolation: a request whose image tokens exceed the tier's large-image threshold goes to
+  the tier's large-image pool when it has one, and other requests never do; without a
+  dedicated pool, large requests share the standard engines under a concurrency cap
+  (`large_slots`), so a burst of large images cannot fill every batch.
+- Least outstanding work among healthy engines: this process's requests in flight plus the
+  engine's own running and waiting requests from its last scrape.
+- Affinity: an engine that recently encoded the same picture has it in its encoder and
+  prefix caches; it is preferred while its load is within AFFINITY_SLACK of the least.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+import weakref
+from collections import OrderedDict, defaultdict
+
+from controlplane.gateway.state import InstanceSpec
+
+AFFINITY_SLACK = 2
+AFFINITY_ITEMS = 20_000
+
+outstanding: defaultdict[int, int] = defaultdict(int)  # this process's requests in flight, per engine
+_affinity: OrderedDict[str, int] = OrderedDict()  # image fingerprint -> engine that last saw it
+_lock = threading.Lock()
+_slots: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # loop -> {tier id: Semaphore}
+
+
+def choose(candidates: list[InstanceSpec], *, exclude=frozenset(), large: bool = False,
+           fingerprints: tuple[str, ...] = ()) -> InstanceSpec | None:
+    pool = [c for c in candidates if c.id not in exclude]
+    dedicated = [c for c in pool if c.pool == "large"]
+    pool = dedicated if large and dedicated else [c for c in pool if c.pool != "large"]
+    if not pool:
+        return None
+    load = {c.id: outstanding[c.id] + c.queued for c in pool}
+    least = min(load.values())
+    with _lock:
+        warm = [_affinity.get(f) for f in fingerprints]
+    for instance_id in warm:
+        if instance_id in load and load[instance_id] <= least + AFFINITY_SLACK:
+            return next(c for c in pool if c.id == instance_id)
+    return random.choice([c for c in pool if load[c.id] == least])
+
+
+def remember(fingerprints: tuple[str, ...], instance_id: int) -> None:
+    with _lock:
+        for fingerprint in fingerprints:
+            _affinity[fingerprint] = instance_id
+            _affinity.move_to_end(fingerprint)
+        while len(_affinity) > AFFINITY_ITEMS:
+            _affinity.popitem(last=False)
+
+
+def has_dedicated_large_pool(candidates: list[InstanceSpec]) -> bool:
+    return any(c.pool == "large" for c in candidates)
+
+
+def large_slots(tier_id: int, size: int) -> asyncio.Semaphore:
+    """This process's cap on concurrent large-image requests of a tier without a large pool."""
+    loop = asyncio.get_running_loop()
+    per_loop = _slots.setdefault(loop, {})
+    slots = per_loop.get(tier_id)
+    if slots is None:
+        slots = per_loop[tier_id] = asyncio.Semaphore(size)
+    return slots
