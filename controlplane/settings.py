@@ -173,6 +173,12 @@ CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_BEAT_SCHEDULER = "django_celery_beat.schedulers:DatabaseScheduler"
 FLEET_RECONCILE_SECONDS = env_int("FLEET_RECONCILE_SECONDS", 5, minimum=1)
 ROLLUP_SECONDS = env_int("ROLLUP_SECONDS", 60, minimum=1)
+INGEST_SECONDS = env_int("INGEST_SECONDS", 2, minimum=1)
+# How the gateway hands usage over: through a Redis stream (no database write on the request
+# path), or straight into the database (embedded mode).
+USAGE_OUTBOX = env_str("USAGE_OUTBOX", "redis" if REDIS_URL else "database")
+if USAGE_OUTBOX not in ("redis", "database") or (USAGE_OUTBOX == "redis" and not REDIS_URL):
+    raise EnvError(f"USAGE_OUTBOX={USAGE_OUTBOX!r}: use 'database', or 'redis' with REDIS_URL set")
 
 # The whole beat schedule, in one table. `expires` sits just under each interval so that
 # a backlog never runs a stale copy of a periodic job.
@@ -181,6 +187,11 @@ CELERY_BEAT_SCHEDULE = {
         "task": "fleet.reconcile",
         "schedule": timedelta(seconds=FLEET_RECONCILE_SECONDS),
         "options": {"expire_seconds": max(1, int(FLEET_RECONCILE_SECONDS * 0.9))},
+    },
+    "metering-ingest": {
+        "task": "metering.ingest",
+        "schedule": timedelta(seconds=INGEST_SECONDS),
+        "options": {"expire_seconds": max(1, int(INGEST_SECONDS * 0.9))},
     },
     "metering-rollup-daily": {
         "task": "metering.rollup_daily",

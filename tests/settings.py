@@ -8,6 +8,8 @@ os.environ.setdefault("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/test")
 os.environ.setdefault("REDIS_URL", "redis://127.0.0.1:6379/14")
 os.environ.setdefault("SECRET_KEY", "tests-only-secret-key-" + "x" * 40)
 os.environ.setdefault("VAR_DIR", str(Path(__file__).resolve().parent.parent / "var" / "tests"))
+# In-process tests read usage straight after a request; the stream has tests of its own.
+os.environ.setdefault("USAGE_OUTBOX", "database")
 os.environ.setdefault("NODE_NAME", f"test-node-{os.environ.get('PYTEST_XDIST_WORKER', 'main')}")
 
 from controlplane.settings import *  # noqa: E402,F403

@@ -37,6 +37,15 @@ def node_reconcile(node_name: str) -> int:
     return reconcile(node_name)
 
 
+@shared_task(name="metering.ingest", soft_time_limit=60, time_limit=90)
+def metering_ingest() -> int:
+    from django.conf import settings
+
+    from controlplane.metering.outbox import usage_ingest
+
+    return usage_ingest() if settings.USAGE_OUTBOX == "redis" else 0
+
+
 @shared_task(name="metering.rollup_daily", soft_time_limit=300, time_limit=360)
 def metering_rollup_daily() -> int:
     from controlplane.metering.services import rollup_daily

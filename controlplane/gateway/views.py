@@ -9,7 +9,6 @@ import time
 import uuid
 
 import httpx
-from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.core.exceptions import RequestDataTooBig
 from django.http import JsonResponse, StreamingHttpResponse
@@ -27,7 +26,8 @@ from controlplane.gateway.prepare import (
     prepare,
     validate_body,
 )
-from controlplane.metering.services import UsageRecord, usage_record
+from controlplane.metering.outbox import outbox
+from controlplane.metering.services import UsageRecord
 
 log = logging.getLogger(__name__)
 AUTO = "auto"
@@ -383,7 +383,7 @@ async def _record(record: UsageRecord, started: float) -> None:
     counters.count(tier=_tier_names.get(record.tier_id, str(record.tier_id)), status=record.status,
                    images=record.image_tokens)
     try:
-        await sync_to_async(usage_record)(record=record)
+        await outbox().put(record)
     except Exception:  # never lose the response over metering; the error is logged loudly
         log.exception("could not record usage for %s", record.request_id)
 

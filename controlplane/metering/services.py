@@ -41,6 +41,45 @@ class UsageRecord:
     recorded: bool = False  # set once the gateway has handed the record over
 
 
+_SCALARS = ("request_id", "tenant_id", "api_key_id", "tier_id", "stream", "image_tokens", "text_tokens",
+            "output_tokens", "cached_tokens", "cached_image_tokens", "instance_id", "status", "http_status",
+            "latency_ms")
+_IMAGE_FIELDS = ("source_format", "source_width", "source_height", "width", "height", "fingerprint")
+
+
+@dataclass(frozen=True)
+class ImageLine:
+    """What metering keeps of an image (never its pixels)."""
+
+    source_format: str
+    source_width: int
+    source_height: int
+    width: int
+    height: int
+    fingerprint: str
+
+
+def usage_to_json(record: UsageRecord) -> dict:
+    """A record as plain JSON, for the usage stream."""
+    data = {name: getattr(record, name) for name in _SCALARS}
+    data["created_at"] = record.created_at.isoformat()
+    data["images"] = [[{f: getattr(image, f) for f in _IMAGE_FIELDS}, tokens, cached]
+                      for image, tokens, cached in _lines(record.images)]
+    return data
+
+
+def usage_from_json(data: dict) -> UsageRecord:
+    record = UsageRecord(**{name: data[name] for name in _SCALARS})
+    record.created_at = dt.datetime.fromisoformat(data["created_at"])
+    record.images = [(ImageLine(**image), tokens, cached) for image, tokens, cached in data["images"]]
+    return record
+
+
+def _lines(images: list) -> list:
+    # (image, tokens) pairs are images not served from a cache.
+    return [item if len(item) == 3 else (*item, False) for item in images]
+
+
 def usage_cost(*, tier: ModelTier, when: dt.datetime, usage: Usage):
     return price(usage, tier.price_plan.rate_at(when).as_rates())
 
@@ -50,8 +89,7 @@ def usage_record(*, record: UsageRecord) -> UsageEvent:
     existing = UsageEvent.objects.filter(request_id=record.request_id).first()
     if existing is not None:
         return existing
-    # (image, tokens) pairs are images not served from a cache.
-    record.images = [item if len(item) == 3 else (*item, False) for item in record.images]
+    record.images = _lines(record.images)
     tier = ModelTier.objects.select_related("price_plan").get(pk=record.tier_id)
     billable = record.status != UsageEvent.Status.ERROR
     cached_image = min(record.cached_image_tokens, record.image_tokens)

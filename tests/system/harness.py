@@ -99,7 +99,8 @@ class System:
 
 def system_env(*, var_dir: Path, extra: dict) -> dict:
     env = {k: v for k, v in os.environ.items()
-           if k not in ("DATABASE_URL", "REDIS_URL", "DJANGO_SETTINGS_MODULE", "CELERY_BROKER_URL")}
+           if k not in ("DATABASE_URL", "REDIS_URL", "DJANGO_SETTINGS_MODULE", "CELERY_BROKER_URL", "USAGE_OUTBOX",
+                        "NODE_NAME", "VAR_DIR")}
     env.update({
         "DJANGO_SETTINGS_MODULE": "controlplane.settings",
         "VAR_DIR": str(var_dir),

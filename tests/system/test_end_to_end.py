@@ -21,6 +21,12 @@ from tests.system.harness import wait_for
 pytestmark = [pytest.mark.system, pytest.mark.xdist_group("system")]
 
 
+def metered(system_db, request_id):
+    """The usage event of a request, once beat has moved it from the usage stream."""
+    return wait_for(lambda: UsageEvent.objects.using(system_db).filter(request_id=request_id).first(),
+                    timeout=20, what=f"the usage event of {request_id}")
+
+
 @pytest.fixture
 def client(system):
     return openai.OpenAI(base_url=f"{system.base_url}/v1", api_key=system.api_key, max_retries=0)
@@ -45,7 +51,7 @@ def test_it_meters_an_image_request_from_the_openai_client(client, system_db):
     assert completion.usage.prompt_tokens_details.image_tokens == expected
     assert completion.choices[0].message.content
 
-    event = UsageEvent.objects.using(system_db).get(request_id=request_id)
+    event = metered(system_db, request_id)
     assert event.tier.name == "vlm-lite"
     assert (event.image_count, event.image_tokens) == (1, expected)
     assert event.text_tokens == completion.usage.prompt_tokens - expected
@@ -60,7 +66,7 @@ def test_it_fetches_an_http_image_url_for_the_openai_client(client, system_db):
         raw = client.chat.completions.with_raw_response.create(
             model="vlm-lite", messages=_image_message(f"{base}/street.jpg"), max_tokens=8)
     assert raw.parse().usage.prompt_tokens_details.image_tokens == 1224
-    image = UsageEvent.objects.using(system_db).get(request_id=raw.headers["x-request-id"]).images.get()
+    image = metered(system_db, raw.headers["x-request-id"]).images.get()
     assert (image.source_width, image.source_height) == (1920, 1080)
 
 
@@ -92,9 +98,8 @@ def test_auto_sends_text_to_the_text_tier_and_images_to_a_vision_tier(client, sy
         model="auto", messages=[{"role": "user", "content": "Say hi"}], max_tokens=4)
     image = client.chat.completions.with_raw_response.create(
         model="auto", messages=_image_message(data_url(image_bytes(64, 64))), max_tokens=4)
-    events = UsageEvent.objects.using(system_db).select_related("tier")
-    assert events.get(request_id=text.headers["x-request-id"]).tier.kind == "text"
-    assert events.get(request_id=image.headers["x-request-id"]).tier.kind == "vision"
+    assert metered(system_db, text.headers["x-request-id"]).tier.kind == "text"
+    assert metered(system_db, image.headers["x-request-id"]).tier.kind == "vision"
 
 
 def test_beat_rolls_usage_into_daily_totals(client, system_db):
@@ -151,6 +156,7 @@ def test_the_metering_api_shows_a_tenant_its_own_requests_only(client, system, s
     raw = client.chat.completions.with_raw_response.create(
         model="text", messages=[{"role": "user", "content": "count me"}], max_tokens=3)
     request_id = raw.headers["x-request-id"]
+    metered(system_db, request_id)
     mine = httpx.get(f"{system.base_url}/api/v1/usage/requests/", params={"request_id": request_id},
                      headers={"Authorization": f"Bearer {system.api_key}"}).json()
     assert [r["request_id"] for r in mine["results"]] == [request_id]

@@ -1,0 +1,76 @@
+"""The usage stream: handed over before the response, stored once, never dropped."""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import pytest
+import redis
+from asgiref.sync import async_to_sync
+from django.conf import settings as django_settings
+
+from controlplane.metering import outbox as outbox_module
+from controlplane.metering.models import UsageEvent
+from controlplane.metering.outbox import GROUP, RedisOutbox, stream_key, usage_ingest
+from controlplane.metering.services import UsageRecord
+from tests.images import image_bytes
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture
+def stream(settings):
+    settings.CACHES = {"default": {**django_settings.CACHES["default"], "KEY_PREFIX": f"outbox-{uuid.uuid4().hex}"}}
+    client = redis.Redis.from_url(settings.REDIS_URL)
+    yield client
+    client.delete(stream_key())
+
+
+def _record(world, request_id, **fields):
+    from controlplane.imaging.policy import Policy, normalise
+
+    image = normalise(image_bytes(320, 240), Policy())
+    return UsageRecord(request_id=request_id, tenant_id=world.alice.pk, api_key_id=None, tier_id=world.vision.pk,
+                       images=[(image, 110, True)], image_tokens=110, text_tokens=20, output_tokens=7,
+                       cached_tokens=130, cached_image_tokens=110, **fields)
+
+
+def test_usage_goes_through_the_stream_into_the_database_once(world, stream):
+    put = async_to_sync(RedisOutbox(django_settings.REDIS_URL).put)
+    put(_record(world, "req-a"))
+    put(_record(world, "req-a"))  # delivered twice
+    put(_record(world, "req-b"))
+    assert stream.xlen(stream_key()) == 3
+    assert UsageEvent.objects.count() == 0  # nothing was written on the request path
+
+    assert usage_ingest() == 3
+    assert sorted(UsageEvent.objects.values_list("request_id", flat=True)) == ["req-a", "req-b"]
+    event = UsageEvent.objects.get(request_id="req-a")
+    line = event.images.get()
+    assert (line.source_width, line.width, line.tokens, line.cached) == (320, 320, 110, True)
+    assert stream.xlen(stream_key()) == 0
+
+
+def test_entries_a_crashed_consumer_took_are_reclaimed_and_stored_once(world, stream, monkeypatch):
+    put = async_to_sync(RedisOutbox(django_settings.REDIS_URL).put)
+    put(_record(world, "req-crash"))
+    usage_ingest(max_batches=0)  # creates the group, takes nothing
+    stream.xreadgroup(GROUP, "consumer-that-died", {stream_key(): ">"}, count=10)  # taken, never acknowledged
+    assert usage_ingest() == 0  # not idle long enough yet: left to its consumer
+    monkeypatch.setattr(outbox_module, "RECLAIM_IDLE_MS", 0)
+    assert usage_ingest() == 1
+    assert UsageEvent.objects.filter(request_id="req-crash").count() == 1
+
+
+def test_an_entry_that_cannot_be_stored_stays_for_a_retry_and_others_pass(world, stream):
+    put = async_to_sync(RedisOutbox(django_settings.REDIS_URL).put)
+    broken = _record(world, "req-broken")
+    broken.tier_id = 999_999  # no such tier: storing fails
+    put(broken)
+    put(_record(world, "req-fine"))
+    assert usage_ingest() == 1
+    assert UsageEvent.objects.filter(request_id="req-fine").exists()
+    pending = stream.xpending(stream_key(), GROUP)
+    assert pending["pending"] == 1  # kept, not dropped
+    assert json.loads(stream.xrange(stream_key())[0][1][b"record"])["request_id"] == "req-broken"
