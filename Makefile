@@ -38,8 +38,15 @@ test: install-dev
 lint: install-dev
 	$(PY) -m ruff check .
 
-bench: install-dev
+$(STAMP_DIR)/.installed-bench: pyproject.toml $(STAMP_DIR)/.installed-dev
+	$(PY) -m pip install --quiet -e ".[dev,bench]"
+	@touch $@
+
+# Benchmarks print their figures; they assert nothing. The gateway bench uses PostgreSQL and
+# Redis on 127.0.0.1, like the test suite.
+bench: $(STAMP_DIR)/.installed-bench
 	$(PY) -m bench.imaging
+	$(PY) -m bench.gateway
 
 clean:
 	rm -rf var/ .pytest_cache

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from django.http import JsonResponse
+from controlplane.gateway.http import Response, json_response
 
 _TYPES = {
     400: "invalid_request_error",
@@ -25,13 +25,13 @@ class GatewayError(Exception):
         self.param = param
         self.headers = headers or {}
 
-    def response(self, request_id: str | None = None) -> JsonResponse:
+    def response(self, request_id: str | None = None) -> Response:
         return error_response(self.status, self.message, code=self.code, param=self.param,
                               headers=self.headers, request_id=request_id)
 
 
 def error_response(status: int, message: str, *, code: str | None = None, param: str | None = None,
-                   headers: dict | None = None, request_id: str | None = None) -> JsonResponse:
+                   headers: dict | None = None, request_id: str | None = None) -> Response:
     body = {
         "error": {
             "message": message,
@@ -40,9 +40,7 @@ def error_response(status: int, message: str, *, code: str | None = None, param:
             "code": code,
         }
     }
-    response = JsonResponse(body, status=status)
-    for name, value in (headers or {}).items():
-        response[name] = value
+    headers = dict(headers or {})
     if request_id:
-        response["x-request-id"] = request_id
-    return response
+        headers["x-request-id"] = request_id
+    return json_response(body, status=status, headers=headers)

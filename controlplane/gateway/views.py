@@ -1,393 +1,45 @@
-"""The OpenAI-compatible front door: /v1/models and /v1/chat/completions."""
+"""The gateway's handlers as Django views: the way in for Django's test client, and for a
+deployment that serves /v1 through Django. Production serves /v1 through gateway/asgi.py."""
 
 from __future__ import annotations
 
-import asyncio
-import json
-import logging
-import time
-import uuid
-
-import httpx
-from django.conf import settings
 from django.core.exceptions import RequestDataTooBig
-from django.http import JsonResponse, StreamingHttpResponse
-from django.utils import timezone
+from django.http import HttpResponse, StreamingHttpResponse
 from django.views.decorators.csrf import csrf_exempt
 
-from controlplane.gateway import admission, counters, routing, state, upstream
-from controlplane.gateway.admission import Ask, Refused
-from controlplane.gateway.errors import GatewayError, error_response
-from controlplane.gateway.prepare import (
-    Prepared,
-    RequestInvalid,
-    TierSpec,
-    image_parts,
-    prepare,
-    validate_body,
-)
-from controlplane.metering.outbox import outbox
-from controlplane.metering.services import UsageRecord
-
-log = logging.getLogger(__name__)
-AUTO = "auto"
-_background: set[asyncio.Task] = set()
-_tier_names: dict[int, str] = {}
+from controlplane.gateway import handlers
+from controlplane.gateway.http import Request, Response
 
 
-async def _authenticate(request) -> state.KeyInfo:
-    header = request.headers.get("Authorization", "")
-    if not header.lower().startswith("bearer ") or not header[7:].strip():
-        raise GatewayError(401, "missing API key: send 'Authorization: Bearer <key>'",
-                           code="invalid_api_key")
-    info = await state.key_info(header[7:].strip())
-    if info is None:
-        raise GatewayError(401, "incorrect, expired or revoked API key", code="invalid_api_key")
-    return info
+def _request(request) -> Request:
+    try:
+        body = request.body
+    except RequestDataTooBig:
+        body = None
+    return Request(method=request.method, headers={k.lower(): v for k, v in request.headers.items()}, body=body)
 
 
-def _allowed(key: state.KeyInfo, tiers: dict[str, TierSpec]) -> list[TierSpec]:
-    return [t for t in tiers.values() if key.allowed_tier_ids is None or t.id in key.allowed_tier_ids]
+def _django(response: Response):
+    if response.stream is not None:
+        django_response = StreamingHttpResponse(response.stream, status=response.status,
+                                                content_type=response.content_type)
+    else:
+        django_response = HttpResponse(response.body, status=response.status, content_type=response.content_type)
+    for name, value in response.headers.items():
+        django_response[name] = value
+    return django_response
 
 
 @csrf_exempt
 async def models(request):
-    if request.method != "GET":
-        return error_response(405, f"{request.method} is not allowed on /v1/models")
-    try:
-        key = await _authenticate(request)
-    except GatewayError as exc:
-        return exc.response()
-    allowed = _allowed(key, await state.tiers())
-    data = [{"id": AUTO, "object": "model", "created": 0, "owned_by": "gateway"}]
-    data += [
-        {"id": t.name, "object": "model", "created": 0, "owned_by": "gateway",
-         "modality": "text+image" if t.kind == "vision" else "text"}
-        for t in sorted(allowed, key=lambda t: t.name)
-    ]
-    return JsonResponse({"object": "list", "data": data})
-
-
-def _pick_tier(model: str, key: state.KeyInfo, tiers: dict[str, TierSpec], has_images: bool) -> TierSpec:
-    allowed = _allowed(key, tiers)
-    if model == AUTO:
-        kind = "vision" if has_images else "text"
-        choices = sorted((t for t in allowed if t.kind == kind), key=lambda t: t.name)
-        if not choices and not has_images:  # a text request can go to a vision tier
-            choices = sorted((t for t in allowed if t.kind == "vision"), key=lambda t: t.name)
-        if not choices:
-            raise GatewayError(404, f"no {kind} model is available to this key", code="model_not_found",
-                               param="model")
-        return choices[0]
-    tier = tiers.get(model)
-    if tier is None:
-        raise GatewayError(404, f"the model '{model}' does not exist", code="model_not_found",
-                           param="model")
-    if tier not in allowed:
-        raise GatewayError(403, f"this API key may not use the model '{model}'",
-                           code="model_not_allowed", param="model")
-    return tier
+    return _django(await handlers.models(_request(request)))
 
 
 @csrf_exempt
 async def chat_completions(request):
-    request_id = f"req_{uuid.uuid4().hex}"
-    try:
-        return await _chat_completions(request, request_id)
-    except Exception:
-        log.exception("gateway failure on %s", request_id)
-        return error_response(500, "the gateway failed on this request; it has been logged",
-                              code="internal_error", request_id=request_id)
-
-
-async def _chat_completions(request, request_id: str):
-    if request.method != "POST":
-        return error_response(405, f"{request.method} is not allowed on /v1/chat/completions",
-                              request_id=request_id)
-    try:
-        key = await _authenticate(request)
-        try:
-            raw = request.body
-        except RequestDataTooBig:
-            raise GatewayError(413, f"request body exceeds {settings.GATEWAY_MAX_BODY_BYTES} bytes",
-                               code="request_too_large") from None
-        try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError):
-            raise GatewayError(400, "the request body is not valid JSON", code="invalid_json") from None
-        except RecursionError:
-            raise GatewayError(400, "the request body is nested too deeply", code="invalid_json") from None
-        try:
-            validate_body(body)
-        except RequestInvalid as exc:
-            raise GatewayError(400, str(exc), code=exc.code, param=exc.param) from None
-        tier = _pick_tier(body["model"], key, await state.tiers(), bool(image_parts(body["messages"])))
-        try:
-            prepared = await prepare(body, tier, max_image_bytes=settings.GATEWAY_MAX_BODY_BYTES)
-        except RequestInvalid as exc:
-            raise GatewayError(400, str(exc), code=exc.code, param=exc.param) from None
-        reservation = await _admit(key, tier, prepared)
-    except GatewayError as exc:
-        return exc.response(request_id)
-    return await _forward(request_id, key, tier, prepared, reservation)
-
-
-async def _admit(key: state.KeyInfo, tier: TierSpec, prepared: Prepared):
-    """Reserve the request against the tenant's quota, or refuse it with a 429."""
-    if key.limits is None:
-        return None
-    ask = Ask(image_tokens=prepared.image_tokens,
-              total_tokens=prepared.text_tokens + prepared.image_tokens + prepared.body["max_tokens"],
-              large=prepared.image_tokens > tier.large_image_threshold)
-    try:
-        return await admission.backend().reserve(key.tenant_id, key.limits, ask, timezone.now())
-    except Refused as refused:
-        code = "rate_limit_exceeded" if refused.limit in ("requests_per_minute", "concurrent_large_images") \
-            else "insufficient_quota"
-        raise GatewayError(429, str(refused), code=code, headers={"Retry-After": str(refused.retry_after)}) from None
-
-
-def _upstream_body(key: state.KeyInfo, tier: TierSpec, prepared: Prepared, *, large: bool = False) -> dict:
-    body = dict(prepared.body)
-    body["model"] = tier.name
-    if tier.priority_scheduling:
-        # Lower runs first in vLLM: text ahead of images, images ahead of large images, so
-        # a large prefill does not hold up the text beside it.
-        body["priority"] = 2 if large else 1 if prepared.images else 0
-    if key.cache_salt:
-        body["cache_salt"] = key.cache_salt
-    else:
-        body.pop("cache_salt", None)
-    if body.get("stream"):
-        # Always ask for the usage chunk: without it a streamed request cannot be billed.
-        body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
-    return body
-
-
-async def _forward(request_id: str, key: state.KeyInfo, tier: TierSpec, prepared: Prepared, reservation=None):
-    started = time.monotonic()
-    _tier_names[tier.id] = tier.name
-    record = UsageRecord(
-        request_id=request_id, tenant_id=key.tenant_id, api_key_id=key.key_id, tier_id=tier.id,
-        reservation=reservation,
-        stream=bool(prepared.body.get("stream")), images=[
-            (p.image, p.tokens, False) for p in prepared.images
-        ],
-        image_tokens=prepared.image_tokens, text_tokens=prepared.text_tokens,
-    )
-    large = prepared.image_tokens > tier.large_image_threshold
-    fingerprints = tuple(p.image.fingerprint for p in prepared.images)
-    body = _upstream_body(key, tier, prepared, large=large)
-    payload = json.dumps(body).encode()
-    slot = None
-    try:
-        candidates = await state.instances(tier.id)
-        if large and not routing.has_dedicated_large_pool(candidates):
-            # No isolated pool: large requests take turns, so they never fill every batch.
-            slot = _Slot(routing.large_slots(tier.id, tier.large_image_concurrency))
-            await slot.acquire()
-        return await _attempts(request_id, tier, prepared, record, candidates, payload, started,
-                               large=large, fingerprints=fingerprints, slot=slot)
-    except asyncio.CancelledError:
-        if not record.recorded:  # gone while waiting for a slot: release the quota it reserved
-            record.status, record.http_status = "aborted", 499
-            await asyncio.shield(_record_in_background(record, started))
-        raise
-    finally:
-        if slot is not None and not slot.handed_over:
-            slot.release()
-
-
-class _Slot:
-    def __init__(self, semaphore: asyncio.Semaphore):
-        self.semaphore, self.held, self.handed_over = semaphore, False, False
-
-    async def acquire(self):
-        await self.semaphore.acquire()
-        self.held = True
-
-    def release(self):
-        if self.held:
-            self.held = False
-            self.semaphore.release()
-
-
-async def _attempts(request_id, tier, prepared, record, candidates, payload, started, *, large, fingerprints, slot):
-    body = prepared.body
-    tried: set[int] = set()
-    for _attempt in range(2):  # a request that never reached an engine is retried once elsewhere
-        instance = routing.choose(candidates, exclude=tried, large=large, fingerprints=fingerprints)
-        if instance is None:
-            break
-        tried.add(instance.id)
-        record.instance_id = instance.id
-        routing.outstanding[instance.id] += 1
-        handed_over = False  # to the stream, which then owns the counter and the record
-        try:
-            req = upstream.client().build_request(
-                "POST", f"{instance.base_url}/v1/chat/completions", content=payload,
-                headers={"content-type": "application/json", "x-request-id": request_id,
-                         **({"authorization": f"Bearer {instance.api_key}"} if instance.api_key else {})},
-            )
-            try:
-                response = await upstream.client().send(req, stream=True)
-            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-                log.warning("engine %s unreachable for %s: %s", instance.id, request_id, exc)
-                continue
-            except httpx.TransportError as exc:
-                # The engine may have started work: do not run the request a second time.
-                log.warning("engine %s failed %s mid-request: %s", instance.id, request_id, exc)
-                record.status, record.http_status = "error", 502
-                await _record(record, started)
-                return error_response(502, "the engine failed while answering; retry the request",
-                                      code="engine_error", request_id=request_id)
-            if response.status_code == 200:
-                routing.remember(fingerprints, instance.id)
-            if record.stream and response.status_code == 200:
-                handed_over = True
-                if slot is not None:
-                    slot.handed_over = True
-                return _stream(request_id, record, prepared, body, response, instance, started, slot)
-            try:
-                content = await response.aread()
-            finally:
-                await response.aclose()
-            return await _finish_plain(request_id, record, prepared, response.status_code, content, started)
-        except asyncio.CancelledError:
-            # The client went away before the engine answered: the engine still did work.
-            record.status, record.http_status = "aborted", 499
-            await asyncio.shield(_record_in_background(record, started))
-            raise
-        finally:
-            if not handed_over:
-                routing.outstanding[instance.id] -= 1
-    record.status, record.http_status = "error", 503
-    await _record(record, started)
-    return error_response(503, f"no healthy engine is serving '{tier.name}' right now; retry shortly",
-                          code="engine_unavailable", request_id=request_id,
-                          headers={"Retry-After": "5"})
-
-
-def _usage_details(usage: dict, prepared: Prepared) -> dict:
-    details = dict(usage.get("prompt_tokens_details") or {})
-    details.setdefault("cached_tokens", 0)
-    details["image_tokens"] = prepared.image_tokens
-    return {**usage, "prompt_tokens_details": details}
-
-
-def _apply_usage(record: UsageRecord, usage: dict | None, prepared: Prepared) -> None:
-    if not usage:
-        return
-    prompt = int(usage.get("prompt_tokens") or 0)
-    record.text_tokens = max(0, prompt - record.image_tokens) if prompt else record.text_tokens
-    record.output_tokens = int(usage.get("completion_tokens") or 0)
-    record.cached_tokens = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
-    # The engine reports one number of cached prompt tokens: the prefix it reused. An image
-    # was served from that cache when all of it lies inside the prefix.
-    record.images = [(p.image, p.tokens, p.position + p.tokens <= record.cached_tokens) for p in prepared.images]
-    record.cached_image_tokens = sum(tokens for _, tokens, cached in record.images if cached)
-
-
-async def _finish_plain(request_id, record, prepared, status, content, started):
-    try:
-        data = json.loads(content)
-    except ValueError:
-        data = None
-    if status != 200 or not isinstance(data, dict):
-        record.status, record.http_status = "error", 502 if status < 400 else status
-        await _record(record, started)
-        message = "the engine returned an invalid response"
-        if isinstance(data, dict) and isinstance(data.get("error"), dict):
-            message = f"the engine refused the request: {data['error'].get('message', '')}"
-        http = status if 400 <= status < 500 else 502
-        return error_response(http, message, code="upstream_error", request_id=request_id)
-    _apply_usage(record, data.get("usage"), prepared)
-    if data.get("usage"):
-        data["usage"] = _usage_details(data["usage"], prepared)
-    data["id"] = data.get("id") or request_id
-    await _record(record, started)
-    response = JsonResponse(data)
-    response["x-request-id"] = request_id
-    return response
-
-
-def _stream(request_id, record, prepared, body, response, instance, started, slot=None):
-    client_wants_usage = bool((prepared.body.get("stream_options") or {}).get("include_usage"))
-
-    async def events():
-        produced = 0
-        finished = False
-        try:
-            async for line in response.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    finished = True
-                    yield b"data: [DONE]\n\n"
-                    continue
-                try:
-                    chunk = json.loads(data)
-                except ValueError:
-                    continue
-                if chunk.get("usage"):
-                    _apply_usage(record, chunk["usage"], prepared)
-                    chunk["usage"] = _usage_details(chunk["usage"], prepared)
-                    if not chunk.get("choices") and not client_wants_usage:
-                        continue
-                    if not client_wants_usage:
-                        chunk.pop("usage")
-                for choice in chunk.get("choices") or ():
-                    if (choice.get("delta") or {}).get("content"):
-                        produced += 1
-                yield f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n".encode()
-        finally:
-            await response.aclose()
-            routing.outstanding[instance.id] -= 1
-            if slot is not None:
-                slot.release()
-            if not finished:
-                record.status = "aborted"
-            if not record.output_tokens:
-                record.output_tokens = produced  # what was actually generated before the end
-            # The client may be gone and this generator cancelled: the record runs in a task
-            # of its own that cancellation cannot interrupt.
-            await asyncio.shield(_record_in_background(record, started))
-
-    streaming = StreamingHttpResponse(events(), content_type="text/event-stream")
-    streaming["Cache-Control"] = "no-cache"
-    streaming["x-request-id"] = request_id
-    return streaming
-
-
-def _record_in_background(record: UsageRecord, started: float) -> asyncio.Task:
-    task = asyncio.ensure_future(_record(record, started))
-    _background.add(task)
-    task.add_done_callback(_background.discard)
-    return task
-
-
-async def _record(record: UsageRecord, started: float) -> None:
-    if record.recorded:
-        return
-    record.recorded = True
-    record.latency_ms = int((time.monotonic() - started) * 1000)
-    if record.reservation is not None:  # correct the reservation to what was really used
-        used_total = record.text_tokens + record.image_tokens + record.output_tokens
-        billable = record.status != "error"
-        try:
-            await admission.backend().settle(record.reservation, image_tokens=record.image_tokens if billable else 0,
-                                             total_tokens=used_total if billable else 0)
-        except Exception:
-            log.exception("could not settle the quota reservation of %s", record.request_id)
-    counters.count(tier=_tier_names.get(record.tier_id, str(record.tier_id)), status=record.status,
-                   images=record.image_tokens)
-    try:
-        await outbox().put(record)
-    except Exception:  # never lose the response over metering; the error is logged loudly
-        log.exception("could not record usage for %s", record.request_id)
+    return _django(await handlers.chat_completions(_request(request)))
 
 
 @csrf_exempt
 async def not_found(request, path=""):
-    return error_response(404, f"unknown endpoint /v1/{path}", code="unknown_url")
+    return _django(await handlers.not_found(_request(request), path))

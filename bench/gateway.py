@@ -1,0 +1,262 @@
+"""What the gateway adds to a request, against calling the upstream directly and against
+the LiteLLM proxy, in one run and one server process each.
+
+    python -m bench.gateway            (needs the bench extra: pip install -e '.[bench]')
+
+An instant fake upstream (bench/fake_upstream.py) stands behind both proxies. Our gateway
+runs as in production: uvicorn (one worker), PostgreSQL, Redis (quota admission and the
+usage stream), a tenant with a quota, a text tier and a vision tier (1,003,520-pixel cap)
+whose engine is the fake upstream registered as an external engine. LiteLLM runs its proxy
+with one worker and no database, pointed at the same upstream. For text, a 1 MP JPEG and a
+12 MP JPEG (base64 data URLs), at concurrency 1 and 32, it reports the added p50 and p99
+latency over the direct call and requests per second; it also times the image library's
+normalise alone on each image, and the size of the body each proxy forwarded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+PG = "postgres://postgres@127.0.0.1:5432"
+REDIS = "redis://127.0.0.1:6379/13"
+COUNTS = {("text", 1): 400, ("text", 32): 3000, ("1mp", 1): 60, ("1mp", 32): 240,
+          ("12mp", 1): 20, ("12mp", 32): 64}
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_http(url: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url, timeout=2).status_code < 500:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(url)
+
+
+def jpeg(width: int, height: int) -> bytes:
+    sys.path.insert(0, str(ROOT))
+    from bench.imaging import encoded, photo
+
+    return encoded(photo(width, height), "JPEG", quality=90)
+
+
+def messages(image: bytes | None) -> list:
+    if image is None:
+        return [{"role": "user", "content": "Say something short."}]
+    url = "data:image/jpeg;base64," + base64.b64encode(image).decode()
+    return [{"role": "user", "content": [{"type": "text", "text": "Describe."},
+                                         {"type": "image_url", "image_url": {"url": url}}]}]
+
+
+class Gateway:
+    """Our gateway on its own PostgreSQL database and Redis db, seeded for the bench."""
+
+    def __init__(self, upstream_port: int):
+        self.db = f"bench_gateway_{os.getpid()}"
+        self.port = free_port()
+        self.env = {**{k: v for k, v in os.environ.items() if k not in ("USAGE_OUTBOX", "VAR_DIR")},
+                    "DATABASE_URL": f"{PG}/{self.db}", "REDIS_URL": REDIS, "DEBUG": "false",
+                    "SECRET_KEY": "bench-" + "b" * 50, "ALLOWED_HOSTS": "127.0.0.1",
+                    "DJANGO_SETTINGS_MODULE": "controlplane.settings", "LOG_LEVEL": "WARNING",
+                    "VAR_DIR": tempfile.mkdtemp(prefix="bench-gateway-")}
+        self.upstream = f"http://127.0.0.1:{upstream_port}"
+        self.process = None
+        self._fresh = threading.Event()
+
+    def start(self) -> str:
+        import psycopg
+
+        with psycopg.connect(f"{PG}/postgres", autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{self.db}"')
+            conn.execute(f'CREATE DATABASE "{self.db}"')
+        subprocess.run([sys.executable, "manage.py", "migrate", "--noinput"], cwd=ROOT, env=self.env,
+                       check=True, capture_output=True)
+        os.environ.update(self.env)
+        import django
+
+        django.setup()
+        key = self._seed()
+        threading.Thread(target=self._keep_fresh, daemon=True).start()
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "uvicorn", "controlplane.asgi:application", "--port", str(self.port),
+             "--workers", "1", "--no-access-log", "--log-level", "warning"],
+            cwd=ROOT, env=self.env)
+        wait_http(f"http://127.0.0.1:{self.port}/login/")
+        return key
+
+    def _seed(self) -> str:
+        from django.utils import timezone
+
+        from controlplane.catalog.models import ModelTier, PricePlan, PriceRate, ResolutionPolicy
+        from controlplane.fleet.models import EngineInstance
+        from controlplane.tenants.models import Quota, Tenant
+        from controlplane.tenants.services import api_key_create
+
+        plan = PricePlan.objects.create(name="bench")
+        PriceRate.objects.create(plan=plan, effective_from=timezone.now() - timezone.timedelta(days=1),
+                                 text_input_per_mtok=1, image_per_mtok=1, output_per_mtok=1)
+        policy = ResolutionPolicy.objects.create(name="bench", max_pixels=1_003_520, max_input_pixels=60_000_000)
+        common = {"model_id": "fake", "engine_kind": "external", "price_plan": plan,
+                  "engine_settings": {"max_model_len": 32768, "max_output_tokens": 1024}}
+        text = ModelTier.objects.create(name="text", family="qwen2", kind="text", **common)
+        vision = ModelTier.objects.create(name="vlm", family="qwen2_5_vl", kind="vision",
+                                          resolution_policy=policy, **common)
+        for tier in (text, vision):
+            EngineInstance.objects.create(tier=tier, external_url=self.upstream, actual_state="running",
+                                          healthy=True, last_health_at=timezone.now())
+        tenant = Tenant.objects.create(name="bench")
+        Quota.objects.create(tenant=tenant, period="month", image_tokens=10**12, total_tokens=10**12,
+                             requests_per_minute=10**7)
+        return api_key_create(tenant=tenant).secret
+
+    def _keep_fresh(self) -> None:
+        """Stand in for the control plane's health checks of the external engine."""
+        from django.db import connection
+        from django.utils import timezone
+
+        from controlplane.fleet.models import EngineInstance
+
+        while not self._fresh.wait(5):
+            EngineInstance.objects.update(last_health_at=timezone.now())
+            connection.close()
+
+    def stop(self) -> None:
+        self._fresh.set()
+        if self.process:
+            self.process.terminate()
+            self.process.wait(timeout=20)
+        import redis
+
+        redis.Redis.from_url(REDIS).flushdb()
+        from django.db import connections
+
+        connections.close_all()
+        import psycopg
+
+        with psycopg.connect(f"{PG}/postgres", autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{self.db}" WITH (FORCE)')
+        shutil.rmtree(self.env["VAR_DIR"], ignore_errors=True)
+
+
+def start_litellm(upstream_port: int) -> tuple[subprocess.Popen, int, str]:
+    port = free_port()
+    folder = Path(tempfile.mkdtemp(prefix="bench-litellm-"))
+    config = folder / "config.yaml"
+    config.write_text(
+        "model_list:\n"
+        + "".join(f"  - model_name: {name}\n    litellm_params:\n      model: openai/{name}\n"
+                  f"      api_base: http://127.0.0.1:{upstream_port}/v1\n      api_key: fake\n" for name in ("text", "vlm"))
+        + "general_settings:\n  master_key: sk-bench-litellm\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL")}
+    env.update({"LITELLM_LOG": "ERROR", "LITELLM_TELEMETRY": "False"})
+    binary = shutil.which("litellm", path=str(Path(sys.executable).parent)) or "litellm"
+    process = subprocess.Popen([binary, "--config", str(config), "--port", str(port), "--num_workers", "1"],
+                               cwd=folder, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_http(f"http://127.0.0.1:{port}/health/liveliness", timeout=120)
+    return process, port, "sk-bench-litellm"
+
+
+async def load(url: str, key: str, model: str, image: bytes | None, concurrency: int, count: int):
+    body = {"model": model, "max_tokens": 8, "messages": messages(image)}
+    headers = {"Authorization": f"Bearer {key}"}
+    latencies: list[float] = []
+    remaining = iter(range(count))
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(timeout=120, limits=limits, headers=headers) as client:
+        await client.post(url, json=body)  # warm up connections and caches
+
+        async def worker():
+            for _ in remaining:
+                started = time.perf_counter()
+                response = await client.post(url, json=body)
+                if response.status_code != 200:
+                    raise RuntimeError(f"{url}: {response.status_code} {response.text[:300]}")
+                latencies.append(time.perf_counter() - started)
+
+        started = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        elapsed = time.perf_counter() - started
+    latencies.sort()
+    return {"p50": statistics.median(latencies), "p99": latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
+            "rps": len(latencies) / elapsed}
+
+
+def normalise_alone(image: bytes, repeats: int = 10) -> float:
+    from controlplane.imaging.policy import Policy, normalise
+
+    policy = Policy(max_pixels=1_003_520, max_input_pixels=60_000_000)
+    normalise(image, policy)
+    started = time.perf_counter()
+    for _ in range(repeats):
+        normalise(image, policy)
+    return (time.perf_counter() - started) / repeats
+
+
+def main() -> None:
+    upstream_port = free_port()
+    upstream = subprocess.Popen([sys.executable, "-m", "bench.fake_upstream", str(upstream_port)], cwd=ROOT)
+    wait_http(f"http://127.0.0.1:{upstream_port}/health")
+    gateway = Gateway(upstream_port)
+    litellm = None
+    try:
+        key = gateway.start()
+        litellm, litellm_port, litellm_key = start_litellm(upstream_port)
+        images = {"text": None, "1mp": jpeg(1155, 866), "12mp": jpeg(4000, 3000)}
+        targets = {
+            "direct": (f"http://127.0.0.1:{upstream_port}/v1/chat/completions", "fake"),
+            "gateway": (f"http://127.0.0.1:{gateway.port}/v1/chat/completions", key),
+            "litellm": (f"http://127.0.0.1:{litellm_port}/v1/chat/completions", litellm_key),
+        }
+        print(f"{'payload':8} {'conc':>4} {'target':8} {'p50 ms':>8} {'p99 ms':>8} {'+p50 ms':>8} {'+p99 ms':>8} "
+              f"{'req/s':>8} {'fwd body':>10}")
+        for (payload, concurrency), count in COUNTS.items():
+            image = images[payload]
+            model = "text" if image is None else "vlm"
+            base = None
+            for name, (url, secret) in targets.items():
+                before = httpx.get(f"http://127.0.0.1:{upstream_port}/stats").json()
+                result = asyncio.run(load(url, secret, model, image, concurrency, count))
+                after = httpx.get(f"http://127.0.0.1:{upstream_port}/stats").json()
+                forwarded = (after["body_bytes"] - before["body_bytes"]) / max(1, after["requests"] - before["requests"])
+                if name == "direct":
+                    base = result
+                added = "" if name == "direct" else (f"{1000 * (result['p50'] - base['p50']):8.2f} "
+                                                     f"{1000 * (result['p99'] - base['p99']):8.2f}")
+                print(f"{payload:8} {concurrency:4d} {name:8} {1000 * result['p50']:8.2f} {1000 * result['p99']:8.2f} "
+                      f"{added or ' ' * 17:>17} {result['rps']:8.1f} {forwarded / 1024:8.1f}KB")
+        for payload in ("1mp", "12mp"):
+            sent = len(base64.b64encode(images[payload]))
+            print(f"normalise alone, {payload}: {1000 * normalise_alone(images[payload]):.1f} ms "
+                  f"(image sent as {sent / 1024:.0f} KB of base64)")
+    finally:
+        if litellm is not None:
+            litellm.terminate()
+        gateway.stop()
+        upstream.terminate()
+
+
+if __name__ == "__main__":
+    main()

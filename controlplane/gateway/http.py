@@ -1,0 +1,28 @@
+"""The gateway's own request and response, so that one set of handlers serves both the
+lean ASGI front (production) and Django views (the in-process test client)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Request:
+    method: str
+    headers: dict[str, str]  # lower-case names
+    body: bytes | None  # None: larger than GATEWAY_MAX_BODY_BYTES
+
+
+@dataclass
+class Response:
+    status: int = 200
+    body: bytes = b""
+    content_type: str = "application/json"
+    headers: dict[str, str] = field(default_factory=dict)
+    stream: AsyncIterator[bytes] | None = None
+
+
+def json_response(data, *, status: int = 200, headers: dict | None = None) -> Response:
+    return Response(status=status, body=json.dumps(data, separators=(",", ":")).encode(), headers=dict(headers or {}))
