@@ -145,6 +145,12 @@ def validate_body(body) -> None:
             raise RequestInvalid(f"{name} must be a positive integer", param=name)
 
 
+def _image_tiles(url: str, policy: Policy, detail, fetch: FetchPolicy | None, max_bytes: int):
+    """Intake and normalise in one trip to a worker thread (CPU work, off the event loop)."""
+    data = image_source_bytes(url, max_bytes=max_bytes, fetch=fetch)
+    return normalise_tiles(data, policy, detail=detail, index=index_of_pictures)
+
+
 async def prepare(body: dict, tier: TierSpec, *, max_image_bytes: int) -> Prepared:
     parts = image_parts(body["messages"])
     if parts and tier.kind != "vision":
@@ -188,9 +194,7 @@ async def _prepare_images(prepared: Prepared, parts: list[dict], tier: TierSpec,
         if not isinstance(url, str) or not url:
             raise RequestInvalid(f"image {index + 1} has no url", param="messages")
         try:
-            data = await asyncio.to_thread(image_source_bytes, url, max_bytes=max_image_bytes,
-                                           fetch=tier.fetch_policy)
-            tiles = await asyncio.to_thread(normalise_tiles, data, policy, detail=detail, index=index_of_pictures)
+            tiles = await asyncio.to_thread(_image_tiles, url, policy, detail, tier.fetch_policy, max_image_bytes)
         except ImageError as exc:
             raise RequestInvalid(f"image {index + 1}: {exc}", param="messages", code=exc.code) from None
         total_pixels += tiles[0].source_width * tiles[0].source_height

@@ -52,7 +52,7 @@ class Policy:
     max_input_pixels: int = 50_000_000
     allowed_formats: tuple[str, ...] = ()
     output_format: str = "jpeg"
-    output_quality: int = 90
+    output_quality: int = 85
 
     def pixel_cap(self, detail: str | None) -> int:
         if detail in (None, "auto"):
