@@ -220,6 +220,11 @@ GATEWAY_IMAGE_FETCH_TIMEOUT_S = float(env_int("GATEWAY_IMAGE_FETCH_TIMEOUT_S", 1
 GATEWAY_IMAGE_FETCH_MAX_BYTES = env_int("GATEWAY_IMAGE_FETCH_MAX_BYTES", 20 * 1024 * 1024, minimum=1024)
 # Private networks image URLs may point into (an internal image store). Empty: public only.
 GATEWAY_TRUSTED_IMAGE_NETWORKS = env_list("GATEWAY_TRUSTED_IMAGE_NETWORKS", [])
+# For tiers with engine_settings.require_moderation: an OpenAI-format /v1/moderations endpoint.
+MODERATION_URL = env_str("MODERATION_URL", "")
+MODERATION_API_KEY = env_str("MODERATION_API_KEY", "")
+MODERATION_MODEL = env_str("MODERATION_MODEL", "omni-moderation-latest")
+MODERATION_TIMEOUT_S = float(env_int("MODERATION_TIMEOUT_S", 10, minimum=1))
 
 # --- web ------------------------------------------------------------------------------
 AUTH_PASSWORD_VALIDATORS = [

@@ -13,7 +13,7 @@ import httpx
 from django.conf import settings
 from django.utils import timezone
 
-from controlplane.gateway import admission, counters, routing, state, upstream
+from controlplane.gateway import admission, counters, moderation, routing, state, upstream
 from controlplane.gateway.admission import Ask, Refused
 from controlplane.gateway.errors import GatewayError, error_response
 from controlplane.gateway.http import Request, Response, json_response
@@ -122,6 +122,14 @@ async def _chat_completions(request: Request, request_id: str):
             prepared = await prepare(body, tier, max_image_bytes=settings.GATEWAY_MAX_BODY_BYTES)
         except RequestInvalid as exc:
             raise GatewayError(400, str(exc), code=exc.code, param=exc.param) from None
+        if tier.require_moderation and prepared.images:
+            try:
+                await moderation.moderate([p.image.data_url() for p in prepared.images])
+            except moderation.Flagged as flagged:
+                raise GatewayError(400, str(flagged), code="content_policy_violation", param="messages") from None
+            except moderation.Unavailable as unavailable:
+                raise GatewayError(503, f"{unavailable}; retry shortly", code="moderation_unavailable",
+                                   headers={"Retry-After": "5"}) from None
         reservation = await _admit(key, tier, prepared)
     except GatewayError as exc:
         return exc.response(request_id)

@@ -143,6 +143,7 @@ def _load_tiers() -> dict[str, TierSpec]:
             max_output_tokens=int(engine.get("max_output_tokens", 4096)),
             max_model_len=int(engine.get("max_model_len", 32768)),
             priority_scheduling=engine.get("scheduling_policy") == "priority",
+            require_moderation=bool(engine.get("require_moderation", False)),
             large_image_concurrency=max(1, int(engine.get("large_image_concurrency", 2))),
             price_plan_id=tier.price_plan_id,
             fetch_policy=fetch,
