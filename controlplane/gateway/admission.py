@@ -116,20 +116,12 @@ _ORDER = ("image_tokens", "total_tokens", "requests_per_minute", "concurrent_lar
 
 class RedisAdmission:
     def __init__(self, url: str, *, prefix: str, seed):
-        import redis.asyncio as redis
-
         self.url, self.prefix, self.seed = url, prefix, seed
-        self._redis = redis
-        self._clients: dict = {}
 
     def _client(self):
-        import asyncio
+        from controlplane.redis_clients import async_redis
 
-        loop = asyncio.get_running_loop()
-        client = self._clients.get(loop)
-        if client is None:
-            client = self._clients[loop] = self._redis.Redis.from_url(self.url)
-        return client
+        return async_redis(self.url)
 
     def _keys(self, tenant_id: int, window: str, now: dt.datetime) -> list[str]:
         base = f"{self.prefix}:quota:{tenant_id}"

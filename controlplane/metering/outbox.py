@@ -29,20 +29,12 @@ def stream_key() -> str:
 
 class RedisOutbox:
     def __init__(self, url: str):
-        import redis.asyncio as redis
-
-        self._redis = redis
         self.url = url
-        self._clients: dict = {}
 
     def _client(self):
-        import asyncio
+        from controlplane.redis_clients import async_redis
 
-        loop = asyncio.get_running_loop()
-        client = self._clients.get(loop)
-        if client is None:
-            client = self._clients[loop] = self._redis.Redis.from_url(self.url)
-        return client
+        return async_redis(self.url)
 
     async def put(self, record: UsageRecord) -> None:
         await self._client().xadd(stream_key(), {"record": json.dumps(usage_to_json(record))})
