@@ -8,6 +8,8 @@ is wrapped here: static files are answered from the sync part, everything else i
 
 from __future__ import annotations
 
+import asyncio
+
 from asgiref.sync import iscoroutinefunction, markcoroutinefunction, sync_to_async
 from whitenoise.middleware import WhiteNoiseMiddleware
 
@@ -36,5 +38,15 @@ class StaticFilesMiddleware(WhiteNoiseMiddleware):
         if request.path_info.startswith(self.static_prefix or "/static/"):
             static_file = await sync_to_async(self._static_file, thread_sensitive=False)(request)
             if static_file is not None:
-                return await sync_to_async(self.serve, thread_sensitive=False)(static_file, request)
+                response = await sync_to_async(self.serve, thread_sensitive=False)(static_file, request)
+                if response.streaming and not response.is_async:
+                    # Django would read a synchronous file iterator into memory first (plotly.js
+                    # is 4.5 MB); hand it chunks read on a worker thread instead.
+                    response.streaming_content = _chunks(iter(response.streaming_content))
+                return response
         return await self.get_response(request)
+
+
+async def _chunks(iterator):
+    while (chunk := await asyncio.to_thread(next, iterator, None)) is not None:
+        yield chunk
