@@ -118,6 +118,10 @@ async def _chat_completions(request: Request, request_id: str):
         except RequestInvalid as exc:
             raise GatewayError(400, str(exc), code=exc.code, param=exc.param) from None
         tier = _pick_tier(body["model"], key, await state.tiers(), bool(image_parts(body["messages"])))
+    except GatewayError as exc:
+        return exc.response(request_id)
+    started = time.monotonic()
+    try:
         try:
             prepared = await prepare(body, tier, max_image_bytes=settings.GATEWAY_MAX_BODY_BYTES)
         except RequestInvalid as exc:
@@ -132,6 +136,10 @@ async def _chat_completions(request: Request, request_id: str):
                                    headers={"Retry-After": "5"}) from None
         reservation = await _admit(key, tier, prepared)
     except GatewayError as exc:
+        # Refused once the tier was known: the tenant sees it in their usage, at no cost.
+        await _record(UsageRecord(request_id=request_id, tenant_id=key.tenant_id, api_key_id=key.key_id,
+                                  tier_id=tier.id, status="error", http_status=exc.status,
+                                  stream=bool(body.get("stream"))), started)
         return exc.response(request_id)
     return await _forward(request_id, key, tier, prepared, reservation)
 

@@ -148,3 +148,26 @@ def test_the_gateway_refuses_past_the_quota_with_a_429_naming_the_limit(client, 
     error = json.loads(second.content)["error"]
     assert error["code"] == "rate_limit_exceeded" and "requests per minute" in error["message"]
     assert post(client, world.bob_key, body).status_code == 503  # other tenants are unaffected
+
+
+@pytest.mark.django_db
+def test_a_refused_request_is_in_the_tenants_usage_at_no_cost(client, world):
+    from controlplane.metering.models import UsageEvent
+    from tests.controlplane.gateway.test_views import image_message, post
+    from tests.images import data_url
+
+    Quota.objects.create(tenant=world.alice, period="day", image_tokens=10)
+    too_much = post(client, world.alice_key, {"model": "vlm-lite",
+                                              "messages": image_message(data_url(image_bytes_for_test()))})
+    hostile = post(client, world.alice_key, {"model": "vlm-lite",
+                                             "messages": image_message("data:image/png;base64,QUJD")})
+    events = {e.request_id: e for e in UsageEvent.objects.filter(tenant=world.alice)}
+    assert events[too_much["x-request-id"]].http_status == 429
+    assert events[hostile["x-request-id"]].http_status == 400
+    assert all(e.status == "error" and e.cost == 0 and e.image_tokens == 0 for e in events.values())
+
+
+def image_bytes_for_test():
+    from tests.images import image_bytes
+
+    return image_bytes(640, 480)
