@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from decimal import ROUND_HALF_EVEN, Decimal
 
 # Float noise guard: a scaled side meant to land exactly on a tile or patch boundary
 # (1800x2400 -> 1056 px = 33 patches) must not count an extra tile for 1056.0000000001.
@@ -177,6 +178,8 @@ def commercial_costs(width: int, height: int) -> list[dict]:
             "provider": offer.provider,
             "model": offer.model,
             "tokens": tokens,
-            "usd": tokens * offer.usd_per_million_input / 1_000_000,
+            # Decimal, rounded like our own prices (to a millionth of a dollar), never float noise.
+            "usd": (Decimal(tokens) * Decimal(str(offer.usd_per_million_input)) / 1_000_000).quantize(
+                Decimal("0.000001"), rounding=ROUND_HALF_EVEN),
         })
     return rows

@@ -132,10 +132,12 @@ def test_commercial_costs_lists_every_offer_with_tokens_and_usd():
     assert all(set(r) == {"provider", "model", "tokens", "usd"} for r in rows)
     by_model = {r["model"]: r for r in rows}
     assert by_model["gpt-4o"]["tokens"] == 1105
-    assert by_model["gpt-4o"]["usd"] == pytest.approx(1105 * 2.50 / 1e6)
+    assert float(by_model["gpt-4o"]["usd"]) == pytest.approx(1105 * 2.50 / 1e6)
     assert by_model["gemini-2.5-flash"]["tokens"] == 1548
-    assert by_model["gemini-2.5-flash"]["usd"] == pytest.approx(1548 * 0.30 / 1e6)
-    assert by_model["claude-sonnet-4-5"]["usd"] == pytest.approx(by_model["claude-sonnet-4-5"]["tokens"] * 3e-6)
+    assert float(by_model["gemini-2.5-flash"]["usd"]) == pytest.approx(1548 * 0.30 / 1e6)
+    assert float(by_model["claude-sonnet-4-5"]["usd"]) == pytest.approx(by_model["claude-sonnet-4-5"]["tokens"] * 3e-6)
+    # Money is Decimal, rounded to a millionth of a dollar: no float noise on the page.
+    assert all(r["usd"].as_tuple().exponent == -6 for r in rows)
 
 
 def test_price_table_is_dated_and_sourced():
