@@ -2,6 +2,7 @@
 (quoted in controlplane/imaging/commercial.py) and hand computation."""
 
 import math
+from decimal import Decimal
 
 import pytest
 
@@ -132,10 +133,11 @@ def test_commercial_costs_lists_every_offer_with_tokens_and_usd():
     assert all(set(r) == {"provider", "model", "tokens", "usd"} for r in rows)
     by_model = {r["model"]: r for r in rows}
     assert by_model["gpt-4o"]["tokens"] == 1105
-    assert float(by_model["gpt-4o"]["usd"]) == pytest.approx(1105 * 2.50 / 1e6)
+    assert by_model["gpt-4o"]["usd"] == Decimal("0.002762")  # 0.0027625 rounded half-even
     assert by_model["gemini-2.5-flash"]["tokens"] == 1548
-    assert float(by_model["gemini-2.5-flash"]["usd"]) == pytest.approx(1548 * 0.30 / 1e6)
-    assert float(by_model["claude-sonnet-4-5"]["usd"]) == pytest.approx(by_model["claude-sonnet-4-5"]["tokens"] * 3e-6)
+    assert by_model["gemini-2.5-flash"]["usd"] == Decimal("0.000464")  # 0.0004644
+    assert float(by_model["claude-sonnet-4-5"]["usd"]) == pytest.approx(by_model["claude-sonnet-4-5"]["tokens"] * 3e-6,
+                                                                       abs=1e-6)
     # Money is Decimal, rounded to a millionth of a dollar: no float noise on the page.
     assert all(r["usd"].as_tuple().exponent == -6 for r in rows)
 
