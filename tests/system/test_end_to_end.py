@@ -233,3 +233,19 @@ def test_a_restarted_node_agent_adopts_the_engines_still_running(system, system_
     after = {i.pk: i.pid for i in EngineInstance.objects.using(system_db).all()}
     assert after == before
     assert EngineEvent.objects.using(system_db).filter(to_state="starting").count() == started_before
+
+
+def test_a_tenant_over_its_quota_gets_a_rate_limit_error_with_retry_after(system, system_db):
+    system.manage("shell", "-c", "from controlplane.tenants.models import Tenant, Quota; "
+                  "t, _ = Tenant.objects.get_or_create(name='tight'); "
+                  "Quota.objects.update_or_create(tenant=t, defaults={'period': 'day', 'requests_per_minute': 2})")
+    secret = system.manage("create_api_key", "--tenant", "tight").stdout.strip()
+    tight = openai.OpenAI(base_url=f"{system.base_url}/v1", api_key=secret, max_retries=0)
+    for _ in range(2):
+        tight.chat.completions.create(model="text", max_tokens=2, messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(openai.RateLimitError) as refused:
+        tight.chat.completions.create(model="text", max_tokens=2, messages=[{"role": "user", "content": "hi"}])
+    assert "requests per minute" in refused.value.body["message"]
+    assert 1 <= int(refused.value.response.headers["retry-after"]) <= 60
+    refused_id = refused.value.response.headers["x-request-id"]
+    assert metered(system_db, refused_id).http_status == 429  # refused requests are in the usage too
