@@ -232,7 +232,9 @@ def metered_so_far(tenant_id: int, period: str, now: dt.datetime) -> tuple[int, 
 
     from controlplane.metering.models import UsageEvent
 
-    totals = UsageEvent.objects.filter(tenant_id=tenant_id, created_at__gte=period_start(period, now)).aggregate(
+    # As settled: a failed request counts nothing against the quota.
+    totals = UsageEvent.objects.filter(tenant_id=tenant_id, created_at__gte=period_start(period, now)).exclude(
+        status=UsageEvent.Status.ERROR).aggregate(
         image=Sum("image_tokens"), total=Sum(F("image_tokens") + F("text_tokens") + F("output_tokens")))
     return int(totals["image"] or 0), int(totals["total"] or 0)
 

@@ -57,18 +57,22 @@ async def _read_body(receive) -> tuple[bytes | None, bool]:
 async def _send(send, response: Response) -> None:
     headers = [(b"content-type", response.content_type.encode())]
     headers += [(name.lower().encode(), str(value).encode()) for name, value in response.headers.items()]
-    if response.stream is None:
-        headers.append((b"content-length", str(len(response.body)).encode()))
-        await send({"type": "http.response.start", "status": response.status, "headers": headers})
-        await send({"type": "http.response.body", "body": response.body})
-        return
-    await send({"type": "http.response.start", "status": response.status, "headers": headers})
     try:
-        async for chunk in response.stream:
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        if response.stream is None:
+            headers.append((b"content-length", str(len(response.body)).encode()))
+            await send({"type": "http.response.start", "status": response.status, "headers": headers})
+            await send({"type": "http.response.body", "body": response.body})
+            return
+        await send({"type": "http.response.start", "status": response.status, "headers": headers})
+        try:
+            async for chunk in response.stream:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        finally:
+            await response.stream.aclose()
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
     finally:
-        await response.stream.aclose()  # on a disconnect too: the stream records what it produced
-    await send({"type": "http.response.body", "body": b"", "more_body": False})
+        if response.on_close is not None:  # also when the stream never started
+            await response.on_close()
 
 
 async def app(scope, receive, send) -> None:

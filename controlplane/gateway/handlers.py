@@ -26,7 +26,7 @@ from controlplane.gateway.prepare import (
     validate_body,
 )
 from controlplane.metering.outbox import outbox
-from controlplane.metering.services import UsageRecord
+from controlplane.metering.services import UsageRecord, is_billable
 
 log = logging.getLogger(__name__)
 AUTO = "auto"
@@ -151,12 +151,25 @@ async def _admit(key: state.KeyInfo, tier: TierSpec, prepared: Prepared):
     ask = Ask(image_tokens=prepared.image_tokens,
               total_tokens=prepared.text_tokens + prepared.image_tokens + prepared.body["max_tokens"],
               large=prepared.image_tokens > tier.large_image_threshold)
+    backend = admission.backend()
+    reserving = asyncio.ensure_future(backend.reserve(key.tenant_id, key.limits, ask, timezone.now()))
     try:
-        return await admission.backend().reserve(key.tenant_id, key.limits, ask, timezone.now())
+        # Shielded: a reservation made just as the client leaves must still be released.
+        return await asyncio.shield(reserving)
+    except asyncio.CancelledError:
+        reserving.add_done_callback(lambda done: _release_if_made(backend, done))
+        raise
     except Refused as refused:
         code = "rate_limit_exceeded" if refused.limit in ("requests_per_minute", "concurrent_large_images") \
             else "insufficient_quota"
         raise GatewayError(429, str(refused), code=code, headers={"Retry-After": str(refused.retry_after)}) from None
+
+
+def _release_if_made(backend, done: asyncio.Future) -> None:
+    if not done.cancelled() and done.exception() is None:
+        task = asyncio.ensure_future(backend.settle(done.result(), image_tokens=0, total_tokens=0))
+        _background.add(task)
+        task.add_done_callback(_background.discard)
 
 
 def _upstream_body(key: state.KeyInfo, tier: TierSpec, prepared: Prepared, *, large: bool = False) -> dict:
@@ -203,6 +216,11 @@ async def _forward(request_id: str, key: state.KeyInfo, tier: TierSpec, prepared
     except asyncio.CancelledError:
         if not record.recorded:  # gone while waiting for a slot: release the quota it reserved
             record.status, record.http_status = "aborted", 499
+            await asyncio.shield(_record_in_background(record, started))
+        raise
+    except Exception:
+        if not record.recorded:  # whatever failed, the reservation is settled and the request metered
+            record.status, record.http_status = "error", 500
             await asyncio.shield(_record_in_background(record, started))
         raise
     finally:
@@ -262,6 +280,12 @@ async def _attempts(request_id, tier, prepared, record, candidates, payload, sta
                 return _stream(request_id, record, prepared, body, response, instance, started, slot)
             try:
                 content = await response.aread()
+            except httpx.TransportError as exc:
+                log.warning("engine %s broke its answer to %s: %s", instance.id, request_id, exc)
+                record.status, record.http_status = "error", 502
+                await _record(record, started)
+                return error_response(502, "the engine failed while answering; retry the request",
+                                      code="engine_error", request_id=request_id)
             finally:
                 await response.aclose()
             return await _finish_plain(request_id, record, prepared, response.status_code, content, started)
@@ -323,17 +347,35 @@ async def _finish_plain(request_id, record, prepared, status, content, started):
 
 def _stream(request_id, record, prepared, body, response, instance, started, slot=None):
     client_wants_usage = bool((prepared.body.get("stream_options") or {}).get("include_usage"))
+    progress = {"produced": 0, "finished": False, "closed": False}
+
+    async def close():
+        """Once, however the stream ends: finished, failed, client gone, or never read at all."""
+        if progress["closed"]:
+            return
+        progress["closed"] = True
+        try:
+            await response.aclose()
+        finally:
+            routing.outstanding[instance.id] -= 1
+            if slot is not None:
+                slot.release()
+            if not progress["finished"] and record.status == "ok":
+                record.status = "aborted"
+            if not record.output_tokens:
+                record.output_tokens = progress["produced"]  # what was generated before the end
+            # The client may be gone and this task cancelled: the record runs in a task of its
+            # own that cancellation cannot interrupt.
+            await asyncio.shield(_record_in_background(record, started))
 
     async def events():
-        produced = 0
-        finished = False
         try:
             async for line in response.aiter_lines():
                 if not line.startswith("data:"):
                     continue
                 data = line[5:].strip()
                 if data == "[DONE]":
-                    finished = True
+                    progress["finished"] = True
                     yield b"data: [DONE]\n\n"
                     continue
                 try:
@@ -349,22 +391,19 @@ def _stream(request_id, record, prepared, body, response, instance, started, slo
                         chunk.pop("usage")
                 for choice in chunk.get("choices") or ():
                     if (choice.get("delta") or {}).get("content"):
-                        produced += 1
+                        progress["produced"] += 1
                 yield f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n".encode()
+        except httpx.HTTPError as exc:
+            # The engine dropped the stream: tell the client in the stream's own terms.
+            log.warning("engine %s broke the stream of %s: %s", instance.id, request_id, exc)
+            record.status, record.http_status = "error", 502
+            error = {"error": {"message": "the engine failed while streaming; retry the request",
+                               "type": "server_error", "param": None, "code": "engine_error"}}
+            yield f"data: {json.dumps(error)}\n\n".encode()
         finally:
-            await response.aclose()
-            routing.outstanding[instance.id] -= 1
-            if slot is not None:
-                slot.release()
-            if not finished:
-                record.status = "aborted"
-            if not record.output_tokens:
-                record.output_tokens = produced  # what was actually generated before the end
-            # The client may be gone and this generator cancelled: the record runs in a task
-            # of its own that cancellation cannot interrupt.
-            await asyncio.shield(_record_in_background(record, started))
+            await close()
 
-    return Response(stream=events(), content_type="text/event-stream",
+    return Response(stream=events(), content_type="text/event-stream", on_close=close,
                     headers={"cache-control": "no-cache", "x-request-id": request_id})
 
 
@@ -382,7 +421,7 @@ async def _record(record: UsageRecord, started: float) -> None:
     record.latency_ms = int((time.monotonic() - started) * 1000)
     if record.reservation is not None:  # correct the reservation to what was really used
         used_total = record.text_tokens + record.image_tokens + record.output_tokens
-        billable = record.status != "error"
+        billable = is_billable(record)
         try:
             await admission.backend().settle(record.reservation, image_tokens=record.image_tokens if billable else 0,
                                              total_tokens=used_total if billable else 0)

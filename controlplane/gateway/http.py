@@ -4,7 +4,7 @@ lean ASGI front (production) and Django views (the in-process test client)."""
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 
@@ -22,6 +22,8 @@ class Response:
     content_type: str = "application/json"
     headers: dict[str, str] = field(default_factory=dict)
     stream: AsyncIterator[bytes] | None = None
+    # Runs once however the response ends (finished, failed, or never sent at all).
+    on_close: Callable[[], Awaitable[None]] | None = None
 
 
 def json_response(data, *, status: int = 200, headers: dict | None = None) -> Response:

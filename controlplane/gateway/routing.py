@@ -31,9 +31,11 @@ _slots: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # loop -> {tier
 
 def choose(candidates: list[InstanceSpec], *, exclude=frozenset(), large: bool = False,
            fingerprints: tuple[str, ...] = ()) -> InstanceSpec | None:
-    pool = [c for c in candidates if c.id not in exclude]
-    dedicated = [c for c in pool if c.pool == "large"]
-    pool = dedicated if large and dedicated else [c for c in pool if c.pool != "large"]
+    dedicated = [c for c in candidates if c.pool == "large"]
+    if large and dedicated:  # isolated: never spill into the standard engines, even on a retry
+        pool = [c for c in dedicated if c.id not in exclude]
+    else:
+        pool = [c for c in candidates if c.pool != "large" and c.id not in exclude]
     if not pool:
         return None
     load = {c.id: outstanding[c.id] + c.queued for c in pool}

@@ -3,6 +3,8 @@ deployment that serves /v1 through Django. Production serves /v1 through gateway
 
 from __future__ import annotations
 
+import asyncio
+
 from django.core.exceptions import RequestDataTooBig
 from django.http import HttpResponse, StreamingHttpResponse
 from django.views.decorators.csrf import csrf_exempt
@@ -23,6 +25,11 @@ def _django(response: Response):
     if response.stream is not None:
         django_response = StreamingHttpResponse(response.stream, status=response.status,
                                                 content_type=response.content_type)
+        if response.on_close is not None:
+            loop = asyncio.get_running_loop()
+            # Django closes responses from a thread; the close itself belongs on this loop.
+            django_response._resource_closers.append(
+                lambda: asyncio.run_coroutine_threadsafe(response.on_close(), loop))
     else:
         django_response = HttpResponse(response.body, status=response.status, content_type=response.content_type)
     for name, value in response.headers.items():

@@ -37,7 +37,11 @@ class RedisOutbox:
         return async_redis(self.url)
 
     async def put(self, record: UsageRecord) -> None:
-        await self._client().xadd(stream_key(), {"record": json.dumps(usage_to_json(record))})
+        try:
+            await self._client().xadd(stream_key(), {"record": json.dumps(usage_to_json(record))})
+        except Exception:  # Redis unreachable: the database is slower, but nothing is lost
+            log.exception("usage stream unavailable; writing %s to the database", record.request_id)
+            await DatabaseOutbox().put(record)
 
 
 class DatabaseOutbox:

@@ -80,6 +80,12 @@ def _lines(images: list) -> list:
     return [item if len(item) == 3 else (*item, False) for item in images]
 
 
+def is_billable(record: UsageRecord) -> bool:
+    """Completed work is billed, and so is work an engine did for a client that left; a request
+    refused or failed before an engine worked on it is not."""
+    return record.status == "ok" or (record.status == "aborted" and record.instance_id is not None)
+
+
 def usage_cost(*, tier: ModelTier, when: dt.datetime, usage: Usage):
     return price(usage, tier.price_plan.rate_at(when).as_rates())
 
@@ -91,7 +97,7 @@ def usage_record(*, record: UsageRecord) -> UsageEvent:
         return existing
     record.images = _lines(record.images)
     tier = ModelTier.objects.select_related("price_plan").get(pk=record.tier_id)
-    billable = record.status != UsageEvent.Status.ERROR
+    billable = is_billable(record)
     cached_image = min(record.cached_image_tokens, record.image_tokens)
     usage = Usage(
         text_tokens=record.text_tokens,
