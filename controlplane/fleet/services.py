@@ -3,7 +3,7 @@ from __future__ import annotations
 import datetime as dt
 
 from django.db import transaction
-from django.db.models import Count
+from django.db.models import Count, Q
 from django.utils import timezone
 
 from controlplane.catalog.models import ModelTier
@@ -73,10 +73,12 @@ def instances_place(now=None) -> int:
     nodes = list(live_nodes(now).prefetch_related("gpus"))
     if not nodes:
         return 0
-    busy = set(
-        Gpu.objects.filter(instances__desired_state=EngineInstance.Desired.RUNNING)
-        .values_list("id", flat=True)
-    )
+    # A GPU is taken while any engine may still hold it: wanted running, or still alive
+    # (starting, serving, draining: a drained engine frees its GPU only once it has stopped).
+    A = EngineInstance.Actual
+    holding = (Q(instances__desired_state=EngineInstance.Desired.RUNNING) | Q(instances__pid__isnull=False)
+               | Q(instances__actual_state__in=[A.STARTING, A.RUNNING, A.UNHEALTHY, A.DRAINING]))
+    busy = set(Gpu.objects.filter(holding).values_list("id", flat=True))
     load = dict(
         EngineInstance.objects.filter(node__isnull=False, desired_state=EngineInstance.Desired.RUNNING)
         .values_list("node_id").annotate(n=Count("id"))
@@ -142,6 +144,12 @@ def instance_action(*, instance: EngineInstance, action: str, user) -> None:
             actual_state=EngineInstance.Actual.PENDING
             if instance.actual_state == EngineInstance.Actual.FAILED else instance.actual_state)
         instance.refresh_from_db()
+        if instance.pid is None and instance.tier.engine_kind != ModelTier.EngineKind.EXTERNAL:
+            # No live process holds its GPUs, which may have gone to another engine
+            # meanwhile: place it afresh.
+            instance.gpus.clear()
+            EngineInstance.objects.filter(pk=instance.pk).update(node=None, port=None)
+            instance.refresh_from_db()
         instance_set_desired(instance=instance, desired=EngineInstance.Desired.RUNNING, reason=f"launched by {who}")
     elif action in ("stop", "drain"):
         instance.drain = action == "drain"

@@ -276,3 +276,28 @@ def test_a_hang_that_health_does_not_show_is_caught_within_30_seconds(agent):
     assert "hung" in agent.state_reason or "probe failed" in agent.state_reason
     httpx.post(f"{agent.base_url}/sim/fault", json={"mode": "none"}, headers=headers, timeout=5)
     _reconcile_until(agent, _running, "the engine back in rotation")
+
+
+def _engine_with_a_child(marker: str) -> subprocess.Popen:
+    """A process group like vLLM's: a leader and a child that can outlive it."""
+    script = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); time.sleep(120)"
+    return subprocess.Popen([sys.executable, "-c", script], env={**os.environ, process.MARKER_ENV: marker},
+                            start_new_session=True)
+
+
+def test_an_engines_children_are_not_orphans_and_do_not_outlive_a_crash(agent):
+    marker = supervision.engine_marker(agent)
+    leader = _engine_with_a_child(marker)
+    wait_for(lambda: len(process.marked_processes(marker)) == 2, timeout=10, what="the engine and its child")
+    child = next(pid for pid in process.marked_processes(marker) if pid != leader.pid)
+    EngineInstance.objects.filter(pk=agent.pk).update(pid=leader.pid, actual_state="running", healthy=True,
+                                                      started_at=timezone.now())
+    assert supervision.stop_orphans(agent.node) == 0  # the child belongs to a living engine
+    assert process.is_alive(child)
+
+    leader.kill()
+    leader.wait()
+    supervision.engine_check(EngineInstance.objects.select_related("tier", "node").get(pk=agent.pk), timezone.now())
+    agent.refresh_from_db()
+    assert agent.actual_state == "crashed"
+    wait_for(lambda: not process.is_alive(child), timeout=10, what="the child to be stopped with its crashed leader")

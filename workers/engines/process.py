@@ -84,8 +84,20 @@ def is_stopped(pid: int | None) -> bool:
         return False
 
 
+def group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
+
+
 def terminate(pid: int, *, grace: float = 10.0) -> None:
-    """SIGTERM the engine's process group, then SIGKILL what is left after `grace` seconds."""
+    """SIGTERM the engine's process group, then SIGKILL what is left after `grace` seconds.
+
+    The whole group: a multi-process engine (vLLM's API server and engine core) keeps GPU
+    memory in its children, which outlive a leader that crashed.
+    """
     for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
         try:
             os.killpg(pid, sig)
@@ -95,9 +107,23 @@ def terminate(pid: int, *, grace: float = 10.0) -> None:
             os.kill(pid, sig)
         deadline = time.monotonic() + wait
         while time.monotonic() < deadline:
-            if not is_alive(pid):
+            if not is_alive(pid) and not group_alive(pid):
                 return
             time.sleep(0.05)
+
+
+def stop_marked(marker: str, *, grace: float = 5.0) -> int:
+    """Stop every process group that holds a process carrying exactly `marker`."""
+    groups = set()
+    for pid, found in marked_processes(marker).items():
+        if found == marker:
+            try:
+                groups.add(os.getpgid(pid))
+            except ProcessLookupError:
+                continue
+    for group in groups:
+        terminate(group, grace=grace)
+    return len(groups)
 
 
 def port_is_free(port: int, host: str = "127.0.0.1") -> bool:

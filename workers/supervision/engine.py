@@ -123,6 +123,7 @@ def engine_launch(instance: EngineInstance, node: Node) -> None:
 def engine_stop(instance: EngineInstance, reason: str) -> None:
     if instance.pid and process.is_alive(instance.pid, instance_id=engine_marker(instance)):
         process.terminate(instance.pid)
+    process.stop_marked(engine_marker(instance))  # children that outlived their leader
     instance_transition(instance=instance, to_state=A.STOPPED, reason=reason, pid=None,
                         healthy=False, drain=False, drain_started_at=None)
 
@@ -138,6 +139,7 @@ def _log_tail(instance: EngineInstance) -> str:
 
 
 def _crashed(instance: EngineInstance, now: dt.datetime, why: str) -> None:
+    process.stop_marked(engine_marker(instance))  # its children would hold the GPU on
     restarts = instance.restart_count + 1
     delay = restart_delay(restarts)
     state = A.CRASH_LOOP if restarts >= CRASH_LOOP_AFTER else A.CRASHED

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fcntl
 import logging
+import os
 import shutil
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
@@ -109,13 +110,20 @@ def _check_inline(instance: EngineInstance, now) -> None:
 def stop_orphans(node: Node) -> int:
     """Stop engines this node launched that no instance row owns (any more)."""
     owned = {engine_marker(i): i.pid for i in EngineInstance.objects.filter(node=node).exclude(pid=None)}
-    stopped = 0
+    orphan_groups = set()
     for pid, marker in process.marked_processes(f"{deployment_id()}/{settings.NODE_NAME}/").items():
-        if owned.get(marker) != pid:
-            log.warning("stopping orphaned engine pid %s (%s)", pid, marker)
-            process.terminate(pid, grace=5)
-            stopped += 1
-    return stopped
+        try:
+            group = os.getpgid(pid)
+        except ProcessLookupError:
+            continue
+        # An engine's own children share its process group (the engine leads it): not orphans.
+        if owned.get(marker) == group:
+            continue
+        log.warning("stopping orphaned engine process group %s (%s)", group, marker)
+        orphan_groups.add(group)
+    for group in orphan_groups:
+        process.terminate(group, grace=5)
+    return len(orphan_groups)
 
 
 def node_stop_all(node_name: str, reason: str) -> int:

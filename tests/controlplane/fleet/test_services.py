@@ -76,3 +76,39 @@ def test_only_fresh_healthy_running_instances_are_routable(world):
     EngineInstance.objects.create(**{**fields, "port": 9003, "desired_state": "stopped"})
     EngineInstance.objects.create(**{**fields, "port": 9004, "actual_state": "starting"})
     assert [i.pk for i in routable_instances(tier_id=world.vision.pk)] == [good.pk]
+
+
+def test_a_draining_engine_keeps_its_gpu_until_it_has_stopped(world):
+    from controlplane.fleet.services import instance_action
+
+    node_register(name="gpu-a", address="10.0.0.5", gpus=[{"index": 0}])
+    tier = _gpu_tier(world)
+    tier_replicas_sync()
+    instances_place()
+    serving = tier.instances.get()
+    EngineInstance.objects.filter(pk=serving.pk).update(actual_state="running", pid=4242)  # alive
+    instance_action(instance=EngineInstance.objects.get(pk=serving.pk), action="drain", user=None)
+    tier_replicas_sync()  # a replacement is wanted at once
+    instances_place()
+    replacement = tier.instances.exclude(pk=serving.pk).get()
+    assert replacement.node is None and not replacement.gpus.exists()  # GPU 0 is still held
+
+    EngineInstance.objects.filter(pk=serving.pk).update(actual_state="stopped", pid=None)
+    instances_place()
+    assert list(tier.instances.get(pk=replacement.pk).gpus.values_list("index", flat=True)) == [0]
+
+
+def test_relaunching_an_instance_that_lost_its_gpu_places_it_afresh(world):
+    from controlplane.fleet.services import instance_action
+
+    node_register(name="gpu-a", address="10.0.0.5", gpus=[{"index": 0}])
+    tier = _gpu_tier(world)
+    tier_replicas_sync()
+    instances_place()
+    first = tier.instances.get()
+    instance_action(instance=first, action="stop", user=None)
+    tier_replicas_sync()
+    instances_place()  # the replacement takes GPU 0
+    instance_action(instance=EngineInstance.objects.get(pk=first.pk), action="launch", user=None)
+    holders = [i for i in tier.instances.filter(desired_state="running") if i.gpus.filter(index=0).exists()]
+    assert len(holders) == 1  # never two engines on one GPU
