@@ -66,9 +66,34 @@ def tier_replicas_sync() -> int:
     return created
 
 
+NODE_LOST_SECONDS = 120
+
+
+def instances_of_lost_nodes_release(now=None) -> int:
+    """Instances on a node unseen for NODE_LOST_SECONDS are placed again elsewhere. If the
+    node comes back, its agent finds those engines unowned and stops them as orphans."""
+    now = now or timezone.now()
+    lost = EngineInstance.objects.filter(
+        desired_state=EngineInstance.Desired.RUNNING, node__isnull=False,
+        node__last_seen_at__lt=now - dt.timedelta(seconds=NODE_LOST_SECONDS)).select_related("node")
+    released = 0
+    for instance in lost:
+        node = instance.node.name
+        instance.gpus.clear()
+        reason = f"node {node} not seen for {NODE_LOST_SECONDS}s; placing it again"
+        from_state = instance.actual_state
+        instance_transition(instance=instance, to_state=EngineInstance.Actual.PENDING, node=None, port=None,
+                            pid=None, healthy=False, reason=reason)
+        if from_state == EngineInstance.Actual.PENDING:  # no state change, but it must be on record
+            EngineEvent.objects.create(instance=instance, from_state=from_state, to_state=from_state, reason=reason)
+        released += 1
+    return released
+
+
 @transaction.atomic
 def instances_place(now=None) -> int:
     """Give each unplaced instance a live node with enough free GPUs. One GPU, one engine."""
+    instances_of_lost_nodes_release(now)
     placed = 0
     nodes = list(live_nodes(now).prefetch_related("gpus"))
     if not nodes:

@@ -65,7 +65,7 @@ def large_slots(tier_id: int, size: int) -> asyncio.Semaphore:
     """This process's cap on concurrent large-image requests of a tier without a large pool."""
     loop = asyncio.get_running_loop()
     per_loop = _slots.setdefault(loop, {})
-    slots = per_loop.get(tier_id)
+    slots = per_loop.get((tier_id, size))  # a new size (the tier was edited) gets new slots
     if slots is None:
-        slots = per_loop[tier_id] = asyncio.Semaphore(size)
+        slots = per_loop[(tier_id, size)] = asyncio.Semaphore(size)
     return slots

@@ -42,8 +42,8 @@ class InstanceSpec:
 
 
 class TTLCache:
-    def __init__(self, seconds: float):
-        self.seconds = seconds
+    def __init__(self, seconds: float, max_items: int = 10_000):
+        self.seconds, self.max_items = seconds, max_items
         self._items: dict = {}
 
     def get(self, key):
@@ -53,8 +53,15 @@ class TTLCache:
         return item[1]
 
     def put(self, key, value):
-        if len(self._items) > 10_000:
-            self._items.clear()
+        if len(self._items) >= self.max_items:
+            # Drop the expired, then the oldest tenth: a flood of random keys must not flush
+            # the valid ones (and send every lookup to the database).
+            now = time.monotonic()
+            for stale in [k for k, (expiry, _) in self._items.items() if expiry < now]:
+                del self._items[stale]
+            for oldest in list(self._items)[: max(1, len(self._items) // 10)]:
+                del self._items[oldest]
+        self._items.pop(key, None)
         self._items[key] = (time.monotonic() + self.seconds, value)
 
     def clear(self):

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from django.conf import settings
-from django.db import close_old_connections
+from django.db import connection
 from django.utils import timezone
 
 from controlplane.fleet.models import EngineInstance, Node
@@ -66,7 +66,7 @@ def _check(instance: EngineInstance, now) -> None:
     except Exception:
         log.exception("supervising %s failed", instance)
     finally:
-        close_old_connections()
+        connection.close()  # this thread ends with the pass: so does its connection
 
 
 def node_reconcile(node_name: str | None = None) -> int:

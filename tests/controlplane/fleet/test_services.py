@@ -112,3 +112,16 @@ def test_relaunching_an_instance_that_lost_its_gpu_places_it_afresh(world):
     instance_action(instance=EngineInstance.objects.get(pk=first.pk), action="launch", user=None)
     holders = [i for i in tier.instances.filter(desired_state="running") if i.gpus.filter(index=0).exists()]
     assert len(holders) == 1  # never two engines on one GPU
+
+
+def test_instances_of_a_lost_node_are_placed_again_elsewhere(world):
+    node_register(name="gpu-a", address="10.0.0.5", gpus=[{"index": 0}])
+    tier = _gpu_tier(world)
+    tier_replicas_sync()
+    instances_place()
+    Node.objects.filter(name="gpu-a").update(last_seen_at=timezone.now() - dt.timedelta(minutes=5))
+    node_register(name="gpu-b", address="10.0.0.6", gpus=[{"index": 0}])
+    instances_place()
+    instance = tier.instances.get()
+    assert instance.node.name == "gpu-b"
+    assert EngineEvent.objects.filter(instance=instance, reason__contains="gpu-a not seen").exists()

@@ -60,3 +60,16 @@ def test_a_tier_gets_its_large_image_pool_replicas(world):
     tier_replicas_sync()
     tier_replicas_sync()
     assert sorted(world.vision.instances.values_list("pool", flat=True)) == ["large", "large", "standard"]
+
+
+def test_a_flood_of_unknown_keys_does_not_flush_the_known_ones():
+    from controlplane.gateway.state import TTLCache
+
+    cache = TTLCache(60, max_items=100)
+    cache.put("valid", "tenant")
+    for n in range(1000):
+        if n % 50 == 0:
+            cache.put("valid", "tenant")  # in use: refreshed
+        cache.put(f"random-{n}", None)
+    assert cache.get("valid") == "tenant"
+    assert len(cache._items) <= 100
