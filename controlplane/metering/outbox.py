@@ -21,6 +21,7 @@ from controlplane.metering.services import UsageRecord, usage_from_json, usage_r
 log = logging.getLogger(__name__)
 GROUP = "ingest"
 RECLAIM_IDLE_MS = 60_000  # entries a consumer took but did not acknowledge for a minute
+MAX_DELIVERIES = 5
 
 
 def stream_key() -> str:
@@ -89,8 +90,14 @@ def usage_ingest(*, batch: int = 500, max_batches: int = 20) -> int:
             try:
                 usage_record(record=usage_from_json(json.loads(fields[b"record"])))
             except Exception:
-                # Left unacknowledged: retried after RECLAIM_IDLE_MS, never silently dropped.
+                # Left unacknowledged: retried after RECLAIM_IDLE_MS, never silently dropped;
+                # after MAX_DELIVERIES it waits in the dead-letter stream for an operator.
                 log.exception("could not store usage entry %s", entry_id)
+                pending = client.xpending_range(key, GROUP, min=entry_id, max=entry_id, count=1)
+                if pending and pending[0]["times_delivered"] >= MAX_DELIVERIES:
+                    client.xadd(f"{key}:dead", fields)
+                    log.error("usage entry %s failed %s times; moved to %s:dead", entry_id, MAX_DELIVERIES, key)
+                    ids.append(entry_id)
                 continue
             ids.append(entry_id)
         if ids:

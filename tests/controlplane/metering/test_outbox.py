@@ -74,3 +74,17 @@ def test_an_entry_that_cannot_be_stored_stays_for_a_retry_and_others_pass(world,
     pending = stream.xpending(stream_key(), GROUP)
     assert pending["pending"] == 1  # kept, not dropped
     assert json.loads(stream.xrange(stream_key())[0][1][b"record"])["request_id"] == "req-broken"
+
+
+def test_an_entry_that_keeps_failing_moves_to_the_dead_letter_stream(world, stream, monkeypatch):
+    put = async_to_sync(RedisOutbox(django_settings.REDIS_URL).put)
+    broken = _record(world, "req-poison")
+    broken.tier_id = 999_999
+    put(broken)
+    monkeypatch.setattr(outbox_module, "RECLAIM_IDLE_MS", 0)
+    for _ in range(outbox_module.MAX_DELIVERIES):
+        usage_ingest()
+    assert stream.xlen(stream_key()) == 0
+    dead = stream.xrange(f"{stream_key()}:dead")
+    assert json.loads(dead[0][1][b"record"])["request_id"] == "req-poison"  # kept, for an operator
+    stream.delete(f"{stream_key()}:dead")
