@@ -69,3 +69,33 @@ def test_a_second_run_starts_cleanly_with_the_same_demo_key(embedded):
     embedded.start()  # migrate, seed and run again, as a second `make run` does
     assert embedded.api_key == key
     embedded.wait_for_engines(tiers=("text",))
+
+
+SQLITE_CONCURRENCY = r"""
+import datetime as dt, threading
+from django.db import connection
+from controlplane.gateway.admission import Ask, DatabaseAdmission, Limits, Refused, metered_so_far
+from controlplane.tenants.models import Tenant
+tenant, _ = Tenant.objects.get_or_create(name="sqlite-race")
+backend = DatabaseAdmission(seed_sync=metered_so_far)
+now = dt.datetime(2026, 11, 30, 12, tzinfo=dt.UTC)
+start, results = threading.Barrier(24), []
+def ask():
+    start.wait()
+    try:
+        backend.reserve_sync(tenant.pk, Limits(image_tokens=1000), Ask(100, 150, False), now)
+        results.append("admitted")
+    except Refused:
+        results.append("refused")
+    finally:
+        connection.close()
+threads = [threading.Thread(target=ask) for _ in range(24)]
+[t.start() for t in threads]; [t.join() for t in threads]
+print(results.count("admitted"), results.count("refused"))
+"""
+
+
+def test_parallel_requests_never_admit_more_than_the_quota_on_sqlite(embedded):
+    """The same concurrency test as for Redis and PostgreSQL, on the embedded database."""
+    out = embedded.manage("shell", "-c", SQLITE_CONCURRENCY).stdout.split()
+    assert out[-2:] == ["10", "14"]
