@@ -1,3 +1,4 @@
+from drf_spectacular.extensions import OpenApiAuthenticationExtension
 from rest_framework import authentication, exceptions
 
 from controlplane.tenants.services import api_key_lookup
@@ -33,3 +34,14 @@ class TenantPrincipal:
 
     def __str__(self):
         return f"tenant:{self.tenant.name}"
+
+
+class ApiKeyScheme(OpenApiAuthenticationExtension):
+    """Tells the OpenAPI schema (and its interactive docs) how tenants authenticate."""
+
+    target_class = ApiKeyAuthentication
+    name = "tenantApiKey"
+
+    def get_security_definition(self, auto_schema):
+        return {"type": "http", "scheme": "bearer",
+                "description": "A tenant API key: `Authorization: Bearer vlm-…`"}

@@ -1,8 +1,11 @@
 from django.urls import path
 
-from controlplane.metering.api import views
+from controlplane.metering.api import account, views
 
 urlpatterns = [
     path("usage/requests/", views.UsageRequestList.as_view(), name="usage-requests"),
     path("usage/daily/", views.DailyUsageList.as_view(), name="usage-daily"),
+    path("quota/", account.QuotaStatus.as_view(), name="quota"),
+    path("cost/", account.CostToDate.as_view(), name="cost"),
+    path("estimate/", account.Estimate.as_view(), name="estimate"),
 ]

@@ -1,0 +1,151 @@
+"""A tenant's account through its API key: quota status, cost to date, price estimates."""
+
+from __future__ import annotations
+
+from decimal import Decimal
+
+from django.db.models import Count, F, Sum
+from django.utils import timezone
+from drf_spectacular.utils import extend_schema
+from rest_framework import serializers
+from rest_framework.exceptions import NotFound, PermissionDenied, ValidationError
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from controlplane.catalog.models import ModelTier
+from controlplane.catalog.services import tier_image_tokens
+from controlplane.gateway.admission import period_start, seconds_to_period_end
+from controlplane.imaging.errors import ImageError
+from controlplane.imaging.policy import fit_within, normalise_tiles
+from controlplane.metering.models import UsageEvent
+from controlplane.metering.rating import Usage, price
+from controlplane.tenants.api_auth import TenantPrincipal
+
+
+def _tenant(request):
+    if not isinstance(request.user, TenantPrincipal):
+        raise PermissionDenied("use a tenant API key (Authorization: Bearer <key>)")
+    return request.user.tenant
+
+
+class QuotaSerializer(serializers.Serializer):
+    period = serializers.CharField()
+    period_started = serializers.DateTimeField()
+    resets_in_seconds = serializers.IntegerField()
+    limits = serializers.DictField(child=serializers.IntegerField(allow_null=True))
+    used = serializers.DictField(child=serializers.IntegerField())
+    remaining = serializers.DictField(child=serializers.IntegerField(allow_null=True))
+
+
+class QuotaStatus(APIView):
+    """This tenant's quota for the current period: limits, what is used, what remains."""
+
+    @extend_schema(responses=QuotaSerializer)
+    def get(self, request):
+        tenant = _tenant(request)
+        quota = getattr(tenant, "quota", None)
+        period = quota.period if quota else "month"
+        now = timezone.now()
+        since = period_start(period, now)
+        totals = UsageEvent.objects.filter(tenant=tenant, created_at__gte=since).exclude(
+            status=UsageEvent.Status.ERROR).aggregate(
+            image=Sum("image_tokens"), total=Sum(F("image_tokens") + F("text_tokens") + F("output_tokens")))
+        used = {"image_tokens": int(totals["image"] or 0), "total_tokens": int(totals["total"] or 0)}
+        limits = {"image_tokens": quota.image_tokens if quota else None,
+                  "total_tokens": quota.total_tokens if quota else None,
+                  "requests_per_minute": quota.requests_per_minute if quota else None,
+                  "concurrent_large_images": quota.concurrent_large_images if quota else None}
+        remaining = {name: None if limits[name] is None else max(0, limits[name] - used[name]) for name in used}
+        return Response(QuotaSerializer({
+            "period": period, "period_started": since, "resets_in_seconds": seconds_to_period_end(period, now),
+            "limits": limits, "used": used, "remaining": remaining}).data)
+
+
+class CostSerializer(serializers.Serializer):
+    currency = serializers.CharField()
+    since = serializers.DateTimeField()
+    requests = serializers.IntegerField()
+    images = serializers.IntegerField()
+    image_tokens = serializers.IntegerField()
+    cost = serializers.DecimalField(max_digits=16, decimal_places=6)
+    by_tier = serializers.ListField(child=serializers.DictField())
+
+
+class CostToDate(APIView):
+    """What this tenant has spent since the start of the month (UTC), in total and per tier."""
+
+    @extend_schema(responses=CostSerializer)
+    def get(self, request):
+        tenant = _tenant(request)
+        since = period_start("month", timezone.now())
+        events = UsageEvent.objects.filter(tenant=tenant, created_at__gte=since)
+        by_tier = list(events.values("tier__name").annotate(
+            requests=Count("id"), images=Sum("image_count"), image_tokens=Sum("image_tokens"), cost=Sum("cost"))
+            .order_by("tier__name"))
+        return Response(CostSerializer({
+            "currency": "USD", "since": since,
+            "requests": sum(row["requests"] for row in by_tier),
+            "images": sum(row["images"] or 0 for row in by_tier),
+            "image_tokens": sum(row["image_tokens"] or 0 for row in by_tier),
+            "cost": sum((row["cost"] or Decimal(0) for row in by_tier), Decimal(0)),
+            "by_tier": [{"tier": row["tier__name"], "requests": row["requests"], "images": row["images"] or 0,
+                         "image_tokens": row["image_tokens"] or 0, "cost": str(row["cost"] or Decimal(0))}
+                        for row in by_tier],
+        }).data)
+
+
+class EstimateRequest(serializers.Serializer):
+    tier = serializers.CharField()
+    width = serializers.IntegerField(min_value=1, max_value=100_000, required=False)
+    height = serializers.IntegerField(min_value=1, max_value=100_000, required=False)
+    image = serializers.FileField(required=False)
+    text_tokens = serializers.IntegerField(min_value=0, default=0)
+    output_tokens = serializers.IntegerField(min_value=0, default=0)
+
+    def validate(self, data):
+        if "image" not in data and not ("width" in data and "height" in data):
+            raise ValidationError("give an image, or its width and height")
+        return data
+
+
+class EstimateSerializer(serializers.Serializer):
+    tier = serializers.CharField()
+    sent_sizes = serializers.ListField(child=serializers.ListField(child=serializers.IntegerField()))
+    image_tokens = serializers.IntegerField()
+    cost = serializers.DecimalField(max_digits=16, decimal_places=6)
+    currency = serializers.CharField()
+
+
+class Estimate(APIView):
+    """Tokens and cost of an image (or its dimensions) on a tier, priced as the gateway would."""
+
+    @extend_schema(request=EstimateRequest, responses=EstimateSerializer)
+    def post(self, request):
+        tenant = _tenant(request)
+        ask = EstimateRequest(data=request.data)
+        ask.is_valid(raise_exception=True)
+        data = ask.validated_data
+        tier = ModelTier.objects.filter(name=data["tier"], enabled=True).select_related(
+            "resolution_policy", "price_plan").first()
+        allowed = tenant.allowed_tiers.all()
+        if tier is None or (allowed.exists() and tier not in allowed):
+            raise NotFound(f"no model named {data['tier']!r} is available to this key")
+        sizes = []
+        if tier.kind == ModelTier.Kind.VISION:
+            policy = tier.resolution_policy
+            if "image" in data:
+                try:
+                    tiles = normalise_tiles(data["image"].read(), policy.as_policy())
+                except ImageError as exc:
+                    raise ValidationError({"image": str(exc)}) from None
+                sizes = [(t.width, t.height) for t in tiles]
+            else:
+                sizes = [fit_within(data["width"], data["height"], max_pixels=policy.max_pixels,
+                                    max_long_edge=policy.max_long_edge)]
+        elif "image" in data or "width" in data:
+            raise ValidationError({"tier": f"{tier.name} does not accept images"})
+        tokens = sum(tier_image_tokens(tier, w, h) for w, h in sizes)
+        cost = price(Usage(text_tokens=data["text_tokens"], image_tokens=tokens, output_tokens=data["output_tokens"],
+                           images=len(sizes)), tier.price_plan.rate_at(timezone.now()).as_rates())
+        return Response(EstimateSerializer({"tier": tier.name, "sent_sizes": sizes, "image_tokens": tokens,
+                                            "cost": cost, "currency": tier.price_plan.currency}).data)

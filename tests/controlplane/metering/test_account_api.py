@@ -1,0 +1,81 @@
+from __future__ import annotations
+
+from decimal import Decimal
+
+import pytest
+from django.core.files.uploadedfile import SimpleUploadedFile
+
+from controlplane.metering.services import UsageRecord, usage_record
+from controlplane.tenants.models import Quota
+from tests.images import image_bytes
+
+pytestmark = pytest.mark.django_db
+
+
+def _spend(world, tenant, request_id, image_tokens, status="ok"):
+    return usage_record(record=UsageRecord(request_id=request_id, tenant_id=tenant.pk, api_key_id=None,
+                                           tier_id=world.vision.pk, image_tokens=image_tokens, text_tokens=100,
+                                           output_tokens=50, status=status, instance_id=None if status != "ok" else None))
+
+
+def _get(client, key, path, **params):
+    response = client.get(path, params, HTTP_AUTHORIZATION=f"Bearer {key}")
+    assert response.status_code == 200, response.content
+    return response.json()
+
+
+def test_quota_status_shows_limits_use_and_what_remains(client, world):
+    Quota.objects.create(tenant=world.alice, period="month", image_tokens=10_000, requests_per_minute=60)
+    _spend(world, world.alice, "a1", 1224)
+    _spend(world, world.alice, "a2", 9999, status="error")  # failed requests use no quota
+    _spend(world, world.charlie, "c1", 5000)
+    status = _get(client, world.alice_key, "/api/v1/quota/")
+    assert status["limits"]["image_tokens"] == 10_000 and status["limits"]["total_tokens"] is None
+    assert status["used"]["image_tokens"] == 1224
+    assert status["remaining"]["image_tokens"] == 10_000 - 1224
+    assert status["resets_in_seconds"] > 0
+
+
+def test_cost_to_date_is_the_tenants_own_and_adds_up(client, world):
+    events = [_spend(world, world.alice, f"a{n}", 1000) for n in range(3)]
+    _spend(world, world.charlie, "c1", 50_000)
+    cost = _get(client, world.alice_key, "/api/v1/cost/")
+    assert cost["requests"] == 3 and cost["image_tokens"] == 3000
+    assert Decimal(cost["cost"]) == sum(e.cost for e in events) > 0
+    assert [row["tier"] for row in cost["by_tier"]] == ["vlm-lite"]
+
+
+def test_an_estimate_from_dimensions_matches_what_the_gateway_would_count(client, world):
+    response = client.post("/api/v1/estimate/", {"tier": "vlm-lite", "width": 1920, "height": 1080},
+                           HTTP_AUTHORIZATION=f"Bearer {world.alice_key}")
+    body = response.json()
+    assert body["image_tokens"] == 1224 and body["sent_sizes"] == [[1335, 751]]
+    assert Decimal(body["cost"]) > 0
+
+
+def test_an_estimate_from_an_uploaded_image(client, world):
+    upload = SimpleUploadedFile("long.png", image_bytes(300, 3000, "PNG"))
+    policy = world.vision.resolution_policy
+    policy.max_aspect_ratio = 4
+    policy.save()
+    body = client.post("/api/v1/estimate/", {"tier": "vlm-lite", "image": upload},
+                       HTTP_AUTHORIZATION=f"Bearer {world.alice_key}").json()
+    assert len(body["sent_sizes"]) == 3  # a long image is priced as its tiles
+
+
+def test_estimates_refuse_what_the_gateway_would_refuse(client, world):
+    world.bob.allowed_tiers.set([world.text])
+    auth = {"HTTP_AUTHORIZATION": f"Bearer {world.bob_key}"}
+    assert client.post("/api/v1/estimate/", {"tier": "vlm-lite", "width": 10, "height": 10}, **auth).status_code == 404
+    assert client.post("/api/v1/estimate/", {"tier": "text", "width": 10, "height": 10}, **auth).status_code == 400
+    assert client.post("/api/v1/estimate/", {"tier": "text"}, **auth).status_code == 400  # nothing to price
+    svg = SimpleUploadedFile("x.svg", b"<svg xmlns='http://www.w3.org/2000/svg'/>")
+    refused = client.post("/api/v1/estimate/", {"tier": "vlm-lite", "image": svg},
+                          HTTP_AUTHORIZATION=f"Bearer {world.alice_key}")
+    assert refused.status_code == 400 and "SVG" in refused.json()["image"]
+
+
+def test_the_account_endpoints_want_a_tenant_key(client, world):
+    client.force_login(world.operator)
+    assert client.get("/api/v1/quota/").status_code == 403
+    assert client.get("/api/v1/cost/", HTTP_AUTHORIZATION="Bearer vlm-wrong").status_code == 401
