@@ -13,4 +13,5 @@ urlpatterns = [
     path("fleet/<int:pk>/<str:action>/", views.fleet_action, name="fleet-action"),
     path("policies/", views.policies, name="policies"),
     path("capacity/", views.capacity, name="capacity"),
+    path("exports/images.csv", views.export_images, name="export-images"),
 ]
