@@ -149,3 +149,40 @@ class Estimate(APIView):
                            images=len(sizes)), tier.price_plan.rate_at(timezone.now()).as_rates())
         return Response(EstimateSerializer({"tier": tier.name, "sent_sizes": sizes, "image_tokens": tokens,
                                             "cost": cost, "currency": tier.price_plan.currency}).data)
+
+
+class StatementLine(serializers.Serializer):
+    tier = serializers.CharField()
+    requests = serializers.IntegerField()
+    images = serializers.IntegerField()
+    image_tokens = serializers.IntegerField()
+    cached_tokens = serializers.IntegerField()
+    text_tokens = serializers.IntegerField()
+    output_tokens = serializers.IntegerField()
+    cost = serializers.DecimalField(max_digits=16, decimal_places=6)
+
+
+class StatementSerializer(serializers.Serializer):
+    tenant = serializers.CharField()
+    period = serializers.CharField()
+    currency = serializers.CharField()
+    lines = StatementLine(many=True)
+    total = serializers.DecimalField(max_digits=16, decimal_places=6)
+    unrated_requests = serializers.IntegerField()
+
+
+class Statement(APIView):
+    """This tenant's statement for a month (YYYY-MM): a line per tier; the total is their sum."""
+
+    @extend_schema(responses=StatementSerializer)
+    def get(self, request, period: str):
+        from controlplane.metering.statements import statement
+
+        tenant = _tenant(request)
+        try:
+            year, month = (int(part) for part in period.split("-"))
+            if not 1 <= month <= 12:
+                raise ValueError
+        except ValueError:
+            raise ValidationError({"period": "use YYYY-MM"}) from None
+        return Response(StatementSerializer(statement(tenant=tenant, year=year, month=month)).data)

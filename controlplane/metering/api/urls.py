@@ -8,4 +8,5 @@ urlpatterns = [
     path("quota/", account.QuotaStatus.as_view(), name="quota"),
     path("cost/", account.CostToDate.as_view(), name="cost"),
     path("estimate/", account.Estimate.as_view(), name="estimate"),
+    path("statements/<str:period>/", account.Statement.as_view(), name="statement"),
 ]

@@ -79,3 +79,30 @@ def test_the_account_endpoints_want_a_tenant_key(client, world):
     client.force_login(world.operator)
     assert client.get("/api/v1/quota/").status_code == 403
     assert client.get("/api/v1/cost/", HTTP_AUTHORIZATION="Bearer vlm-wrong").status_code == 401
+
+
+def test_a_statement_reconciles_with_its_events_and_survives_a_price_change(client, world):
+    import datetime as dt
+
+    from django.utils import timezone
+
+    from controlplane.catalog.models import PriceRate
+    from controlplane.metering.models import UsageEvent
+
+    now = timezone.now()
+    for n in range(7):
+        usage_record(record=UsageRecord(request_id=f"s{n}", tenant_id=world.alice.pk, api_key_id=None,
+                                        tier_id=(world.vision if n % 2 else world.text).pk, image_tokens=333 * n,
+                                        text_tokens=71 * n, output_tokens=13 * n, created_at=now))
+    _spend(world, world.charlie, "other", 5000)
+    period = f"{now:%Y-%m}"
+    first = _get(client, world.alice_key, f"/api/v1/statements/{period}/")
+    events = UsageEvent.objects.filter(tenant=world.alice)
+    assert Decimal(first["total"]) == sum(e.cost for e in events) == sum(Decimal(line["cost"]) for line in first["lines"])
+    assert [line["tier"] for line in first["lines"]] == ["text", "vlm-lite"]
+    assert sum(line["requests"] for line in first["lines"]) == 7
+
+    PriceRate.objects.create(plan=world.vision.price_plan, effective_from=now + dt.timedelta(seconds=1),
+                             image_per_mtok=Decimal("99"))  # a new price, for later requests only
+    assert _get(client, world.alice_key, f"/api/v1/statements/{period}/")["total"] == first["total"]
+    assert client.get("/api/v1/statements/2026-13/", HTTP_AUTHORIZATION=f"Bearer {world.alice_key}").status_code == 400
