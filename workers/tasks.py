@@ -48,9 +48,9 @@ def metering_ingest() -> int:
 
 @shared_task(name="metering.rollup_daily", soft_time_limit=300, time_limit=360)
 def metering_rollup_daily() -> int:
-    from controlplane.metering.services import rollup_daily
+    from controlplane.metering.services import rollup_daily, rollup_hourly
 
-    return rollup_daily()
+    return rollup_hourly() + rollup_daily()
 
 
 @shared_task(name="benchmarks.run", soft_time_limit=3600, time_limit=3700)

@@ -66,6 +66,8 @@ class UsageImage(models.Model):
 class DailyUsage(models.Model):
     day = models.DateField()
     tenant = models.ForeignKey("tenants.Tenant", on_delete=models.CASCADE, related_name="daily_usage")
+    api_key = models.ForeignKey("tenants.ApiKey", null=True, blank=True, on_delete=models.SET_NULL,
+                                related_name="daily_usage")
     tier = models.ForeignKey("catalog.ModelTier", on_delete=models.CASCADE, related_name="daily_usage")
     requests = models.PositiveIntegerField(default=0)
     images = models.PositiveIntegerField(default=0)
@@ -78,11 +80,35 @@ class DailyUsage(models.Model):
     class Meta:
         ordering = ["day", "tenant", "tier"]
         constraints = [
-            models.UniqueConstraint(fields=["day", "tenant", "tier"], name="one_row_per_day_tenant_tier")
+            models.UniqueConstraint(fields=["day", "tenant", "api_key", "tier"], name="one_row_per_day_tenant_key_tier")
         ]
 
     def __str__(self):
-        return f"{self.day} {self.tenant_id}/{self.tier_id}"
+        return f"{self.day} {self.tenant_id}/{self.api_key_id}/{self.tier_id}"
+
+
+class HourlyUsage(models.Model):
+    hour = models.DateTimeField()
+    tenant = models.ForeignKey("tenants.Tenant", on_delete=models.CASCADE, related_name="hourly_usage")
+    api_key = models.ForeignKey("tenants.ApiKey", null=True, blank=True, on_delete=models.SET_NULL,
+                                related_name="hourly_usage")
+    tier = models.ForeignKey("catalog.ModelTier", on_delete=models.CASCADE, related_name="hourly_usage")
+    requests = models.PositiveIntegerField(default=0)
+    images = models.PositiveIntegerField(default=0)
+    image_tokens = models.PositiveBigIntegerField(default=0)
+    cached_tokens = models.PositiveBigIntegerField(default=0)
+    text_tokens = models.PositiveBigIntegerField(default=0)
+    output_tokens = models.PositiveBigIntegerField(default=0)
+    cost = models.DecimalField(max_digits=16, decimal_places=6, default=Decimal("0"))
+
+    class Meta:
+        ordering = ["hour", "tenant", "tier"]
+        constraints = [
+            models.UniqueConstraint(fields=["hour", "tenant", "api_key", "tier"], name="one_row_per_hour_tenant_key_tier")
+        ]
+
+    def __str__(self):
+        return f"{self.hour:%Y-%m-%d %H}h {self.tenant_id}/{self.api_key_id}/{self.tier_id}"
 
 
 class RollupState(models.Model):

@@ -6,11 +6,17 @@ from dataclasses import dataclass, field
 
 from django.db import IntegrityError, transaction
 from django.db.models import Count, Sum
-from django.db.models.functions import TruncDate
+from django.db.models.functions import TruncDate, TruncHour
 from django.utils import timezone
 
 from controlplane.catalog.models import ModelTier, PriceRate
-from controlplane.metering.models import DailyUsage, RollupState, UsageEvent, UsageImage
+from controlplane.metering.models import (
+    DailyUsage,
+    HourlyUsage,
+    RollupState,
+    UsageEvent,
+    UsageImage,
+)
 from controlplane.metering.rating import Usage, price
 
 log = logging.getLogger(__name__)
@@ -157,50 +163,53 @@ def usage_record(*, record: UsageRecord) -> UsageEvent:
     return event
 
 
+_TOTALS = ("requests", "images", "image_tokens", "cached_tokens", "text_tokens", "output_tokens", "cost")
+
+
 def rollup_daily(*, now: dt.datetime | None = None) -> int:
     """Recompute the daily totals of every day that received events since the last run.
 
-    Recomputing a whole day from its events makes the run idempotent, and a late event
+    Recomputing a whole period from its events makes the run idempotent, and a late event
     (recorded today, dated yesterday) reopens its own day. Returns the days rewritten.
     """
+    return _rollup("daily", DailyUsage, "day", TruncDate, dt.timedelta(days=1), now)
+
+
+def rollup_hourly(*, now: dt.datetime | None = None) -> int:
+    """The same per hour. Returns the hours rewritten."""
+    return _rollup("hourly", HourlyUsage, "hour", TruncHour, dt.timedelta(hours=1), now)
+
+
+def _rollup(name, model, field, trunc, length, now) -> int:
     now = now or timezone.now()
     with transaction.atomic():
-        state, _ = RollupState.objects.select_for_update().get_or_create(name="daily")
+        state, _ = RollupState.objects.select_for_update().get_or_create(name=name)
         # Events recorded up to a moment ago; anything still being written lands next run.
         upto = now - dt.timedelta(seconds=1)
         new = UsageEvent.objects.filter(recorded_at__lte=upto)
         if state.watermark is not None:
             new = new.filter(recorded_at__gt=state.watermark - ROLLUP_OVERLAP)
-        days = sorted(set(new.annotate(day=TruncDate("created_at")).values_list("day", flat=True)))
-        for day in days:
-            _rollup_day(day)
+        periods = sorted(set(new.annotate(period=trunc("created_at", tzinfo=dt.UTC)).values_list("period", flat=True)))
+        for period in periods:
+            _rollup_period(model, field, period, length)
         state.watermark = upto if state.watermark is None else max(state.watermark, upto)
         state.ran_at = now
         state.save()
-    return len(days)
+    return len(periods)
 
 
-def _rollup_day(day: dt.date) -> None:
-    start = dt.datetime.combine(day, dt.time.min, tzinfo=dt.UTC)
-    end = start + dt.timedelta(days=1)
+def _rollup_period(model, field, period, length: dt.timedelta) -> None:
+    start = period if isinstance(period, dt.datetime) else dt.datetime.combine(period, dt.time.min, tzinfo=dt.UTC)
     rows = (
-        UsageEvent.objects.filter(created_at__gte=start, created_at__lt=end)
-        .values("tenant_id", "tier_id")
-        .annotate(
-            requests=Count("id"),
-            images=Sum("image_count"),
-            image_tokens=Sum("image_tokens"),
-            cached_tokens=Sum("cached_tokens"),
-            text_tokens=Sum("text_tokens"),
-            output_tokens=Sum("output_tokens"),
-            cost=Sum("cost"),
-        )
+        UsageEvent.objects.filter(created_at__gte=start, created_at__lt=start + length)
+        .values("tenant_id", "api_key_id", "tier_id")
+        .annotate(requests=Count("id"), images=Sum("image_count"), image_tokens=Sum("image_tokens"),
+                  cached_tokens=Sum("cached_tokens"), text_tokens=Sum("text_tokens"),
+                  output_tokens=Sum("output_tokens"), cost=Sum("cost"))
+        .order_by()
     )
     for row in rows:
-        DailyUsage.objects.update_or_create(
-            day=day, tenant_id=row["tenant_id"], tier_id=row["tier_id"],
-            defaults={k: row[k] or 0 for k in (
-                "requests", "images", "image_tokens", "cached_tokens", "text_tokens",
-                "output_tokens", "cost",
-            )},
+        model.objects.update_or_create(
+            **{field: period}, tenant_id=row["tenant_id"], api_key_id=row["api_key_id"], tier_id=row["tier_id"],
+            defaults={k: row[k] or 0 for k in _TOTALS},
         )

@@ -23,8 +23,9 @@ class UsageEventSerializer(serializers.ModelSerializer):
 
 class DailyUsageSerializer(serializers.ModelSerializer):
     tier = serializers.CharField(source="tier.name")
+    key_prefix = serializers.CharField(source="api_key.prefix", default=None)
 
     class Meta:
         model = DailyUsage
-        fields = ["day", "tier", "requests", "images", "image_tokens", "cached_tokens", "text_tokens",
+        fields = ["day", "tier", "key_prefix", "requests", "images", "image_tokens", "cached_tokens", "text_tokens",
                   "output_tokens", "cost"]

@@ -36,5 +36,5 @@ class DailyUsageList(generics.ListAPIView):
     serializer_class = DailyUsageSerializer
 
     def get_queryset(self):
-        queryset = _tenant_scope(self.request, DailyUsage.objects.select_related("tier"))
+        queryset = _tenant_scope(self.request, DailyUsage.objects.select_related("tier", "api_key"))
         return queryset.order_by("-day", "tier__name")

@@ -11,6 +11,7 @@ from controlplane.catalog.models import PriceRate
 from controlplane.imaging.policy import Policy, normalise
 from controlplane.metering.models import DailyUsage, RollupState, UsageEvent, UsageImage
 from controlplane.metering.services import UsageRecord, rollup_daily, usage_record
+from controlplane.tenants.services import api_key_create
 from tests.images import image_bytes
 
 pytestmark = pytest.mark.django_db
@@ -273,3 +274,26 @@ def test_only_images_inside_the_cached_prefix_are_priced_as_cached(world):
     assert event.cost == price(Usage(text_tokens=500, image_tokens=2000, cached_image_tokens=1000,
                                      output_tokens=10, images=2), rate)
     assert [i.cached for i in event.images.order_by("position")] == [True, False]
+
+
+def test_hourly_and_daily_totals_are_kept_per_key(world):
+    from controlplane.metering.models import HourlyUsage
+    from controlplane.metering.services import rollup_hourly
+    from controlplane.tenants.models import ApiKey
+
+    main, other = ApiKey.objects.get(name="alice-main"), api_key_create(tenant=world.alice, name="ci").api_key
+    morning = _day(0, 9)
+    for n, key in enumerate([main, main, other]):
+        usage_record(record=UsageRecord(request_id=f"k{n}", tenant_id=world.alice.pk, api_key_id=key.pk,
+                                        tier_id=world.vision.pk, image_tokens=100, created_at=morning))
+    usage_record(record=UsageRecord(request_id="k-later", tenant_id=world.alice.pk, api_key_id=main.pk,
+                                    tier_id=world.vision.pk, image_tokens=7, created_at=morning + dt.timedelta(hours=2)))
+    _backdate_recording()
+    assert rollup_hourly(now=timezone.now()) == 2  # two hours touched
+    rollup_daily(now=timezone.now())
+    hourly = {(h.hour.hour, h.api_key_id): h.image_tokens for h in HourlyUsage.objects.all()}
+    assert hourly == {(9, main.pk): 200, (9, other.pk): 100, (11, main.pk): 7}
+    daily = {d.api_key_id: (d.requests, d.image_tokens) for d in DailyUsage.objects.filter(tenant=world.alice)}
+    assert daily == {main.pk: (3, 207), other.pk: (1, 100)}
+    rollup_hourly(now=timezone.now() + dt.timedelta(minutes=10))  # again: idempotent
+    assert {(h.hour.hour, h.api_key_id): h.image_tokens for h in HourlyUsage.objects.all()} == hourly
