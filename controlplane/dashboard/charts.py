@@ -6,17 +6,24 @@ import plotly.graph_objects as go
 import plotly.io as pio
 
 
-def image_tokens_chart(series: dict[str, list[tuple[dt.date, int]]]) -> str:
+def _daily_bars(series: dict, *, title: str, axis: str, div_id: str) -> str:
     figure = go.Figure()
     for tier, points in series.items():
         figure.add_bar(name=tier, x=[d.isoformat() for d, _ in points], y=[v for _, v in points])
     figure.update_layout(
-        barmode="stack", title="Image tokens per day", xaxis_title="day (UTC)",
-        yaxis_title="image tokens", margin={"l": 60, "r": 20, "t": 50, "b": 50}, height=380,
-        xaxis={"type": "category"},
+        barmode="stack", title=title, xaxis_title="day (UTC)", yaxis_title=axis,
+        margin={"l": 60, "r": 20, "t": 50, "b": 50}, height=380, xaxis={"type": "category"},
     )
-    return pio.to_html(figure, include_plotlyjs=False, full_html=False,
-                       div_id="image-tokens-chart", config={"displaylogo": False})
+    return pio.to_html(figure, include_plotlyjs=False, full_html=False, div_id=div_id,
+                       config={"displaylogo": False})
+
+
+def image_tokens_chart(series: dict[str, list[tuple[dt.date, int]]]) -> str:
+    return _daily_bars(series, title="Image tokens per day", axis="image tokens", div_id="image-tokens-chart")
+
+
+def cost_chart(series: dict[str, list[tuple[dt.date, float]]]) -> str:
+    return _daily_bars(series, title="Cost per day (USD)", axis="USD", div_id="cost-chart")
 
 
 def resolution_curves_chart(curves: dict[str, list[tuple[float, int]]]) -> str:

@@ -9,9 +9,9 @@ from django.shortcuts import get_object_or_404, redirect, render
 from django.utils import timezone
 from django.views.decorators.http import require_POST
 
-from controlplane.dashboard.charts import image_tokens_chart
+from controlplane.dashboard.charts import cost_chart, image_tokens_chart
 from controlplane.dashboard.forms import ApiKeyForm
-from controlplane.dashboard.selectors import image_tokens_per_day, usage_totals
+from controlplane.dashboard.selectors import cost_per_day, image_tokens_per_day, usage_totals
 from controlplane.fleet.models import EngineEvent, EngineInstance
 from controlplane.tenants import roles
 from controlplane.tenants.models import ApiKey
@@ -31,6 +31,7 @@ def index(request):
     series = image_tokens_per_day(tenants=tenants, since=since)
     return render(request, "dashboard/index.html", {
         "chart": image_tokens_chart(series),
+        "cost_chart": cost_chart(cost_per_day(tenants=tenants, since=since)),
         "has_data": bool(series),
         "totals": usage_totals(tenants=tenants, since=since),
         "tenants": tenants,

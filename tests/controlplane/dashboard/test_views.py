@@ -33,6 +33,13 @@ def test_the_operator_dashboard_draws_image_tokens_per_day_with_local_plotly(cli
     assert client.get("/static/vendor/plotly.min.js").status_code == 200
 
 
+def test_the_dashboard_also_draws_cost_per_day_by_tier(client, world):
+    _usage(world.alice, world.vision, 1224)
+    client.force_login(world.operator)
+    page = client.get("/").content.decode()
+    assert 'id="cost-chart"' in page and "Cost per day (USD)" in page
+
+
 def test_a_tenant_admin_sees_only_their_own_tenants_figures(client, world):
     _usage(world.alice, world.vision, 777_001)
     _usage(world.charlie, world.vision, 333_002)
