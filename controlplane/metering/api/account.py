@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from decimal import Decimal
 
-from django.db.models import Count, F, Sum
+from django.db.models import Count, Sum
 from django.utils import timezone
 from drf_spectacular.utils import extend_schema
 from rest_framework import serializers
@@ -14,7 +14,7 @@ from rest_framework.views import APIView
 
 from controlplane.catalog.models import ModelTier
 from controlplane.catalog.services import tier_image_tokens
-from controlplane.gateway.admission import period_start, seconds_to_period_end
+from controlplane.gateway.admission import metered_so_far, period_start, seconds_to_period_end
 from controlplane.imaging.errors import ImageError
 from controlplane.imaging.policy import fit_within, normalise_tiles
 from controlplane.metering.models import UsageEvent
@@ -47,10 +47,8 @@ class QuotaStatus(APIView):
         period = quota.period if quota else "month"
         now = timezone.now()
         since = period_start(period, now)
-        totals = UsageEvent.objects.filter(tenant=tenant, created_at__gte=since).exclude(
-            status=UsageEvent.Status.ERROR).aggregate(
-            image=Sum("image_tokens"), total=Sum(F("image_tokens") + F("text_tokens") + F("output_tokens")))
-        used = {"image_tokens": int(totals["image"] or 0), "total_tokens": int(totals["total"] or 0)}
+        image_used, total_used = metered_so_far(tenant.pk, period, now)  # as admission counts it
+        used = {"image_tokens": image_used, "total_tokens": total_used}
         limits = {"image_tokens": quota.image_tokens if quota else None,
                   "total_tokens": quota.total_tokens if quota else None,
                   "requests_per_minute": quota.requests_per_minute if quota else None,
