@@ -243,7 +243,6 @@ class _Slot:
 
 
 async def _attempts(request_id, tier, prepared, record, candidates, payload, started, *, large, fingerprints, slot):
-    body = prepared.body
     tried: set[int] = set()
     for _attempt in range(2):  # a request that never reached an engine is retried once elsewhere
         instance = routing.choose(candidates, exclude=tried, large=large, fingerprints=fingerprints)
@@ -277,7 +276,7 @@ async def _attempts(request_id, tier, prepared, record, candidates, payload, sta
                 handed_over = True
                 if slot is not None:
                     slot.handed_over = True
-                return _stream(request_id, record, prepared, body, response, instance, started, slot)
+                return _stream(request_id, record, prepared, response, instance, started, slot)
             try:
                 content = await response.aread()
             except httpx.TransportError as exc:
@@ -345,7 +344,7 @@ async def _finish_plain(request_id, record, prepared, status, content, started):
     return json_response(data, headers={"x-request-id": request_id})
 
 
-def _stream(request_id, record, prepared, body, response, instance, started, slot=None):
+def _stream(request_id, record, prepared, response, instance, started, slot=None):
     client_wants_usage = bool((prepared.body.get("stream_options") or {}).get("include_usage"))
     progress = {"produced": 0, "finished": False, "closed": False}
 

@@ -8,8 +8,6 @@ import weakref
 import httpx
 from django.conf import settings
 
-from controlplane.gateway.routing import choose, outstanding  # noqa: F401 - the routing lives there
-
 # One pooled client per event loop (a server has one loop; tests may run several).
 _clients: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
