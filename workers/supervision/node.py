@@ -60,13 +60,14 @@ def this_node() -> Node:
                          gpus=detect_gpus(), vllm_version=detect_vllm_version())
 
 
-def _check(instance: EngineInstance, now) -> None:
+def _check(instance: EngineInstance, now, *, own_thread: bool = False) -> None:
     try:
         engine_check(instance, now)
     except Exception:
         log.exception("supervising %s failed", instance)
     finally:
-        connection.close()  # this thread ends with the pass: so does its connection
+        if own_thread:
+            connection.close()  # this thread ends with the pass: so does its connection
 
 
 def node_reconcile(node_name: str | None = None) -> int:
@@ -92,19 +93,12 @@ def node_reconcile(node_name: str | None = None) -> int:
             "tier", "node", "tier__resolution_policy"))
         if len(instances) <= 1 or settings.DATABASES["default"]["ENGINE"].endswith("sqlite3"):
             for instance in instances:  # SQLite: one writer at a time anyway
-                _check_inline(instance, now)
+                _check(instance, now)
         else:
             with ThreadPoolExecutor(max_workers=min(8, len(instances))) as pool:
-                list(pool.map(lambda i: _check(i, now), instances))
+                list(pool.map(lambda i: _check(i, now, own_thread=True), instances))
         stop_orphans(node)
         return len(instances)
-
-
-def _check_inline(instance: EngineInstance, now) -> None:
-    try:
-        engine_check(instance, now)
-    except Exception:
-        log.exception("supervising %s failed", instance)
 
 
 def stop_orphans(node: Node) -> int:
