@@ -63,12 +63,9 @@ class UsageImage(models.Model):
         return f"{self.event_id}#{self.position} {self.width}x{self.height}"
 
 
-class DailyUsage(models.Model):
-    day = models.DateField()
-    tenant = models.ForeignKey("tenants.Tenant", on_delete=models.CASCADE, related_name="daily_usage")
-    api_key = models.ForeignKey("tenants.ApiKey", null=True, blank=True, on_delete=models.SET_NULL,
-                                related_name="daily_usage")
-    tier = models.ForeignKey("catalog.ModelTier", on_delete=models.CASCADE, related_name="daily_usage")
+class UsageTotals(models.Model):
+    """The totals a rollup keeps for each period, tenant, key and tier."""
+
     requests = models.PositiveIntegerField(default=0)
     images = models.PositiveIntegerField(default=0)
     image_tokens = models.PositiveBigIntegerField(default=0)
@@ -76,6 +73,17 @@ class DailyUsage(models.Model):
     text_tokens = models.PositiveBigIntegerField(default=0)
     output_tokens = models.PositiveBigIntegerField(default=0)
     cost = models.DecimalField(max_digits=16, decimal_places=6, default=Decimal("0"))
+
+    class Meta:
+        abstract = True
+
+
+class DailyUsage(UsageTotals):
+    day = models.DateField()
+    tenant = models.ForeignKey("tenants.Tenant", on_delete=models.CASCADE, related_name="daily_usage")
+    api_key = models.ForeignKey("tenants.ApiKey", null=True, blank=True, on_delete=models.SET_NULL,
+                                related_name="daily_usage")
+    tier = models.ForeignKey("catalog.ModelTier", on_delete=models.CASCADE, related_name="daily_usage")
 
     class Meta:
         ordering = ["day", "tenant", "tier"]
@@ -87,19 +95,12 @@ class DailyUsage(models.Model):
         return f"{self.day} {self.tenant_id}/{self.api_key_id}/{self.tier_id}"
 
 
-class HourlyUsage(models.Model):
+class HourlyUsage(UsageTotals):
     hour = models.DateTimeField()
     tenant = models.ForeignKey("tenants.Tenant", on_delete=models.CASCADE, related_name="hourly_usage")
     api_key = models.ForeignKey("tenants.ApiKey", null=True, blank=True, on_delete=models.SET_NULL,
                                 related_name="hourly_usage")
     tier = models.ForeignKey("catalog.ModelTier", on_delete=models.CASCADE, related_name="hourly_usage")
-    requests = models.PositiveIntegerField(default=0)
-    images = models.PositiveIntegerField(default=0)
-    image_tokens = models.PositiveBigIntegerField(default=0)
-    cached_tokens = models.PositiveBigIntegerField(default=0)
-    text_tokens = models.PositiveBigIntegerField(default=0)
-    output_tokens = models.PositiveBigIntegerField(default=0)
-    cost = models.DecimalField(max_digits=16, decimal_places=6, default=Decimal("0"))
 
     class Meta:
         ordering = ["hour", "tenant", "tier"]
