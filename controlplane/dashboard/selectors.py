@@ -7,19 +7,24 @@ from django.db.models import Sum
 from controlplane.metering.models import DailyUsage
 
 
-def image_tokens_per_day(*, tenants, since: dt.date) -> dict[str, list[tuple[dt.date, int]]]:
-    """Image tokens per day and tier for `tenants`, read from the daily rollups."""
+def _per_day(field: str, *, tenants, since: dt.date) -> dict[str, list[tuple[dt.date, float]]]:
+    """A rollup counter per day and tier for `tenants`, leaving out tiers with none of it."""
     rows = (
         DailyUsage.objects.filter(tenant__in=tenants, day__gte=since)
         .values("day", "tier__name")
-        .annotate(tokens=Sum("image_tokens"))
-        .filter(tokens__gt=0)  # text-only tiers would only draw empty bars
+        .annotate(total=Sum(field))
+        .filter(total__gt=0)  # a text-only tier would only draw empty image-token bars
         .order_by("day", "tier__name")
     )
-    series: dict[str, list[tuple[dt.date, int]]] = {}
+    series: dict[str, list[tuple[dt.date, float]]] = {}
     for row in rows:
-        series.setdefault(row["tier__name"], []).append((row["day"], row["tokens"]))
+        series.setdefault(row["tier__name"], []).append((row["day"], row["total"]))
     return series
+
+
+def image_tokens_per_day(*, tenants, since: dt.date) -> dict[str, list[tuple[dt.date, int]]]:
+    """Image tokens per day and tier for `tenants`, read from the daily rollups."""
+    return _per_day("image_tokens", tenants=tenants, since=since)
 
 
 def usage_totals(*, tenants, since: dt.date) -> dict:
@@ -32,14 +37,5 @@ def usage_totals(*, tenants, since: dt.date) -> dict:
 
 def cost_per_day(*, tenants, since: dt.date) -> dict[str, list[tuple[dt.date, float]]]:
     """Cost per day and tier for `tenants`, read from the daily rollups."""
-    rows = (
-        DailyUsage.objects.filter(tenant__in=tenants, day__gte=since)
-        .values("day", "tier__name")
-        .annotate(cost=Sum("cost"))
-        .filter(cost__gt=0)
-        .order_by("day", "tier__name")
-    )
-    series: dict[str, list[tuple[dt.date, float]]] = {}
-    for row in rows:
-        series.setdefault(row["tier__name"], []).append((row["day"], float(row["cost"])))
-    return series
+    return {tier: [(day, float(cost)) for day, cost in points]
+            for tier, points in _per_day("cost", tenants=tenants, since=since).items()}
