@@ -17,19 +17,26 @@ def count_text_tokens(text: str) -> int:
     return len(_TOKEN.findall(text))
 
 
-def prompt_text_tokens(messages: list[dict]) -> int:
-    """Text positions of a chat prompt, images excluded."""
-    total = REPLY_PRIMER
+def _pieces(messages: list[dict]):
+    """A chat prompt in order, as (text positions, image part or None) pieces."""
     for message in messages:
-        total += MESSAGE_OVERHEAD
+        yield MESSAGE_OVERHEAD, None
         content = message.get("content")
         if isinstance(content, str):
-            total += count_text_tokens(content)
+            yield count_text_tokens(content), None
         elif isinstance(content, list):
             for part in content:
-                if isinstance(part, dict) and part.get("type") == "text":
-                    total += count_text_tokens(str(part.get("text", "")))
-    return total
+                if not isinstance(part, dict):
+                    continue
+                if part.get("type") == "text":
+                    yield count_text_tokens(str(part.get("text", ""))), None
+                elif part.get("type") in ("image_url", "input_image"):
+                    yield 0, part
+
+
+def prompt_text_tokens(messages: list[dict]) -> int:
+    """Text positions of a chat prompt, images excluded."""
+    return REPLY_PRIMER + sum(tokens for tokens, _ in _pieces(messages))
 
 
 def image_positions(messages: list[dict], image_tokens: list[int]) -> list[int]:
@@ -38,20 +45,10 @@ def image_positions(messages: list[dict], image_tokens: list[int]) -> list[int]:
     `image_tokens` gives each image part's tokens in order. With the engine's reported
     cached prefix, this tells which images were served from the prefix cache.
     """
-    positions, position, index = [], 0, 0
-    for message in messages:
-        position += MESSAGE_OVERHEAD
-        content = message.get("content")
-        if isinstance(content, str):
-            position += count_text_tokens(content)
-        elif isinstance(content, list):
-            for part in content:
-                if not isinstance(part, dict):
-                    continue
-                if part.get("type") == "text":
-                    position += count_text_tokens(str(part.get("text", "")))
-                elif part.get("type") in ("image_url", "input_image") and index < len(image_tokens):
-                    positions.append(position)
-                    position += image_tokens[index]
-                    index += 1
+    positions, position = [], 0
+    for tokens, image in _pieces(messages):
+        if image is not None and len(positions) < len(image_tokens):
+            positions.append(position)
+            tokens = image_tokens[len(positions) - 1]
+        position += tokens
     return positions
