@@ -11,6 +11,9 @@ class UsageEvent(models.Model):
         OK = "ok", "ok"
         ERROR = "error", "error"
         ABORTED = "aborted", "aborted"
+        # The gateway handling it died; recorded from its in-flight journal (prompt counted
+        # before forwarding, output as of its last heartbeat).
+        INTERRUPTED = "interrupted", "interrupted"
 
     request_id = models.CharField(max_length=64, unique=True)
     created_at = models.DateTimeField(default=timezone.now, db_index=True)
@@ -23,16 +26,20 @@ class UsageEvent(models.Model):
     instance = models.ForeignKey(
         "fleet.EngineInstance", null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
     )
-    status = models.CharField(max_length=8, choices=Status.choices)
+    status = models.CharField(max_length=16, choices=Status.choices)
     http_status = models.PositiveSmallIntegerField(default=200)
     stream = models.BooleanField(default=False)
     latency_ms = models.PositiveIntegerField(default=0)
     image_count = models.PositiveIntegerField(default=0)
     image_tokens = models.PositiveIntegerField(default=0)
     cached_tokens = models.PositiveIntegerField(default=0)
+    # Image tokens of whole images inside the prefix the engine reused (priced at a discount).
+    cached_image_tokens = models.PositiveIntegerField(default=0)
     text_tokens = models.PositiveIntegerField(default=0)
     output_tokens = models.PositiveIntegerField(default=0)
     cost = models.DecimalField(max_digits=14, decimal_places=6, default=Decimal("0"))
+    # What the cached image tokens' discount saved: the price without it minus the cost.
+    cache_savings = models.DecimalField(max_digits=14, decimal_places=6, default=Decimal("0"))
     # False when no price was in effect: the usage is kept and the cost must be set later.
     rated = models.BooleanField(default=True)
 
@@ -70,9 +77,11 @@ class UsageTotals(models.Model):
     images = models.PositiveIntegerField(default=0)
     image_tokens = models.PositiveBigIntegerField(default=0)
     cached_tokens = models.PositiveBigIntegerField(default=0)
+    cached_image_tokens = models.PositiveBigIntegerField(default=0)
     text_tokens = models.PositiveBigIntegerField(default=0)
     output_tokens = models.PositiveBigIntegerField(default=0)
     cost = models.DecimalField(max_digits=16, decimal_places=6, default=Decimal("0"))
+    cache_savings = models.DecimalField(max_digits=16, decimal_places=6, default=Decimal("0"))
 
     class Meta:
         abstract = True

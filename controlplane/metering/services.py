@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from django.db import IntegrityError, transaction
 from django.db.models import Count, Sum
@@ -88,8 +88,9 @@ def _lines(images: list) -> list:
 
 def is_billable(record: UsageRecord) -> bool:
     """Completed work is billed, and so is work an engine did for a client that left; a request
-    refused or failed before an engine worked on it is not."""
-    return record.status == "ok" or (record.status == "aborted" and record.instance_id is not None)
+    refused or failed before an engine worked on it is not. Work interrupted by a gateway crash
+    is billed as far as its journal knew."""
+    return record.status == "ok" or (record.status in ("aborted", "interrupted") and record.instance_id is not None)
 
 
 def usage_cost(*, tier: ModelTier, when: dt.datetime, usage: Usage):
@@ -112,10 +113,12 @@ def usage_record(*, record: UsageRecord) -> UsageEvent:
         output_tokens=record.output_tokens,
         images=len(record.images),
     )
-    rated, cost = True, 0
+    rated, cost, savings = True, 0, 0
     if billable:
         try:
             cost = usage_cost(tier=tier, when=record.created_at, usage=usage)
+            savings = usage_cost(tier=tier, when=record.created_at,
+                                 usage=replace(usage, cached_image_tokens=0)) - cost if cached_image else 0
         except PriceRate.DoesNotExist:
             # Never lose usage over a pricing gap: keep the event, flagged for rating.
             log.error("no price in effect for tier %s at %s; %s stored unrated",
@@ -137,9 +140,11 @@ def usage_record(*, record: UsageRecord) -> UsageEvent:
                 image_count=len(record.images),
                 image_tokens=record.image_tokens,
                 cached_tokens=record.cached_tokens,
+                cached_image_tokens=cached_image,
                 text_tokens=record.text_tokens,
                 output_tokens=record.output_tokens,
                 cost=cost,
+                cache_savings=savings,
                 rated=rated,
             )
             UsageImage.objects.bulk_create(
@@ -163,7 +168,8 @@ def usage_record(*, record: UsageRecord) -> UsageEvent:
     return event
 
 
-_TOTALS = ("requests", "images", "image_tokens", "cached_tokens", "text_tokens", "output_tokens", "cost")
+_TOTALS = ("requests", "images", "image_tokens", "cached_tokens", "cached_image_tokens", "text_tokens",
+           "output_tokens", "cost", "cache_savings")
 
 
 def rollup_daily(*, now: dt.datetime | None = None) -> int:
@@ -204,8 +210,9 @@ def _rollup_period(model, field, period, length: dt.timedelta) -> None:
         UsageEvent.objects.filter(created_at__gte=start, created_at__lt=start + length)
         .values("tenant_id", "api_key_id", "tier_id")
         .annotate(requests=Count("id"), images=Sum("image_count"), image_tokens=Sum("image_tokens"),
-                  cached_tokens=Sum("cached_tokens"), text_tokens=Sum("text_tokens"),
-                  output_tokens=Sum("output_tokens"), cost=Sum("cost"))
+                  cached_tokens=Sum("cached_tokens"), cached_image_tokens=Sum("cached_image_tokens"),
+                  text_tokens=Sum("text_tokens"), output_tokens=Sum("output_tokens"), cost=Sum("cost"),
+                  cache_savings=Sum("cache_savings"))
         .order_by()
     )
     for row in rows:

@@ -133,8 +133,9 @@ def _expected_totals():
         row = totals[(e.created_at.astimezone(dt.UTC).date(), e.tenant_id, e.tier_id)]
         row["requests"] += 1
         for field, value in (("images", e.image_count), ("image_tokens", e.image_tokens),
-                             ("cached_tokens", e.cached_tokens), ("text_tokens", e.text_tokens),
-                             ("output_tokens", e.output_tokens), ("cost", e.cost)):
+                             ("cached_tokens", e.cached_tokens), ("cached_image_tokens", e.cached_image_tokens),
+                             ("text_tokens", e.text_tokens), ("output_tokens", e.output_tokens),
+                             ("cost", e.cost), ("cache_savings", e.cache_savings)):
             row[field] += value
     return {key: dict(values) for key, values in totals.items()}
 
@@ -143,8 +144,9 @@ def _rolled_up():
     return {
         (r.day, r.tenant_id, r.tier_id): {
             "requests": r.requests, "images": r.images, "image_tokens": r.image_tokens,
-            "cached_tokens": r.cached_tokens, "text_tokens": r.text_tokens,
-            "output_tokens": r.output_tokens, "cost": r.cost,
+            "cached_tokens": r.cached_tokens, "cached_image_tokens": r.cached_image_tokens,
+            "text_tokens": r.text_tokens, "output_tokens": r.output_tokens, "cost": r.cost,
+            "cache_savings": r.cache_savings,
         }
         for r in DailyUsage.objects.all()
     }
@@ -273,6 +275,12 @@ def test_only_images_inside_the_cached_prefix_are_priced_as_cached(world):
 
     assert event.cost == price(Usage(text_tokens=500, image_tokens=2000, cached_image_tokens=1000,
                                      output_tokens=10, images=2), rate)
+    # The discount's worth is kept beside the cost: the price without it, minus the cost.
+    stored = UsageEvent.objects.get(pk=event.pk)
+    assert stored.cached_image_tokens == 1000
+    assert stored.cache_savings == price(Usage(text_tokens=500, image_tokens=2000, output_tokens=10,
+                                               images=2), rate) - stored.cost
+    assert stored.cache_savings == Decimal("0.000150")  # 1000 tokens x 0.30/Mtok x 50% off
     assert [i.cached for i in event.images.order_by("position")] == [True, False]
 
 
