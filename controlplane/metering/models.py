@@ -1,3 +1,4 @@
+import bisect
 from decimal import Decimal
 
 from django.db import models
@@ -130,3 +131,58 @@ class RollupState(models.Model):
 
     def __str__(self):
         return f"{self.name} up to {self.watermark}"
+
+
+class ImageCostHistogram(models.Model):
+    """How many images of a day, tenant and tier cost how much each: the cost-per-image
+    distribution, kept so the dashboard never reads the images themselves.
+
+    Buckets grow logarithmically (1, 1.5, 2, 3, 5, 7 per decade of USD, from $0.00001 to $10);
+    each is named by its lower edge and holds the images costing from that edge up to the next.
+    Costs are whole micro-units, so the bucket from 0 holds exactly the free images.
+    """
+
+    EDGES = (Decimal("0"), Decimal("0.000001"),
+             *(Decimal(step).scaleb(exponent) for exponent in range(-5, 1) for step in ("1", "1.5", "2", "3", "5", "7")),
+             Decimal("10"))
+
+    day = models.DateField()
+    tenant = models.ForeignKey("tenants.Tenant", on_delete=models.CASCADE, related_name="image_costs")
+    tier = models.ForeignKey("catalog.ModelTier", on_delete=models.CASCADE, related_name="image_costs")
+    # Null for images with no price in effect when they were sent.
+    cost_from = models.DecimalField(max_digits=12, decimal_places=6, null=True, blank=True)
+    images = models.PositiveIntegerField(default=0)
+    image_tokens = models.PositiveBigIntegerField(default=0)
+    cost = models.DecimalField(max_digits=16, decimal_places=6, default=Decimal("0"))
+
+    class Meta:
+        ordering = ["day", "tenant", "tier", "cost_from"]
+        constraints = [
+            models.UniqueConstraint(fields=["day", "tenant", "tier", "cost_from"],
+                                    name="one_row_per_day_tenant_tier_cost_bucket")
+        ]
+
+    def __str__(self):
+        return f"{self.day} {self.tenant_id}/{self.tier_id} {self.label(self.cost_from)}: {self.images}"
+
+    @classmethod
+    def bucket(cls, cost: Decimal | None) -> Decimal | None:
+        """The lower edge of the bucket `cost` falls in (None when it has no price)."""
+        if cost is None:
+            return None
+        return cls.EDGES[max(bisect.bisect_right(cls.EDGES, cost) - 1, 0)]
+
+    @classmethod
+    def label(cls, cost_from: Decimal | None) -> str:
+        if cost_from is None:
+            return "unpriced"
+        if cost_from == 0:
+            return "$0"
+        position = cls.EDGES.index(cost_from)
+        if position == len(cls.EDGES) - 1:
+            return f"≥ ${_plain(cost_from)}"
+        return f"${_plain(cost_from)}–{_plain(cls.EDGES[position + 1])}"
+
+
+def _plain(amount: Decimal) -> str:
+    return format(amount.normalize(), "f")
