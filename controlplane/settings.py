@@ -215,6 +215,13 @@ METRICS_TOKEN = env_str("METRICS_TOKEN")  # when set, /metrics wants `Authorizat
 GATEWAY_UPSTREAM_TIMEOUT = float(env_int("GATEWAY_UPSTREAM_TIMEOUT_S", 300, minimum=1))
 GATEWAY_MAX_BODY_BYTES = env_int("GATEWAY_MAX_BODY_BYTES", 64 * 1024 * 1024, minimum=1024)
 GATEWAY_KEY_CACHE_SECONDS = env_int("GATEWAY_KEY_CACHE_SECONDS", 5, minimum=0)
+# Each gateway process refreshes its in-flight journal this often; an entry not refreshed for
+# GATEWAY_JOURNAL_STALE_S belongs to a dead gateway and is recorded as interrupted.
+GATEWAY_HEARTBEAT_S = env_int("GATEWAY_HEARTBEAT_S", 5, minimum=1)
+GATEWAY_JOURNAL_STALE_S = env_int("GATEWAY_JOURNAL_STALE_S", 30, minimum=2)
+if GATEWAY_JOURNAL_STALE_S < 2 * GATEWAY_HEARTBEAT_S:
+    raise EnvError(f"GATEWAY_JOURNAL_STALE_S={GATEWAY_JOURNAL_STALE_S} must be at least twice "
+                   f"GATEWAY_HEARTBEAT_S={GATEWAY_HEARTBEAT_S}, or live requests would be taken for dead")
 DATA_UPLOAD_MAX_MEMORY_SIZE = GATEWAY_MAX_BODY_BYTES
 GATEWAY_IMAGE_FETCH_TIMEOUT_S = float(env_int("GATEWAY_IMAGE_FETCH_TIMEOUT_S", 10, minimum=1))
 GATEWAY_IMAGE_FETCH_MAX_BYTES = env_int("GATEWAY_IMAGE_FETCH_MAX_BYTES", 20 * 1024 * 1024, minimum=1024)

@@ -39,11 +39,14 @@ def node_reconcile(node_name: str) -> int:
 
 @shared_task(name="metering.ingest", soft_time_limit=60, time_limit=90)
 def metering_ingest() -> int:
+    """Record what dead gateways left in flight, then move the usage stream into the database."""
     from django.conf import settings
 
+    from controlplane.gateway.journal import journal_reap
     from controlplane.metering.outbox import usage_ingest
 
-    return usage_ingest() if settings.USAGE_OUTBOX == "redis" else 0
+    reaped = journal_reap()
+    return reaped + (usage_ingest() if settings.USAGE_OUTBOX == "redis" else 0)
 
 
 @shared_task(name="metering.rollup_daily", soft_time_limit=300, time_limit=360)

@@ -46,6 +46,16 @@ class Reservation:
     ask: Ask
 
 
+def reservation_to_json(reservation: Reservation) -> dict:
+    return {"tenant_id": reservation.tenant_id, "period_window": reservation.period_window,
+            "ask": [reservation.ask.image_tokens, reservation.ask.total_tokens, reservation.ask.large]}
+
+
+def reservation_from_json(data: dict) -> Reservation:
+    image_tokens, total_tokens, large = data["ask"]
+    return Reservation(data["tenant_id"], data["period_window"], Ask(image_tokens, total_tokens, bool(large)))
+
+
 class Refused(Exception):
     def __init__(self, limit: str, limit_value: int, retry_after: int, period: str):
         self.limit, self.retry_after = limit, max(1, retry_after)
@@ -105,10 +115,17 @@ if ARGV[3] == '1' then
 end
 return 0
 """
-_SETTLE = """
-redis.call('INCRBY', KEYS[1], ARGV[1])
-redis.call('INCRBY', KEYS[2], ARGV[2])
-if ARGV[3] == '1' and tonumber(redis.call('GET', KEYS[3]) or '0') > 0 then redis.call('DECR', KEYS[3]) end
+# Settling is a Lua function so that the usage journal can settle in the same atomic step
+# as it hands the usage over (see controlplane/gateway/journal.py).
+SETTLE_FUNCTION = """
+local function settle(image_key, total_key, large_key, image_delta, total_delta, large)
+  redis.call('INCRBY', image_key, image_delta)
+  redis.call('INCRBY', total_key, total_delta)
+  if large == '1' and tonumber(redis.call('GET', large_key) or '0') > 0 then redis.call('DECR', large_key) end
+end
+"""
+_SETTLE = SETTLE_FUNCTION + """
+settle(KEYS[1], KEYS[2], KEYS[3], ARGV[1], ARGV[2], ARGV[3])
 return 0
 """
 _ORDER = ("image_tokens", "total_tokens", "requests_per_minute", "concurrent_large_images")
@@ -147,12 +164,17 @@ class RedisAdmission:
             return Reservation(tenant_id, window, ask)
         raise RuntimeError("quota counters could not be seeded")
 
-    async def settle(self, reservation: Reservation, *, image_tokens: int, total_tokens: int) -> None:
+    def settle_plan(self, reservation: Reservation, *, image_tokens: int, total_tokens: int) -> tuple[list, list]:
+        """The keys and arguments of SETTLE_FUNCTION's settle() for this correction."""
         base = f"{self.prefix}:quota:{reservation.tenant_id}"
         keys = [f"{base}:{reservation.period_window}:image_tokens", f"{base}:{reservation.period_window}:total_tokens",
                 f"{base}:large"]
-        await self._client().eval(_SETTLE, 3, *keys, image_tokens - reservation.ask.image_tokens,
-                                  total_tokens - reservation.ask.total_tokens, int(reservation.ask.large))
+        return keys, [image_tokens - reservation.ask.image_tokens, total_tokens - reservation.ask.total_tokens,
+                      int(reservation.ask.large)]
+
+    async def settle(self, reservation: Reservation, *, image_tokens: int, total_tokens: int) -> None:
+        keys, args = self.settle_plan(reservation, image_tokens=image_tokens, total_tokens=total_tokens)
+        await self._client().eval(_SETTLE, 3, *keys, *args)
 
 
 # --- The database (embedded mode): row-locked counters in one transaction ---------------------

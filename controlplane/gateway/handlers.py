@@ -13,7 +13,7 @@ import httpx
 from django.conf import settings
 from django.utils import timezone
 
-from controlplane.gateway import admission, counters, moderation, routing, state, upstream
+from controlplane.gateway import admission, counters, journal, moderation, routing, state, upstream
 from controlplane.gateway.admission import Ask, Refused
 from controlplane.gateway.errors import GatewayError, error_response
 from controlplane.gateway.http import Request, Response, json_response
@@ -25,8 +25,7 @@ from controlplane.gateway.prepare import (
     prepare,
     validate_body,
 )
-from controlplane.metering.outbox import outbox
-from controlplane.metering.services import UsageRecord, is_billable
+from controlplane.metering.services import UsageRecord
 
 log = logging.getLogger(__name__)
 AUTO = "auto"
@@ -206,12 +205,13 @@ async def _forward(request_id: str, key: state.KeyInfo, tier: TierSpec, prepared
     payload = json.dumps(body).encode()
     slot = None
     try:
+        flight = await journal.open_flight(record)
         candidates = await state.instances(tier.id)
         if large and not routing.has_dedicated_large_pool(candidates):
             # No isolated pool: large requests take turns, so they never fill every batch.
             slot = _Slot(routing.large_slots(tier.id, tier.large_image_concurrency))
             await slot.acquire()
-        return await _attempts(request_id, tier, prepared, record, candidates, payload, started,
+        return await _attempts(request_id, tier, prepared, flight, candidates, payload, started,
                                large=large, fingerprints=fingerprints, slot=slot)
     except asyncio.CancelledError:
         if not record.recorded:  # gone while waiting for a slot: release the quota it reserved
@@ -242,17 +242,18 @@ class _Slot:
             self.semaphore.release()
 
 
-async def _attempts(request_id, tier, prepared, record, candidates, payload, started, *, large, fingerprints, slot):
+async def _attempts(request_id, tier, prepared, flight, candidates, payload, started, *, large, fingerprints, slot):
+    record = flight.record
     tried: set[int] = set()
     for _attempt in range(2):  # a request that never reached an engine is retried once elsewhere
         instance = routing.choose(candidates, exclude=tried, large=large, fingerprints=fingerprints)
         if instance is None:
             break
         tried.add(instance.id)
-        record.instance_id = instance.id
         routing.outstanding[instance.id] += 1
         handed_over = False  # to the stream, which then owns the counter and the record
         try:
+            await journal.engine_chosen(flight, instance.id)
             req = upstream.client().build_request(
                 "POST", f"{instance.base_url}/v1/chat/completions", content=payload,
                 headers={"content-type": "application/json", "x-request-id": request_id,
@@ -276,7 +277,7 @@ async def _attempts(request_id, tier, prepared, record, candidates, payload, sta
                 handed_over = True
                 if slot is not None:
                     slot.handed_over = True
-                return _stream(request_id, record, prepared, response, instance, started, slot)
+                return _stream(request_id, flight, prepared, response, instance, started, slot)
             try:
                 content = await response.aread()
             except httpx.TransportError as exc:
@@ -344,7 +345,8 @@ async def _finish_plain(request_id, record, prepared, status, content, started):
     return json_response(data, headers={"x-request-id": request_id})
 
 
-def _stream(request_id, record, prepared, response, instance, started, slot=None):
+def _stream(request_id, flight, prepared, response, instance, started, slot=None):
+    record = flight.record
     client_wants_usage = bool((prepared.body.get("stream_options") or {}).get("include_usage"))
     progress = {"produced": 0, "finished": False, "closed": False}
 
@@ -391,6 +393,7 @@ def _stream(request_id, record, prepared, response, instance, started, slot=None
                 for choice in chunk.get("choices") or ():
                     if (choice.get("delta") or {}).get("content"):
                         progress["produced"] += 1
+                        flight.produced += 1  # what the journal bills if this gateway dies
                 yield f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n".encode()
         except httpx.HTTPError as exc:
             # The engine dropped the stream: tell the client in the stream's own terms.
@@ -418,18 +421,11 @@ async def _record(record: UsageRecord, started: float) -> None:
         return
     record.recorded = True
     record.latency_ms = int((time.monotonic() - started) * 1000)
-    if record.reservation is not None:  # correct the reservation to what was really used
-        used_total = record.text_tokens + record.image_tokens + record.output_tokens
-        billable = is_billable(record)
-        try:
-            await admission.backend().settle(record.reservation, image_tokens=record.image_tokens if billable else 0,
-                                             total_tokens=used_total if billable else 0)
-        except Exception:
-            log.exception("could not settle the quota reservation of %s", record.request_id)
     counters.count(tier=_tier_names.get(record.tier_id, str(record.tier_id)), status=record.status,
                    images=record.image_tokens)
     try:
-        await outbox().put(record)
+        # The usage handed over and the reservation corrected to what was really used, at once.
+        await journal.finish(record)
     except Exception:  # never lose the response over metering; the error is logged loudly
         log.exception("could not record usage for %s", record.request_id)
 

@@ -1,0 +1,178 @@
+"""The in-flight journal: a request whose gateway died is metered once, from what was known."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+import redis
+from asgiref.sync import async_to_sync, sync_to_async
+from django.conf import settings as django_settings
+from django.utils import timezone
+
+from controlplane.gateway import admission, journal
+from controlplane.gateway.admission import (
+    Ask,
+    DatabaseAdmission,
+    Limits,
+    RedisAdmission,
+    Refused,
+    metered_so_far,
+)
+from controlplane.gateway.models import InFlightRequest
+from controlplane.metering.models import UsageEvent
+from controlplane.metering.outbox import stream_key, usage_ingest
+from controlplane.metering.services import UsageRecord
+from tests.images import image_bytes
+
+MODES = {
+    # (where usage and the journal live, where quota counters live)
+    "redis": ("redis", "redis"),
+    "embedded": ("database", "database"),
+    "database-with-redis-quota": ("database", "redis"),
+}
+
+
+@pytest.fixture
+def engine(world):
+    from controlplane.fleet.models import EngineInstance
+
+    return EngineInstance.objects.create(tier=world.vision)
+
+
+@pytest.fixture(params=list(MODES))
+def mode(request, settings, monkeypatch):
+    usage, quota = MODES[request.param]
+    prefix = f"journal-{uuid.uuid4().hex}"
+    settings.USAGE_OUTBOX = usage
+    settings.CACHES = {"default": {**django_settings.CACHES["default"], "KEY_PREFIX": prefix}}
+    backend = (RedisAdmission(settings.REDIS_URL, prefix=prefix, seed=sync_to_async(metered_so_far))
+               if quota == "redis" else DatabaseAdmission(seed_sync=metered_so_far))
+    monkeypatch.setattr(admission, "_backend", backend)
+    yield request.param
+    client = redis.Redis.from_url(settings.REDIS_URL)
+    for key in client.scan_iter(f"{prefix}:*"):
+        client.delete(key)
+
+
+def _reserve(tenant_id, limits, ask):
+    return async_to_sync(admission.backend().reserve)(tenant_id, limits, ask, timezone.now())
+
+
+def _record(world, request_id, reservation) -> UsageRecord:
+    from controlplane.imaging.policy import Policy, normalise
+
+    image = normalise(image_bytes(320, 240), Policy())
+    return UsageRecord(request_id=request_id, tenant_id=world.alice.pk, api_key_id=None, tier_id=world.vision.pk,
+                       stream=True, images=[(image, 110, False)], image_tokens=110, text_tokens=20,
+                       reservation=reservation)
+
+
+def _stored(mode):
+    if mode == "redis":
+        client = redis.Redis.from_url(django_settings.REDIS_URL)
+        assert client.xlen(stream_key()) == 1  # handed over once, not once by each side
+        usage_ingest()
+    return list(UsageEvent.objects.all())
+
+
+def _assert_room(world, room: int) -> None:
+    """Exactly `room` total tokens are left this period (and the large-image slot is free)."""
+    with pytest.raises(Refused):
+        _reserve(world.alice.pk, LIMITS, Ask(0, room + 1, True))
+    assert _reserve(world.alice.pk, LIMITS, Ask(0, room, True))
+
+
+LIMITS = Limits(total_tokens=1000, concurrent_large_images=1)
+ASK = Ask(image_tokens=110, total_tokens=900, large=True)  # prompt 130 + a max_tokens ceiling of 770
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_request_whose_gateway_died_is_recorded_once_as_interrupted(world, mode, engine):
+    reservation = _reserve(world.alice.pk, LIMITS, ASK)
+
+    @async_to_sync
+    async def gateway_dies_mid_stream():
+        flight = await journal.open_flight(_record(world, "req-orphan", reservation))
+        await journal.engine_chosen(flight, engine.pk)
+        flight.produced = 7
+        await journal.journal().beat([flight])  # its last heartbeat: 7 tokens streamed
+        journal._live.clear()  # the process is gone: nothing of it runs any more
+
+    gateway_dies_mid_stream()
+    assert journal.journal_reap() == 0  # its heartbeat is fresh: it may still be alive
+    with pytest.raises(Refused):  # meanwhile the reservation holds the quota and the large slot
+        _reserve(world.alice.pk, LIMITS, Ask(0, 200, True))
+
+    later = time.time() + django_settings.GATEWAY_JOURNAL_STALE_S + 1
+    assert journal.journal_reap(now=later) == 1
+    assert journal.journal_reap(now=later) == 0
+
+    [event] = _stored(mode)
+    assert (event.request_id, event.status, event.instance_id) == ("req-orphan", "interrupted", engine.pk)
+    assert (event.image_tokens, event.text_tokens, event.output_tokens, event.image_count) == (110, 20, 7, 1)
+    assert event.cost > 0  # an engine worked on it: the prompt and the tokens streamed are billed
+    # The reservation is settled to the 137 tokens used, and the large-image slot is free again.
+    _assert_room(world, 863)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_finished_request_leaves_nothing_for_the_reaper(world, mode, engine):
+    reservation = _reserve(world.alice.pk, LIMITS, ASK)
+
+    @async_to_sync
+    async def normal_request():
+        record = _record(world, "req-done", reservation)
+        flight = await journal.open_flight(record)
+        await journal.engine_chosen(flight, engine.pk)
+        record.output_tokens = 50
+        await journal.finish(record)
+
+    normal_request()
+    assert journal.journal_reap(now=time.time() + 3600) == 0
+    [event] = _stored(mode)
+    assert (event.status, event.output_tokens) == ("ok", 50)
+    assert not InFlightRequest.objects.exists()
+    _assert_room(world, 820)  # 180 used, slot released
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_gateway_that_finishes_after_being_reaped_does_not_count_twice(world, mode, engine):
+    reservation = _reserve(world.alice.pk, LIMITS, ASK)
+    record = _record(world, "req-slow", reservation)
+
+    async def open_it():
+        await journal.engine_chosen(await journal.open_flight(record), engine.pk)
+
+    async_to_sync(open_it)()
+    assert journal.journal_reap(now=time.time() + 3600) == 1  # taken for dead (a frozen process)
+    record.output_tokens = 500
+    async_to_sync(journal.finish)(record)  # then it woke up and finished
+
+    [event] = _stored(mode)
+    assert (event.status, event.output_tokens) == ("interrupted", 0)
+    _assert_room(world, 870)  # settled once: the 130 prompt tokens held
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_request_that_never_reached_an_engine_is_recorded_at_no_cost(world, mode, engine):
+    reservation = _reserve(world.alice.pk, LIMITS, ASK)
+    async_to_sync(journal.open_flight)(_record(world, "req-queued", reservation))  # died waiting for a slot
+    journal._live.clear()
+    assert journal.journal_reap(now=time.time() + 3600) == 1
+    [event] = _stored(mode)
+    assert (event.status, event.cost) == ("interrupted", 0)
+    _assert_room(world, 1000)  # nothing held against the quota
+
+
+def test_the_heartbeat_setting_must_leave_room_for_a_missed_beat(monkeypatch):
+    import subprocess
+    import sys
+
+    env = {"GATEWAY_HEARTBEAT_S": "10", "GATEWAY_JOURNAL_STALE_S": "15", "SECRET_KEY": "x" * 50,
+           "DJANGO_SETTINGS_MODULE": "controlplane.settings", "PATH": "/usr/bin:/bin"}
+    done = subprocess.run([sys.executable, "-c", "import django; django.setup()"], env=env,
+                          capture_output=True, text=True, cwd=django_settings.BASE_DIR)
+    assert done.returncode != 0
+    assert "GATEWAY_JOURNAL_STALE_S=15 must be at least twice GATEWAY_HEARTBEAT_S=10" in done.stderr
