@@ -1,22 +1,160 @@
+from django.conf import settings
+from django.core.exceptions import ValidationError
+from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
 from django.utils import timezone
 
+# A run is one Celery task with a one-hour limit: the load planned, plus the drain of each
+# stage, must fit inside it.
+MAX_PLANNED_S = 2400
+
+
+def _default_buckets():
+    return [{"width": 640, "height": 480, "weight": 3}, {"width": 1920, "height": 1080, "weight": 1}]
+
+
+def _default_sweep():
+    return [1, 4, 8]
+
 
 class BenchmarkProfile(models.Model):
+    """What to load, how hard, for how long, and what counts as good enough."""
+
+    class Target(models.TextChoices):
+        GATEWAY = "gateway", "the tier, through the gateway"
+        INSTANCE = "instance", "one engine instance, directly"
+
+    class Arrival(models.TextChoices):
+        CLOSED = "closed", "closed loop: a concurrency sweep"
+        OPEN = "open", "open loop: a Poisson request-rate sweep"
+
+    class ImageSource(models.TextChoices):
+        BUCKETS = "buckets", "synthetic images of the size buckets"
+        UPLOADS = "uploads", "the uploaded images"
+
     name = models.SlugField(max_length=64, unique=True)
+    description = models.TextField(blank=True)
     tier = models.ForeignKey("catalog.ModelTier", on_delete=models.CASCADE, related_name="benchmarks")
-    requests = models.PositiveIntegerField(default=20)
-    concurrency = models.PositiveSmallIntegerField(default=4)
-    image_share = models.FloatField(default=0.5, help_text="Share of requests that carry an image")
-    image_width = models.PositiveIntegerField(default=1024)
-    image_height = models.PositiveIntegerField(default=768)
-    max_tokens = models.PositiveIntegerField(default=32)
+    target = models.CharField(max_length=16, choices=Target.choices, default=Target.GATEWAY)
+    gateway_url = models.URLField(
+        default="http://127.0.0.1:8000", help_text="Where the gateway serves /v1 (a load balancer in front of replicas)")
+    instance = models.ForeignKey(
+        "fleet.EngineInstance", null=True, blank=True, on_delete=models.SET_NULL, related_name="benchmarks",
+        help_text="For an instance target; empty picks a healthy instance of the tier at run time")
+    # The traffic mix.
+    text_share = models.FloatField(
+        default=0.5, validators=[MinValueValidator(0.0), MaxValueValidator(1.0)],
+        help_text="Share of requests without an image (0..1)")
+    images_per_request_min = models.PositiveSmallIntegerField(default=1, validators=[MinValueValidator(1)])
+    images_per_request_max = models.PositiveSmallIntegerField(default=1, validators=[MinValueValidator(1)])
+    image_source = models.CharField(max_length=16, choices=ImageSource.choices, default=ImageSource.BUCKETS)
+    image_buckets = models.JSONField(
+        default=_default_buckets, blank=True,
+        help_text='Weighted sizes, e.g. [{"width": 640, "height": 480, "weight": 3}]')
+    prompt_tokens_min = models.PositiveIntegerField(default=32)
+    prompt_tokens_max = models.PositiveIntegerField(default=128)
+    output_tokens_min = models.PositiveIntegerField(default=32, validators=[MinValueValidator(1)])
+    output_tokens_max = models.PositiveIntegerField(default=64, validators=[MinValueValidator(1)])
+    # Arrival and duration.
+    arrival = models.CharField(max_length=8, choices=Arrival.choices, default=Arrival.CLOSED)
+    sweep = models.JSONField(
+        default=_default_sweep,
+        help_text="Load levels run in turn: concurrencies (closed loop) or requests per second (open loop)")
+    stage_duration_s = models.FloatField(default=30.0, validators=[MinValueValidator(0.5)],
+                                         help_text="Seconds of load at each level")
+    seed = models.PositiveIntegerField(default=0, help_text="Same seed, same requests")
+    # Service levels.
+    ttft_slo_ms = models.PositiveIntegerField(default=2000, help_text="Time to first token, ms")
+    tpot_slo_ms = models.PositiveIntegerField(default=100, help_text="Time per output token, ms")
+    # A schedule: a django-celery-beat PeriodicTask kept in step with these two fields.
+    schedule_enabled = models.BooleanField(default=False)
+    schedule_cron = models.CharField(
+        max_length=100, blank=True, help_text='minute hour day-of-month month day-of-week (UTC), e.g. "0 3 * * *"')
+    periodic_task = models.OneToOneField(
+        "django_celery_beat.PeriodicTask", null=True, blank=True, editable=False, on_delete=models.SET_NULL,
+        related_name="benchmark_profile")
+    created_at = models.DateTimeField(default=timezone.now)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["name"]
 
     def __str__(self):
         return self.name
 
+    def clean(self):
+        from controlplane.benchmarks.schedules import parse_cron
+
+        errors = {}
+        if self.images_per_request_min > self.images_per_request_max:
+            errors["images_per_request_max"] = "must be at least the minimum"
+        if self.prompt_tokens_min > self.prompt_tokens_max:
+            errors["prompt_tokens_max"] = "must be at least the minimum"
+        if self.output_tokens_min > self.output_tokens_max:
+            errors["output_tokens_max"] = "must be at least the minimum"
+        sweep = self.sweep
+        if (not isinstance(sweep, list) or not sweep or len(sweep) > 20
+                or not all(isinstance(v, int | float) and not isinstance(v, bool) and v > 0 for v in sweep)):
+            errors["sweep"] = "a list of 1 to 20 positive numbers"
+        elif self.arrival == self.Arrival.CLOSED and not all(float(v).is_integer() and v <= 1024 for v in sweep):
+            errors["sweep"] = "concurrencies are whole numbers up to 1024"
+        elif len(sweep) * (self.stage_duration_s or 0) > MAX_PLANNED_S:
+            errors["stage_duration_s"] = f"a run must plan at most {MAX_PLANNED_S} s of load in all"
+        if self.text_share < 1 and self.image_source == self.ImageSource.BUCKETS:
+            try:
+                _check_buckets(self.image_buckets)
+            except ValueError as exc:
+                errors["image_buckets"] = str(exc)
+        if self.schedule_enabled and not self.schedule_cron:
+            errors["schedule_cron"] = "a schedule needs a cron expression"
+        elif self.schedule_cron:
+            try:
+                parse_cron(self.schedule_cron)
+            except ValueError as exc:
+                errors["schedule_cron"] = str(exc)
+        if self.target == self.Target.INSTANCE and self.instance_id and self.tier_id \
+                and self.instance.tier_id != self.tier_id:
+            errors["instance"] = "the instance must serve the profile's tier"
+        if errors:
+            raise ValidationError(errors)
+
+
+def _check_buckets(value) -> None:
+    if not isinstance(value, list) or not value:
+        raise ValueError("image requests need at least one size bucket")
+    for bucket in value:
+        if not isinstance(bucket, dict) or set(bucket) - {"width", "height", "weight"}:
+            raise ValueError('each bucket is {"width": W, "height": H, "weight": N}')
+        width, height, weight = bucket.get("width"), bucket.get("height"), bucket.get("weight", 1)
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (width, height)) \
+                or not (16 <= width <= 8192 and 16 <= height <= 8192):
+            raise ValueError("bucket width and height are whole pixels between 16 and 8192")
+        if not isinstance(weight, int | float) or isinstance(weight, bool) or weight <= 0:
+            raise ValueError("bucket weights are positive numbers")
+
+
+class BenchmarkImage(models.Model):
+    """An uploaded image a profile sends instead of synthetic ones."""
+
+    profile = models.ForeignKey(BenchmarkProfile, on_delete=models.CASCADE, related_name="images")
+    name = models.CharField(max_length=255)
+    content_type = models.CharField(max_length=64)
+    width = models.PositiveIntegerField()
+    height = models.PositiveIntegerField()
+    data = models.BinaryField()
+    uploaded_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["profile", "id"]
+
+    def __str__(self):
+        return f"{self.name} ({self.width}x{self.height})"
+
 
 class BenchmarkRun(models.Model):
+    """One execution of a profile. The row is the truth: workers move its state and write
+    its progress, log and results as they go; a cancel request is a flag the run polls."""
+
     class State(models.TextChoices):
         QUEUED = "queued", "queued"
         RUNNING = "running", "running"
@@ -24,17 +162,34 @@ class BenchmarkRun(models.Model):
         FAILED = "failed", "failed"
         CANCELLED = "cancelled", "cancelled"
 
+    FINAL = (State.SUCCEEDED, State.FAILED, State.CANCELLED)
+
+    class Trigger(models.TextChoices):
+        MANUAL = "manual", "on demand"
+        SCHEDULE = "schedule", "schedule"
+
     profile = models.ForeignKey(BenchmarkProfile, on_delete=models.CASCADE, related_name="runs")
+    label = models.CharField(max_length=128, blank=True, help_text="e.g. before / after a change")
+    trigger = models.CharField(max_length=16, choices=Trigger.choices, default=Trigger.MANUAL)
+    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL,
+                                   related_name="+")
     state = models.CharField(max_length=16, choices=State.choices, default=State.QUEUED)
     created_at = models.DateTimeField(default=timezone.now)
     started_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
     progress = models.FloatField(default=0.0)
     log = models.TextField(blank=True)
+    config = models.JSONField(default=dict, blank=True, help_text="The profile and tier as the run used them")
     results = models.JSONField(default=dict, blank=True)
+    cancel_requested = models.BooleanField(default=False)
+    task_id = models.CharField(max_length=64, blank=True)
 
     class Meta:
-        ordering = ["-created_at"]
+        ordering = ["-created_at", "-id"]
 
     def __str__(self):
         return f"{self.profile} run {self.pk}"
+
+    @property
+    def finished(self) -> bool:
+        return self.state in self.FINAL

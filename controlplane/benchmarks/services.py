@@ -1,103 +1,304 @@
-"""Benchmark runs: a closed-loop load against one instance of a tier, stored on the run row."""
+"""Benchmark runs: start, cancel, execute. The run row is the truth about a run.
+
+A run loads its profile's target (the tier through the gateway, with a key of the
+`benchmarks` tenant made for the run and revoked after it; or one engine instance directly)
+with the profile's request mix, one stage per load level, and stores what each stage
+measured. The load itself runs on an event loop in a thread of its own (loadgen.py is pure
+asyncio); this thread keeps the database: it polls the cancel flag and writes progress,
+log lines and the results of each stage as they come.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import base64
-import io
-import statistics
-import time
+import dataclasses
+import datetime as dt
+import logging
+import threading
 
-import httpx
+from django.db import transaction
 from django.utils import timezone
-from PIL import Image
 
+from controlplane.benchmarks import loadgen, stats
 from controlplane.benchmarks.models import BenchmarkProfile, BenchmarkRun
+from controlplane.benchmarks.workload import (
+    CLASS_NAMES,
+    Mix,
+    UploadedImage,
+    Workload,
+    buckets_from_json,
+)
+from controlplane.catalog.models import PriceRate
 from controlplane.fleet.selectors import routable_instances
+from controlplane.imaging.policy import fit_within
+from controlplane.imaging.tokens import count_image_tokens, processor_options
+from controlplane.tenants.models import Tenant
+from controlplane.tenants.services import api_key_create, api_key_revoke
+
+log = logging.getLogger(__name__)
+
+BENCHMARK_TENANT = "benchmarks"
+POLL_S = 0.5
+MAX_STORED_SAMPLES = 20_000
+SAMPLE_COLUMNS = ["stage", "class", "start_s", "ok", "ttft_s", "tpot_s", "e2e_s", "output_tokens", "image_tokens"]
 
 
-def benchmark_start(*, profile: BenchmarkProfile) -> BenchmarkRun:
-    from django.db import transaction
+class BenchmarkError(Exception):
+    """A run cannot go ahead; the message says why and lands in the run's log."""
 
+
+def benchmark_start(*, profile: BenchmarkProfile, label: str = "", user=None,
+                    trigger: str = BenchmarkRun.Trigger.MANUAL) -> BenchmarkRun:
     from workers.tasks import benchmark_run
 
-    run = BenchmarkRun.objects.create(profile=profile)
-    transaction.on_commit(lambda: benchmark_run.delay(run.pk))
+    run = BenchmarkRun.objects.create(profile=profile, label=label, created_by=user, trigger=trigger,
+                                      config=profile_config(profile))
+
+    def enqueue():
+        result = benchmark_run.delay(run.pk)
+        BenchmarkRun.objects.filter(pk=run.pk).update(task_id=result.id or "")
+
+    transaction.on_commit(enqueue)
     return run
 
 
-def _image_url(width: int, height: int) -> str:
-    buffer = io.BytesIO()
-    Image.radial_gradient("L").resize((width, height)).convert("RGB").save(buffer, "JPEG", quality=85)
-    return "data:image/jpeg;base64," + base64.b64encode(buffer.getvalue()).decode()
+def benchmark_start_scheduled(*, profile_id: int) -> BenchmarkRun | None:
+    """A schedule's turn: a run of the profile, unless one is still queued or running."""
+    profile = BenchmarkProfile.objects.filter(pk=profile_id).first()
+    if profile is None:
+        return None
+    if profile.runs.filter(state__in=[BenchmarkRun.State.QUEUED, BenchmarkRun.State.RUNNING]).exists():
+        log.info("benchmark profile %s: the previous run has not finished; skipping this turn", profile.name)
+        return None
+    return BenchmarkRun.objects.create(profile=profile, trigger=BenchmarkRun.Trigger.SCHEDULE,
+                                       label=f"scheduled {timezone.now():%Y-%m-%d %H:%M}",
+                                       config=profile_config(profile))
 
 
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))] if ordered else 0.0
+def benchmark_cancel(*, run: BenchmarkRun) -> None:
+    """A queued run is cancelled at once; a running one stops at its next poll, keeping what
+    it measured."""
+    if run.finished:
+        return
+    BenchmarkRun.objects.filter(pk=run.pk).update(cancel_requested=True)
+    cancelled_now = BenchmarkRun.objects.filter(pk=run.pk, state=BenchmarkRun.State.QUEUED).update(
+        state=BenchmarkRun.State.CANCELLED, finished_at=timezone.now(), log="cancelled before it started\n")
+    if cancelled_now and run.task_id:
+        from workers.celery import app
+
+        app.control.revoke(run.task_id)
+    run.refresh_from_db()
 
 
-async def _load(base_url: str, model: str, profile: BenchmarkProfile, api_key: str = "") -> list[dict]:
-    image = _image_url(profile.image_width, profile.image_height)
-    results: list[dict] = []
-    counter = iter(range(profile.requests))
+def profile_config(profile: BenchmarkProfile) -> dict:
+    """The profile and the tier's engine settings as a run used them, for comparing runs."""
+    fields = ["target", "gateway_url", "instance_id", "text_share", "images_per_request_min",
+              "images_per_request_max", "image_source", "image_buckets", "prompt_tokens_min",
+              "prompt_tokens_max", "output_tokens_min", "output_tokens_max", "arrival", "sweep",
+              "stage_duration_s", "seed", "ttft_slo_ms", "tpot_slo_ms"]
+    tier = profile.tier
+    return {
+        **{name: getattr(profile, name) for name in fields},
+        "uploaded_images": profile.images.count(),
+        "tier": {"name": tier.name, "family": tier.family, "engine_settings": tier.engine_settings,
+                 "large_image_threshold": tier.large_image_threshold,
+                 "resolution_policy": tier.resolution_policy.name if tier.resolution_policy else None,
+                 "replicas": tier.replicas},
+    }
 
-    async def worker(client: httpx.AsyncClient):
-        for n in counter:
-            # Spread images evenly: request n carries one when the running share steps up.
-            with_image = int((n + 1) * profile.image_share) > int(n * profile.image_share)
-            content = [{"type": "text", "text": f"request {n}: describe"}]
-            if with_image:
-                content.append({"type": "image_url", "image_url": {"url": image}})
-            started = time.monotonic()
-            try:
-                r = await client.post(f"{base_url}/v1/chat/completions", json={
-                    "model": model, "max_tokens": profile.max_tokens,
-                    "messages": [{"role": "user", "content": content}]})
-                ok = r.status_code == 200
-                usage = r.json().get("usage", {}) if ok else {}
-            except httpx.HTTPError:
-                ok, usage = False, {}
-            results.append({"class": "image" if with_image else "text", "ok": ok,
-                            "latency": time.monotonic() - started,
-                            "output_tokens": usage.get("completion_tokens", 0)})
 
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    async with httpx.AsyncClient(timeout=120, headers=headers) as client:
-        await asyncio.gather(*(worker(client) for _ in range(profile.concurrency)))
-    return results
+def token_estimator(tier):
+    """Image tokens of a `width` x `height` image on the tier, after its resolution policy."""
+    policy = tier.resolution_policy.as_policy() if tier.resolution_policy else None
+    options = processor_options(tier.family, min_pixels=policy.min_pixels, max_pixels=policy.max_pixels) \
+        if policy else {}
+
+    def estimate(width: int, height: int) -> int:
+        if policy is not None:
+            width, height = fit_within(width, height, max_pixels=policy.max_pixels,
+                                       max_long_edge=policy.max_long_edge)
+        return count_image_tokens(tier.family, width, height, **options)
+
+    return estimate
+
+
+def workload_for(profile: BenchmarkProfile) -> Workload:
+    uploads = ()
+    if profile.image_source == BenchmarkProfile.ImageSource.UPLOADS:
+        uploads = tuple(UploadedImage(bytes(i.data), i.width, i.height, i.content_type) for i in profile.images.all())
+        if not uploads and profile.text_share < 1:
+            raise BenchmarkError("the profile sends uploaded images but has none")
+    mix = Mix(text_share=profile.text_share, images_min=profile.images_per_request_min,
+              images_max=profile.images_per_request_max, buckets=buckets_from_json(profile.image_buckets),
+              uploads=uploads, prompt_tokens=(profile.prompt_tokens_min, profile.prompt_tokens_max),
+              output_tokens=(profile.output_tokens_min, profile.output_tokens_max))
+    try:
+        return Workload(mix, seed=profile.seed, estimate_tokens=token_estimator(profile.tier),
+                        large_threshold=profile.tier.large_image_threshold)
+    except ValueError as exc:
+        raise BenchmarkError(str(exc)) from None
+
+
+def _target(run: BenchmarkRun, planned_s: float):
+    """The endpoint, and what to undo afterwards (the run's gateway key)."""
+    profile = run.profile
+    if profile.target == BenchmarkProfile.Target.INSTANCE:
+        instance = profile.instance
+        if instance is None:
+            instances = routable_instances(tier_id=profile.tier_id)
+            if not instances:
+                raise BenchmarkError(f"no healthy instance of {profile.tier.name} to benchmark")
+            instance = instances[0]
+        if not instance.base_url:
+            raise BenchmarkError(f"instance {instance.pk} has no address yet")
+        target = loadgen.Target(url=f"{instance.base_url}/v1/chat/completions", model=profile.tier.name,
+                                api_key=instance.api_key)
+        return target, f"instance {instance.pk} at {instance.base_url}", lambda: None
+    tenant, _ = Tenant.objects.get_or_create(name=BENCHMARK_TENANT, defaults={
+        "display_name": "Benchmark runs", "isolate_prefix_cache": True})
+    issued = api_key_create(tenant=tenant, name=f"benchmark run {run.pk}",
+                            expires_at=timezone.now() + dt.timedelta(seconds=planned_s + 3600))
+    target = loadgen.Target(url=f"{profile.gateway_url.rstrip('/')}/v1/chat/completions",
+                            model=profile.tier.name, api_key=issued.secret)
+    return target, f"{profile.tier.name} through the gateway at {profile.gateway_url}", \
+        lambda: api_key_revoke(api_key=issued.api_key)
+
+
+def _rates(tier):
+    try:
+        return tier.price_plan.rate_at(timezone.now()).as_rates()
+    except PriceRate.DoesNotExist:
+        return None
+
+
+def _stage_line(n: int, level, arrival: str, summary: dict) -> str:
+    unit = "concurrency" if arrival == loadgen.CLOSED else "rate"
+    parts = [f"stage {n + 1} ({unit} {level:g}): {summary['requests']} requests, {summary['errors']} errors"]
+    for klass, figures in summary["classes"].items():
+        p99 = figures["ttft"]["p99"]
+        if p99 is not None:
+            parts.append(f"{CLASS_NAMES[klass]} TTFT p99 {p99:.0f} ms")
+    parts.append(f"goodput {summary['goodput']['requests_per_s']:.2f}/s")
+    return "; ".join(parts)
+
+
+@dataclasses.dataclass
+class _Shared:
+    """What the load thread hands to the database thread."""
+
+    progress: float = 0.0
+    stop: bool = False
+    finished_stages: list = dataclasses.field(default_factory=list)  # (index, samples, seconds)
+    outcome: tuple | None = None
+    error: BaseException | None = None
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
 
 def benchmark_execute(*, run_id: int) -> None:
-    run = BenchmarkRun.objects.select_related("profile__tier").get(pk=run_id)
-    if run.state != BenchmarkRun.State.QUEUED:
+    moved = BenchmarkRun.objects.filter(pk=run_id, state=BenchmarkRun.State.QUEUED, cancel_requested=False) \
+        .update(state=BenchmarkRun.State.RUNNING, started_at=timezone.now())
+    if not moved:
         return
-    run.state, run.started_at = BenchmarkRun.State.RUNNING, timezone.now()
-    run.save(update_fields=["state", "started_at"])
-    instances = routable_instances(tier_id=run.profile.tier_id)
-    if not instances:
-        run.state, run.finished_at = BenchmarkRun.State.FAILED, timezone.now()
-        run.log = "no healthy instance of the tier to benchmark"
-        run.save()
+    run = BenchmarkRun.objects.select_related("profile__tier__price_plan", "profile__tier__resolution_policy",
+                                              "profile__instance__node").get(pk=run_id)
+    profile = run.profile
+    levels = [float(v) for v in profile.sweep]
+    planned_s = len(levels) * profile.stage_duration_s
+    cleanup = None
+    try:
+        workload = workload_for(profile)
+        target, where, cleanup = _target(run, planned_s)
+    except BenchmarkError as exc:
+        _finish(run, BenchmarkRun.State.FAILED, f"{exc}\n")
         return
-    started = time.monotonic()
-    results = asyncio.run(_load(instances[0].base_url, run.profile.tier.name, run.profile,
-                                instances[0].api_key))
-    elapsed = time.monotonic() - started
-    summary = {}
-    for cls in ("text", "image"):
-        latencies = [r["latency"] for r in results if r["class"] == cls and r["ok"]]
-        if latencies:
-            summary[cls] = {"requests": len(latencies), "p50_s": _percentile(latencies, 0.5),
-                            "p99_s": _percentile(latencies, 0.99), "mean_s": statistics.fmean(latencies)}
-    run.results = {
-        "elapsed_s": elapsed,
-        "requests_per_s": len(results) / elapsed if elapsed else 0,
-        "errors": sum(not r["ok"] for r in results),
-        "output_tokens_per_s": sum(r["output_tokens"] for r in results) / elapsed if elapsed else 0,
-        "classes": summary,
-    }
-    run.state = BenchmarkRun.State.SUCCEEDED if not run.results["errors"] else BenchmarkRun.State.FAILED
-    run.progress, run.finished_at = 1.0, timezone.now()
-    run.log = f"{len(results)} requests against instance {instances[0].pk} in {elapsed:.2f}s"
-    run.save()
+    _append_log(run, f"{profile.arrival} loop against {where}; levels {profile.sweep}, "
+                     f"{profile.stage_duration_s:g}s each")
+    try:
+        _measure(run, workload, target, levels)
+    except Exception as exc:  # whatever broke, the row says so instead of staying "running"
+        log.exception("benchmark run %s failed", run.pk)
+        _finish(run, BenchmarkRun.State.FAILED, f"failed: {type(exc).__name__}: {exc}\n")
+    finally:
+        if cleanup is not None:
+            cleanup()
+
+
+def _measure(run: BenchmarkRun, workload: Workload, target: loadgen.Target, levels: list[float]) -> None:
+    profile = run.profile
+    slo = stats.Slo(ttft_ms=profile.ttft_slo_ms, tpot_ms=profile.tpot_slo_ms)
+    rates = _rates(profile.tier)
+    shared = _Shared()
+    counter = iter(range(10**12))
+
+    async def on_tick(progress: float) -> bool:
+        shared.progress = progress
+        return shared.stop
+
+    async def on_stage(n: int, samples: list, elapsed_s: float, stopped: bool) -> None:
+        with shared.lock:
+            shared.finished_stages.append((n, samples, elapsed_s, stopped))
+
+    def load():
+        try:
+            shared.outcome = asyncio.run(loadgen.run_sweep(
+                target, lambda: workload.spec(next(counter)), arrival=profile.arrival, levels=levels,
+                duration_s=profile.stage_duration_s, seed=profile.seed, on_tick=on_tick,
+                on_stage=on_stage, tick_s=0.2, drain_s=max(30.0, profile.stage_duration_s)))
+        except BaseException as exc:  # handed to the database thread, which reports it
+            shared.error = exc
+
+    results = {"arrival": profile.arrival, "unit": "concurrency" if profile.arrival == loadgen.CLOSED else "rps",
+               "slo": {"ttft_ms": slo.ttft_ms, "tpot_ms": slo.tpot_ms}, "stages": [],
+               "sample_columns": SAMPLE_COLUMNS, "samples": []}
+    thread = threading.Thread(target=load, name=f"benchmark-{run.pk}", daemon=True)
+    thread.start()
+    cancelled = False
+    while thread.is_alive():
+        thread.join(POLL_S)
+        with shared.lock:
+            done, shared.finished_stages = shared.finished_stages, []
+        for n, samples, elapsed_s, stopped in done:
+            # Rates are per second of the stage as it ran: its load, the drain of what was in
+            # flight at the end, or until it was stopped.
+            summary = stats.stage_summary(samples, duration_s=elapsed_s, slo=slo, rates=rates, level=levels[n])
+            summary["stopped_early"] = stopped
+            results["stages"].append(summary)
+            room = MAX_STORED_SAMPLES - len(results["samples"])
+            results["samples"].extend(stats.sample_row(s) for s in samples[:max(0, room)])
+            _append_log(run, _stage_line(n, levels[n], profile.arrival, summary))
+        if BenchmarkRun.objects.filter(pk=run.pk, cancel_requested=True).exists() and not shared.stop:
+            shared.stop = cancelled = True
+            _append_log(run, "cancel requested: stopping")
+        BenchmarkRun.objects.filter(pk=run.pk).update(progress=round(shared.progress, 4), results=results)
+    if shared.error is not None:
+        raise shared.error
+    if cancelled:
+        _finish(run, BenchmarkRun.State.CANCELLED, "cancelled; the results keep what was measured\n",
+                results=results)
+        return
+    errors = sum(stage["errors"] for stage in results["stages"])
+    requests = sum(stage["requests"] for stage in results["stages"])
+    if requests and errors == requests:
+        _finish(run, BenchmarkRun.State.FAILED, "every request failed\n", results=results)
+        return
+    results_line = f"done: {requests} requests, {errors} errors\n"
+    _finish(run, BenchmarkRun.State.SUCCEEDED, results_line, results=results, progress=1.0)
+
+
+def _append_log(run: BenchmarkRun, line: str) -> None:
+    from django.db.models import Value
+    from django.db.models.functions import Concat
+
+    stamp = timezone.now().strftime("%H:%M:%S")
+    BenchmarkRun.objects.filter(pk=run.pk).update(log=Concat("log", Value(f"{stamp} {line.rstrip()}\n")))
+
+
+def _finish(run: BenchmarkRun, state: str, line: str, *, results: dict | None = None,
+            progress: float | None = None) -> None:
+    _append_log(run, line)
+    fields = {"state": state, "finished_at": timezone.now()}
+    if results is not None:
+        fields["results"] = results
+    if progress is not None:
+        fields["progress"] = progress
+    BenchmarkRun.objects.filter(pk=run.pk).update(**fields)

@@ -1,39 +1,135 @@
+"""Runs end to end: the Celery task against a real engine and through the gateway, cancel,
+and the state a run leaves behind."""
+
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
-from django.utils import timezone
+from django.db import connections
 
-from controlplane.benchmarks.models import BenchmarkProfile, BenchmarkRun
-from controlplane.benchmarks.services import benchmark_execute
-from controlplane.fleet.models import EngineInstance, Node
-from tests.engines import simulator
+from controlplane.benchmarks.models import BenchmarkRun
+from controlplane.benchmarks.services import benchmark_cancel, benchmark_execute, benchmark_start
+from controlplane.metering.models import UsageEvent
+from controlplane.tenants.models import ApiKey
+from tests.controlplane.benchmarks.conftest import make_profile
+from workers.tasks import benchmark_run
 
-pytestmark = pytest.mark.django_db
 
-
-def test_a_run_measures_latency_per_class_against_a_live_engine(world):
-    profile = BenchmarkProfile.objects.create(name="smoke", tier=world.vision, requests=12,
-                                              concurrency=3, image_share=0.5, image_width=640,
-                                              image_height=480, max_tokens=8)
+@pytest.mark.django_db
+def test_the_task_runs_a_sweep_against_an_instance_and_stores_figures_per_stage_and_class(world, instance):
+    profile = make_profile(world.vision, sweep=[1, 3], image_buckets=[
+        {"width": 640, "height": 480, "weight": 1}, {"width": 2400, "height": 1800, "weight": 1}])
     run = BenchmarkRun.objects.create(profile=profile)
-    with simulator(name="vlm-lite") as port:
-        node = Node.objects.create(name="local", queue="node.local", last_seen_at=timezone.now())
-        EngineInstance.objects.create(tier=world.vision, node=node, port=port, actual_state="running",
-                                      healthy=True, last_health_at=timezone.now())
-        benchmark_execute(run_id=run.pk)
+    benchmark_run.apply(args=[run.pk])  # the Celery task, executed here
     run.refresh_from_db()
     assert run.state == "succeeded", run.log
-    assert run.results["errors"] == 0
-    assert run.results["classes"]["text"]["requests"] == 6
-    assert run.results["classes"]["image"]["requests"] == 6
-    assert 0 < run.results["classes"]["text"]["p50_s"] <= run.results["classes"]["text"]["p99_s"]
-    assert run.results["requests_per_s"] > 0
+    assert run.progress == 1.0 and run.started_at and run.finished_at
+    results = run.results
+    assert [stage["level"] for stage in results["stages"]] == [1.0, 3.0]
+    for stage in results["stages"]:
+        assert stage["errors"] == 0 and stage["requests"] > 0
+        assert {"text", "image", "large_image"} >= set(stage["classes"]) >= {"text"}
+        text = stage["classes"]["text"]
+        assert 0 < text["ttft"]["p50"] <= text["ttft"]["p90"] <= text["ttft"]["p99"]
+        assert text["tpot"]["p50"] > 0 and text["e2e"]["p50"] > text["ttft"]["p50"]
+        assert stage["throughput"]["requests_per_s"] > 0 and stage["throughput"]["output_tokens_per_s"] > 0
+        assert stage["goodput"]["share"] == 1.0  # the SLOs are generous here
+    images = [s for stage in results["stages"] for k, s in stage["classes"].items() if k != "text"]
+    assert images and all(s["mean_image_tokens"] > 0 for s in images)
+    assert results["stages"][0]["cost"]["per_image"] is not None
+    # 640x480 is 391+2 tokens on Qwen2.5-VL; 2400x1800 is capped by the policy at ~1M pixels
+    assert sum(stage["requests"] for stage in results["stages"]) == len(results["samples"])
+    assert "stage 2 (concurrency 3)" in run.log
 
 
-def test_a_run_with_no_engine_fails_with_the_reason(world):
-    profile = BenchmarkProfile.objects.create(name="nothing", tier=world.vision)
+@pytest.mark.django_db(transaction=True)
+def test_a_run_through_the_gateway_uses_a_benchmark_key_meters_it_and_revokes_it(world, instance, gateway_url):
+    profile = make_profile(world.vision, target="gateway", gateway_url=gateway_url, sweep=[2])
     run = BenchmarkRun.objects.create(profile=profile)
     benchmark_execute(run_id=run.pk)
     run.refresh_from_db()
+    assert run.state == "succeeded", run.log
+    stage = run.results["stages"][0]
+    assert stage["errors"] == 0
+    # the gateway reports the exact image tokens of each image request: 393 for 640x480
+    assert stage["classes"]["image"]["mean_image_tokens"] == 393
+    key = ApiKey.objects.get(name=f"benchmark run {run.pk}")
+    assert key.tenant.name == "benchmarks" and key.revoked_at is not None
+    assert UsageEvent.objects.filter(api_key=key).count() == stage["requests"]
+
+
+@pytest.mark.django_db
+def test_a_run_with_no_engine_fails_with_the_reason(world):
+    run = BenchmarkRun.objects.create(profile=make_profile(world.vision))
+    benchmark_execute(run_id=run.pk)
+    run.refresh_from_db()
     assert run.state == "failed"
-    assert "no healthy instance" in run.log
+    assert "no healthy instance of vlm-lite" in run.log
+
+
+@pytest.mark.django_db
+def test_every_request_failing_fails_the_run_and_says_why(world, instance):
+    profile = make_profile(world.vision, text_share=0.0, images_per_request_min=5, images_per_request_max=5)
+    run = BenchmarkRun.objects.create(profile=profile)
+    benchmark_execute(run_id=run.pk)
+    run.refresh_from_db()
+    assert run.state == "failed" and "every request failed" in run.log
+    assert "At most 4 image(s)" in run.results["stages"][0]["error_examples"][0]
+
+
+@pytest.mark.django_db
+def test_cancelling_a_queued_run_stops_it_before_it_starts(world, instance):
+    run = BenchmarkRun.objects.create(profile=make_profile(world.vision))
+    benchmark_cancel(run=run)
+    assert run.state == "cancelled"
+    benchmark_execute(run_id=run.pk)  # the task, had it been picked up anyway
+    run.refresh_from_db()
+    assert run.state == "cancelled" and run.started_at is None
+
+
+@pytest.mark.django_db(transaction=True)
+def test_cancelling_a_running_run_stops_it_and_keeps_what_it_measured(world, instance):
+    profile = make_profile(world.vision, sweep=[2, 2, 2], stage_duration_s=2.0)
+    run = BenchmarkRun.objects.create(profile=profile)
+
+    def work():
+        try:
+            benchmark_execute(run_id=run.pk)
+        finally:
+            connections.close_all()
+
+    worker = threading.Thread(target=work)
+    worker.start()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # wait for the first stage's results to land
+        run.refresh_from_db()
+        if run.results.get("stages"):
+            break
+        time.sleep(0.2)
+    benchmark_cancel(run=run)
+    worker.join(timeout=30)
+    run.refresh_from_db()
+    assert run.state == "cancelled", run.log
+    assert 1 <= len(run.results["stages"]) < 3
+    assert run.results["stages"][0]["requests"] > 0
+    assert run.progress < 1.0 and "cancel requested" in run.log
+
+
+@pytest.mark.django_db
+def test_starting_a_run_queues_the_task_after_commit(world, django_capture_on_commit_callbacks, settings):
+    settings.CELERY_TASK_ALWAYS_EAGER = True
+    from workers.celery import app
+
+    app.conf.task_always_eager = True
+    try:
+        profile = make_profile(world.vision)
+        with django_capture_on_commit_callbacks(execute=True):
+            run = benchmark_start(profile=profile, label="before", user=world.operator)
+        run.refresh_from_db()
+    finally:
+        app.conf.task_always_eager = False
+    # no engine: the eager task ran and failed with its reason
+    assert run.state == "failed" and run.label == "before" and run.created_by == world.operator
+    assert run.config["tier"]["name"] == "vlm-lite" and run.config["sweep"] == [2]
