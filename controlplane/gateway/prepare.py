@@ -72,6 +72,8 @@ REQUEST_FIELDS = frozenset({
     "temperature", "top_p", "n", "stop", "presence_penalty", "frequency_penalty", "seed",
     "logprobs", "top_logprobs", "logit_bias", "user", "response_format", "tools", "tool_choice",
     "parallel_tool_calls", "top_k", "min_p", "repetition_penalty", "metadata", "store",
+    # vLLM's output-length controls (load tests fix output lengths with them); billed as produced.
+    "ignore_eos", "min_tokens",
 })
 MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id", "refusal"})
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
@@ -144,6 +146,14 @@ def validate_body(body) -> None:
         limit = body.get(name)
         if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
             raise RequestInvalid(f"{name} must be a positive integer", param=name)
+    if body.get("ignore_eos") not in (None, True, False):
+        raise RequestInvalid("ignore_eos must be a boolean", param="ignore_eos")
+    least = body.get("min_tokens")
+    if least is not None and (not isinstance(least, int) or isinstance(least, bool) or least < 0):
+        raise RequestInvalid("min_tokens must be a non-negative integer", param="min_tokens")
+    most = body.get("max_completion_tokens") or body.get("max_tokens")
+    if least and most and least > most:
+        raise RequestInvalid(f"min_tokens {least} exceeds max_tokens {most}", param="min_tokens")
 
 
 def _image_tiles(url: str, policy: Policy, detail, fetch: FetchPolicy | None, max_bytes: int):

@@ -134,3 +134,16 @@ def routed_with_key(world, monkeypatch):
         instance.healthy, instance.last_health_at = True, timezone.now()
         instance.save()
         yield port, world
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"ignore_eos": "yes"}, "ignore_eos must be a boolean"),
+    ({"min_tokens": -1}, "min_tokens must be a non-negative integer"),
+    ({"min_tokens": 50, "max_tokens": 10}, "min_tokens 50 exceeds max_tokens 10"),
+])
+def test_vllm_output_length_controls_are_checked(extra, message):
+    body = {"model": "text", "messages": [{"role": "user", "content": "hi"}], **extra}
+    with pytest.raises(RequestInvalid, match=message):
+        validate_body(body)
+    validate_body({"model": "text", "messages": [{"role": "user", "content": "hi"}], "ignore_eos": True,
+                   "min_tokens": 5, "max_tokens": 10})  # what load tests send is accepted

@@ -200,6 +200,18 @@ def test_max_tokens_is_respected(engine):
     assert len(body["choices"][0]["message"]["content"].split()) == 3
 
 
+def test_ignore_eos_and_min_tokens_set_the_output_length_as_in_vllm(engine):
+    messages = _messages()
+    natural = engine.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 500}).json()
+    assert natural["usage"]["completion_tokens"] < 100  # the reply ends by itself
+    forced = engine.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 500,
+                                                        "ignore_eos": True}).json()
+    assert (forced["usage"]["completion_tokens"], forced["choices"][0]["finish_reason"]) == (500, "length")
+    held = engine.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 500,
+                                                      "min_tokens": 120}).json()
+    assert held["usage"]["completion_tokens"] == 120
+
+
 def test_max_completion_tokens_is_respected_when_streaming(engine):
     payload = {"messages": _messages(), "stream": True, "max_completion_tokens": 2,
                "stream_options": {"include_usage": True}}

@@ -204,7 +204,11 @@ class SimulatedEngine:
         for n, image in enumerate(images, 1):
             tokens += f"image {n} {image.width}x{image.height} {image.tokens} tokens .".split()
         tokens += [rng.choice(_WORDS) for _ in range(rng.randint(8, 40))]
-        if len(tokens) > max_tokens:
+        # vLLM's sampling extras: ignore_eos runs to max_tokens, min_tokens holds the end off.
+        least = max_tokens if body.get("ignore_eos") is True else int(body.get("min_tokens") or 0)
+        while len(tokens) < min(least, max_tokens):
+            tokens.append(rng.choice(_WORDS))
+        if len(tokens) > max_tokens or (len(tokens) == max_tokens and body.get("ignore_eos") is True):
             return tokens[:max_tokens], "length"
         return tokens, "stop"
 
