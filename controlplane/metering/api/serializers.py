@@ -1,6 +1,10 @@
 from rest_framework import serializers
 
-from controlplane.metering.models import DailyUsage, UsageEvent, UsageImage
+from controlplane.metering.models import DailyUsage, HourlyUsage, UsageEvent, UsageImage
+
+# What every rollup row (and the totals per tier) carries, in this order.
+TOTALS = ["requests", "images", "image_tokens", "cached_tokens", "cached_image_tokens", "text_tokens",
+          "output_tokens", "cost", "cache_savings"]
 
 
 class UsageImageSerializer(serializers.ModelSerializer):
@@ -11,21 +15,48 @@ class UsageImageSerializer(serializers.ModelSerializer):
 
 
 class UsageEventSerializer(serializers.ModelSerializer):
+    tenant = serializers.CharField(source="tenant.name")
+    key_prefix = serializers.CharField(source="api_key.prefix", default=None)
     tier = serializers.CharField(source="tier.name")
     images = UsageImageSerializer(many=True)
 
     class Meta:
         model = UsageEvent
-        fields = ["request_id", "created_at", "tier", "status", "http_status", "stream", "latency_ms",
-                  "image_count", "image_tokens", "cached_tokens", "text_tokens", "output_tokens",
-                  "cost", "images"]
+        fields = ["request_id", "created_at", "tenant", "key_prefix", "tier", "status", "http_status", "stream",
+                  "latency_ms", "image_count", "image_tokens", "cached_tokens", "cached_image_tokens",
+                  "text_tokens", "output_tokens", "cost", "cache_savings", "images"]
 
 
 class DailyUsageSerializer(serializers.ModelSerializer):
+    tenant = serializers.CharField(source="tenant.name")
     tier = serializers.CharField(source="tier.name")
     key_prefix = serializers.CharField(source="api_key.prefix", default=None)
 
     class Meta:
         model = DailyUsage
-        fields = ["day", "tier", "key_prefix", "requests", "images", "image_tokens", "cached_tokens", "text_tokens",
-                  "output_tokens", "cost"]
+        fields = ["day", "tenant", "tier", "key_prefix", *TOTALS]
+
+
+class HourlyUsageSerializer(serializers.ModelSerializer):
+    tenant = serializers.CharField(source="tenant.name")
+    tier = serializers.CharField(source="tier.name")
+    key_prefix = serializers.CharField(source="api_key.prefix", default=None)
+
+    class Meta:
+        model = HourlyUsage
+        fields = ["hour", "tenant", "tier", "key_prefix", *TOTALS]
+
+
+class TierUsageSerializer(serializers.Serializer):
+    """Totals of one tier over the range asked for (rows of sums named sum_<total>)."""
+
+    tier = serializers.CharField(source="tier__name")
+    requests = serializers.IntegerField(source="sum_requests")
+    images = serializers.IntegerField(source="sum_images")
+    image_tokens = serializers.IntegerField(source="sum_image_tokens")
+    cached_tokens = serializers.IntegerField(source="sum_cached_tokens")
+    cached_image_tokens = serializers.IntegerField(source="sum_cached_image_tokens")
+    text_tokens = serializers.IntegerField(source="sum_text_tokens")
+    output_tokens = serializers.IntegerField(source="sum_output_tokens")
+    cost = serializers.DecimalField(max_digits=20, decimal_places=6, source="sum_cost")
+    cache_savings = serializers.DecimalField(max_digits=20, decimal_places=6, source="sum_cache_savings")

@@ -1,40 +1,97 @@
-from django.db.models import QuerySet
+"""Usage lists: each request, and the hourly, daily and per-tier totals from the rollups.
+
+Every list takes the filters of its `filters` class, pages with UsagePagination, and is in a
+total order (the last field is unique) so pages never repeat or skip a row.
+"""
+
+from django.db.models import QuerySet, Sum
+from drf_spectacular.utils import extend_schema, extend_schema_view
 from rest_framework import generics
 
-from controlplane.metering.api.serializers import DailyUsageSerializer, UsageEventSerializer
-from controlplane.metering.models import DailyUsage, UsageEvent
-from controlplane.tenants import roles
-from controlplane.tenants.api_auth import TenantPrincipal
+from controlplane.metering.api.filters import (
+    DailyFilters,
+    HourlyFilters,
+    RequestFilters,
+    UsageFilters,
+    UsagePagination,
+)
+from controlplane.metering.api.serializers import (
+    TOTALS,
+    DailyUsageSerializer,
+    HourlyUsageSerializer,
+    TierUsageSerializer,
+    UsageEventSerializer,
+)
+from controlplane.metering.models import DailyUsage, HourlyUsage, UsageEvent
 
 
-def _tenant_scope(request, queryset: QuerySet) -> QuerySet:
-    """A tenant's key sees its own tenant; staff see the tenants their role allows."""
-    if isinstance(request.user, TenantPrincipal):
-        return queryset.filter(tenant=request.user.tenant)
-    queryset = queryset.filter(tenant__in=roles.visible_tenants(request.user))
-    if name := request.query_params.get("tenant"):
-        queryset = queryset.filter(tenant__name=name)
-    return queryset
+class _UsageList(generics.ListAPIView):
+    pagination_class = UsagePagination
+    filters = UsageFilters
+    period = ""  # the field that dates a row
+
+    def rows(self) -> QuerySet:
+        raise NotImplementedError
+
+    def get_queryset(self):
+        filters = self.filters(data=self.request.query_params, context={"request": self.request})
+        filters.is_valid(raise_exception=True)
+        return filters.apply(self.rows(), period=self.period)
 
 
-class UsageRequestList(generics.ListAPIView):
-    """The requests made with this tenant's keys, newest first, with their metered usage."""
+@extend_schema_view(get=extend_schema(parameters=[RequestFilters]))
+class UsageRequestList(_UsageList):
+    """The requests made with this tenant's keys, newest first, each with its metered usage
+    and its images. To walk a range that is still receiving requests, give `until`."""
 
     serializer_class = UsageEventSerializer
+    filters = RequestFilters
+    period = "created_at"
 
-    def get_queryset(self):
-        queryset = UsageEvent.objects.select_related("tier").prefetch_related("images")
-        queryset = _tenant_scope(self.request, queryset)
-        if request_id := self.request.query_params.get("request_id"):
-            queryset = queryset.filter(request_id=request_id)
-        return queryset.order_by("-created_at", "-id")
+    def rows(self):
+        return (UsageEvent.objects.select_related("tenant", "api_key", "tier").prefetch_related("images")
+                .order_by("-created_at", "-id"))
 
 
-class DailyUsageList(generics.ListAPIView):
-    """Daily totals per tier, from the rollups."""
+@extend_schema_view(get=extend_schema(parameters=[HourlyFilters]))
+class HourlyUsageList(_UsageList):
+    """Totals per UTC hour, key and tier, from the hourly rollups, newest hour first."""
+
+    serializer_class = HourlyUsageSerializer
+    filters = HourlyFilters
+    period = "hour"
+
+    def rows(self):
+        return (HourlyUsage.objects.select_related("tenant", "api_key", "tier")
+                .order_by("-hour", "tenant__name", "tier__name", "api_key__prefix", "id"))
+
+
+@extend_schema_view(get=extend_schema(parameters=[DailyFilters]))
+class DailyUsageList(_UsageList):
+    """Totals per UTC day, key and tier, from the daily rollups, newest day first."""
 
     serializer_class = DailyUsageSerializer
+    filters = DailyFilters
+    period = "day"
+
+    def rows(self):
+        return (DailyUsage.objects.select_related("tenant", "api_key", "tier")
+                .order_by("-day", "tenant__name", "tier__name", "api_key__prefix", "id"))
+
+
+@extend_schema_view(get=extend_schema(parameters=[HourlyFilters]))
+class TierUsageList(_UsageList):
+    """Totals per tier over the range (all time unless `since`/`until` say otherwise), summed
+    from the hourly rollups, by tier name."""
+
+    serializer_class = TierUsageSerializer
+    filters = HourlyFilters
+    period = "hour"
+
+    def rows(self):
+        return HourlyUsage.objects.all()
 
     def get_queryset(self):
-        queryset = _tenant_scope(self.request, DailyUsage.objects.select_related("tier", "api_key"))
-        return queryset.order_by("-day", "tier__name")
+        # Tier names are unique, so one row per name is a total order.
+        return (super().get_queryset().values("tier__name").order_by("tier__name")
+                .annotate(**{f"sum_{name}": Sum(name) for name in TOTALS}))

@@ -25,9 +25,13 @@ def test_a_tenant_key_sees_its_own_requests_and_never_anothers(client, world):
     charlie = client.get("/api/v1/usage/requests/", HTTP_AUTHORIZATION=f"Bearer {world.charlie_key}")
     assert _ids(alice) == ["req_alice"]
     assert _ids(charlie) == ["req_charlie"]
-    probe = client.get("/api/v1/usage/requests/", {"request_id": "req_alice", "tenant": "alice"},
+    probe = client.get("/api/v1/usage/requests/", {"request_id": "req_alice"},
                        HTTP_AUTHORIZATION=f"Bearer {world.charlie_key}")
     assert _ids(probe) == []
+    # naming another tenant is refused, not quietly answered with its rows
+    probe = client.get("/api/v1/usage/requests/", {"request_id": "req_alice", "tenant": "alice"},
+                       HTTP_AUTHORIZATION=f"Bearer {world.charlie_key}")
+    assert probe.status_code == 400 and b"req_alice" not in probe.content
 
 
 def test_staff_see_what_their_role_allows(client, world):
