@@ -249,3 +249,56 @@ def test_a_tenant_over_its_quota_gets_a_rate_limit_error_with_retry_after(system
     assert 1 <= int(refused.value.response.headers["retry-after"]) <= 60
     refused_id = refused.value.response.headers["x-request-id"]
     assert metered(system_db, refused_id).http_status == 429  # refused requests are in the usage too
+
+
+def _web_pid(system) -> int:
+    """The uvicorn process runlocal started (and restarts when it dies)."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                parent = int(stat.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as cmdline:
+                argv = cmdline.read().split(b"\0")
+        except OSError:
+            continue
+        if parent == system.process.pid and b"uvicorn" in argv:
+            return int(entry)
+    raise AssertionError("no web process under runlocal")
+
+
+def test_a_gateway_killed_mid_stream_leaves_its_usage_recorded_once(system, system_db):
+    import json
+
+    import redis
+
+    beats = redis.Redis.from_url(system.env["REDIS_URL"])
+    body = {"model": "vlm-flagship", "stream": True, "max_tokens": 2000, "ignore_eos": True,
+            "messages": _image_message(data_url(image_bytes(800, 600)))}
+    received = 0
+    with httpx.stream("POST", f"{system.base_url}/v1/chat/completions", json=body, timeout=30,
+                      headers={"Authorization": f"Bearer {system.api_key}"}) as response:
+        assert response.status_code == 200
+        request_id = response.headers["x-request-id"]
+        journaled = json.loads(beats.hget("vlmcp:inflight", request_id))
+        lines = response.iter_lines()
+        last_beat = {}
+        while last_beat.get("produced", 0) < 20:  # until a heartbeat has carried the progress
+            line = next(lines)
+            received += line.startswith("data:") and '"content"' in line
+            last_beat = json.loads(beats.hget("vlmcp:inflight:beat", request_id) or "{}")
+        os.kill(_web_pid(system), signal.SIGKILL)  # the engine has answered 20+ tokens; the client is mid-stream
+        with pytest.raises(httpx.HTTPError):
+            for _ in lines:
+                pass
+
+    event = wait_for(lambda: UsageEvent.objects.using(system_db).filter(request_id=request_id).first(),
+                     timeout=30, what="the usage event of the killed gateway's request")
+    assert event.status == "interrupted" and event.stream
+    assert event.image_tokens == journaled["image_tokens"] > 0  # counted before it was forwarded
+    assert event.text_tokens == journaled["text_tokens"] > 0
+    assert last_beat["produced"] <= event.output_tokens < 2000  # as of the last heartbeat
+    assert event.instance_id is not None and event.cost > 0
+    assert beats.hget("vlmcp:inflight", request_id) is None  # finished, by the reaper alone
+    wait_for(system._web_up, timeout=30, what="the web process, restarted by runlocal")
