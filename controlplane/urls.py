@@ -14,5 +14,6 @@ urlpatterns = [
     path("admin/", admin.site.urls),
     path("login/", auth_views.LoginView.as_view(), name="login"),
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
+    path("benchmarks/", include("controlplane.benchmarks.urls")),
     path("", include("controlplane.dashboard.urls")),
 ]

@@ -20,7 +20,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from controlplane.benchmarks import loadgen, stats
-from controlplane.benchmarks.models import BenchmarkProfile, BenchmarkRun
+from controlplane.benchmarks.models import BenchmarkImage, BenchmarkProfile, BenchmarkRun
 from controlplane.benchmarks.workload import (
     CLASS_NAMES,
     Mix,
@@ -302,3 +302,27 @@ def _finish(run: BenchmarkRun, state: str, line: str, *, results: dict | None = 
     if progress is not None:
         fields["progress"] = progress
     BenchmarkRun.objects.filter(pk=run.pk).update(**fields)
+
+
+@transaction.atomic
+def profile_save(*, profile: BenchmarkProfile) -> BenchmarkProfile:
+    """Save a validated profile and bring its beat schedule in line with it."""
+    from controlplane.benchmarks.schedules import profile_schedule_sync
+
+    profile.save()
+    profile_schedule_sync(profile=profile)
+    return profile
+
+
+@transaction.atomic
+def profile_delete(*, profile: BenchmarkProfile) -> None:
+    from controlplane.benchmarks.schedules import profile_schedule_remove
+
+    profile_schedule_remove(profile=profile)
+    profile.delete()
+
+
+def profile_image_add(*, profile: BenchmarkProfile, name: str, content_type: str, width: int, height: int,
+                      data: bytes) -> BenchmarkImage:
+    return BenchmarkImage.objects.create(profile=profile, name=name, content_type=content_type, width=width,
+                                         height=height, data=data)

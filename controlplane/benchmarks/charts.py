@@ -1,0 +1,58 @@
+"""Plotly charts of benchmark results: latency against load, and goodput against load."""
+
+from __future__ import annotations
+
+import plotly.graph_objects as go
+import plotly.io as pio
+
+from controlplane.benchmarks.workload import CLASS_NAMES
+
+_DASH = {"p50": "dot", "p90": "dash", "p99": "solid"}
+
+
+def _axis(results: dict) -> str:
+    return "concurrency" if results.get("arrival") == "closed" else "offered load (requests/s)"
+
+
+def _html(figure: go.Figure, div_id: str) -> str:
+    return pio.to_html(figure, include_plotlyjs=False, full_html=False, div_id=div_id,
+                       config={"displaylogo": False})
+
+
+def latency_chart(runs: list[tuple[str, dict]], *, metric: str = "ttft", quantiles=("p50", "p99"),
+                  div_id: str = "latency-chart") -> str:
+    """One line per run, request class and quantile: `metric` (ms) at each load level."""
+    figure = go.Figure()
+    for name, results in runs:
+        stages = results.get("stages") or []
+        classes = sorted({k for stage in stages for k in stage["classes"]})
+        for klass in classes:
+            for q in quantiles:
+                points = [(s["level"], s["classes"][klass][metric][q]) for s in stages if klass in s["classes"]]
+                label = f"{CLASS_NAMES.get(klass, klass)} {q}"
+                figure.add_scatter(name=f"{name}: {label}" if len(runs) > 1 else label,
+                                   x=[x for x, _ in points], y=[y for _, y in points], mode="lines+markers",
+                                   line={"dash": _DASH.get(q, "solid")})
+    title = {"ttft": "Time to first token", "tpot": "Time per output token", "itl": "Inter-token latency",
+             "e2e": "End-to-end latency"}[metric]
+    axis = _axis(runs[0][1]) if runs else "load"
+    figure.update_layout(title=f"{title} against load", xaxis_title=axis, yaxis_title="ms",
+                         margin={"l": 60, "r": 20, "t": 50, "b": 50}, height=400)
+    return _html(figure, div_id)
+
+
+def throughput_chart(runs: list[tuple[str, dict]], div_id: str = "throughput-chart") -> str:
+    figure = go.Figure()
+    for name, results in runs:
+        stages = results.get("stages") or []
+        levels = [s["level"] for s in stages]
+        prefix = f"{name}: " if len(runs) > 1 else ""
+        figure.add_scatter(name=f"{prefix}requests/s", x=levels,
+                           y=[s["throughput"]["requests_per_s"] for s in stages], mode="lines+markers")
+        figure.add_scatter(name=f"{prefix}goodput/s", x=levels, y=[s["goodput"]["requests_per_s"] for s in stages],
+                           mode="lines+markers", line={"dash": "dash"})
+    axis = _axis(runs[0][1]) if runs else "load"
+    figure.update_layout(title="Throughput and goodput (within the SLOs) against load", xaxis_title=axis,
+                         yaxis_title="requests per second", margin={"l": 60, "r": 20, "t": 50, "b": 50},
+                         height=360)
+    return _html(figure, div_id)

@@ -1,0 +1,72 @@
+"""Reads for the benchmark pages: rows of result tables and the comparison of two runs."""
+
+from __future__ import annotations
+
+from controlplane.benchmarks.models import BenchmarkRun
+from controlplane.benchmarks.workload import CLASS_NAMES
+
+# (label, path into a class summary) for the comparison table
+COMPARED = [
+    ("TTFT p50 (ms)", ("ttft", "p50")), ("TTFT p99 (ms)", ("ttft", "p99")),
+    ("TPOT p99 (ms)", ("tpot", "p99")), ("E2E p99 (ms)", ("e2e", "p99")),
+    ("goodput (req/s)", ("goodput_per_s",)),
+]
+
+
+def _dig(value, path):
+    for key in path:
+        value = value.get(key) if isinstance(value, dict) else None
+    return value
+
+
+def stage_rows(results: dict) -> list[dict]:
+    """One row per stage and request class ("all" first), for the results table."""
+    rows = []
+    for n, stage in enumerate(results.get("stages") or []):
+        for klass, figures in [("all", stage["all"]), *stage["classes"].items()]:
+            rows.append({"stage": n + 1, "level": stage["level"], "klass": CLASS_NAMES.get(klass, klass),
+                         "figures": figures, "stage_summary": stage, "first": klass == "all"})
+    return rows
+
+
+def _flatten(config: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def config_changes(a: BenchmarkRun, b: BenchmarkRun) -> list[tuple[str, object, object]]:
+    """What differs between the two runs' profile and tier settings."""
+    before, after = _flatten(a.config or {}), _flatten(b.config or {})
+    return [(key, before.get(key), after.get(key)) for key in sorted(set(before) | set(after))
+            if before.get(key) != after.get(key)]
+
+
+def _change(before, after):
+    if not isinstance(before, int | float) or not isinstance(after, int | float) or not before:
+        return None
+    return round(100 * (after - before) / before, 1)
+
+
+def comparison_rows(a: BenchmarkRun, b: BenchmarkRun) -> list[dict]:
+    """Stages matched by load level, then class by class: each figure before, after, change."""
+    stages_b = {stage["level"]: stage for stage in b.results.get("stages") or []}
+    rows = []
+    for stage_a in a.results.get("stages") or []:
+        stage_b = stages_b.get(stage_a["level"])
+        if stage_b is None:
+            continue
+        classes = ["all", *[k for k in stage_a["classes"] if k in stage_b["classes"]]]
+        for klass in classes:
+            fa = stage_a["all"] if klass == "all" else stage_a["classes"][klass]
+            fb = stage_b["all"] if klass == "all" else stage_b["classes"][klass]
+            cells = []
+            for label, path in COMPARED:
+                before, after = _dig(fa, path), _dig(fb, path)
+                cells.append({"label": label, "a": before, "b": after, "change": _change(before, after)})
+            rows.append({"level": stage_a["level"], "klass": CLASS_NAMES.get(klass, klass), "cells": cells})
+    return rows

@@ -1,0 +1,129 @@
+"""Operator pages: profiles, runs with their progress and results, and two runs compared."""
+
+from __future__ import annotations
+
+from django.contrib import messages
+from django.contrib.auth.decorators import login_required
+from django.core.exceptions import PermissionDenied
+from django.shortcuts import get_object_or_404, redirect, render
+from django.views.decorators.http import require_POST
+
+from controlplane.benchmarks import charts, selectors, services
+from controlplane.benchmarks.forms import CompareForm, ImageUploadForm, ProfileForm, RunForm
+from controlplane.benchmarks.models import BenchmarkImage, BenchmarkProfile, BenchmarkRun
+from controlplane.tenants import roles
+
+
+def _operator(request):
+    if not roles.is_operator(request.user):
+        raise PermissionDenied
+
+
+@login_required
+def profile_list(request):
+    _operator(request)
+    profiles = BenchmarkProfile.objects.select_related("tier", "periodic_task").order_by("name")
+    runs = BenchmarkRun.objects.select_related("profile")[:30]
+    return render(request, "benchmarks/list.html", {"profiles": profiles, "runs": runs,
+                                                    "compare_form": CompareForm()})
+
+
+@login_required
+def profile_edit(request, pk: int | None = None):
+    _operator(request)
+    profile = get_object_or_404(BenchmarkProfile, pk=pk) if pk is not None else None
+    form = ProfileForm(request.POST or None, instance=profile)
+    if request.method == "POST" and form.is_valid():
+        profile = services.profile_save(profile=form.save(commit=False))
+        messages.success(request, f"Profile {profile.name} saved.")
+        return redirect("benchmarks:profile", pk=profile.pk)
+    context = {"form": form, "profile": profile}
+    if profile is not None:
+        context.update(run_form=RunForm(), upload_form=ImageUploadForm(), images=profile.images.all(),
+                       runs=profile.runs.all()[:30])
+    return render(request, "benchmarks/profile.html", context)
+
+
+@login_required
+@require_POST
+def profile_delete(request, pk: int):
+    _operator(request)
+    profile = get_object_or_404(BenchmarkProfile, pk=pk)
+    services.profile_delete(profile=profile)
+    messages.success(request, f"Profile {profile.name} deleted with its runs.")
+    return redirect("benchmarks:list")
+
+
+@login_required
+@require_POST
+def profile_run(request, pk: int):
+    _operator(request)
+    profile = get_object_or_404(BenchmarkProfile, pk=pk)
+    form = RunForm(request.POST)
+    label = form.cleaned_data["label"] if form.is_valid() else ""
+    run = services.benchmark_start(profile=profile, label=label, user=request.user)
+    return redirect("benchmarks:run", pk=run.pk)
+
+
+@login_required
+@require_POST
+def image_upload(request, pk: int):
+    _operator(request)
+    profile = get_object_or_404(BenchmarkProfile, pk=pk)
+    form = ImageUploadForm(request.POST, request.FILES)
+    if form.is_valid():
+        services.profile_image_add(profile=profile, **form.image_info)
+        messages.success(request, f"Image {form.image_info['name']} added.")
+    else:
+        messages.error(request, "; ".join(e for errors in form.errors.values() for e in errors))
+    return redirect("benchmarks:profile", pk=profile.pk)
+
+
+@login_required
+@require_POST
+def image_delete(request, pk: int, image_pk: int):
+    _operator(request)
+    get_object_or_404(BenchmarkImage, pk=image_pk, profile_id=pk).delete()
+    return redirect("benchmarks:profile", pk=pk)
+
+
+@login_required
+def run_detail(request, pk: int):
+    _operator(request)
+    run = get_object_or_404(BenchmarkRun.objects.select_related("profile__tier", "created_by"), pk=pk)
+    results = run.results or {}
+    has_stages = bool(results.get("stages"))
+    return render(request, "benchmarks/run.html", {
+        "run": run,
+        "rows": selectors.stage_rows(results),
+        "ttft_chart": charts.latency_chart([(str(run), results)]) if has_stages else None,
+        "tpot_chart": charts.latency_chart([(str(run), results)], metric="tpot", div_id="tpot-chart")
+        if has_stages else None,
+        "throughput_chart": charts.throughput_chart([(str(run), results)]) if has_stages else None,
+        "others": BenchmarkRun.objects.filter(profile=run.profile).exclude(pk=run.pk)[:20],
+    })
+
+
+@login_required
+@require_POST
+def run_cancel(request, pk: int):
+    _operator(request)
+    run = get_object_or_404(BenchmarkRun, pk=pk)
+    services.benchmark_cancel(run=run)
+    messages.info(request, "Cancelled." if run.state == "cancelled" else "Stopping: the run keeps what it measured.")
+    return redirect("benchmarks:run", pk=pk)
+
+
+@login_required
+def compare(request):
+    _operator(request)
+    form = CompareForm(request.GET or None)
+    context = {"form": form}
+    if form.is_valid():
+        a = get_object_or_404(BenchmarkRun.objects.select_related("profile"), pk=form.cleaned_data["a"])
+        b = get_object_or_404(BenchmarkRun.objects.select_related("profile"), pk=form.cleaned_data["b"])
+        named = [(f"A #{a.pk}", a.results or {}), (f"B #{b.pk}", b.results or {})]
+        context.update(a=a, b=b, rows=selectors.comparison_rows(a, b), changes=selectors.config_changes(a, b),
+                       ttft_chart=charts.latency_chart(named, quantiles=("p99",)),
+                       throughput_chart=charts.throughput_chart(named))
+    return render(request, "benchmarks/compare.html", context)

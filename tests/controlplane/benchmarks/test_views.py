@@ -1,0 +1,185 @@
+"""The operator pages: profiles edited with their schedule, runs started, watched, cancelled
+and compared; nobody else gets in."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from django_celery_beat.models import PeriodicTask
+
+from controlplane.benchmarks.models import BenchmarkImage, BenchmarkProfile, BenchmarkRun
+from tests.controlplane.benchmarks.conftest import make_profile
+from tests.images import image_bytes
+
+pytestmark = pytest.mark.django_db
+
+
+def form_data(world, **overrides):
+    data = {"name": "mixed", "description": "", "tier": world.vision.pk, "target": "gateway",
+            "gateway_url": "http://127.0.0.1:8000", "instance": "", "text_share": "0.5",
+            "images_per_request_min": "1", "images_per_request_max": "2", "image_source": "buckets",
+            "image_buckets": json.dumps([{"width": 640, "height": 480, "weight": 3}]),
+            "prompt_tokens_min": "32", "prompt_tokens_max": "64", "output_tokens_min": "16",
+            "output_tokens_max": "32", "arrival": "open", "sweep": "[1, 2.5, 5]", "stage_duration_s": "20",
+            "seed": "0", "ttft_slo_ms": "800", "tpot_slo_ms": "50", "schedule_cron": ""}
+    data.update(overrides)
+    return {k: v for k, v in data.items() if v is not None}
+
+
+def test_it_creates_a_profile_and_its_beat_schedule_from_the_form(client, world):
+    client.force_login(world.operator)
+    response = client.post("/benchmarks/new/", form_data(world, schedule_enabled="on", schedule_cron="30 2 * * 1"))
+    profile = BenchmarkProfile.objects.get(name="mixed")
+    assert response.status_code == 302 and response.url == f"/benchmarks/{profile.pk}/"
+    assert profile.sweep == [1, 2.5, 5] and profile.arrival == "open"
+    task = PeriodicTask.objects.get(pk=profile.periodic_task_id)
+    assert task.task == "benchmarks.run" and json.loads(task.kwargs) == {"profile_id": profile.pk}
+    assert task.enabled
+    assert (task.crontab.minute, task.crontab.hour, task.crontab.day_of_week) == ("30", "2", "1")
+
+
+def test_editing_the_schedule_changes_pauses_and_removes_the_beat_entry(client, world):
+    client.force_login(world.operator)
+    client.post("/benchmarks/new/", form_data(world, schedule_enabled="on", schedule_cron="0 3 * * *"))
+    profile = BenchmarkProfile.objects.get(name="mixed")
+    client.post(f"/benchmarks/{profile.pk}/", form_data(world, schedule_cron="15 4 * * *"))  # unticked: paused
+    task = PeriodicTask.objects.get(pk=profile.periodic_task_id)
+    assert not task.enabled and (task.crontab.minute, task.crontab.hour) == ("15", "4")
+    client.post(f"/benchmarks/{profile.pk}/", form_data(world, schedule_cron=""))
+    profile.refresh_from_db()
+    assert profile.periodic_task is None and not PeriodicTask.objects.filter(task="benchmarks.run").exists()
+
+
+def test_deleting_a_profile_removes_its_schedule(client, world):
+    client.force_login(world.operator)
+    client.post("/benchmarks/new/", form_data(world, schedule_enabled="on", schedule_cron="0 3 * * *"))
+    profile = BenchmarkProfile.objects.get(name="mixed")
+    client.post(f"/benchmarks/{profile.pk}/delete/")
+    assert not BenchmarkProfile.objects.exists()
+    assert not PeriodicTask.objects.filter(task="benchmarks.run").exists()
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("sweep", "[]", "This field is required"),
+    ("sweep", "[1, -2]", "a list of 1 to 20 positive numbers"),
+    ("sweep", "[1.5]", "whole numbers"),  # with a closed loop
+    ("image_buckets", '[{"width": 0, "height": 10}]', "between 16 and 8192"),
+    ("schedule_cron", "every day", "five fields"),
+    ("schedule_cron", "99 * * * *", ""),
+    ("images_per_request_max", "0", ""),
+    ("stage_duration_s", "900", "at most 2400 s"),
+])
+def test_it_refuses_a_malformed_profile_and_says_why(client, world, field, value, message):
+    client.force_login(world.operator)
+    data = form_data(world, **{"arrival": "closed", "sweep": "[1, 2, 4]", field: value})
+    response = client.post("/benchmarks/new/", data)
+    assert response.status_code == 200 and not BenchmarkProfile.objects.exists()
+    assert message in response.content.decode()
+
+
+def test_running_a_profile_queues_a_run_with_its_label_and_the_settings_it_used(client, world, settings):
+    client.force_login(world.operator)
+    profile = make_profile(world.vision)
+    response = client.post(f"/benchmarks/{profile.pk}/run/", {"label": "before"})
+    run = BenchmarkRun.objects.get()
+    assert response.url == f"/benchmarks/runs/{run.pk}/"
+    assert run.label == "before" and run.state == "queued" and run.created_by == world.operator
+    assert run.config["tier"]["engine_settings"] == world.vision.engine_settings
+
+
+def test_images_can_be_uploaded_to_a_profile_and_removed(client, world):
+    from django.core.files.uploadedfile import SimpleUploadedFile
+
+    client.force_login(world.operator)
+    profile = make_profile(world.vision)
+    upload = SimpleUploadedFile("chart.png", image_bytes(800, 600, "PNG"), content_type="image/png")
+    client.post(f"/benchmarks/{profile.pk}/images/", {"image": upload})
+    image = BenchmarkImage.objects.get()
+    assert (image.width, image.height, image.content_type) == (800, 600, "image/png")
+    page = client.get(f"/benchmarks/{profile.pk}/").content.decode()
+    assert "chart.png (800×600" in page
+    bad = SimpleUploadedFile("notes.txt", b"not an image", content_type="text/plain")
+    response = client.post(f"/benchmarks/{profile.pk}/images/", {"image": bad}, follow=True)
+    assert "not an image" in response.content.decode() and BenchmarkImage.objects.count() == 1
+    client.post(f"/benchmarks/{profile.pk}/images/{image.pk}/delete/")
+    assert not BenchmarkImage.objects.exists()
+
+
+def finished_run(profile, label, ttft_p99_text, level=4.0, **config):
+    def figures(p99):
+        dist = {"p50": p99 / 2, "p90": p99 * 0.9, "p99": p99, "mean": p99 / 2}
+        return {"requests": 10, "errors": 0, "ttft": dist, "tpot": dist, "itl": dist, "e2e": dist,
+                "slo_attained": 9, "goodput_per_s": 1.5, "mean_image_tokens": 0}
+    stage = {"level": level, "duration_s": 6.0, "requests": 20, "errors": 0, "error_examples": [],
+             "throughput": {"requests_per_s": 3.3, "output_tokens_per_s": 100.0, "image_tokens_per_s": 900.0},
+             "goodput": {"requests_per_s": 3.0, "share": 0.9}, "all": figures(ttft_p99_text),
+             "classes": {"text": figures(ttft_p99_text), "image": figures(500.0)},
+             "cost": {"per_image": "0.000321", "per_request": {}, "total": "0.01"}}
+    return BenchmarkRun.objects.create(profile=profile, label=label, state="succeeded", progress=1.0,
+                                       config={"sweep": [level], "tier": {"engine_settings": config}},
+                                       results={"arrival": "closed", "stages": [stage]}, log="done\n")
+
+
+def test_a_run_page_shows_progress_results_per_class_and_latency_charts(client, world):
+    client.force_login(world.operator)
+    run = finished_run(make_profile(world.vision), "before", 240.0)
+    page = client.get(f"/benchmarks/runs/{run.pk}/").content.decode()
+    assert 'id="run-state">succeeded' in page and "100%" in page
+    text_row = page.split('data-stage="1" data-class="text"')[1].split("</tr>")[0]
+    assert "120.0 / 216.0 / 240.0" in text_row
+    assert "0.000321 per image" in page
+    assert 'id="latency-chart"' in page and 'id="throughput-chart"' in page and "Plotly.newPlot" in page
+    assert 'http-equiv="refresh"' not in page  # a finished run stops reloading
+
+
+def test_a_running_run_reloads_and_can_be_cancelled_from_its_page(client, world):
+    client.force_login(world.operator)
+    run = BenchmarkRun.objects.create(profile=make_profile(world.vision), state="running", progress=0.4)
+    page = client.get(f"/benchmarks/runs/{run.pk}/").content.decode()
+    assert 'http-equiv="refresh"' in page and "40%" in page
+    client.post(f"/benchmarks/runs/{run.pk}/cancel/")
+    run.refresh_from_db()
+    assert run.cancel_requested and run.state == "running"  # the run stops itself at its next poll
+
+
+def test_two_runs_compare_side_by_side_with_what_changed(client, world):
+    client.force_login(world.operator)
+    profile = make_profile(world.vision)
+    a = finished_run(profile, "before", 400.0, scheduling_policy="fcfs")
+    b = finished_run(profile, "after", 100.0, scheduling_policy="priority")
+    page = client.get(f"/benchmarks/compare/?a={a.pk}&b={b.pk}").content.decode()
+    changes = page.split('id="changes"')[1].split("</table>")[0]
+    assert "tier.engine_settings.scheduling_policy" in changes and "fcfs" in changes and "priority" in changes
+    row = page.split('data-class="text" data-figure="TTFT p99 (ms)"')[1].split("</tr>")[0]
+    assert "400.00" in row and "100.00" in row and "-75.0%" in row
+    assert page.count("Plotly.newPlot") == 2
+
+
+def test_pages_render_for_operators(client, world):
+    client.force_login(world.operator)
+    profile = make_profile(world.vision)
+    run = finished_run(profile, "x", 1.0)
+    for url in ("/benchmarks/", "/benchmarks/new/", f"/benchmarks/{profile.pk}/", f"/benchmarks/runs/{run.pk}/",
+                "/benchmarks/compare/"):
+        assert client.get(url).status_code == 200, url
+    assert 'href="/benchmarks/"' in client.get("/").content.decode()  # the nav link
+
+
+@pytest.mark.parametrize("who", ["finance", "alice_admin", None])
+def test_everyone_else_is_refused(client, world, who):
+    profile = make_profile(world.vision)
+    run = finished_run(profile, "x", 1.0)
+    if who:
+        client.force_login(getattr(world, who))
+    for url in ("/benchmarks/", "/benchmarks/new/", f"/benchmarks/{profile.pk}/", f"/benchmarks/runs/{run.pk}/",
+                f"/benchmarks/compare/?a={run.pk}&b={run.pk}"):
+        response = client.get(url)
+        assert response.status_code == (403 if who else 302), url
+    assert client.post(f"/benchmarks/{profile.pk}/run/").status_code in (302, 403)
+    assert client.post(f"/benchmarks/runs/{run.pk}/cancel/").status_code in (302, 403)
+    assert not BenchmarkRun.objects.exclude(pk=run.pk).exists()
+    run.refresh_from_db()
+    assert not run.cancel_requested
+    if who:
+        assert 'href="/benchmarks/"' not in client.get("/").content.decode()
