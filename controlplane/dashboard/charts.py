@@ -1,32 +1,105 @@
 from __future__ import annotations
 
 import datetime as dt
+from decimal import Decimal
 
 import plotly.graph_objects as go
 import plotly.io as pio
 
+_MARGIN = {"l": 60, "r": 20, "t": 50, "b": 50}
 
-def _daily_bars(series: dict, *, title: str, axis: str, div_id: str) -> str:
-    figure = go.Figure()
-    for tier, points in series.items():
-        figure.add_bar(name=tier, x=[d.isoformat() for d, _ in points], y=[v for _, v in points])
-    figure.update_layout(
-        barmode="stack", title=title, xaxis_title="day (UTC)", yaxis_title=axis,
-        margin={"l": 60, "r": 20, "t": 50, "b": 50}, height=380, xaxis={"type": "category"},
-    )
+
+def _html(figure: go.Figure, div_id: str) -> str:
     return pio.to_html(figure, include_plotlyjs=False, full_html=False, div_id=div_id,
                        config={"displaylogo": False})
 
 
-def image_tokens_chart(series: dict[str, list[tuple[dt.date, int]]]) -> str:
-    return _daily_bars(series, title="Image tokens per day", axis="image tokens", div_id="image-tokens-chart")
+def _unit(slots: list) -> str:
+    return "hour" if slots and isinstance(slots[0], dt.datetime) else "day"
 
 
-def cost_chart(series: dict[str, list[tuple[dt.date, float]]]) -> str:
-    return _daily_bars(series, title="Cost per day (USD)", axis="USD", div_id="cost-chart")
+def _slot_labels(slots: list) -> list[str]:
+    return [s.strftime("%Y-%m-%d %H:00") if isinstance(s, dt.datetime) else s.isoformat() for s in slots]
 
 
-def resolution_curves_chart(curves: dict[str, list[tuple[float, int]]]) -> str:
+def _stacked_bars(slots: list, series: dict[str, list], *, title: str, axis: str, div_id: str) -> str:
+    unit = _unit(slots)
+    x = _slot_labels(slots)
+    figure = go.Figure()
+    for name, values in series.items():
+        figure.add_bar(name=name, x=x, y=[float(v) for v in values])
+    figure.update_layout(
+        barmode="stack", title=title, xaxis_title=f"{unit} (UTC)", yaxis_title=axis,
+        margin=_MARGIN, height=380, xaxis={"type": "category"},
+    )
+    return _html(figure, div_id)
+
+
+def image_tokens_chart(slots: list, series: dict[str, list[int]], *, by: str = "tier") -> str:
+    """Image tokens per hour or day, stacked per tier or per tenant."""
+    split = "" if by == "tier" else f" by {by}"
+    return _stacked_bars(slots, series, title=f"Image tokens per {_unit(slots)}{split}", axis="image tokens",
+                         div_id=f"image-tokens{split.replace(' ', '-')}-chart")
+
+
+def cost_chart(slots: list, series: dict[str, list[Decimal]], *, by: str = "tier") -> str:
+    """Cost per hour or day, stacked per tier or per tenant."""
+    split = "" if by == "tier" else f" by {by}"
+    return _stacked_bars(slots, series, title=f"Cost per {_unit(slots)} (USD){split}", axis="USD",
+                         div_id=f"cost{split.replace(' ', '-')}-chart")
+
+
+def cache_savings_chart(slots: list, savings: dict[str, list[Decimal]], cached_tokens: dict[str, list[int]],
+                        *, total: Decimal) -> str:
+    """What the cached-image discount saved per hour or day and tier, with the cached image
+    tokens that earned it (summed over tiers) on a second axis."""
+    unit = _unit(slots)
+    x = _slot_labels(slots)
+    figure = go.Figure()
+    for name, values in savings.items():
+        figure.add_bar(name=f"{name} saved", x=x, y=[float(v) for v in values])
+    if cached_tokens:
+        tokens = [sum(values) for values in zip(*cached_tokens.values(), strict=True)]
+        figure.add_scatter(name="cached image tokens", x=x, y=tokens, mode="lines+markers", yaxis="y2")
+    figure.update_layout(
+        barmode="stack", title=f"Saved by cached images: {usd(total)} USD in all", xaxis_title=f"{unit} (UTC)",
+        yaxis={"title": f"USD saved per {unit}"},
+        yaxis2={"title": "cached image tokens", "overlaying": "y", "side": "right", "showgrid": False,
+                "rangemode": "tozero"},
+        margin={**_MARGIN, "r": 70}, height=380, xaxis={"type": "category"},
+    )
+    return _html(figure, "cache-savings-chart")
+
+
+def cost_per_image_chart(distribution) -> str:
+    """How many images cost how much each, stacked per tier (a `CostDistribution`)."""
+    x = [bucket.label for bucket in distribution.buckets]
+    tiers = sorted({tier for bucket in distribution.buckets for tier in bucket.images})
+    figure = go.Figure()
+    for tier in tiers:
+        figure.add_bar(
+            name=tier, x=x, y=[bucket.images.get(tier, 0) for bucket in distribution.buckets],
+            customdata=[float(bucket.cost.get(tier, 0)) for bucket in distribution.buckets],
+            hovertemplate="%{x}: %{y} images, %{customdata:.6f} USD in all",
+        )
+    mean = f", {usd(distribution.mean)} USD each on average" if distribution.mean is not None else ""
+    figure.update_layout(
+        barmode="stack", title=f"Cost per image: {distribution.images} images{mean}",
+        xaxis_title="cost of one image (USD)", yaxis_title="images", margin=_MARGIN, height=380,
+        xaxis={"type": "category"},
+    )
+    return _html(figure, "cost-per-image-chart")
+
+
+def usd(amount) -> str:
+    """Dollars as people read them: cents from a dollar up, every micro-unit below it."""
+    amount = Decimal(amount)
+    if abs(amount) >= 1:
+        return f"{amount:,.2f}"
+    return format(amount.quantize(Decimal("0.000001")).normalize(), "f")
+
+
+def resolution_curves_chart(curves: dict[str, list[tuple[float, int]]], *, div_id: str = "resolution-curves") -> str:
     figure = go.Figure()
     for tier, points in curves.items():
         figure.add_scatter(name=tier, x=[mp for mp, _ in points], y=[t for _, t in points], mode="lines+markers")
@@ -34,8 +107,7 @@ def resolution_curves_chart(curves: dict[str, list[tuple[float, int]]]) -> str:
         title="Image tokens by source resolution (4:3 photo)", xaxis_title="source megapixels",
         yaxis_title="image tokens", margin={"l": 60, "r": 20, "t": 50, "b": 50}, height=340,
     )
-    return pio.to_html(figure, include_plotlyjs=False, full_html=False, div_id="resolution-curves",
-                       config={"displaylogo": False})
+    return _html(figure, div_id)
 
 
 def engine_load_chart(samples) -> str:

@@ -9,13 +9,31 @@ from django.shortcuts import get_object_or_404, redirect, render
 from django.utils import timezone
 from django.views.decorators.http import require_POST
 
-from controlplane.dashboard.charts import cost_chart, image_tokens_chart
+from controlplane.dashboard.charts import (
+    cache_savings_chart,
+    cost_chart,
+    cost_per_image_chart,
+    image_tokens_chart,
+    resolution_curves_chart,
+)
 from controlplane.dashboard.forms import ApiKeyForm
-from controlplane.dashboard.selectors import cost_per_day, image_tokens_per_day, usage_totals
+from controlplane.dashboard.selectors import (
+    DEFAULT_PERIOD,
+    PERIODS,
+    UsageScope,
+    image_cost_distribution,
+    resolution_curves,
+    usage_over_time,
+    usage_table,
+    usage_totals,
+)
 from controlplane.fleet.models import EngineEvent, EngineInstance
 from controlplane.tenants import roles
 from controlplane.tenants.models import ApiKey
 from controlplane.tenants.services import api_key_create, api_key_revoke
+
+# The tenants drawn one by one in the per-tenant charts; the rest are summed as "others".
+TOP_TENANTS = 10
 
 
 def _require(check, user):
@@ -25,16 +43,47 @@ def _require(check, user):
 
 @login_required
 def index(request):
+    """Usage from the rollups: image tokens, cost and cache savings over time per tier (and per
+    tenant for staff), the cost of one image, each tier's resolution-to-tokens curve, totals.
+
+    ?period=24h|30d|90d, ?tier=NAME, and for operators and finance ?tenant=NAME.
+    """
     _require(roles.can_see_usage, request.user)
-    tenants = roles.visible_tenants(request.user)
-    since = timezone.now().date() - dt.timedelta(days=30)
-    series = image_tokens_per_day(tenants=tenants, since=since)
+    from controlplane.catalog.models import ModelTier
+
+    staff = roles.is_operator(request.user) or roles.is_finance(request.user)
+    visible = roles.visible_tenants(request.user)
+    tenants = list(visible.order_by("name")) if staff else []
+    tiers = list(ModelTier.objects.order_by("name"))
+    tenant = next((t for t in tenants if t.name == request.GET.get("tenant")), None)
+    tier = next((t for t in tiers if t.name == request.GET.get("tier")), None)
+    period = PERIODS.get(request.GET.get("period"), PERIODS[DEFAULT_PERIOD])
+    scope = UsageScope(tenants=[tenant] if tenant else visible, tier=tier, period=period, now=timezone.now())
+
+    by_tier = usage_over_time(scope=scope, by="tier")
+    # A tenant admin's usage is one tenant's: splitting it per tenant would say nothing.
+    by_tenant = usage_over_time(scope=scope, by="tenant") if staff and tenant is None else None
+    table = usage_table(scope=scope)
+    totals = usage_totals(table)
+    distribution = image_cost_distribution(scope=scope)
+    curves = resolution_curves(tier=tier)
     return render(request, "dashboard/index.html", {
-        "chart": image_tokens_chart(series),
-        "cost_chart": cost_chart(cost_per_day(tenants=tenants, since=since)),
-        "has_data": bool(series),
-        "totals": usage_totals(tenants=tenants, since=since),
-        "tenants": tenants,
+        "period": period, "periods": PERIODS.values(), "tenant": tenant, "tier": tier,
+        "tenants": tenants, "tiers": tiers,
+        "has_data": bool(table),
+        "chart": image_tokens_chart(scope.slots, by_tier.of("image_tokens")),
+        "cost_chart": cost_chart(scope.slots, by_tier.of("cost")),
+        "tenant_charts": [
+            image_tokens_chart(scope.slots, by_tenant.of("image_tokens", top=TOP_TENANTS), by="tenant"),
+            cost_chart(scope.slots, by_tenant.of("cost", top=TOP_TENANTS), by="tenant"),
+        ] if by_tenant else [],
+        "savings_chart": cache_savings_chart(scope.slots, by_tier.of("cache_savings"),
+                                             by_tier.of("cached_image_tokens"), total=totals["cache_savings"]),
+        "distribution": distribution,
+        "distribution_chart": cost_per_image_chart(distribution) if distribution.buckets else "",
+        "curves_chart": resolution_curves_chart(curves, div_id="tier-resolution-curves") if curves else "",
+        "table": table, "totals": totals,
+        "first_day": scope.first_day, "last_day": scope.last_day,
     })
 
 
