@@ -8,6 +8,7 @@ from controlplane.fleet.prometheus import metrics
 urlpatterns = [
     path("v1/", include("controlplane.gateway.urls")),
     path("api/v1/", include("controlplane.metering.api.urls")),
+    path("api/v1/benchmarks/", include("controlplane.benchmarks.api.urls")),
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="api-docs"),
     path("metrics", metrics, name="metrics"),
