@@ -133,3 +133,29 @@ def test_starting_a_run_queues_the_task_after_commit(world, django_capture_on_co
     # no engine: the eager task ran and failed with its reason
     assert run.state == "failed" and run.label == "before" and run.created_by == world.operator
     assert run.config["tier"]["name"] == "vlm-lite" and run.config["sweep"] == [2]
+
+
+@pytest.mark.django_db
+def test_a_schedules_turn_runs_the_profile_and_beat_knows_the_entry(world, instance):
+    from django_celery_beat.schedulers import DatabaseScheduler
+
+    from controlplane.benchmarks.services import profile_save
+    from workers.celery import app
+
+    profile = make_profile(world.vision, schedule_enabled=True, schedule_cron="*/10 * * * *")
+    profile_save(profile=profile)
+    entries = DatabaseScheduler(app=app, lazy=True).all_as_schedule()
+    entry = entries[profile.periodic_task.name]
+    assert entry.task == "benchmarks.run" and entry.kwargs == {"profile_id": profile.pk}
+    benchmark_run.apply(kwargs=entry.kwargs)  # what beat sends at the schedule's turn
+    run = BenchmarkRun.objects.get(profile=profile)
+    assert run.trigger == "schedule" and run.state == "succeeded", run.log
+    assert run.label.startswith("scheduled ")
+
+
+@pytest.mark.django_db
+def test_a_schedules_turn_is_skipped_while_the_last_run_is_unfinished(world):
+    profile = make_profile(world.vision)
+    BenchmarkRun.objects.create(profile=profile, state="running")
+    benchmark_run.apply(kwargs={"profile_id": profile.pk})
+    assert profile.runs.count() == 1
