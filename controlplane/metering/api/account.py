@@ -6,7 +6,7 @@ from decimal import Decimal
 
 from django.db.models import Count, Sum
 from django.utils import timezone
-from drf_spectacular.utils import extend_schema
+from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import serializers
 from rest_framework.exceptions import NotFound, PermissionDenied, ValidationError
 from rest_framework.response import Response
@@ -172,7 +172,8 @@ class StatementSerializer(serializers.Serializer):
 class Statement(APIView):
     """This tenant's statement for a month (YYYY-MM): a line per tier; the total is their sum."""
 
-    @extend_schema(responses=StatementSerializer)
+    @extend_schema(responses=StatementSerializer, parameters=[
+        OpenApiParameter("period", str, OpenApiParameter.PATH, description="The month, YYYY-MM (UTC).")])
     def get(self, request, period: str):
         from controlplane.metering.statements import statement
 

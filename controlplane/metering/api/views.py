@@ -5,7 +5,8 @@ total order (the last field is unique) so pages never repeat or skip a row.
 """
 
 from django.db.models import QuerySet, Sum
-from drf_spectacular.utils import extend_schema, extend_schema_view
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import OpenApiExample, OpenApiResponse, extend_schema, extend_schema_view
 from rest_framework import generics
 
 from controlplane.metering.api.filters import (
@@ -24,6 +25,19 @@ from controlplane.metering.api.serializers import (
 )
 from controlplane.metering.models import DailyUsage, HourlyUsage, UsageEvent
 
+BAD_FILTER = OpenApiResponse(
+    response=OpenApiTypes.OBJECT,
+    description="A filter or page parameter is not acceptable: each one named, with what is wrong.",
+    examples=[OpenApiExample("a bad date", value={"since": [
+        "'yesterday' is neither a date (YYYY-MM-DD) nor an ISO 8601 time such as 2026-03-01T12:00:00Z "
+        "(in a URL, write the + of an offset as %2B)"]})],
+)
+
+
+def _documented(filters, serializer):
+    return extend_schema_view(get=extend_schema(parameters=[filters],
+                                                responses={200: serializer(many=True), 400: BAD_FILTER}))
+
 
 class _UsageList(generics.ListAPIView):
     pagination_class = UsagePagination
@@ -39,7 +53,7 @@ class _UsageList(generics.ListAPIView):
         return filters.apply(self.rows(), period=self.period)
 
 
-@extend_schema_view(get=extend_schema(parameters=[RequestFilters]))
+@_documented(RequestFilters, UsageEventSerializer)
 class UsageRequestList(_UsageList):
     """The requests made with this tenant's keys, newest first, each with its metered usage
     and its images. To walk a range that is still receiving requests, give `until`."""
@@ -53,7 +67,7 @@ class UsageRequestList(_UsageList):
                 .order_by("-created_at", "-id"))
 
 
-@extend_schema_view(get=extend_schema(parameters=[HourlyFilters]))
+@_documented(HourlyFilters, HourlyUsageSerializer)
 class HourlyUsageList(_UsageList):
     """Totals per UTC hour, key and tier, from the hourly rollups, newest hour first."""
 
@@ -66,7 +80,7 @@ class HourlyUsageList(_UsageList):
                 .order_by("-hour", "tenant__name", "tier__name", "api_key__prefix", "id"))
 
 
-@extend_schema_view(get=extend_schema(parameters=[DailyFilters]))
+@_documented(DailyFilters, DailyUsageSerializer)
 class DailyUsageList(_UsageList):
     """Totals per UTC day, key and tier, from the daily rollups, newest day first."""
 
@@ -79,7 +93,7 @@ class DailyUsageList(_UsageList):
                 .order_by("-day", "tenant__name", "tier__name", "api_key__prefix", "id"))
 
 
-@extend_schema_view(get=extend_schema(parameters=[HourlyFilters]))
+@_documented(HourlyFilters, TierUsageSerializer)
 class TierUsageList(_UsageList):
     """Totals per tier over the range (all time unless `since`/`until` say otherwise), summed
     from the hourly rollups, by tier name."""

@@ -346,3 +346,34 @@ def test_the_schema_is_generated_without_warnings(tmp_path):
     GENERATOR_STATS.reset()  # what earlier schema builds in this process warned about is not ours
     call_command("spectacular", "--validate", "--fail-on-warn", "--file", str(tmp_path / "schema.yaml"))
     assert "/api/v1/usage/by-tier/" in (tmp_path / "schema.yaml").read_text()
+
+
+# --- queries -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", LISTS)
+def test_a_page_costs_the_same_queries_for_three_rows_as_for_thirty(client, world, path):
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    keys = [world.alice.api_keys.get(), api_key_create(tenant=world.alice).api_key]
+
+    def queries():
+        with CaptureQueriesContext(connection) as captured:
+            response = client.get(path, HTTP_AUTHORIZATION=f"Bearer {world.alice_key}")
+        assert response.status_code == 200
+        return len(captured), response.json()["count"]
+
+    def record(first, last):
+        for n in range(first, last):
+            tier = world.vision if n < 3 else (world.vision, world.text)[n % 2]  # a second tier later
+            _record(world, world.alice, f"q{n}", key=keys[n % 2], tier=tier, images=1,
+                    at=T0 + dt.timedelta(hours=n))
+        _rollup()
+
+    record(0, 3)
+    few, few_rows = queries()
+    record(3, 30)
+    many, many_rows = queries()
+    assert many_rows > few_rows
+    assert many == few
