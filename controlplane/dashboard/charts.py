@@ -71,8 +71,9 @@ def cache_savings_chart(slots: list, savings: dict[str, list[Decimal]], cached_t
     return _html(figure, "cache-savings-chart")
 
 
-def cost_per_image_chart(distribution) -> str:
-    """How many images cost how much each, stacked per tier (a `CostDistribution`)."""
+def cost_per_image_chart(distribution, *, since: dt.date | None = None) -> str:
+    """How many images cost how much each, stacked per tier (a `CostDistribution`, of the whole
+    days from `since` when given)."""
     x = [bucket.label for bucket in distribution.buckets]
     tiers = sorted({tier for bucket in distribution.buckets for tier in bucket.images})
     figure = go.Figure()
@@ -84,7 +85,7 @@ def cost_per_image_chart(distribution) -> str:
         )
     mean = f", {usd(distribution.mean)} USD each on average" if distribution.mean is not None else ""
     figure.update_layout(
-        barmode="stack", title=f"Cost per image: {distribution.images} images{mean}",
+        barmode="stack", title=f"Cost per image{f' since {since}' if since else ''}: {distribution.images} images{mean}",
         xaxis_title="cost of one image (USD)", yaxis_title="images", margin=_MARGIN, height=380,
         xaxis={"type": "category"},
     )

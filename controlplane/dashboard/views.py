@@ -80,7 +80,7 @@ def index(request):
         "savings_chart": cache_savings_chart(scope.slots, by_tier.of("cache_savings"),
                                              by_tier.of("cached_image_tokens"), total=totals["cache_savings"]),
         "distribution": distribution,
-        "distribution_chart": cost_per_image_chart(distribution) if distribution.buckets else "",
+        "distribution_chart": cost_per_image_chart(distribution, since=scope.first_day) if distribution.buckets else "",
         "curves_chart": resolution_curves_chart(curves, div_id="tier-resolution-curves") if curves else "",
         "table": table, "totals": totals,
         "first_day": scope.first_day, "last_day": scope.last_day,
