@@ -4,12 +4,12 @@ web framework (see controlplane/gateway/asgi.py and views.py for the two ways in
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
 
 import httpx
+import orjson  # request bodies carry megabytes of base64: parsed ~3x faster than json
 from django.conf import settings
 from django.utils import timezone
 
@@ -107,7 +107,7 @@ async def _chat_completions(request: Request, request_id: str):
             raise GatewayError(413, f"request body exceeds {settings.GATEWAY_MAX_BODY_BYTES} bytes",
                                code="request_too_large")
         try:
-            body = json.loads(raw)
+            body = orjson.loads(raw)
         except (ValueError, UnicodeDecodeError):
             raise GatewayError(400, "the request body is not valid JSON", code="invalid_json") from None
         except RecursionError:
@@ -202,7 +202,7 @@ async def _forward(request_id: str, key: state.KeyInfo, tier: TierSpec, prepared
     large = prepared.image_tokens > tier.large_image_threshold
     fingerprints = tuple(p.image.fingerprint for p in prepared.images)
     body = _upstream_body(key, tier, prepared, large=large)
-    payload = json.dumps(body).encode()
+    payload = orjson.dumps(body)
     slot = None
     try:
         flight = await journal.open_flight(record)
@@ -326,7 +326,7 @@ def _apply_usage(record: UsageRecord, usage: dict | None, prepared: Prepared) ->
 
 async def _finish_plain(request_id, record, prepared, status, content, started):
     try:
-        data = json.loads(content)
+        data = orjson.loads(content)
     except ValueError:
         data = None
     if status != 200 or not isinstance(data, dict):
@@ -380,7 +380,7 @@ def _stream(request_id, flight, prepared, response, instance, started, slot=None
                     yield b"data: [DONE]\n\n"
                     continue
                 try:
-                    chunk = json.loads(data)
+                    chunk = orjson.loads(data)
                 except ValueError:
                     continue
                 if chunk.get("usage"):
@@ -394,14 +394,14 @@ def _stream(request_id, flight, prepared, response, instance, started, slot=None
                     if (choice.get("delta") or {}).get("content"):
                         progress["produced"] += 1
                         flight.produced += 1  # what the journal bills if this gateway dies
-                yield f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n".encode()
+                yield b"data: " + orjson.dumps(chunk) + b"\n\n"
         except httpx.HTTPError as exc:
             # The engine dropped the stream: tell the client in the stream's own terms.
             log.warning("engine %s broke the stream of %s: %s", instance.id, request_id, exc)
             record.status, record.http_status = "error", 502
             error = {"error": {"message": "the engine failed while streaming; retry the request",
                                "type": "server_error", "param": None, "code": "engine_error"}}
-            yield f"data: {json.dumps(error)}\n\n".encode()
+            yield b"data: " + orjson.dumps(error) + b"\n\n"
         finally:
             await close()
 

@@ -3,9 +3,10 @@ lean ASGI front (production) and Django views (the in-process test client)."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+
+import orjson
 
 
 @dataclass
@@ -27,4 +28,4 @@ class Response:
 
 
 def json_response(data, *, status: int = 200, headers: dict | None = None) -> Response:
-    return Response(status=status, body=json.dumps(data, separators=(",", ":")).encode(), headers=dict(headers or {}))
+    return Response(status=status, body=orjson.dumps(data), headers=dict(headers or {}))

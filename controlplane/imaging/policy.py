@@ -10,7 +10,6 @@ Pure Python: no Django, no Celery.
 
 from __future__ import annotations
 
-import base64
 import binascii
 import io
 import math
@@ -18,6 +17,7 @@ import re
 import struct
 from dataclasses import dataclass, replace
 
+import pybase64  # SIMD base64: a 12 MP photo's data URL in ~0.2 ms instead of ~7
 from PIL import Image
 
 from controlplane.imaging.decode import (
@@ -78,7 +78,7 @@ class NormalisedImage:
     tiles: int = 1
 
     def data_url(self) -> str:
-        return f"data:{self.mime};base64,{base64.b64encode(self.data).decode('ascii')}"
+        return f"data:{self.mime};base64,{pybase64.b64encode_as_string(self.data)}"
 
 
 def decode_data_url(url: str, *, max_bytes: int) -> bytes:
@@ -92,7 +92,7 @@ def decode_data_url(url: str, *, max_bytes: int) -> bytes:
     if len(payload) * 3 // 4 - padding > max_bytes:
         raise ImageTooLarge(f"image is larger than {max_bytes} bytes")
     try:
-        data = base64.b64decode(payload, validate=True)
+        data = pybase64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError):
         raise InvalidDataURL("image data URL is not valid base64") from None
     if not data:
