@@ -91,17 +91,17 @@ class UsageFilters(serializers.Serializer):
         return visible_tenants(self.context["request"])
 
     def validate_since(self, bound: Bound) -> Bound:
-        return self._aligned(bound, "since")
+        return self._aligned(bound)
 
     def validate_until(self, bound: Bound) -> Bound:
-        bound = self._aligned(bound, "until")
+        bound = self._aligned(bound)
         if bound.day is not None:  # the whole day is included: the range ends at the next midnight
             if bound.day == dt.date.max:
                 return Bound(at=dt.datetime.max.replace(tzinfo=dt.UTC), day=bound.day)
             return Bound(at=bound.at + dt.timedelta(days=1), day=bound.day)
         return bound
 
-    def _aligned(self, bound: Bound, name: str) -> Bound:
+    def _aligned(self, bound: Bound) -> Bound:
         if self.grain == "day" and bound.day is None:
             raise ValidationError("daily totals cover whole UTC days: give a date (YYYY-MM-DD)")
         if self.grain == "hour" and (bound.at.minute, bound.at.second, bound.at.microsecond) != (0, 0, 0):
