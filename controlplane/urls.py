@@ -7,6 +7,7 @@ from controlplane.fleet.prometheus import metrics
 
 urlpatterns = [
     path("v1/", include("controlplane.gateway.urls")),
+    path("api/v1/exports/", include("controlplane.metering.api.export_urls")),
     path("api/v1/", include("controlplane.metering.api.urls")),
     path("api/v1/benchmarks/", include("controlplane.benchmarks.api.urls")),
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),

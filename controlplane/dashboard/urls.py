@@ -1,6 +1,6 @@
 from django.urls import path
 
-from controlplane.dashboard import views
+from controlplane.dashboard import exports, views
 
 app_name = "dashboard"
 urlpatterns = [
@@ -13,5 +13,7 @@ urlpatterns = [
     path("fleet/<int:pk>/<str:action>/", views.fleet_action, name="fleet-action"),
     path("policies/", views.policies, name="policies"),
     path("capacity/", views.capacity, name="capacity"),
-    path("exports/images.csv", views.export_images, name="export-images"),
+    path("exports/", exports.exports, name="exports"),
+    path("exports/images.csv", exports.download, {"report": "images", "filetype": "csv"}, name="export-images"),
+    path("exports/<slug:report>.<str:filetype>", exports.download, name="export"),
 ]

@@ -1,7 +1,5 @@
 from __future__ import annotations
 
-import datetime as dt
-
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.core.exceptions import PermissionDenied
@@ -255,27 +253,3 @@ def capacity(request):
                                              output_tokens=data["output_tokens"]),
         }
     return render(request, "dashboard/capacity.html", {"form": form, "result": result})
-
-
-@login_required
-def export_images(request):
-    """The per-image cost report as CSV, for finance and operators. ?from=YYYY-MM-DD&to=YYYY-MM-DD"""
-    _require(lambda u: roles.is_operator(u) or roles.is_finance(u), request.user)
-    from django.http import HttpResponseBadRequest, StreamingHttpResponse
-
-    from controlplane.metering.exports import IMAGE_COLUMNS, csv_lines, in_batches, per_image_rows
-
-    today = timezone.now().date()
-    try:
-        start = dt.date.fromisoformat(request.GET.get("from") or today.replace(day=1).isoformat())
-        end = dt.date.fromisoformat(request.GET.get("to") or today.isoformat())
-    except ValueError:
-        return HttpResponseBadRequest("from and to must be dates: YYYY-MM-DD")
-    since = dt.datetime.combine(start, dt.time.min, tzinfo=dt.UTC)
-    until = dt.datetime.combine(end, dt.time.min, tzinfo=dt.UTC) + dt.timedelta(days=1)
-    rows = per_image_rows(since=since, until=until, tenants=roles.visible_tenants(request.user))
-    lines = csv_lines(IMAGE_COLUMNS, rows)
-    streamed = in_batches(lines) if request.META.get("wsgi.version") is None else lines
-    response = StreamingHttpResponse(streamed, content_type="text/csv")
-    response["Content-Disposition"] = f'attachment; filename="image-costs-{start}-{end}.csv"'
-    return response

@@ -1,20 +1,48 @@
-"""Finance exports, streamed row by row so memory stays flat at millions of rows."""
+"""Finance exports: the per-image cost report and the per-tenant monthly summary, as CSV or
+XLSX, streamed so memory stays flat at millions of rows.
+
+Rows carry typed values (datetimes, ints, Decimal amounts of money, booleans, None for
+unknown); each file format renders them its own way.
+"""
 
 from __future__ import annotations
 
+import calendar
 import csv
 import datetime as dt
 import io
 import itertools
-from collections.abc import Iterator
+import tempfile
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from decimal import Decimal
+
+from django.db.models import Q, Sum
+from django.db.models.functions import TruncMonth
 
 from controlplane.catalog.models import PriceRate
-from controlplane.metering.models import UsageImage
+from controlplane.metering.models import DailyUsage, UsageEvent, UsageImage
 from controlplane.metering.rating import Usage, price
+from controlplane.metering.statements import month_bounds
 
 IMAGE_COLUMNS = ["tenant", "request_id", "time", "tier", "source_width", "source_height", "sent_width",
                  "sent_height", "image_tokens", "cache_hit", "cost_usd"]
+SUMMARY_COUNTERS = ("requests", "images", "image_tokens", "cached_image_tokens", "text_tokens", "output_tokens")
+SUMMARY_AMOUNTS = ("cost", "cache_savings")
+SUMMARY_COLUMNS = ["tenant", "month", "line", "tier", *SUMMARY_COUNTERS, "cost_usd", "cache_savings_usd"]
 
+CSV = "csv"
+XLSX = "xlsx"
+CONTENT_TYPES = {CSV: "text/csv", XLSX: "application/vnd.openxmlformats-officedocument.spreadsheetml.sheet"}
+XLSX_MAX_ROWS = 1_048_576  # Excel's limit per sheet, header included: the rest continue on further sheets
+FILE_CHUNK = 64 * 1024
+
+
+class ExportError(ValueError):
+    """A request for an export that cannot be answered as asked (the message says why)."""
+
+
+# -- the per-image cost report ------------------------------------------------------------
 
 class _RateBook:
     """The rate in effect for a plan at a moment, without a query per row."""
@@ -29,22 +57,172 @@ class _RateBook:
         return next((r.as_rates() for r in rates if r.effective_from <= when), None)
 
 
+# The requests that were billed (services.is_billable): completed, or worked on by an engine.
+_BILLED = Q(event__status=UsageEvent.Status.OK) | Q(
+    event__status__in=[UsageEvent.Status.ABORTED, UsageEvent.Status.INTERRUPTED], event__instance__isnull=False)
+
+
 def per_image_rows(*, since: dt.datetime, until: dt.datetime, tenants) -> Iterator[list]:
-    """One row per image sent to an engine: what it was, what it became, what it cost."""
+    """One row per image sent to an engine: what it was, what it became, what it cost (None
+    when no price was in effect)."""
     rates = _RateBook()
-    images = (UsageImage.objects.filter(event__created_at__gte=since, event__created_at__lt=until,
+    images = (UsageImage.objects.filter(_BILLED, event__created_at__gte=since, event__created_at__lt=until,
                                         event__tenant__in=tenants)
-              .exclude(event__status="error")
               .select_related("event__tenant", "event__tier")
               .order_by("event__created_at", "event_id", "position"))
     for image in images.iterator(chunk_size=2000):
         event = image.event
         rate = rates.at(event.tier.price_plan_id, event.created_at)
-        cost = "" if rate is None else price(Usage(image_tokens=image.tokens, images=1,
-                                                   cached_image_tokens=image.tokens if image.cached else 0), rate)
-        yield [event.tenant.name, event.request_id, event.created_at.isoformat(), event.tier.name,
+        cost = None if rate is None else price(Usage(image_tokens=image.tokens, images=1,
+                                                     cached_image_tokens=image.tokens if image.cached else 0), rate)
+        yield [event.tenant.name, event.request_id, event.created_at, event.tier.name,
                image.source_width, image.source_height, image.width, image.height, image.tokens,
-               "yes" if image.cached else "no", cost]
+               image.cached, cost]
+
+
+# -- the per-tenant monthly summary ---------------------------------------------------------
+
+def monthly_summary_rows(*, first: dt.date, last: dt.date, tenants) -> Iterator[list]:
+    """Per tenant and month from `first` to `last`: a line per tier, then the tenant's total.
+
+    Read from the daily rollups. Costs and savings are sums of each request's recorded cost,
+    so they equal the monthly statement's lines and total to the micro-unit. The counters
+    count every recorded request, failed ones included (which cost nothing), as the usage
+    dashboard does; a statement counts only the requests that did not fail.
+    """
+    lines = (DailyUsage.objects.filter(tenant__in=tenants, day__gte=first, day__lte=last)
+             .annotate(month=TruncMonth("day"))
+             .values("tenant__name", "month", "tier__name")
+             .annotate(**{name: Sum(name) for name in SUMMARY_COUNTERS + SUMMARY_AMOUNTS})
+             .order_by("tenant__name", "month", "tier__name"))
+    for (tenant, month), group in itertools.groupby(lines.iterator(), key=lambda r: (r["tenant__name"], r["month"])):
+        period = f"{month:%Y-%m}"
+        total = dict.fromkeys(SUMMARY_COUNTERS, 0) | dict.fromkeys(SUMMARY_AMOUNTS, Decimal(0))
+        for line in group:
+            values = [line[name] or 0 for name in SUMMARY_COUNTERS] + [
+                line[name] or Decimal(0) for name in SUMMARY_AMOUNTS]
+            for name, value in zip(SUMMARY_COUNTERS + SUMMARY_AMOUNTS, values, strict=True):
+                total[name] += value
+            yield [tenant, period, "tier", line["tier__name"], *values]
+        yield [tenant, period, "total", None, *total.values()]
+
+
+# -- what was asked for ---------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Period:
+    """Whole days, `first` to `last` inclusive, in UTC."""
+
+    first: dt.date
+    last: dt.date
+
+    @property
+    def since(self) -> dt.datetime:
+        return dt.datetime.combine(self.first, dt.time.min, tzinfo=dt.UTC)
+
+    @property
+    def until(self) -> dt.datetime:
+        return dt.datetime.combine(self.last, dt.time.min, tzinfo=dt.UTC) + dt.timedelta(days=1)
+
+    def whole_months(self) -> Period:
+        """The calendar months this period touches, from the first day of the first to the
+        last day of the last: what a monthly summary covers."""
+        year, month = self.last.year, self.last.month
+        return Period(self.first.replace(day=1), self.last.replace(day=calendar.monthrange(year, month)[1]))
+
+
+def period_from(params: Mapping, *, today: dt.date) -> Period:
+    """`month=YYYY-MM`, or `from`/`to` dates (YYYY-MM-DD; `from` defaults to the first of this
+    month, `to` to today), or nothing: this month so far."""
+    if month := params.get("month"):
+        try:
+            year, number = (int(part) for part in month.split("-"))
+            start, end = month_bounds(year, number)
+        except (ValueError, OverflowError):
+            raise ExportError("month must be YYYY-MM") from None
+        return Period(start.date(), end.date() - dt.timedelta(days=1))
+    try:
+        first = dt.date.fromisoformat(params.get("from") or today.replace(day=1).isoformat())
+        last = dt.date.fromisoformat(params.get("to") or today.isoformat())
+    except ValueError:
+        raise ExportError("from and to must be dates: YYYY-MM-DD") from None
+    if first > last:
+        raise ExportError("from must not be after to")
+    if last == dt.date.max:
+        raise ExportError("to must be before 9999-12-31")
+    return Period(first, last)
+
+
+@dataclass(frozen=True)
+class Export:
+    report: str  # "images" or "monthly-summary"
+    filetype: str  # CSV or XLSX
+    period: Period
+    tenants: object  # a Tenant queryset
+    tenant_name: str = ""
+
+    @property
+    def filename(self) -> str:
+        who = f"{self.tenant_name}-" if self.tenant_name else ""
+        if self.report == "images":
+            return f"image-costs-{who}{self.period.first}-{self.period.last}.{self.filetype}"
+        first, last = (f"{day:%Y-%m}" for day in (self.period.first, self.period.last))
+        return f"monthly-summary-{who}{first}{'' if first == last else '-' + last}.{self.filetype}"
+
+    def columns(self) -> list[str]:
+        return IMAGE_COLUMNS if self.report == "images" else SUMMARY_COLUMNS
+
+    def rows(self) -> Iterator[list]:
+        if self.report == "images":
+            return per_image_rows(since=self.period.since, until=self.period.until, tenants=self.tenants)
+        months = self.period.whole_months()
+        return monthly_summary_rows(first=months.first, last=months.last, tenants=self.tenants)
+
+
+REPORTS = ("images", "monthly-summary")
+
+
+def export_for(*, report: str, filetype: str, params: Mapping, tenants, today: dt.date) -> Export:
+    """What an export request asks for, checked. `tenants` are those the caller may see; the
+    optional `tenant` parameter narrows them to one by name."""
+    if report not in REPORTS or filetype not in CONTENT_TYPES:
+        raise ExportError(f"no {report} report as {filetype}")
+    period = period_from(params, today=today)
+    name = params.get("tenant") or ""
+    if name:
+        tenants = tenants.filter(name=name)
+        if not tenants.exists():
+            raise ExportError(f"no tenant named {name!r}")
+    return Export(report=report, filetype=filetype, period=period, tenants=tenants, tenant_name=name)
+
+
+def export_response(export: Export, *, asgi: bool):
+    from django.http import StreamingHttpResponse
+
+    if export.filetype == CSV:
+        chunks, batch = csv_lines(export.columns(), export.rows()), 1000
+    else:
+        chunks, batch = xlsx_chunks(export.columns(), export.rows(), title=_sheet_title(export.report)), 1
+    response = StreamingHttpResponse(in_batches(chunks, size=batch) if asgi else chunks,
+                                     content_type=CONTENT_TYPES[export.filetype])
+    response["Content-Disposition"] = f'attachment; filename="{export.filename}"'
+    return response
+
+
+def _sheet_title(report: str) -> str:
+    return "Images" if report == "images" else "Monthly summary"
+
+
+# -- CSV --------------------------------------------------------------------------------------
+
+def _csv_cell(value):
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, dt.datetime):
+        return value.isoformat()
+    return value
 
 
 def csv_lines(header: list[str], rows: Iterator[list]) -> Iterator[bytes]:
@@ -55,8 +233,70 @@ def csv_lines(header: list[str], rows: Iterator[list]) -> Iterator[bytes]:
     for row in rows:
         buffer.seek(0)
         buffer.truncate()
-        writer.writerow(row)
+        writer.writerow([_csv_cell(value) for value in row])
         yield buffer.getvalue().encode()
+
+
+# -- XLSX -------------------------------------------------------------------------------------
+
+def xlsx_file(header: list[str], rows: Iterator[list], *, title: str, rows_per_sheet: int = XLSX_MAX_ROWS):
+    """The rows as a workbook in a rewound anonymous temporary file (closing it deletes it).
+
+    Written in XlsxWriter's constant-memory mode: each row goes to disk as soon as the next
+    begins. A sheet holds `rows_per_sheet` rows with its header; later rows continue on
+    sheets named "<title> 2", "<title> 3", ... each with the header again.
+    """
+    import xlsxwriter
+
+    out = tempfile.TemporaryFile(suffix=".xlsx")
+    try:
+        workbook = xlsxwriter.Workbook(out, {"constant_memory": True, "remove_timezone": True})
+        bold = workbook.add_format({"bold": True})
+        money = workbook.add_format({"num_format": "$#,##0.000000"})
+        when = workbook.add_format({"num_format": "yyyy-mm-dd hh:mm:ss"})
+
+        def sheet_for(number: int):
+            sheet = workbook.add_worksheet(title if number == 1 else f"{title} {number}")
+            for col, name in enumerate(header):
+                sheet.set_column(col, col, max(12, len(name) + 2))
+                sheet.write_string(0, col, name, bold)
+            sheet.freeze_panes(1, 0)
+            return sheet
+
+        number, at = 1, 1
+        sheet = sheet_for(number)
+        for row in rows:
+            if at == rows_per_sheet:
+                number, at = number + 1, 1
+                sheet = sheet_for(number)
+            for col, value in enumerate(row):
+                if value is None:
+                    continue
+                if isinstance(value, bool):
+                    sheet.write_boolean(at, col, value)
+                elif isinstance(value, int):
+                    sheet.write_number(at, col, value)
+                elif isinstance(value, Decimal):
+                    sheet.write_number(at, col, float(value), money)
+                elif isinstance(value, dt.datetime):
+                    sheet.write_datetime(at, col, value.astimezone(dt.UTC), when)
+                else:
+                    sheet.write_string(at, col, str(value))
+            at += 1
+        workbook.close()
+    except BaseException:
+        out.close()
+        raise
+    out.seek(0)
+    return out
+
+
+def xlsx_chunks(header: list[str], rows: Iterator[list], *, title: str,
+                rows_per_sheet: int = XLSX_MAX_ROWS) -> Iterator[bytes]:
+    """The workbook, built when the first chunk is asked for, then read back in chunks."""
+    with xlsx_file(header, rows, title=title, rows_per_sheet=rows_per_sheet) as handle:
+        while chunk := handle.read(FILE_CHUNK):
+            yield chunk
 
 
 async def in_batches(lines: Iterator[bytes], size: int = 1000):
