@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import itertools
 import logging
 from dataclasses import dataclass, field, replace
 
@@ -13,6 +14,7 @@ from controlplane.catalog.models import ModelTier, PriceRate
 from controlplane.metering.models import (
     DailyUsage,
     HourlyUsage,
+    ImageCostHistogram,
     RollupState,
     UsageEvent,
     UsageImage,
@@ -173,12 +175,13 @@ _TOTALS = ("requests", "images", "image_tokens", "cached_tokens", "cached_image_
 
 
 def rollup_daily(*, now: dt.datetime | None = None) -> int:
-    """Recompute the daily totals of every day that received events since the last run.
+    """Recompute the daily totals of every day that received events since the last run, and
+    that day's cost-per-image histogram.
 
     Recomputing a whole period from its events makes the run idempotent, and a late event
     (recorded today, dated yesterday) reopens its own day. Returns the days rewritten.
     """
-    return _rollup("daily", DailyUsage, "day", TruncDate, dt.timedelta(days=1), now)
+    return _rollup("daily", DailyUsage, "day", TruncDate, dt.timedelta(days=1), now, also=_image_costs_rewrite)
 
 
 def rollup_hourly(*, now: dt.datetime | None = None) -> int:
@@ -186,7 +189,7 @@ def rollup_hourly(*, now: dt.datetime | None = None) -> int:
     return _rollup("hourly", HourlyUsage, "hour", TruncHour, dt.timedelta(hours=1), now)
 
 
-def _rollup(name, model, field, trunc, length, now) -> int:
+def _rollup(name, model, field, trunc, length, now, also=None) -> int:
     now = now or timezone.now()
     with transaction.atomic():
         state, _ = RollupState.objects.select_for_update().get_or_create(name=name)
@@ -198,6 +201,8 @@ def _rollup(name, model, field, trunc, length, now) -> int:
         periods = sorted(set(new.annotate(period=trunc("created_at", tzinfo=dt.UTC)).values_list("period", flat=True)))
         for period in periods:
             _rollup_period(model, field, period, length)
+            if also is not None:
+                also(period)
         state.watermark = upto if state.watermark is None else max(state.watermark, upto)
         state.ran_at = now
         state.save()
@@ -220,3 +225,46 @@ def _rollup_period(model, field, period, length: dt.timedelta) -> None:
             **{field: period}, tenant_id=row["tenant_id"], api_key_id=row["api_key_id"], tier_id=row["tier_id"],
             defaults={k: row[k] or 0 for k in _TOTALS},
         )
+
+
+def _image_costs_rewrite(day: dt.date) -> None:
+    """Rewrite a day's cost-per-image histogram from its images: the images the per-image cost
+    report lists (those of billed requests), each priced as it prices them, at the rate in
+    effect when sent.
+
+    Images are counted in SQL by (tenant, tier, plan, tokens, cached), and each such group is
+    priced once, so the run reads no image row into Python however many there are.
+    """
+    from controlplane.metering.exports import _BILLED, _RateBook
+
+    start = dt.datetime.combine(day, dt.time.min, tzinfo=dt.UTC)
+    end = start + dt.timedelta(days=1)
+    # A price change during the day splits it, so that each piece has one rate per plan.
+    changes = PriceRate.objects.filter(effective_from__gt=start, effective_from__lt=end).values_list(
+        "effective_from", flat=True)
+    rates, bins = _RateBook(), {}
+    for since, until in itertools.pairwise([start, *sorted(set(changes)), end]):
+        groups = (
+            UsageImage.objects.filter(_BILLED, event__created_at__gte=since, event__created_at__lt=until)
+            .values("event__tenant_id", "event__tier_id", "event__tier__price_plan_id", "tokens", "cached")
+            .annotate(count=Count("id"))
+            .order_by()
+        )
+        for group in groups:
+            rate = rates.at(group["event__tier__price_plan_id"], since)
+            each = None if rate is None else _image_cost(group["tokens"], group["cached"], rate)
+            key = (group["event__tenant_id"], group["event__tier_id"], ImageCostHistogram.bucket(each))
+            row = bins.get(key)
+            if row is None:
+                row = bins[key] = ImageCostHistogram(day=day, tenant_id=key[0], tier_id=key[1], cost_from=key[2])
+            row.images += group["count"]
+            row.image_tokens += group["count"] * group["tokens"]
+            row.cost += group["count"] * (each or 0)
+    ImageCostHistogram.objects.filter(day=day).delete()
+    ImageCostHistogram.objects.bulk_create(bins.values())
+
+
+def _image_cost(tokens: int, cached: bool, rate):
+    """One image's cost: its tokens (at the cached discount when served from the cache) and the
+    per-image fee. Each image is rounded on its own, so a bucket's cost is count times this."""
+    return price(Usage(image_tokens=tokens, images=1, cached_image_tokens=tokens if cached else 0), rate)
