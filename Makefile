@@ -47,6 +47,7 @@ $(STAMP_DIR)/.installed-bench: pyproject.toml $(STAMP_DIR)/.installed-dev
 bench: $(STAMP_DIR)/.installed-bench
 	$(PY) -m bench.imaging
 	$(PY) -m bench.gateway
+	$(PY) -m bench.metering
 
 clean:
 	rm -rf var/ .pytest_cache

@@ -1,0 +1,476 @@
+"""The metering pipeline at volume: ingest rate, rollup time, per-image export time and memory.
+
+    python -m bench.metering                 (or: make bench; --quick for small sizes, --help)
+
+Runs against its own PostgreSQL database (created, migrated and dropped by the bench) and
+its own keys in Redis, both on 127.0.0.1 like the test suite. The world: 20 tenants with
+three API keys each (a few events carry no key), two vision tiers and a text tier, on price
+plans that changed prices ten days ago.
+- ingest: usage records (half of them with one to four images) are put on the Redis usage
+  stream with RedisOutbox.put, as the gateway does, then `usage_ingest` is called until the
+  stream is empty; events/s for each half. Compared in the same run with a naive path: one
+  `usage_record` call per event, each its own transaction, no stream.
+- rollup: events are generated in PostgreSQL with generate_series (not through the ORM),
+  spread over 30 days, skewed across tenants; then the hourly and daily rollups run from an
+  empty watermark (full), new events arrive (recorded after the watermark, made within the
+  last hour) and both run again (incremental). The incremental run recomputes only the
+  periods its new events touch, so its cost follows the new events' hour and day, not the
+  history. The same for every size given (the data set grows from one size to the next).
+- export: image rows are attached to the stored events (SQL again) and the per-image CSV is
+  produced by per_image_rows + csv_lines, read to the end, against a naive export that
+  evaluates the queryset into a list and writes the whole CSV into one string. Each runs in
+  its own child process; "peak +MB" is the growth of the child's resident memory over its
+  size before the export (VmHWM after resetting it through /proc/self/clear_refs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing
+import os
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PG = "postgres://postgres@127.0.0.1:5432"
+REDIS = "redis://127.0.0.1:6379/12"
+TENANTS, KEYS_PER_TENANT = 20, 3
+
+
+@dataclass
+class World:
+    tenants: list[int]
+    keys: list[int]  # KEYS_PER_TENANT per tenant, in tenant order
+    tiers: list[int]  # two vision tiers, then the text tier
+
+
+class BenchDatabase:
+    """A database and a Redis key prefix of the bench's own, gone when it ends."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.prefix = f"bench-metering-{uuid.uuid4().hex[:8]}"
+
+    def start(self) -> None:
+        import psycopg
+
+        with psycopg.connect(f"{PG}/postgres", autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{self.name}" WITH (FORCE)')
+            conn.execute(f'CREATE DATABASE "{self.name}"')
+        env = {k: v for k, v in os.environ.items() if k not in ("USAGE_OUTBOX", "VAR_DIR")}
+        env.update({"DATABASE_URL": f"{PG}/{self.name}", "REDIS_URL": REDIS, "CACHE_KEY_PREFIX": self.prefix,
+                    "DEBUG": "false", "SECRET_KEY": "bench-" + "m" * 50, "LOG_LEVEL": "WARNING",
+                    "DJANGO_SETTINGS_MODULE": "controlplane.settings"})
+        subprocess.run([sys.executable, "manage.py", "migrate", "--noinput"], cwd=ROOT, env=env, check=True,
+                       capture_output=True)
+        os.environ.clear()
+        os.environ.update(env)  # inherited by the export's child processes
+        import django
+
+        django.setup()
+
+    def stop(self) -> None:
+        import psycopg
+        import redis
+        from django.db import connections
+
+        connections.close_all()
+        client = redis.Redis.from_url(REDIS)
+        for key in client.scan_iter(f"{self.prefix}:*"):
+            client.delete(key)
+        with psycopg.connect(f"{PG}/postgres", autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{self.name}" WITH (FORCE)')
+
+
+def seed() -> World:
+    import datetime as dt
+    from decimal import Decimal
+
+    from django.utils import timezone
+
+    from controlplane.catalog.models import ModelTier, PricePlan, PriceRate
+    from controlplane.tenants.models import Tenant
+    from controlplane.tenants.services import api_key_create
+
+    tiers = []
+    for name, kind, family in (("vlm-lite", "vision", "qwen2_5_vl"), ("vlm-pro", "vision", "qwen2_5_vl"),
+                               ("text", "text", "qwen2")):
+        plan = PricePlan.objects.create(name=name)
+        for days_ago, scale in ((400, 1), (10, 2)):
+            PriceRate.objects.create(plan=plan, effective_from=timezone.now() - dt.timedelta(days=days_ago),
+                                     text_input_per_mtok=Decimal("0.20") * scale,
+                                     image_per_mtok=Decimal("0.30") * scale, output_per_mtok=Decimal("0.60") * scale,
+                                     per_image_fee=Decimal("0.001"), cached_image_discount=Decimal("0.5"))
+        tiers.append(ModelTier.objects.create(name=name, kind=kind, family=family, model_id=name,
+                                              engine_kind="external", price_plan=plan).pk)
+    tenants, keys = [], []
+    for n in range(TENANTS):
+        tenant = Tenant.objects.create(name=f"tenant-{n:02d}")
+        tenants.append(tenant.pk)
+        keys += [api_key_create(tenant=tenant, name=f"key-{k}").api_key.pk for k in range(KEYS_PER_TENANT)]
+    return World(tenants, keys, tiers)
+
+
+def _tables() -> dict[str, str]:
+    from controlplane.metering.models import (
+        DailyUsage,
+        HourlyUsage,
+        RollupState,
+        UsageEvent,
+        UsageImage,
+    )
+
+    return {"event": UsageEvent._meta.db_table, "image": UsageImage._meta.db_table,
+            "daily": DailyUsage._meta.db_table, "hourly": HourlyUsage._meta.db_table,
+            "state": RollupState._meta.db_table}
+
+
+def _sql(statement: str, params=None) -> int:
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute(statement, params)
+        return cursor.rowcount
+
+
+def _timed(fn) -> tuple[float, object]:
+    started = time.perf_counter()
+    result = fn()
+    return time.perf_counter() - started, result
+
+
+# --- ingest --------------------------------------------------------------------------------
+
+
+def usage_records(world: World, count: int, label: str) -> list:
+    """Records as the gateway hands them over: half carry one to four images."""
+    from django.utils import timezone
+
+    from controlplane.metering.services import ImageLine, UsageRecord
+
+    now, records = timezone.now(), []
+    for i in range(count):
+        tenant = (i * 7) % TENANTS
+        vision = i % 10 < 7
+        images = []
+        if vision:
+            for position in range((0, 0, 1, 1, 1, 2, 3, 4)[(i // 3) % 8]):
+                line = ImageLine(source_format="JPEG", source_width=4000, source_height=3000, width=1148,
+                                 height=868, fingerprint=f"{i:012x}{position:04x}")
+                images.append((line, 1274, position == 0 and i % 4 == 0))
+        image_tokens = sum(tokens for _, tokens, _ in images)
+        cached_image = sum(tokens for _, tokens, cached in images if cached)
+        records.append(UsageRecord(
+            request_id=f"{label}-{i}", tenant_id=world.tenants[tenant],
+            api_key_id=world.keys[tenant * KEYS_PER_TENANT + i % KEYS_PER_TENANT],
+            tier_id=world.tiers[i % 2 if vision else 2], images=images, image_tokens=image_tokens,
+            text_tokens=40 + i % 700, output_tokens=20 + i % 300, cached_tokens=cached_image + (i % 3) * 16,
+            cached_image_tokens=cached_image, status="error" if i % 50 == 0 else "ok",
+            http_status=502 if i % 50 == 0 else 200, latency_ms=300 + i % 2000, instance_id=None,
+            created_at=now - timezone.timedelta(milliseconds=count - i)))
+    return records
+
+
+async def _put_all(records: list, concurrency: int = 32) -> None:
+    from controlplane.metering.outbox import RedisOutbox
+
+    outbox = RedisOutbox(REDIS)
+    for start in range(0, len(records), concurrency):
+        await asyncio.gather(*(outbox.put(r) for r in records[start:start + concurrency]))
+
+
+def bench_ingest(world: World, count: int, naive_count: int) -> None:
+    from controlplane.metering.models import UsageEvent, UsageImage
+    from controlplane.metering.outbox import usage_ingest
+    from controlplane.metering.services import usage_record
+
+    records = usage_records(world, count, "stream")
+    put_s, _ = _timed(lambda: asyncio.run(_put_all(records)))
+
+    def drain() -> int:
+        stored = 0
+        while done := usage_ingest():
+            stored += done
+        return stored
+
+    ingest_s, stored = _timed(drain)
+    images = UsageImage.objects.filter(event__request_id__startswith="stream-").count()
+    naive = usage_records(world, naive_count, "naive")
+    naive_s, _ = _timed(lambda: [usage_record(record=r) for r in naive])
+    redelivered = usage_records(world, min(count, 2000), "stream")
+    asyncio.run(_put_all(redelivered))
+    again_s, again = _timed(drain)
+    assert UsageEvent.objects.filter(request_id__startswith="stream-").count() == stored
+    print(f"ingest: {count:,} events, {images:,} image rows ({images / count:.2f} per event)")
+    print(f"  {'path':44} {'events':>8} {'seconds':>8} {'events/s':>9}")
+    for label, n, seconds in (("RedisOutbox.put (32 concurrent)", count, put_s),
+                              ("usage_ingest, stream -> PostgreSQL", stored, ingest_s),
+                              ("put + ingest", count, put_s + ingest_s),
+                              ("naive: usage_record per event, no stream", naive_count, naive_s),
+                              ("usage_ingest of redelivered entries", again, again_s)):
+        print(f"  {label:44} {n:8,} {seconds:8.2f} {n / seconds:9,.0f}")
+    print(f"  ingest vs naive: {stored / ingest_s / (naive_count / naive_s):.1f}x\n")
+
+
+# --- rollup --------------------------------------------------------------------------------
+
+
+def generate_events(world: World, first: int, count: int, *, start, end, recorded=None) -> None:
+    """`count` events made between start and end in bulk SQL, request ids from `first` on.
+    A few tenants make most of the traffic; 30% are text; 2% failed, 1% aborted."""
+    from django.db import connection
+
+    columns = ("request_id, created_at, recorded_at, tenant_id, api_key_id, tier_id, instance_id, status, "
+               "http_status, stream, latency_ms, image_count, image_tokens, cached_tokens, cached_image_tokens, "
+               "text_tokens, output_tokens, cost, cache_savings, rated")
+    with connection.cursor() as cursor:
+        cursor.execute(f"""
+            INSERT INTO {_tables()['event']} ({columns})
+            SELECT 'gen-' || i, at, COALESCE(%(recorded)s::timestamptz, at + interval '2 seconds'), tenant, key, tier, NULL,
+                   status, CASE status WHEN 'error' THEN 502 ELSE 200 END, mod(i, 3) = 0, 200 + mod(i, 3000),
+                   images, image_tokens, cached_image + (mod(i, 3)) * 16, cached_image, text_tokens, output_tokens,
+                   CASE WHEN status = 'error' THEN 0 ELSE round(((text_tokens * 0.20 + (image_tokens
+                       - cached_image * 0.5) * 0.30 + output_tokens * 0.60) / 1e6 + images * 0.001)::numeric, 6) END,
+                   CASE WHEN status = 'error' THEN 0 ELSE round((cached_image * 0.5 * 0.30 / 1e6)::numeric, 6) END,
+                   true
+            FROM (
+                SELECT i, at, tenant, key, tier, status, images, images * (256 + (mod(i, 5)) * 243) AS image_tokens,
+                       CASE WHEN images > 0 AND mod(i, 4) = 0 THEN 256 + (mod(i, 5)) * 243 ELSE 0 END AS cached_image,
+                       40 + mod(i, 700) AS text_tokens, 20 + mod(i, 300) AS output_tokens
+                FROM (
+                    SELECT i, at, (%(tenants)s::int[])[1 + t] AS tenant,
+                           CASE WHEN mod(i, 20) = 0 THEN NULL ELSE (%(keys)s::int[])[1 + t * {KEYS_PER_TENANT}
+                               + mod(i / 7, {KEYS_PER_TENANT})] END AS key,
+                           (%(tiers)s::int[])[CASE WHEN mod(i, 10) < 5 THEN 1 WHEN mod(i, 10) < 7 THEN 2 ELSE 3 END] AS tier,
+                           CASE WHEN mod(i, 50) = 0 THEN 'error' WHEN mod(i, 97) = 0 THEN 'aborted' ELSE 'ok' END AS status,
+                           CASE WHEN mod(i, 10) < 7 THEN (ARRAY[0, 0, 1, 1, 1, 2, 3, 4])[1 + mod(i / 3, 8)] ELSE 0 END
+                               AS images
+                    FROM (
+                        SELECT i, %(start)s::timestamptz + (%(end)s::timestamptz - %(start)s::timestamptz)
+                                   * ((i - %(first)s)::float8 / %(count)s) AS at,
+                               floor({TENANTS} * power(mod(i * 0.6180339887, 1), 2))::int AS t
+                        FROM generate_series(%(first)s::bigint, %(first)s::bigint + %(count)s - 1) AS i
+                    ) AS spread
+                ) AS chosen
+            ) AS usage
+        """, {"first": first, "count": count, "start": start, "end": end, "recorded": recorded,
+              "tenants": world.tenants, "keys": world.keys, "tiers": world.tiers})
+    connection.close()
+    with connection.cursor() as cursor:
+        cursor.execute(f"VACUUM ANALYZE {_tables()['event']}")  # what autovacuum does after a bulk load
+
+
+def _rollup_reset() -> None:
+    tables = _tables()
+    _sql(f"TRUNCATE {tables['daily']}, {tables['hourly']}")
+    _sql(f"DELETE FROM {tables['state']}")
+
+
+ROLLUP_HEADER = (f"  {'events':>11} {'generate s':>10} {'rollup':6} {'full s':>8} {'periods':>8} {'incr s':>8} "
+                 f"{'periods':>8} {'full/incr':>9}")
+
+
+def bench_rollup(world: World, stored: int, size: int, new_events: int, days: int) -> int:
+    """Grow the history to `size` events, roll it all up, add new events, roll up again.
+    Returns the events now stored."""
+    import datetime as dt
+
+    from django.utils import timezone
+
+    from controlplane.metering.services import rollup_daily, rollup_hourly
+
+    now = timezone.now()
+    generate_s, _ = _timed(lambda: generate_events(world, stored, size - stored,
+                                                   start=now - dt.timedelta(days=days), end=now))
+    _rollup_reset()
+    ran = now + dt.timedelta(seconds=5)
+    full = {kind: _timed(lambda rollup=rollup: rollup(now=ran))
+            for kind, rollup in (("hourly", rollup_hourly), ("daily", rollup_daily))}
+    # New events: made within the last hour, recorded after the watermark.
+    generate_events(world, size, new_events, start=ran - dt.timedelta(hours=1), end=ran,
+                    recorded=ran + dt.timedelta(seconds=10))
+    later = ran + dt.timedelta(minutes=1)
+    for kind, rollup in (("hourly", rollup_hourly), ("daily", rollup_daily)):
+        incr_s, incr_periods = _timed(lambda rollup=rollup: rollup(now=later))
+        full_s, full_periods = full[kind]
+        shown = f"{size:11,} {generate_s:10.1f}" if kind == "hourly" else " " * 22
+        print(f"  {shown} {kind:6} {full_s:8.2f} {full_periods:8,} {incr_s:8.3f} {incr_periods:8,} "
+              f"{full_s / incr_s:8.0f}x", flush=True)
+    return size + new_events
+
+
+# --- export --------------------------------------------------------------------------------
+
+
+def attach_images(rows: int) -> int:
+    """Image rows for stored completed events that carried images, in bulk SQL."""
+    tables = _tables()
+    return _sql(f"""
+        INSERT INTO {tables['image']} (event_id, position, source_format, source_width, source_height, width,
+                                       height, tokens, fingerprint, cached)
+        SELECT id, position, (ARRAY['JPEG', 'PNG', 'WEBP'])[1 + mod(id + position, 3)], 4000 - mod(id, 7) * 320,
+               3000 - mod(id, 5) * 240, 1148, 868, image_tokens / image_count, left(md5(id || '-' || position), 16),
+               position = 0 AND cached_image_tokens > 0
+        FROM (SELECT id, image_count, image_tokens, cached_image_tokens FROM {tables['event']}
+              WHERE image_count > 0 AND status = 'ok' ORDER BY id) AS event,
+             generate_series(0, image_count - 1) AS position
+        ORDER BY id, position
+        LIMIT %s
+    """, [rows])
+
+
+def _status_kb(field: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise KeyError(field)
+
+
+def _streamed(since, until, tenants) -> tuple[int, int]:
+    from controlplane.metering.exports import IMAGE_COLUMNS, csv_lines, per_image_rows
+
+    lines = size = 0
+    for line in csv_lines(IMAGE_COLUMNS, per_image_rows(since=since, until=until, tenants=tenants)):
+        lines += 1
+        size += len(line)
+    return lines - 1, size
+
+
+def _naive(since, until, tenants) -> tuple[int, int]:
+    """The first version anyone writes: the queryset as a list, the CSV as one string."""
+    import csv
+    import io
+
+    from controlplane.catalog.models import PriceRate
+    from controlplane.metering.exports import IMAGE_COLUMNS
+    from controlplane.metering.models import UsageImage
+    from controlplane.metering.rating import Usage, price
+
+    images = list(UsageImage.objects.filter(event__created_at__gte=since, event__created_at__lt=until,
+                                            event__tenant__in=tenants)
+                  .exclude(event__status="error").select_related("event__tenant", "event__tier")
+                  .order_by("event__created_at", "event_id", "position"))
+    rates = {}
+    for rate in PriceRate.objects.order_by("-effective_from"):
+        rates.setdefault(rate.plan_id, []).append(rate)
+    buffer = io.StringIO()
+    writer = csv.writer(buffer)
+    writer.writerow(IMAGE_COLUMNS)
+    for image in images:
+        event = image.event
+        rate = next((r.as_rates() for r in rates.get(event.tier.price_plan_id, [])
+                     if r.effective_from <= event.created_at), None)
+        cost = "" if rate is None else price(Usage(image_tokens=image.tokens, images=1,
+                                                   cached_image_tokens=image.tokens if image.cached else 0), rate)
+        writer.writerow([event.tenant.name, event.request_id, event.created_at.isoformat(), event.tier.name,
+                         image.source_width, image.source_height, image.width, image.height, image.tokens,
+                         "yes" if image.cached else "no", cost])
+    body = buffer.getvalue().encode()
+    return len(images), len(body)
+
+
+EXPORTS = {"per_image_rows + csv_lines": _streamed, "naive: list + one string": _naive}
+
+
+def _export_child(name: str, queue) -> None:
+    import datetime as dt
+
+    import django
+
+    django.setup()
+    from django.utils import timezone
+
+    from controlplane.tenants.models import Tenant
+
+    fn = EXPORTS[name]
+    now = timezone.now()
+    tenants = Tenant.objects.all()
+    fn(now - dt.timedelta(days=1), now - dt.timedelta(days=1), tenants)  # imports and a connection first
+    with open("/proc/self/clear_refs", "w") as refs:
+        refs.write("5")
+    baseline = _status_kb("VmRSS")
+    started = time.perf_counter()
+    rows, size = fn(now - dt.timedelta(days=400), now + dt.timedelta(days=1), tenants)
+    elapsed = time.perf_counter() - started
+    queue.put((rows, size, elapsed, (_status_kb("VmHWM") - baseline) / 1024))
+
+
+def bench_export(rows: int) -> None:
+    from django.db import connections
+
+    attached = attach_images(rows)
+    _sql(f"VACUUM ANALYZE {_tables()['image']}")
+    connections.close_all()
+    print(f"export: per-image CSV over {attached:,} image rows; each in its own child process")
+    print(f"  {'export':28} {'rows':>10} {'MB':>7} {'seconds':>8} {'rows/s':>9} {'peak +MB':>9}")
+    context = multiprocessing.get_context("spawn")
+    for name in EXPORTS:
+        queue = context.Queue()
+        child = context.Process(target=_export_child, args=(name, queue))
+        child.start()
+        exported, size, seconds, peak = queue.get(timeout=3600)
+        child.join()
+        print(f"  {name:28} {exported:10,} {size / 1e6:7.1f} {seconds:8.2f} {exported / seconds:9,.0f} {peak:9.0f}",
+              flush=True)
+    print()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes, for a try-out in a minute")
+    parser.add_argument("--ingest-events", type=int, help="events through the stream (default 20,000)")
+    parser.add_argument("--naive-events", type=int, help="events through usage_record one by one (default 5,000)")
+    parser.add_argument("--rollup-sizes", help="comma-separated history sizes (default 1000000,10000000)")
+    parser.add_argument("--new-events", type=int, default=10_000, help="events before the incremental rollup")
+    parser.add_argument("--export-rows", type=int, help="image rows in the export (default 1,000,000)")
+    parser.add_argument("--days", type=int, default=30, help="days the history spans")
+    parser.add_argument("--parts", default="ingest,rollup,export", help="which parts to run (default all three)")
+    parser.add_argument("--database", default="bench_metering", help="PostgreSQL database the bench creates and drops")
+    args = parser.parse_args()
+    small = args.quick
+    ingest = args.ingest_events or (2_000 if small else 20_000)
+    naive = args.naive_events or (500 if small else 5_000)
+    sizes = sorted(int(s) for s in (args.rollup_sizes or ("20000,100000" if small else "1000000,10000000")).split(","))
+    export_rows = args.export_rows or (20_000 if small else 1_000_000)
+
+    parts = set(args.parts.split(","))
+    database = BenchDatabase(args.database)
+    database.start()
+    try:
+        world = seed()
+        if "ingest" in parts:
+            bench_ingest(world, ingest, naive)
+            tables = _tables()
+            _sql(f"TRUNCATE {tables['image']}, {tables['event']}")
+        if "rollup" in parts:
+            print(f"rollup: events over {args.days} days, {TENANTS} tenants x {KEYS_PER_TENANT} keys x 3 tiers; "
+                  f"incremental after {args.new_events:,} new events made in the last hour")
+            print(ROLLUP_HEADER, flush=True)
+        stored = 0
+        for n, size in enumerate(sizes):
+            if "rollup" in parts:
+                stored = bench_rollup(world, stored, size, args.new_events, args.days)
+            if n == 0 and "export" in parts:
+                if "rollup" not in parts:
+                    from django.utils import timezone
+
+                    now = timezone.now()
+                    generate_events(world, 0, size, start=now - timezone.timedelta(days=args.days), end=now)
+                print()
+                bench_export(export_rows)
+                if "rollup" in parts and sizes[1:]:
+                    print(ROLLUP_HEADER, flush=True)
+            if "rollup" not in parts:
+                break
+    finally:
+        database.stop()
+
+
+if __name__ == "__main__":
+    main()
