@@ -5,7 +5,7 @@
 3. isolated: the same mixed traffic, with large images on an engine of their own (the tier's
    large-image pool) and text ahead of images on the other (priority scheduling).
 
-Every request goes through the gateway (served here on a thread) with a benchmark key, so
+Every request goes through the gateway (its own web process) with a benchmark key, so
 routing, the large-image threshold and the priorities are the product's own. The engines
 are GPU-shaped simulators: a fixed step cost that batching amortises, prefill and vision
 encoding by the token. Tiers, engines and profiles made here are removed afterwards.
@@ -13,11 +13,11 @@ encoding by the token. Tiers, engines and profiles made here are removed afterwa
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
 import socket
 import subprocess
+import sys
 import threading
 import time
 from decimal import Decimal
@@ -61,16 +61,7 @@ def _engine(tier: ModelTier, settings_: dict):
     process = subprocess.Popen(argv, cwd=settings.BASE_DIR, env={**os.environ, **env},
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline or process.poll() is not None:
-                raise RuntimeError(f"the simulator for {tier.name} did not start")
-            time.sleep(0.2)
+        _wait_healthy(f"http://127.0.0.1:{port}/health", process, f"the simulator for {tier.name}")
         yield port
     finally:
         process.terminate()
@@ -79,22 +70,30 @@ def _engine(tier: ModelTier, settings_: dict):
 
 @contextlib.contextmanager
 def _gateway():
-    import uvicorn
-
-    from controlplane.asgi import application
-
+    """The web process as `make run` starts it, apart from the load generator's process."""
     port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(application, host="127.0.0.1", port=port, log_level="warning",
-                                           lifespan="off", access_log=False))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "uvicorn", "controlplane.asgi:application", "--host", "127.0.0.1", "--port",
+         str(port), "--no-access-log", "--log-level", "warning"], cwd=settings.BASE_DIR)
     try:
+        _wait_healthy(f"http://127.0.0.1:{port}/v1/models", process, "the gateway", ok=(401,))
         yield f"http://127.0.0.1:{port}"
     finally:
-        server.should_exit = True
-        thread.join(timeout=10)
+        process.terminate()
+        process.wait(timeout=10)
+
+
+def _wait_healthy(url: str, process: subprocess.Popen, what: str, ok=(200,)) -> None:
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            if httpx.get(url, timeout=1).status_code in ok:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline or process.poll() is not None:
+            raise RuntimeError(f"{what} did not start")
+        time.sleep(0.2)
 
 
 @contextlib.contextmanager
@@ -173,13 +172,6 @@ def run_experiment(*, text_rate: float = 4.0, duration_s: float = 30.0, seed: in
         node.delete()
         plan.delete()
         policy.delete()
-        asyncio.run(_close_gateway_connections())
-
-
-async def _close_gateway_connections():
-    from asgiref.sync import sync_to_async
-
-    await sync_to_async(connections.close_all)()
 
 
 def table(rows: list[dict]) -> str:

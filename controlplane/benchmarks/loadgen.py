@@ -56,6 +56,7 @@ class Sample:
     prompt_tokens: int = 0
     image_tokens: int = 0
     images: int = 0
+    text: str = ""  # the answer, for scoring against an expected one
 
     @property
     def tpot(self) -> float | None:
@@ -98,8 +99,9 @@ class StreamTiming:
             sample.error = str(event["error"].get("message") or "error in stream")[:300]
             return
         for choice in event.get("choices") or ():
-            if (choice.get("delta") or {}).get("content"):
+            if content := (choice.get("delta") or {}).get("content"):
                 self.chunks_with_content += 1
+                sample.text += content
                 if self.last_token_at is None:
                     sample.ttft = now - self.sent_at
                 else:
@@ -126,11 +128,23 @@ class StreamTiming:
         return sample
 
 
+def payload_of(target: Target, spec: RequestSpec) -> bytes:
+    body = {**spec.body, "model": target.model, "stream": True, "stream_options": {"include_usage": True}}
+    return json.dumps(body).encode()
+
+
+async def prepared(next_spec: Callable[[], RequestSpec], target: Target) -> tuple[RequestSpec, bytes]:
+    """The next request and its body, made on a worker thread: drawing and encoding a large
+    image on the event loop would stall the streams being timed."""
+    def make():
+        spec = next_spec()
+        return spec, payload_of(target, spec)
+    return await asyncio.to_thread(make)
+
+
 async def send_one(client: httpx.AsyncClient, target: Target, spec: RequestSpec, *, stage: int = 0,
-                   stage_started: float = 0.0) -> Sample:
-    body = {**spec.body, "model": target.model, "stream": True,
-            "stream_options": {"include_usage": True}}
-    payload = json.dumps(body).encode()
+                   stage_started: float = 0.0, payload: bytes | None = None) -> Sample:
+    payload = payload if payload is not None else payload_of(target, spec)
     sample = Sample(index=spec.index, klass=spec.klass, stage=stage, images=spec.images,
                     image_tokens=spec.image_tokens)
     headers = {"content-type": "application/json"}
@@ -178,7 +192,16 @@ async def run_stage(client: httpx.AsyncClient, target: Target, next_spec: Callab
     stop = asyncio.Event()
 
     async def one():
-        samples.append(await send_one(client, target, next_spec(), stage=stage, stage_started=started))
+        spec, payload = await prepared(next_spec, target)
+        try:
+            samples.append(await send_one(client, target, spec, stage=stage, stage_started=started,
+                                          payload=payload))
+        except asyncio.CancelledError:
+            if not stopped_by_caller:  # past the drain deadline: a request the target never answered
+                samples.append(Sample(index=spec.index, klass=spec.klass, stage=stage, images=spec.images,
+                                      image_tokens=spec.image_tokens,
+                                      error="no answer by the end of the stage's drain"))
+            raise
 
     async def closed_worker():
         while time.perf_counter() < deadline and not stop.is_set():
@@ -211,7 +234,7 @@ async def run_stage(client: httpx.AsyncClient, target: Target, next_spec: Callab
     else:
         raise ValueError(f"arrival must be {CLOSED!r} or {OPEN!r}")
 
-    stopped = False
+    stopped_by_caller = False
     drain_deadline = deadline + drain_s
     while True:
         running = bool(in_flight) or (driver is not None and not driver.done())
@@ -219,7 +242,7 @@ async def run_stage(client: httpx.AsyncClient, target: Target, next_spec: Callab
         if not running or now >= drain_deadline:
             break
         if await on_tick(progress(min(1.0, (now - started) / duration_s))):
-            stopped = True
+            stopped_by_caller = True
             break
         await asyncio.sleep(tick_s)
     stop.set()
@@ -227,7 +250,7 @@ async def run_stage(client: httpx.AsyncClient, target: Target, next_spec: Callab
     for task in leftovers:
         task.cancel()
     await asyncio.gather(*leftovers, return_exceptions=True)
-    return samples, stopped
+    return samples, stopped_by_caller
 
 
 async def run_sweep(target: Target, next_spec: Callable[[], RequestSpec], *, arrival: str,
@@ -251,3 +274,57 @@ async def run_sweep(target: Target, next_spec: Callable[[], RequestSpec], *, arr
             if stopped:
                 return stages, True
     return stages, False
+
+
+async def run_fixed(target: Target, stages: list[list[RequestSpec]], *, concurrency: int,
+                    on_tick: Tick = _never_stop, on_stage: StageDone | None = None,
+                    tick_s: float = 0.5) -> tuple[list[list[Sample]], bool]:
+    """Each stage's requests, `concurrency` at a time (a resolution sweep: one stage per cap)."""
+    total = sum(len(stage) for stage in stages) or 1
+    finished = 0
+    results: list[list[Sample]] = []
+    stop = asyncio.Event()
+
+    async def ticker():
+        while not stop.is_set():
+            if await on_tick(finished / total):
+                stop.set()
+                return
+            await asyncio.sleep(tick_s)
+
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+    async with httpx.AsyncClient(limits=limits, timeout=target.timeout_s) as client:
+        watch = asyncio.ensure_future(ticker())
+        try:
+            for n, specs in enumerate(stages):
+                queue = iter(specs)
+                samples: list[Sample] = []
+                started = time.perf_counter()
+
+                async def worker(samples=samples, queue=queue, started=started, n=n):
+                    nonlocal finished
+                    for spec in queue:
+                        if stop.is_set():
+                            return
+                        payload = await asyncio.to_thread(payload_of, target, spec)
+                        samples.append(await send_one(client, target, spec, stage=n, stage_started=started,
+                                                      payload=payload))
+                        finished += 1
+
+                workers = [asyncio.ensure_future(worker()) for _ in range(max(1, concurrency))]
+                stopper = asyncio.ensure_future(stop.wait())
+                await asyncio.wait([stopper, asyncio.gather(*workers)], return_when=asyncio.FIRST_COMPLETED)
+                stopped = stop.is_set()
+                for task in [*workers, stopper]:
+                    task.cancel()
+                await asyncio.gather(*workers, stopper, return_exceptions=True)
+                results.append(samples)
+                if on_stage is not None:
+                    await on_stage(n, samples, time.perf_counter() - started, stopped)
+                if stopped:
+                    return results, True
+        finally:
+            stop.set()
+            watch.cancel()
+            await asyncio.gather(watch, return_exceptions=True)
+    return results, False

@@ -189,7 +189,6 @@ class _Shared:
     progress: float = 0.0
     stop: bool = False
     finished_stages: list = dataclasses.field(default_factory=list)  # (index, samples, seconds)
-    outcome: tuple | None = None
     error: BaseException | None = None
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
@@ -240,7 +239,7 @@ def _measure(run: BenchmarkRun, workload: Workload, target: loadgen.Target, leve
 
     def load():
         try:
-            shared.outcome = asyncio.run(loadgen.run_sweep(
+            asyncio.run(loadgen.run_sweep(
                 target, lambda: workload.spec(next(counter)), arrival=profile.arrival, levels=levels,
                 duration_s=profile.stage_duration_s, seed=profile.seed, on_tick=on_tick,
                 on_stage=on_stage, tick_s=0.2, drain_s=max(30.0, profile.stage_duration_s)))
@@ -250,11 +249,8 @@ def _measure(run: BenchmarkRun, workload: Workload, target: loadgen.Target, leve
     results = {"arrival": profile.arrival, "unit": "concurrency" if profile.arrival == loadgen.CLOSED else "rps",
                "slo": {"ttft_ms": slo.ttft_ms, "tpot_ms": slo.tpot_ms}, "stages": [],
                "sample_columns": SAMPLE_COLUMNS, "samples": []}
-    thread = threading.Thread(target=load, name=f"benchmark-{run.pk}", daemon=True)
-    thread.start()
-    cancelled = False
-    while thread.is_alive():
-        thread.join(POLL_S)
+
+    def take_finished_stages():
         with shared.lock:
             done, shared.finished_stages = shared.finished_stages, []
         for n, samples, elapsed_s, stopped in done:
@@ -266,10 +262,18 @@ def _measure(run: BenchmarkRun, workload: Workload, target: loadgen.Target, leve
             room = MAX_STORED_SAMPLES - len(results["samples"])
             results["samples"].extend(stats.sample_row(s) for s in samples[:max(0, room)])
             _append_log(run, _stage_line(n, levels[n], profile.arrival, summary))
+
+    thread = threading.Thread(target=load, name=f"benchmark-{run.pk}", daemon=True)
+    thread.start()
+    cancelled = False
+    while thread.is_alive():
+        thread.join(POLL_S)
+        take_finished_stages()
         if BenchmarkRun.objects.filter(pk=run.pk, cancel_requested=True).exists() and not shared.stop:
             shared.stop = cancelled = True
             _append_log(run, "cancel requested: stopping")
         BenchmarkRun.objects.filter(pk=run.pk).update(progress=round(shared.progress, 4), results=results)
+    take_finished_stages()  # a stage that ended just as the thread did
     if shared.error is not None:
         raise shared.error
     if cancelled:
@@ -278,8 +282,9 @@ def _measure(run: BenchmarkRun, workload: Workload, target: loadgen.Target, leve
         return
     errors = sum(stage["errors"] for stage in results["stages"])
     requests = sum(stage["requests"] for stage in results["stages"])
-    if requests and errors == requests:
-        _finish(run, BenchmarkRun.State.FAILED, "every request failed\n", results=results)
+    if errors == requests:
+        why = "every request failed" if requests else "no request was answered in time"
+        _finish(run, BenchmarkRun.State.FAILED, f"{why}\n", results=results)
         return
     results_line = f"done: {requests} requests, {errors} errors\n"
     _finish(run, BenchmarkRun.State.SUCCEEDED, results_line, results=results, progress=1.0)

@@ -74,6 +74,7 @@ def seed_demo() -> Tenant:
             user.groups.add(group)
         else:
             Membership.objects.get_or_create(user=user, defaults={"tenant": tenant})
+    _benchmark_profiles()
     return tenant
 
 
@@ -87,3 +88,11 @@ def demo_api_key(tenant: Tenant, path: Path) -> str:
     path.write_text(secret)
     path.chmod(0o600)
     return secret
+
+
+def _benchmark_profiles() -> None:
+    """Text alone, then the same text beside large images: run both, change the flagship to a
+    large-image pool with text priority, run the mixed one again, and compare the two."""
+    from controlplane.benchmarks.demo import seed_benchmark_profiles
+
+    seed_benchmark_profiles()
