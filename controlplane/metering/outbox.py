@@ -2,9 +2,10 @@
 
 With Redis, a record is appended to a stream before the response goes out (so a gateway
 that dies after the engine answered has already handed it over), and `usage_ingest` moves
-the stream into the database in batches. Storing is idempotent by request id, so an entry
-delivered twice (a consumer that crashed before acknowledging) is stored once. Without
-Redis (embedded mode) the record is written to the database directly.
+the stream into the database in batches, each stored with bulk inserts in one transaction.
+Storing is idempotent by request id, so an entry delivered twice (a consumer that crashed
+before acknowledging) is stored once. Without Redis (embedded mode) the record is written to
+the database directly.
 """
 
 from __future__ import annotations
@@ -16,7 +17,13 @@ import socket
 from asgiref.sync import sync_to_async
 from django.conf import settings
 
-from controlplane.metering.services import UsageRecord, usage_from_json, usage_record, usage_to_json
+from controlplane.metering.services import (
+    UsageRecord,
+    usage_from_json,
+    usage_record,
+    usage_record_many,
+    usage_to_json,
+)
 
 log = logging.getLogger(__name__)
 GROUP = "ingest"
@@ -85,24 +92,45 @@ def usage_ingest(*, batch: int = 500, max_batches: int = 20) -> int:
             entries = fresh[0][1] if fresh else []
         if not entries:
             break
-        ids = []
-        for entry_id, fields in entries:
-            try:
-                usage_record(record=usage_from_json(json.loads(fields[b"record"])))
-            except Exception:
-                # Left unacknowledged: retried after RECLAIM_IDLE_MS, never silently dropped;
-                # after MAX_DELIVERIES it waits in the dead-letter stream for an operator.
-                log.exception("could not store usage entry %s", entry_id)
-                pending = client.xpending_range(key, GROUP, min=entry_id, max=entry_id, count=1)
-                if pending and pending[0]["times_delivered"] >= MAX_DELIVERIES:
-                    client.xadd(f"{key}:dead", fields)
-                    log.error("usage entry %s failed %s times; moved to %s:dead", entry_id, MAX_DELIVERIES, key)
-                    ids.append(entry_id)
-                continue
-            ids.append(entry_id)
+        ids = _store_batch(entries)
+        if ids is None:
+            ids = _store_each(client, key, entries)
         if ids:
             client.xack(key, GROUP, *ids)
             client.xdel(key, *ids)
             done += len(ids)
         entries = []
     return done
+
+
+def _store_batch(entries: list) -> list | None:
+    """Store a batch in one transaction. Returns the entry ids to acknowledge, or None when
+    some entry could not be stored: then each is stored (or kept back) on its own."""
+    try:
+        usage_record_many(records=[usage_from_json(json.loads(fields[b"record"])) for _, fields in entries])
+    except Exception:
+        log.warning("a batch of %s usage entries could not be stored at once; storing one by one",
+                    len(entries), exc_info=True)
+        return None
+    return [entry_id for entry_id, _ in entries]
+
+
+def _store_each(client, key: str, entries: list) -> list:
+    """Store entries one by one. Returns the ids to acknowledge: those stored, and those moved
+    to the dead-letter stream."""
+    ids = []
+    for entry_id, fields in entries:
+        try:
+            usage_record(record=usage_from_json(json.loads(fields[b"record"])))
+        except Exception:
+            # Left unacknowledged: retried after RECLAIM_IDLE_MS, never silently dropped;
+            # after MAX_DELIVERIES it waits in the dead-letter stream for an operator.
+            log.exception("could not store usage entry %s", entry_id)
+            pending = client.xpending_range(key, GROUP, min=entry_id, max=entry_id, count=1)
+            if pending and pending[0]["times_delivered"] >= MAX_DELIVERIES:
+                client.xadd(f"{key}:dead", fields)
+                log.error("usage entry %s failed %s times; moved to %s:dead", entry_id, MAX_DELIVERIES, key)
+                ids.append(entry_id)
+            continue
+        ids.append(entry_id)
+    return ids

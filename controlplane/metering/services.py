@@ -104,8 +104,65 @@ def usage_record(*, record: UsageRecord) -> UsageEvent:
     existing = UsageEvent.objects.filter(request_id=record.request_id).first()
     if existing is not None:
         return existing
-    record.images = _lines(record.images)
     tier = ModelTier.objects.select_related("price_plan").get(pk=record.tier_id)
+    event, images = _usage_rows(record, tier, tier.price_plan.rate_at)
+    try:
+        with transaction.atomic():
+            event.save(force_insert=True)
+            UsageImage.objects.bulk_create(images)
+    except IntegrityError:
+        # A concurrent writer stored the same request id first: that copy is the record.
+        return UsageEvent.objects.get(request_id=record.request_id)
+    return event
+
+
+def usage_record_many(*, records: list[UsageRecord]) -> int:
+    """Store many requests' usage in one transaction, a few queries for the whole batch.
+
+    Idempotent by request id like usage_record: ids already stored, or repeated within the
+    batch, are stored once (the first copy wins). All or nothing: if any record cannot be
+    stored, or a concurrent writer stores one of the ids meanwhile, it raises and stores none,
+    and the caller falls back to usage_record one by one. Returns the events newly stored.
+    """
+    batch = {}
+    for record in records:
+        batch.setdefault(record.request_id, record)
+    stored = set(UsageEvent.objects.filter(request_id__in=list(batch)).values_list("request_id", flat=True))
+    fresh = [record for request_id, record in batch.items() if request_id not in stored]
+    if not fresh:
+        return 0
+    tiers = ModelTier.objects.select_related("price_plan").in_bulk({record.tier_id for record in fresh})
+    rates = {}
+    for rate in PriceRate.objects.filter(plan__in={tier.price_plan_id for tier in tiers.values()}):
+        rates.setdefault(rate.plan_id, []).append(rate)
+    rows = []
+    for record in fresh:
+        tier = tiers.get(record.tier_id)
+        if tier is None:
+            raise ModelTier.DoesNotExist(f"no tier {record.tier_id} for {record.request_id}")
+        rows.append(_usage_rows(record, tier, _rate_finder(tier.price_plan, rates.get(tier.price_plan_id, []))))
+    with transaction.atomic():
+        UsageEvent.objects.bulk_create([event for event, _ in rows])  # sets each event's id
+        UsageImage.objects.bulk_create([image for _, images in rows for image in images])
+    return len(rows)
+
+
+def _rate_finder(plan, rates: list[PriceRate]):
+    """PricePlan.rate_at over rates read beforehand."""
+    rates = sorted(rates, key=lambda rate: rate.effective_from, reverse=True)
+
+    def rate_at(when):
+        rate = next((rate for rate in rates if rate.effective_from <= when), None)
+        if rate is None:
+            raise PriceRate.DoesNotExist(f"price plan {plan.name} has no rate in effect at {when}")
+        return rate
+
+    return rate_at
+
+
+def _usage_rows(record: UsageRecord, tier: ModelTier, rate_at) -> tuple[UsageEvent, list[UsageImage]]:
+    """The unsaved event and image rows for a record, priced with the rate rate_at finds."""
+    record.images = _lines(record.images)
     billable = is_billable(record)
     cached_image = min(record.cached_image_tokens, record.image_tokens)
     usage = Usage(
@@ -118,56 +175,51 @@ def usage_record(*, record: UsageRecord) -> UsageEvent:
     rated, cost, savings = True, 0, 0
     if billable:
         try:
-            cost = usage_cost(tier=tier, when=record.created_at, usage=usage)
-            savings = usage_cost(tier=tier, when=record.created_at,
-                                 usage=replace(usage, cached_image_tokens=0)) - cost if cached_image else 0
+            rates = rate_at(record.created_at).as_rates()
+            cost = price(usage, rates)
+            savings = price(replace(usage, cached_image_tokens=0), rates) - cost if cached_image else 0
         except PriceRate.DoesNotExist:
             # Never lose usage over a pricing gap: keep the event, flagged for rating.
             log.error("no price in effect for tier %s at %s; %s stored unrated",
                       tier.name, record.created_at, record.request_id)
             rated = False
-    try:
-        with transaction.atomic():
-            event = UsageEvent.objects.create(
-                request_id=record.request_id,
-                created_at=record.created_at,
-                tenant_id=record.tenant_id,
-                api_key_id=record.api_key_id,
-                tier_id=record.tier_id,
-                instance_id=record.instance_id,
-                status=record.status,
-                http_status=record.http_status,
-                stream=record.stream,
-                latency_ms=record.latency_ms,
-                image_count=len(record.images),
-                image_tokens=record.image_tokens,
-                cached_tokens=record.cached_tokens,
-                cached_image_tokens=cached_image,
-                text_tokens=record.text_tokens,
-                output_tokens=record.output_tokens,
-                cost=cost,
-                cache_savings=savings,
-                rated=rated,
-            )
-            UsageImage.objects.bulk_create(
-                UsageImage(
-                    event=event,
-                    position=position,
-                    source_format=image.source_format,
-                    source_width=image.source_width,
-                    source_height=image.source_height,
-                    width=image.width,
-                    height=image.height,
-                    tokens=tokens,
-                    fingerprint=image.fingerprint,
-                    cached=cached,
-                )
-                for position, (image, tokens, cached) in enumerate(record.images)
-            )
-    except IntegrityError:
-        # A concurrent writer stored the same request id first: that copy is the record.
-        return UsageEvent.objects.get(request_id=record.request_id)
-    return event
+    event = UsageEvent(
+        request_id=record.request_id,
+        created_at=record.created_at,
+        tenant_id=record.tenant_id,
+        api_key_id=record.api_key_id,
+        tier_id=record.tier_id,
+        instance_id=record.instance_id,
+        status=record.status,
+        http_status=record.http_status,
+        stream=record.stream,
+        latency_ms=record.latency_ms,
+        image_count=len(record.images),
+        image_tokens=record.image_tokens,
+        cached_tokens=record.cached_tokens,
+        cached_image_tokens=cached_image,
+        text_tokens=record.text_tokens,
+        output_tokens=record.output_tokens,
+        cost=cost,
+        cache_savings=savings,
+        rated=rated,
+    )
+    images = [
+        UsageImage(
+            event=event,
+            position=position,
+            source_format=image.source_format,
+            source_width=image.source_width,
+            source_height=image.source_height,
+            width=image.width,
+            height=image.height,
+            tokens=tokens,
+            fingerprint=image.fingerprint,
+            cached=cached,
+        )
+        for position, (image, tokens, cached) in enumerate(record.images)
+    ]
+    return event, images
 
 
 _TOTALS = ("requests", "images", "image_tokens", "cached_tokens", "cached_image_tokens", "text_tokens",
@@ -198,7 +250,8 @@ def _rollup(name, model, field, trunc, length, now, also=None) -> int:
         new = UsageEvent.objects.filter(recorded_at__lte=upto)
         if state.watermark is not None:
             new = new.filter(recorded_at__gt=state.watermark - ROLLUP_OVERLAP)
-        periods = sorted(set(new.annotate(period=trunc("created_at", tzinfo=dt.UTC)).values_list("period", flat=True)))
+        periods = sorted(new.annotate(period=trunc("created_at", tzinfo=dt.UTC))
+                         .values_list("period", flat=True).order_by().distinct())
         for period in periods:
             _rollup_period(model, field, period, length)
             if also is not None:
@@ -220,11 +273,15 @@ def _rollup_period(model, field, period, length: dt.timedelta) -> None:
                   cache_savings=Sum("cache_savings"))
         .order_by()
     )
-    for row in rows:
-        model.objects.update_or_create(
-            **{field: period}, tenant_id=row["tenant_id"], api_key_id=row["api_key_id"], tier_id=row["tier_id"],
-            defaults={k: row[k] or 0 for k in _TOTALS},
-        )
+    # The period's rows are replaced in two statements rather than upserted one by one (a
+    # single INSERT ... ON CONFLICT would not do: the unique constraint never matches rows
+    # without a key, as NULLs are distinct).
+    model.objects.filter(**{field: period}).delete()
+    model.objects.bulk_create(
+        model(**{field: period}, tenant_id=row["tenant_id"], api_key_id=row["api_key_id"], tier_id=row["tier_id"],
+              **{k: row[k] or 0 for k in _TOTALS})
+        for row in rows
+    )
 
 
 def _image_costs_rewrite(day: dt.date) -> None:
@@ -235,14 +292,14 @@ def _image_costs_rewrite(day: dt.date) -> None:
     Images are counted in SQL by (tenant, tier, plan, tokens, cached), and each such group is
     priced once, so the run reads no image row into Python however many there are.
     """
-    from controlplane.metering.exports import _BILLED, _RateBook
+    from controlplane.metering.exports import _BILLED, _ImagePrices
 
     start = dt.datetime.combine(day, dt.time.min, tzinfo=dt.UTC)
     end = start + dt.timedelta(days=1)
     # A price change during the day splits it, so that each piece has one rate per plan.
     changes = PriceRate.objects.filter(effective_from__gt=start, effective_from__lt=end).values_list(
         "effective_from", flat=True)
-    rates, bins = _RateBook(), {}
+    prices, bins = _ImagePrices(), {}
     for since, until in itertools.pairwise([start, *sorted(set(changes)), end]):
         groups = (
             UsageImage.objects.filter(_BILLED, event__created_at__gte=since, event__created_at__lt=until)
@@ -251,8 +308,7 @@ def _image_costs_rewrite(day: dt.date) -> None:
             .order_by()
         )
         for group in groups:
-            rate = rates.at(group["event__tier__price_plan_id"], since)
-            each = None if rate is None else _image_cost(group["tokens"], group["cached"], rate)
+            each = prices.price(group["event__tier__price_plan_id"], since, group["tokens"], group["cached"])
             key = (group["event__tenant_id"], group["event__tier_id"], ImageCostHistogram.bucket(each))
             row = bins.get(key)
             if row is None:
@@ -262,9 +318,3 @@ def _image_costs_rewrite(day: dt.date) -> None:
             row.cost += group["count"] * (each or 0)
     ImageCostHistogram.objects.filter(day=day).delete()
     ImageCostHistogram.objects.bulk_create(bins.values())
-
-
-def _image_cost(tokens: int, cached: bool, rate):
-    """One image's cost: its tokens (at the cached discount when served from the cache) and the
-    per-image fee. Each image is rounded on its own, so a bucket's cost is count times this."""
-    return price(Usage(image_tokens=tokens, images=1, cached_image_tokens=tokens if cached else 0), rate)

@@ -88,3 +88,36 @@ def test_an_entry_that_keeps_failing_moves_to_the_dead_letter_stream(world, stre
     dead = stream.xrange(f"{stream_key()}:dead")
     assert json.loads(dead[0][1][b"record"])["request_id"] == "req-poison"  # kept, for an operator
     stream.delete(f"{stream_key()}:dead")
+
+
+def test_a_batch_stores_each_request_once_priced_at_the_rate_in_effect_then(world, stream):
+    import datetime as dt
+    from decimal import Decimal
+
+    from django.utils import timezone
+
+    from controlplane.catalog.models import PriceRate
+    from controlplane.metering.services import usage_record
+
+    PriceRate.objects.create(plan=world.vision.price_plan, effective_from=timezone.now() - dt.timedelta(days=5),
+                             text_input_per_mtok=Decimal("1"), image_per_mtok=Decimal("2"),
+                             output_per_mtok=Decimal("3"), per_image_fee=Decimal("0.01"),
+                             cached_image_discount=Decimal("0.5"))
+    before_the_change = timezone.now() - dt.timedelta(days=10)
+    usage_record(record=_record(world, "req-direct"))  # stored while the stream was away
+    put = async_to_sync(RedisOutbox(django_settings.REDIS_URL).put)
+    for request_id, created_at in (("req-direct", None), ("req-old", before_the_change), ("req-new", None),
+                                   ("req-new", None), ("req-unpriced", dt.datetime(2000, 1, 1, tzinfo=dt.UTC))):
+        put(_record(world, request_id, **({"created_at": created_at} if created_at else {})))
+
+    assert usage_ingest() == 5
+    events = {e.request_id: e for e in UsageEvent.objects.all()}
+    assert sorted(events) == ["req-direct", "req-new", "req-old", "req-unpriced"]
+    # (20*1 + (110 - 110*0.5)*2 + 7*3) / 1e6 + 0.01 = 0.010151, saving 110*0.5*2 / 1e6
+    assert (events["req-new"].cost, events["req-new"].cache_savings) == (Decimal("0.010151"), Decimal("0.000110"))
+    assert (events["req-new"].cost, events["req-new"].cache_savings) == (
+        events["req-direct"].cost, events["req-direct"].cache_savings)
+    # old card: (20*0.20 + 55*0.30 + 7*0.60) / 1e6 + 0.001 = 0.0010247 -> 0.001025
+    assert events["req-old"].cost == Decimal("0.001025")
+    assert (events["req-unpriced"].rated, events["req-unpriced"].cost) == (False, Decimal("0"))
+    assert [(i.position, i.tokens, i.cached) for i in events["req-new"].images.all()] == [(0, 110, True)]
