@@ -16,6 +16,8 @@ from django.utils import timezone
 
 from controlplane.metering.exports import (
     CSV,
+    IMAGES,
+    MONTHLY_SUMMARY,
     XLSX,
     ExportError,
     export_for,
@@ -24,7 +26,7 @@ from controlplane.metering.exports import (
 )
 from controlplane.tenants import roles
 
-REPORT_CHOICES = [("images", "Per-image cost report"), ("monthly-summary", "Monthly summary per tenant")]
+REPORT_CHOICES = [(IMAGES, "Per-image cost report"), (MONTHLY_SUMMARY, "Monthly summary per tenant")]
 FILETYPE_CHOICES = [(CSV, "CSV"), (XLSX, "XLSX (Excel)")]
 
 
@@ -34,7 +36,7 @@ def _require_finance_or_operator(user):
 
 
 class ExportForm(forms.Form):
-    report = forms.ChoiceField(choices=REPORT_CHOICES, initial="images")
+    report = forms.ChoiceField(choices=REPORT_CHOICES, initial=IMAGES)
     month = forms.CharField(required=False, widget=forms.TextInput(attrs={"type": "month", "placeholder": "YYYY-MM"}),
                             help_text="A month, or leave empty and give dates")
     start = forms.DateField(required=False, label="From", widget=forms.DateInput(attrs={"type": "date"}))

@@ -17,12 +17,13 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from decimal import Decimal
 
-from django.db.models import Q, Sum
+from django.db.models import Q, QuerySet, Sum
 from django.db.models.functions import TruncMonth
+from django.http import StreamingHttpResponse
 
 from controlplane.catalog.models import PriceRate
 from controlplane.metering.models import DailyUsage, UsageEvent, UsageImage
-from controlplane.metering.rating import Usage, price
+from controlplane.metering.rating import Rates, Usage, price
 from controlplane.metering.statements import month_bounds
 
 IMAGE_COLUMNS = ["tenant", "request_id", "time", "tier", "source_width", "source_height", "sent_width",
@@ -31,8 +32,9 @@ SUMMARY_COUNTERS = ("requests", "images", "image_tokens", "cached_image_tokens",
 SUMMARY_AMOUNTS = ("cost", "cache_savings")
 SUMMARY_COLUMNS = ["tenant", "month", "line", "tier", *SUMMARY_COUNTERS, "cost_usd", "cache_savings_usd"]
 
-CSV = "csv"
-XLSX = "xlsx"
+IMAGES, MONTHLY_SUMMARY = "images", "monthly-summary"
+SHEET_TITLES = {IMAGES: "Images", MONTHLY_SUMMARY: "Monthly summary"}
+CSV, XLSX = "csv", "xlsx"
 CONTENT_TYPES = {CSV: "text/csv", XLSX: "application/vnd.openxmlformats-officedocument.spreadsheetml.sheet"}
 XLSX_MAX_ROWS = 1_048_576  # Excel's limit per sheet, header included: the rest continue on further sheets
 FILE_CHUNK = 64 * 1024
@@ -44,17 +46,27 @@ class ExportError(ValueError):
 
 # -- the per-image cost report ------------------------------------------------------------
 
-class _RateBook:
-    """The rate in effect for a plan at a moment, without a query per row."""
+class _ImagePrices:
+    """An image's price at the rate in effect for its plan at a moment, without a query per
+    row. Prices are kept per rate, token count and cache hit: few distinct values recur."""
 
     def __init__(self):
-        self._rates: dict[int, list[PriceRate]] = {}
+        self._rates: dict[int, list[tuple[dt.datetime, Rates]]] = {}
+        self._prices: dict[tuple, Decimal] = {}
 
-    def at(self, plan_id: int, when: dt.datetime):
+    def price(self, plan_id: int, when: dt.datetime, tokens: int, cached: bool) -> Decimal | None:
         rates = self._rates.get(plan_id)
         if rates is None:
-            rates = self._rates[plan_id] = list(PriceRate.objects.filter(plan_id=plan_id).order_by("-effective_from"))
-        return next((r.as_rates() for r in rates if r.effective_from <= when), None)
+            rates = self._rates[plan_id] = [(r.effective_from, r.as_rates()) for r in
+                                            PriceRate.objects.filter(plan_id=plan_id).order_by("-effective_from")]
+        for index, (effective_from, rate) in enumerate(rates):
+            if effective_from <= when:
+                key = (plan_id, index, tokens, cached)
+                if key not in self._prices:
+                    self._prices[key] = price(Usage(image_tokens=tokens, images=1,
+                                                    cached_image_tokens=tokens if cached else 0), rate)
+                return self._prices[key]
+        return None
 
 
 # The requests that were billed (services.is_billable): completed, or worked on by an engine.
@@ -65,19 +77,15 @@ _BILLED = Q(event__status=UsageEvent.Status.OK) | Q(
 def per_image_rows(*, since: dt.datetime, until: dt.datetime, tenants) -> Iterator[list]:
     """One row per image sent to an engine: what it was, what it became, what it cost (None
     when no price was in effect)."""
-    rates = _RateBook()
+    prices = _ImagePrices()
     images = (UsageImage.objects.filter(_BILLED, event__created_at__gte=since, event__created_at__lt=until,
                                         event__tenant__in=tenants)
-              .select_related("event__tenant", "event__tier")
-              .order_by("event__created_at", "event_id", "position"))
-    for image in images.iterator(chunk_size=2000):
-        event = image.event
-        rate = rates.at(event.tier.price_plan_id, event.created_at)
-        cost = None if rate is None else price(Usage(image_tokens=image.tokens, images=1,
-                                                     cached_image_tokens=image.tokens if image.cached else 0), rate)
-        yield [event.tenant.name, event.request_id, event.created_at, event.tier.name,
-               image.source_width, image.source_height, image.width, image.height, image.tokens,
-               image.cached, cost]
+              .order_by("event__created_at", "event_id", "position")
+              .values_list("event__tenant__name", "event__request_id", "event__created_at", "event__tier__name",
+                           "source_width", "source_height", "width", "height", "tokens", "cached",
+                           "event__tier__price_plan_id"))
+    for *row, plan_id in images.iterator(chunk_size=2000):
+        yield [*row, prices.price(plan_id, row[2], row[8], row[9])]
 
 
 # -- the per-tenant monthly summary ---------------------------------------------------------
@@ -127,8 +135,8 @@ class Period:
     def whole_months(self) -> Period:
         """The calendar months this period touches, from the first day of the first to the
         last day of the last: what a monthly summary covers."""
-        year, month = self.last.year, self.last.month
-        return Period(self.first.replace(day=1), self.last.replace(day=calendar.monthrange(year, month)[1]))
+        days_in_last = calendar.monthrange(self.last.year, self.last.month)[1]
+        return Period(self.first.replace(day=1), self.last.replace(day=days_in_last))
 
 
 def period_from(params: Mapping, *, today: dt.date) -> Period:
@@ -155,37 +163,34 @@ def period_from(params: Mapping, *, today: dt.date) -> Period:
 
 @dataclass(frozen=True)
 class Export:
-    report: str  # "images" or "monthly-summary"
+    report: str  # IMAGES or MONTHLY_SUMMARY
     filetype: str  # CSV or XLSX
     period: Period
-    tenants: object  # a Tenant queryset
+    tenants: QuerySet  # of Tenant
     tenant_name: str = ""
 
     @property
     def filename(self) -> str:
         who = f"{self.tenant_name}-" if self.tenant_name else ""
-        if self.report == "images":
+        if self.report == IMAGES:
             return f"image-costs-{who}{self.period.first}-{self.period.last}.{self.filetype}"
         first, last = (f"{day:%Y-%m}" for day in (self.period.first, self.period.last))
         return f"monthly-summary-{who}{first}{'' if first == last else '-' + last}.{self.filetype}"
 
     def columns(self) -> list[str]:
-        return IMAGE_COLUMNS if self.report == "images" else SUMMARY_COLUMNS
+        return IMAGE_COLUMNS if self.report == IMAGES else SUMMARY_COLUMNS
 
     def rows(self) -> Iterator[list]:
-        if self.report == "images":
+        if self.report == IMAGES:
             return per_image_rows(since=self.period.since, until=self.period.until, tenants=self.tenants)
         months = self.period.whole_months()
         return monthly_summary_rows(first=months.first, last=months.last, tenants=self.tenants)
 
 
-REPORTS = ("images", "monthly-summary")
-
-
 def export_for(*, report: str, filetype: str, params: Mapping, tenants, today: dt.date) -> Export:
     """What an export request asks for, checked. `tenants` are those the caller may see; the
     optional `tenant` parameter narrows them to one by name."""
-    if report not in REPORTS or filetype not in CONTENT_TYPES:
+    if report not in SHEET_TITLES or filetype not in CONTENT_TYPES:
         raise ExportError(f"no {report} report as {filetype}")
     period = period_from(params, today=today)
     name = params.get("tenant") or ""
@@ -196,21 +201,16 @@ def export_for(*, report: str, filetype: str, params: Mapping, tenants, today: d
     return Export(report=report, filetype=filetype, period=period, tenants=tenants, tenant_name=name)
 
 
-def export_response(export: Export, *, asgi: bool):
-    from django.http import StreamingHttpResponse
-
+def export_response(export: Export, *, asgi: bool) -> StreamingHttpResponse:
+    """The file, streamed; under ASGI pulled in batches on one thread (see in_batches)."""
     if export.filetype == CSV:
         chunks, batch = csv_lines(export.columns(), export.rows()), 1000
     else:
-        chunks, batch = xlsx_chunks(export.columns(), export.rows(), title=_sheet_title(export.report)), 1
+        chunks, batch = xlsx_chunks(export.columns(), export.rows(), title=SHEET_TITLES[export.report]), 1
     response = StreamingHttpResponse(in_batches(chunks, size=batch) if asgi else chunks,
                                      content_type=CONTENT_TYPES[export.filetype])
     response["Content-Disposition"] = f'attachment; filename="{export.filename}"'
     return response
-
-
-def _sheet_title(report: str) -> str:
-    return "Images" if report == "images" else "Monthly summary"
 
 
 # -- CSV --------------------------------------------------------------------------------------

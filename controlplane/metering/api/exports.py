@@ -11,7 +11,14 @@ from rest_framework.negotiation import BaseContentNegotiation
 from rest_framework.permissions import BasePermission, IsAuthenticated
 from rest_framework.views import APIView
 
-from controlplane.metering.exports import CONTENT_TYPES, ExportError, export_for, export_response
+from controlplane.metering.exports import (
+    CONTENT_TYPES,
+    IMAGES,
+    MONTHLY_SUMMARY,
+    ExportError,
+    export_for,
+    export_response,
+)
 from controlplane.tenants import roles
 
 
@@ -61,7 +68,7 @@ class _Export(APIView):
 
 
 class ImageCostExport(_Export):
-    report = "images"
+    report = IMAGES
 
     @extend_schema(
         operation_id="exports_images", tags=["exports"], summary="Per-image cost report",
@@ -75,7 +82,7 @@ class ImageCostExport(_Export):
 
 
 class MonthlySummaryExport(_Export):
-    report = "monthly-summary"
+    report = MONTHLY_SUMMARY
 
     @extend_schema(
         operation_id="exports_monthly_summary", tags=["exports"], summary="Per-tenant monthly summary",
