@@ -56,3 +56,38 @@ def throughput_chart(runs: list[tuple[str, dict]], div_id: str = "throughput-cha
                          yaxis_title="requests per second", margin={"l": 60, "r": 20, "t": 50, "b": 50},
                          height=360)
     return _html(figure, div_id)
+
+
+def quality_cost_chart(results: dict, div_id: str = "quality-cost-chart") -> str:
+    """Per task type: ANLS against the cost of an image, one point per pixel cap."""
+    from controlplane.benchmarks.scoring import TASK_TYPES
+
+    caps = results.get("caps") or []
+    figure = go.Figure()
+    for task in sorted({t for cap in caps for t in cap["tasks"]}):
+        points = [(float(c["cost_per_image"] or 0), c["tasks"][task]["anls"], c["cap"]) for c in caps
+                  if task in c["tasks"]]
+        figure.add_scatter(name=TASK_TYPES.get(task, task), x=[x for x, _, _ in points], y=[y for _, y, _ in points],
+                           text=[f"{cap:,} px" for _, _, cap in points], mode="lines+markers")
+    figure.update_layout(title="Quality against cost, one point per pixel cap", xaxis_title="cost per image",
+                         yaxis_title="ANLS (probe: share answered no)", yaxis={"range": [0, 1.05]},
+                         margin={"l": 60, "r": 20, "t": 50, "b": 50}, height=380)
+    return _html(figure, div_id)
+
+
+def resolution_chart(results: dict, div_id: str = "resolution-chart") -> str:
+    """Image tokens and latency at each pixel cap."""
+    caps = results.get("caps") or []
+    megapixels = [c["cap"] / 1e6 for c in caps]
+    figure = go.Figure()
+    figure.add_scatter(name="image tokens", x=megapixels, y=[c["mean_image_tokens"] for c in caps],
+                       mode="lines+markers")
+    figure.add_scatter(name="TTFT p50 (ms)", x=megapixels, y=[c["ttft"]["p50"] for c in caps], mode="lines+markers",
+                       yaxis="y2")
+    figure.add_scatter(name="E2E p50 (ms)", x=megapixels, y=[c["e2e"]["p50"] for c in caps], mode="lines+markers",
+                       yaxis="y2", line={"dash": "dash"})
+    figure.update_layout(title="Tokens and latency by pixel cap", xaxis_title="pixel cap (megapixels)",
+                         yaxis_title="image tokens per image",
+                         yaxis2={"title": "ms", "overlaying": "y", "side": "right"},
+                         margin={"l": 60, "r": 60, "t": 50, "b": 50}, height=380)
+    return _html(figure, div_id)

@@ -5,7 +5,7 @@ import io
 from django import forms
 from PIL import Image, UnidentifiedImageError
 
-from controlplane.benchmarks.models import BenchmarkProfile
+from controlplane.benchmarks.models import BenchmarkProfile, EvalItem
 from controlplane.fleet.models import EngineInstance
 
 
@@ -16,10 +16,10 @@ class ProfileForm(forms.ModelForm):
 
     class Meta:
         model = BenchmarkProfile
-        fields = ["name", "description", "tier", "target", "gateway_url", "instance", "text_share",
+        fields = ["name", "description", "kind", "tier", "target", "gateway_url", "instance", "text_share",
                   "images_per_request_min", "images_per_request_max", "image_source", "image_buckets",
                   "prompt_tokens_min", "prompt_tokens_max", "output_tokens_min", "output_tokens_max",
-                  "arrival", "sweep", "stage_duration_s", "seed", "ttft_slo_ms", "tpot_slo_ms",
+                  "arrival", "sweep", "stage_duration_s", "seed", "pixel_caps", "ttft_slo_ms", "tpot_slo_ms",
                   "schedule_enabled", "schedule_cron"]
         widgets = {"description": forms.Textarea(attrs={"rows": 2}),
                    "image_buckets": forms.Textarea(attrs={"rows": 3})}
@@ -54,6 +54,19 @@ class ImageUploadForm(forms.Form):
         self.image_info = {"name": upload.name[:255], "content_type": self.FORMATS[fmt], "width": width,
                            "height": height, "data": data}
         return upload
+
+
+class EvalItemForm(ImageUploadForm):
+    task_type = forms.ChoiceField(choices=EvalItem.TaskType.choices)
+    question = forms.CharField(widget=forms.Textarea(attrs={"rows": 2}))
+    expected = forms.CharField(widget=forms.Textarea(attrs={"rows": 2}), required=False,
+                               help_text="Accepted answers, one per line (a probe's is a negative)")
+
+    field_order = ["task_type", "question", "expected", "image"]
+
+    def item_fields(self) -> dict:
+        return {**self.image_info, "task_type": self.cleaned_data["task_type"],
+                "question": self.cleaned_data["question"], "expected": self.cleaned_data["expected"]}
 
 
 class CompareForm(forms.Form):

@@ -133,11 +133,14 @@ def payload_of(target: Target, spec: RequestSpec) -> bytes:
     return json.dumps(body).encode()
 
 
-async def prepared(next_spec: Callable[[], RequestSpec], target: Target) -> tuple[RequestSpec, bytes]:
+async def prepared(next_spec: Callable[[], RequestSpec], target: Target) -> tuple[RequestSpec, bytes] | None:
     """The next request and its body, made on a worker thread: drawing and encoding a large
-    image on the event loop would stall the streams being timed."""
+    image on the event loop would stall the streams being timed. None when there are no more."""
     def make():
-        spec = next_spec()
+        try:
+            spec = next_spec()
+        except StopIteration:  # must not cross into a future, where it would never resolve
+            return None
         return spec, payload_of(target, spec)
     return await asyncio.to_thread(make)
 
@@ -192,7 +195,11 @@ async def run_stage(client: httpx.AsyncClient, target: Target, next_spec: Callab
     stop = asyncio.Event()
 
     async def one():
-        spec, payload = await prepared(next_spec, target)
+        made = await prepared(next_spec, target)
+        if made is None:
+            stop.set()  # the requests ran out: this stage sends no more
+            return
+        spec, payload = made
         try:
             samples.append(await send_one(client, target, spec, stage=stage, stage_started=started,
                                           payload=payload))

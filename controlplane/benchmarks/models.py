@@ -17,6 +17,10 @@ def _default_sweep():
     return [1, 4, 8]
 
 
+def _default_caps():
+    return [200704, 401408, 1003520]
+
+
 class BenchmarkProfile(models.Model):
     """What to load, how hard, for how long, and what counts as good enough."""
 
@@ -28,12 +32,17 @@ class BenchmarkProfile(models.Model):
         CLOSED = "closed", "closed loop: a concurrency sweep"
         OPEN = "open", "open loop: a Poisson request-rate sweep"
 
+    class Kind(models.TextChoices):
+        LOAD = "load", "load: latency and throughput under the traffic mix"
+        RESOLUTION = "resolution", "resolution sweep: the same images at each pixel cap"
+
     class ImageSource(models.TextChoices):
         BUCKETS = "buckets", "synthetic images of the size buckets"
         UPLOADS = "uploads", "the uploaded images"
 
     name = models.SlugField(max_length=64, unique=True)
     description = models.TextField(blank=True)
+    kind = models.CharField(max_length=16, choices=Kind.choices, default=Kind.LOAD)
     tier = models.ForeignKey("catalog.ModelTier", on_delete=models.CASCADE, related_name="benchmarks")
     target = models.CharField(max_length=16, choices=Target.choices, default=Target.GATEWAY)
     gateway_url = models.URLField(
@@ -63,6 +72,10 @@ class BenchmarkProfile(models.Model):
     stage_duration_s = models.FloatField(default=30.0, validators=[MinValueValidator(0.5)],
                                          help_text="Seconds of load at each level")
     seed = models.PositiveIntegerField(default=0, help_text="Same seed, same requests")
+    # A resolution sweep: its evaluation items (or images) at each cap, sweep[0] at a time.
+    pixel_caps = models.JSONField(
+        default=_default_caps, blank=True,
+        help_text="Resolution sweep: pixel caps the images are scaled down to, e.g. [200704, 1003520]")
     # Service levels.
     ttft_slo_ms = models.PositiveIntegerField(default=2000, help_text="Time to first token, ms")
     tpot_slo_ms = models.PositiveIntegerField(default=100, help_text="Time per output token, ms")
@@ -105,6 +118,12 @@ class BenchmarkProfile(models.Model):
                 _check_buckets(self.image_buckets)
             except ValueError as exc:
                 errors["image_buckets"] = str(exc)
+        caps = self.pixel_caps
+        if self.kind == self.Kind.RESOLUTION and (
+                not isinstance(caps, list) or not caps or len(caps) > 12
+                or not all(isinstance(c, int) and not isinstance(c, bool) and 3136 <= c <= 50_000_000
+                           for c in caps)):
+            errors["pixel_caps"] = "a list of 1 to 12 whole pixel counts between 3136 and 50,000,000"
         if self.schedule_enabled and not self.schedule_cron:
             errors["schedule_cron"] = "a schedule needs a cron expression"
         elif self.schedule_cron:
@@ -149,6 +168,33 @@ class BenchmarkImage(models.Model):
 
     def __str__(self):
         return f"{self.name} ({self.width}x{self.height})"
+
+
+class EvalItem(models.Model):
+    """A labelled question about an image: what a resolution sweep scores at each cap."""
+
+    class TaskType(models.TextChoices):
+        OCR = "ocr", "OCR"
+        CHART = "chart", "chart reading"
+        DESCRIPTION = "description", "description"
+        REASONING = "reasoning", "reasoning over image and text"
+        HALLUCINATION = "hallucination", "hallucination probe (the right answer is a negative)"
+
+    profile = models.ForeignKey(BenchmarkProfile, on_delete=models.CASCADE, related_name="eval_items")
+    task_type = models.CharField(max_length=16, choices=TaskType.choices)
+    question = models.TextField()
+    expected = models.TextField(blank=True, help_text="Accepted answers, one per line")
+    name = models.CharField(max_length=255)
+    content_type = models.CharField(max_length=64)
+    width = models.PositiveIntegerField()
+    height = models.PositiveIntegerField()
+    data = models.BinaryField()
+
+    class Meta:
+        ordering = ["profile", "task_type", "id"]
+
+    def __str__(self):
+        return f"{self.get_task_type_display()}: {self.question[:60]}"
 
 
 class BenchmarkRun(models.Model):

@@ -20,7 +20,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from controlplane.benchmarks import loadgen, stats
-from controlplane.benchmarks.models import BenchmarkImage, BenchmarkProfile, BenchmarkRun
+from controlplane.benchmarks.models import BenchmarkImage, BenchmarkProfile, BenchmarkRun, EvalItem
 from controlplane.benchmarks.workload import (
     CLASS_NAMES,
     Mix,
@@ -92,7 +92,7 @@ def benchmark_cancel(*, run: BenchmarkRun) -> None:
 
 def profile_config(profile: BenchmarkProfile) -> dict:
     """The profile and the tier's engine settings as a run used them, for comparing runs."""
-    fields = ["target", "gateway_url", "instance_id", "text_share", "images_per_request_min",
+    fields = ["kind", "pixel_caps", "target", "gateway_url", "instance_id", "text_share", "images_per_request_min",
               "images_per_request_max", "image_source", "image_buckets", "prompt_tokens_min",
               "prompt_tokens_max", "output_tokens_min", "output_tokens_max", "arrival", "sweep",
               "stage_duration_s", "seed", "ttft_slo_ms", "tpot_slo_ms"]
@@ -100,6 +100,7 @@ def profile_config(profile: BenchmarkProfile) -> dict:
     return {
         **{name: getattr(profile, name) for name in fields},
         "uploaded_images": profile.images.count(),
+        "eval_items": profile.eval_items.count(),
         "tier": {"name": tier.name, "family": tier.family, "engine_settings": tier.engine_settings,
                  "large_image_threshold": tier.large_image_threshold,
                  "resolution_policy": tier.resolution_policy.name if tier.resolution_policy else None,
@@ -204,16 +205,23 @@ def benchmark_execute(*, run_id: int) -> None:
     levels = [float(v) for v in profile.sweep]
     planned_s = len(levels) * profile.stage_duration_s
     cleanup = None
+    resolution_sweep = profile.kind == BenchmarkProfile.Kind.RESOLUTION
     try:
-        workload = workload_for(profile)
+        workload = None if resolution_sweep else workload_for(profile)
         target, where, cleanup = _target(run, planned_s)
     except BenchmarkError as exc:
         _finish(run, BenchmarkRun.State.FAILED, f"{exc}\n")
         return
-    _append_log(run, f"{profile.arrival} loop against {where}; levels {profile.sweep}, "
-                     f"{profile.stage_duration_s:g}s each")
     try:
-        _measure(run, workload, target, levels)
+        if resolution_sweep:
+            _append_log(run, f"resolution sweep against {where}; caps {profile.pixel_caps}")
+            _measure_resolution(run, target)
+        else:
+            _append_log(run, f"{profile.arrival} loop against {where}; levels {profile.sweep}, "
+                             f"{profile.stage_duration_s:g}s each")
+            _measure(run, workload, target, levels)
+    except BenchmarkError as exc:
+        _finish(run, BenchmarkRun.State.FAILED, f"{exc}\n")
     except Exception as exc:  # whatever broke, the row says so instead of staying "running"
         log.exception("benchmark run %s failed", run.pk)
         _finish(run, BenchmarkRun.State.FAILED, f"failed: {type(exc).__name__}: {exc}\n")
@@ -226,8 +234,81 @@ def _measure(run: BenchmarkRun, workload: Workload, target: loadgen.Target, leve
     profile = run.profile
     slo = stats.Slo(ttft_ms=profile.ttft_slo_ms, tpot_ms=profile.tpot_slo_ms)
     rates = _rates(profile.tier)
-    shared = _Shared()
     counter = iter(range(10**12))
+    results = {"kind": "load", "arrival": profile.arrival,
+               "unit": "concurrency" if profile.arrival == loadgen.CLOSED else "rps",
+               "slo": {"ttft_ms": slo.ttft_ms, "tpot_ms": slo.tpot_ms}, "stages": [],
+               "sample_columns": SAMPLE_COLUMNS, "samples": []}
+
+    def start(on_tick, on_stage):
+        return loadgen.run_sweep(
+            target, lambda: workload.spec(next(counter)), arrival=profile.arrival, levels=levels,
+            duration_s=profile.stage_duration_s, seed=profile.seed, on_tick=on_tick, on_stage=on_stage,
+            tick_s=0.2, drain_s=max(30.0, profile.stage_duration_s))
+
+    def summarise(n, samples, elapsed_s, stopped):
+        # Rates are per second of the stage as it ran: its load, the drain of what was in
+        # flight at the end, or until it was stopped.
+        summary = stats.stage_summary(samples, duration_s=elapsed_s, slo=slo, rates=rates, level=levels[n])
+        summary["stopped_early"] = stopped
+        results["stages"].append(summary)
+        room = MAX_STORED_SAMPLES - len(results["samples"])
+        results["samples"].extend(stats.sample_row(s) for s in samples[:max(0, room)])
+        return _stage_line(n, levels[n], profile.arrival, summary)
+
+    _drive(run, results, start, summarise)
+
+
+def _measure_resolution(run: BenchmarkRun, target: loadgen.Target) -> None:
+    from controlplane.benchmarks import resolution
+
+    profile = run.profile
+    items = resolution_items(profile)
+    caps = list(profile.pixel_caps)
+    stages = resolution.sweep_specs(items, caps, max_tokens=profile.output_tokens_max,
+                                    estimate_tokens=token_estimator(profile.tier))
+    specs = {spec.index: spec for stage in stages for spec in stage}
+    rates = _rates(profile.tier)
+    results = {"kind": "resolution", "items": len(items), "caps": []}
+
+    def start(on_tick, on_stage):
+        return loadgen.run_fixed(target, stages, concurrency=max(1, int(profile.sweep[0])), on_tick=on_tick,
+                                 on_stage=on_stage, tick_s=0.2)
+
+    def summarise(n, samples, elapsed_s, stopped):
+        summary = resolution.cap_summary(samples, specs, cap=caps[n], rates=rates)
+        summary["stopped_early"] = stopped
+        results["caps"].append(summary)
+        scores = ", ".join(f"{t} ANLS {v['anls']:.2f}" for t, v in summary["tasks"].items())
+        return (f"cap {caps[n]:,} px: {summary['requests']} requests, {summary['errors']} errors, "
+                f"{summary['mean_image_tokens'] or 0:.0f} image tokens each" + (f"; {scores}" if scores else ""))
+
+    _drive(run, results, start, summarise)
+
+
+def resolution_items(profile: BenchmarkProfile) -> list:
+    """The labelled items, else the uploaded images, else one synthetic image per size bucket."""
+    from controlplane.benchmarks.resolution import Item
+    from controlplane.benchmarks.workload import synthetic_jpeg
+
+    items = [Item(key=f"item-{i.pk}", data=bytes(i.data), width=i.width, height=i.height,
+                  content_type=i.content_type, question=i.question, task_type=i.task_type,
+                  expected=tuple(line.strip() for line in i.expected.splitlines() if line.strip()))
+             for i in profile.eval_items.all()]
+    if not items:
+        items = [Item(key=f"image-{i.pk}", data=bytes(i.data), width=i.width, height=i.height,
+                      content_type=i.content_type) for i in profile.images.all()]
+    if not items:
+        items = [Item(key=f"{b.width}x{b.height}", data=synthetic_jpeg(b.width, b.height, 0), width=b.width,
+                      height=b.height) for b in buckets_from_json(profile.image_buckets)]
+    if not items:
+        raise BenchmarkError("a resolution sweep needs evaluation items, uploaded images or size buckets")
+    return items
+
+
+def _drive(run: BenchmarkRun, results: dict, start, summarise) -> None:
+    """Run the load on a thread of its own; here, poll the cancel flag and write what comes."""
+    shared = _Shared()
 
     async def on_tick(progress: float) -> bool:
         shared.progress = progress
@@ -239,29 +320,15 @@ def _measure(run: BenchmarkRun, workload: Workload, target: loadgen.Target, leve
 
     def load():
         try:
-            asyncio.run(loadgen.run_sweep(
-                target, lambda: workload.spec(next(counter)), arrival=profile.arrival, levels=levels,
-                duration_s=profile.stage_duration_s, seed=profile.seed, on_tick=on_tick,
-                on_stage=on_stage, tick_s=0.2, drain_s=max(30.0, profile.stage_duration_s)))
+            asyncio.run(start(on_tick, on_stage))
         except BaseException as exc:  # handed to the database thread, which reports it
             shared.error = exc
-
-    results = {"arrival": profile.arrival, "unit": "concurrency" if profile.arrival == loadgen.CLOSED else "rps",
-               "slo": {"ttft_ms": slo.ttft_ms, "tpot_ms": slo.tpot_ms}, "stages": [],
-               "sample_columns": SAMPLE_COLUMNS, "samples": []}
 
     def take_finished_stages():
         with shared.lock:
             done, shared.finished_stages = shared.finished_stages, []
         for n, samples, elapsed_s, stopped in done:
-            # Rates are per second of the stage as it ran: its load, the drain of what was in
-            # flight at the end, or until it was stopped.
-            summary = stats.stage_summary(samples, duration_s=elapsed_s, slo=slo, rates=rates, level=levels[n])
-            summary["stopped_early"] = stopped
-            results["stages"].append(summary)
-            room = MAX_STORED_SAMPLES - len(results["samples"])
-            results["samples"].extend(stats.sample_row(s) for s in samples[:max(0, room)])
-            _append_log(run, _stage_line(n, levels[n], profile.arrival, summary))
+            _append_log(run, summarise(n, samples, elapsed_s, stopped))
 
     thread = threading.Thread(target=load, name=f"benchmark-{run.pk}", daemon=True)
     thread.start()
@@ -280,14 +347,15 @@ def _measure(run: BenchmarkRun, workload: Workload, target: loadgen.Target, leve
         _finish(run, BenchmarkRun.State.CANCELLED, "cancelled; the results keep what was measured\n",
                 results=results)
         return
-    errors = sum(stage["errors"] for stage in results["stages"])
-    requests = sum(stage["requests"] for stage in results["stages"])
+    stages = results.get("stages") or results.get("caps") or []
+    errors = sum(stage["errors"] for stage in stages)
+    requests = sum(stage["requests"] for stage in stages)
     if errors == requests:
         why = "every request failed" if requests else "no request was answered in time"
         _finish(run, BenchmarkRun.State.FAILED, f"{why}\n", results=results)
         return
-    results_line = f"done: {requests} requests, {errors} errors\n"
-    _finish(run, BenchmarkRun.State.SUCCEEDED, results_line, results=results, progress=1.0)
+    _finish(run, BenchmarkRun.State.SUCCEEDED, f"done: {requests} requests, {errors} errors\n", results=results,
+            progress=1.0)
 
 
 def _append_log(run: BenchmarkRun, line: str) -> None:
@@ -331,3 +399,9 @@ def profile_image_add(*, profile: BenchmarkProfile, name: str, content_type: str
                       data: bytes) -> BenchmarkImage:
     return BenchmarkImage.objects.create(profile=profile, name=name, content_type=content_type, width=width,
                                          height=height, data=data)
+
+
+def eval_item_add(*, profile: BenchmarkProfile, task_type: str, question: str, expected: str, name: str,
+                  content_type: str, width: int, height: int, data: bytes) -> EvalItem:
+    return EvalItem.objects.create(profile=profile, task_type=task_type, question=question, expected=expected,
+                                   name=name, content_type=content_type, width=width, height=height, data=data)

@@ -9,8 +9,14 @@ from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_POST
 
 from controlplane.benchmarks import charts, selectors, services
-from controlplane.benchmarks.forms import CompareForm, ImageUploadForm, ProfileForm, RunForm
-from controlplane.benchmarks.models import BenchmarkImage, BenchmarkProfile, BenchmarkRun
+from controlplane.benchmarks.forms import (
+    CompareForm,
+    EvalItemForm,
+    ImageUploadForm,
+    ProfileForm,
+    RunForm,
+)
+from controlplane.benchmarks.models import BenchmarkImage, BenchmarkProfile, BenchmarkRun, EvalItem
 from controlplane.tenants import roles
 
 
@@ -40,7 +46,7 @@ def profile_edit(request, pk: int | None = None):
     context = {"form": form, "profile": profile}
     if profile is not None:
         context.update(run_form=RunForm(), upload_form=ImageUploadForm(), images=profile.images.all(),
-                       runs=profile.runs.all()[:30])
+                       eval_form=EvalItemForm(), eval_items=profile.eval_items.all(), runs=profile.runs.all()[:30])
     return render(request, "benchmarks/profile.html", context)
 
 
@@ -88,13 +94,40 @@ def image_delete(request, pk: int, image_pk: int):
 
 
 @login_required
+@require_POST
+def eval_item_add(request, pk: int):
+    _operator(request)
+    profile = get_object_or_404(BenchmarkProfile, pk=pk)
+    form = EvalItemForm(request.POST, request.FILES)
+    if form.is_valid():
+        services.eval_item_add(profile=profile, **form.item_fields())
+        messages.success(request, "Evaluation item added.")
+    else:
+        messages.error(request, "; ".join(f"{name}: {e}" for name, errors in form.errors.items() for e in errors))
+    return redirect("benchmarks:profile", pk=profile.pk)
+
+
+@login_required
+@require_POST
+def eval_item_delete(request, pk: int, item_pk: int):
+    _operator(request)
+    get_object_or_404(EvalItem, pk=item_pk, profile_id=pk).delete()
+    return redirect("benchmarks:profile", pk=pk)
+
+
+@login_required
 def run_detail(request, pk: int):
     _operator(request)
     run = get_object_or_404(BenchmarkRun.objects.select_related("profile__tier", "created_by"), pk=pk)
     results = run.results or {}
     has_stages = bool(results.get("stages"))
+    caps = results.get("caps") or []
     return render(request, "benchmarks/run.html", {
         "run": run,
+        "caps": caps,
+        "answers": [a for cap in caps for a in cap.get("answers", [])][:200],
+        "quality_chart": charts.quality_cost_chart(results) if any(c["tasks"] for c in caps) else None,
+        "resolution_chart": charts.resolution_chart(results) if caps else None,
         "rows": selectors.stage_rows(results),
         "ttft_chart": charts.latency_chart([(str(run), results)]) if has_stages else None,
         "tpot_chart": charts.latency_chart([(str(run), results)], metric="tpot", div_id="tpot-chart")

@@ -62,6 +62,7 @@ class RequestSpec:
     image_pixels: int = 0
     image_tokens: int = 0  # estimated: what the tier's policy and token formula give
     sizes: list[tuple[int, int]] = field(default_factory=list)
+    meta: dict = field(default_factory=dict)  # e.g. the evaluation item a request asks about
 
 
 def buckets_from_json(value) -> tuple[Bucket, ...]:

@@ -10,16 +10,19 @@ class ProfileSerializer(serializers.ModelSerializer):
     schedule_task = serializers.SerializerMethodField(help_text="The beat entry that runs the profile, if any")
     sweep = serializers.ListField(child=serializers.FloatField(min_value=0), min_length=1, max_length=20,
                                   help_text="Concurrencies (closed loop) or requests per second (open loop)")
+    pixel_caps = serializers.ListField(
+        child=serializers.IntegerField(min_value=3136), required=False, max_length=12,
+        help_text="Resolution sweep: pixel caps the images are scaled down to")
     image_buckets = serializers.ListField(
         child=serializers.DictField(), required=False,
         help_text='Weighted sizes: [{"width": 640, "height": 480, "weight": 3}]')
 
     class Meta:
         model = BenchmarkProfile
-        fields = ["id", "name", "description", "tier", "target", "gateway_url", "instance", "text_share",
+        fields = ["id", "name", "description", "kind", "tier", "target", "gateway_url", "instance", "text_share",
                   "images_per_request_min", "images_per_request_max", "image_source", "image_buckets",
                   "prompt_tokens_min", "prompt_tokens_max", "output_tokens_min", "output_tokens_max",
-                  "arrival", "sweep", "stage_duration_s", "seed", "ttft_slo_ms", "tpot_slo_ms",
+                  "arrival", "sweep", "stage_duration_s", "seed", "pixel_caps", "ttft_slo_ms", "tpot_slo_ms",
                   "schedule_enabled", "schedule_cron", "schedule_task", "created_at", "updated_at"]
         read_only_fields = ["created_at", "updated_at"]
 

@@ -48,6 +48,7 @@ def test_operators_create_read_update_and_delete_profiles(client, world):
     ({"image_buckets": [{"width": 10}]}, "image_buckets"),
     ({"text_share": 1.5}, "text_share"),
     ({"output_tokens_min": 100, "output_tokens_max": 10}, "output_tokens_max"),
+    ({"kind": "resolution", "pixel_caps": []}, "pixel_caps"),
 ])
 def test_a_malformed_profile_is_refused_field_by_field(client, world, overrides, field):
     client.force_login(world.operator)

@@ -63,3 +63,19 @@ def test_an_unreachable_target_gives_errors_not_exceptions():
         loadgen.Target(url="http://127.0.0.1:9/v1/chat/completions", model="x"),
         lambda: spec.spec(next(counter)), arrival="closed", levels=[1], duration_s=0.3))
     assert stages[0] and all(not s.ok and "ConnectError" in s.error for s in stages[0])
+
+
+def test_fixed_stages_send_every_request_once_and_stop_when_told(engine_port):
+    spec = workload(text_share=1.0)
+    stages = [[spec.spec(n) for n in range(6)], [spec.spec(n) for n in range(6, 12)]]
+    done, stopped = asyncio.run(loadgen.run_fixed(target(engine_port), stages, concurrency=3))
+    assert not stopped and [sorted(s.index for s in stage) for stage in done] == [list(range(6)), list(range(6, 12))]
+    assert all(s.ok and s.text for stage in done for s in stage)
+
+    async def stop_at_once(_progress):
+        return True
+
+    many = [[spec.spec(n) for n in range(200)]]
+    done, stopped = asyncio.run(loadgen.run_fixed(target(engine_port), many, concurrency=2,
+                                                  on_tick=stop_at_once))
+    assert stopped and len(done) == 1 and len(done[0]) < 200

@@ -170,9 +170,10 @@ def test_synthetic_images_vary_by_variant_so_caches_see_different_pictures():
     assert synthetic_jpeg(320, 240, 1) == synthetic_jpeg(320, 240, 1)
 
 
-def test_the_load_generator_and_statistics_import_neither_django_nor_celery():
+def test_the_load_generator_statistics_and_scoring_import_neither_django_nor_celery():
     probe = ("import importlib, json, sys\n"
              "for m in ('controlplane.benchmarks.loadgen', 'controlplane.benchmarks.stats',"
+             " 'controlplane.benchmarks.scoring', 'controlplane.benchmarks.resolution',"
              " 'controlplane.benchmarks.workload'): importlib.import_module(m)\n"
              "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in ('django', 'celery'))))")
     from pathlib import Path

@@ -22,7 +22,8 @@ def form_data(world, **overrides):
             "image_buckets": json.dumps([{"width": 640, "height": 480, "weight": 3}]),
             "prompt_tokens_min": "32", "prompt_tokens_max": "64", "output_tokens_min": "16",
             "output_tokens_max": "32", "arrival": "open", "sweep": "[1, 2.5, 5]", "stage_duration_s": "20",
-            "seed": "0", "ttft_slo_ms": "800", "tpot_slo_ms": "50", "schedule_cron": ""}
+            "seed": "0", "kind": "load", "pixel_caps": "[200704, 1003520]", "ttft_slo_ms": "800",
+            "tpot_slo_ms": "50", "schedule_cron": ""}
     data.update(overrides)
     return {k: v for k, v in data.items() if v is not None}
 
@@ -69,10 +70,11 @@ def test_deleting_a_profile_removes_its_schedule(client, world):
     ("schedule_cron", "99 * * * *", ""),
     ("images_per_request_max", "0", ""),
     ("stage_duration_s", "900", "at most 2400 s"),
+    ("pixel_caps", "[100]", "whole pixel counts between 3136"),  # checked for a resolution sweep
 ])
 def test_it_refuses_a_malformed_profile_and_says_why(client, world, field, value, message):
     client.force_login(world.operator)
-    data = form_data(world, **{"arrival": "closed", "sweep": "[1, 2, 4]", field: value})
+    data = form_data(world, **{"arrival": "closed", "sweep": "[1, 2, 4]", "kind": "resolution", field: value})
     response = client.post("/benchmarks/new/", data)
     assert response.status_code == 200 and not BenchmarkProfile.objects.exists()
     assert message in response.content.decode()
@@ -183,3 +185,38 @@ def test_everyone_else_is_refused(client, world, who):
     assert not run.cancel_requested
     if who:
         assert 'href="/benchmarks/"' not in client.get("/").content.decode()
+
+
+def test_evaluation_items_are_added_with_their_image_and_removed(client, world):
+    from django.core.files.uploadedfile import SimpleUploadedFile
+
+    from controlplane.benchmarks.models import EvalItem
+
+    client.force_login(world.operator)
+    profile = make_profile(world.vision, kind="resolution")
+    upload = SimpleUploadedFile("receipt.jpg", image_bytes(600, 900), content_type="image/jpeg")
+    client.post(f"/benchmarks/{profile.pk}/eval/", {"task_type": "ocr", "question": "What is the total?",
+                                                    "expected": "42.50\n$42.50", "image": upload})
+    item = EvalItem.objects.get()
+    assert (item.task_type, item.width, item.height) == ("ocr", 600, 900)
+    page = client.get(f"/benchmarks/{profile.pk}/").content.decode()
+    assert "What is the total?" in page and "42.50<br>$42.50" in page
+    client.post(f"/benchmarks/{profile.pk}/eval/{item.pk}/delete/")
+    assert not EvalItem.objects.exists()
+
+
+def test_a_resolution_run_page_shows_each_cap_and_the_quality_cost_curve(client, world):
+    client.force_login(world.operator)
+    profile = make_profile(world.vision, kind="resolution")
+    dist = {"p50": 40.0, "p90": 50.0, "p99": 60.0, "mean": 45.0}
+    caps = [{"cap": cap, "requests": 4, "errors": 0, "mean_image_tokens": tokens, "mean_output_tokens": 8,
+             "ttft": dist, "e2e": dist, "cost_per_image": cost, "answers": [[cap, "item-1", "ocr", "42", 1.0, 1.0]],
+             "tasks": {"ocr": {"items": 2, "exact_match": em, "anls": em}}}
+            for cap, tokens, cost, em in ((200704, 258, "0.000039", 0.5), (1003520, 1282, "0.000192", 1.0))]
+    run = BenchmarkRun.objects.create(profile=profile, state="succeeded", progress=1.0,
+                                      config={"kind": "resolution", "pixel_caps": [200704, 1003520]},
+                                      results={"kind": "resolution", "caps": caps})
+    page = client.get(f"/benchmarks/runs/{run.pk}/").content.decode()
+    row = page.split('data-cap="1003520"')[1].split("</tr>")[0]
+    assert "1282" in row and "0.000192" in row and "ocr 1.00 / 1.00 (2)" in row
+    assert 'id="quality-cost-chart"' in page and 'id="resolution-chart"' in page

@@ -1,0 +1,111 @@
+"""A resolution sweep: the same images, scaled down to each pixel cap, asked the same
+questions; tokens, latency, cost and (for labelled items) accuracy per cap and task type.
+
+Pure Python (Pillow for scaling): no Django, no Celery. The client scales each image
+itself, so the sweep works through the gateway (whose policy never scales up) and directly
+against an engine alike.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+from collections.abc import Callable
+from dataclasses import dataclass
+from decimal import Decimal
+
+from PIL import Image
+
+from controlplane.benchmarks import scoring, stats
+from controlplane.benchmarks.loadgen import Sample
+from controlplane.benchmarks.workload import IMAGE, RequestSpec
+from controlplane.imaging.policy import fit_within
+from controlplane.metering.rating import Rates
+
+DESCRIBE = "Describe this image."
+
+
+@dataclass(frozen=True)
+class Item:
+    key: str
+    data: bytes
+    width: int
+    height: int
+    content_type: str = "image/jpeg"
+    question: str = DESCRIBE
+    task_type: str = ""  # empty: no label, so tokens, latency and cost only
+    expected: tuple[str, ...] = ()
+
+
+def scaled(item: Item, cap: int) -> tuple[bytes, int, int, str]:
+    """The item's image within `cap` pixels (aspect kept, never enlarged)."""
+    width, height = fit_within(item.width, item.height, max_pixels=cap, max_long_edge=1 << 30)
+    if (width, height) == (item.width, item.height):
+        return item.data, width, height, item.content_type
+    with Image.open(io.BytesIO(item.data)) as image:
+        image.load()
+        resized = image.convert("RGBA" if image.mode in ("RGBA", "LA", "P") else "RGB").resize(
+            (width, height), Image.Resampling.LANCZOS)
+    buffer = io.BytesIO()
+    if item.content_type == "image/png":
+        resized.save(buffer, "PNG")
+        return buffer.getvalue(), width, height, "image/png"
+    resized.convert("RGB").save(buffer, "JPEG", quality=90)
+    return buffer.getvalue(), width, height, "image/jpeg"
+
+
+def sweep_specs(items: list[Item], caps: list[int], *, max_tokens: int,
+                estimate_tokens: Callable[[int, int], int]) -> list[list[RequestSpec]]:
+    """One stage per cap; request indexes run on across stages so each is unique."""
+    stages, index = [], 0
+    for cap in caps:
+        specs = []
+        for item in items:
+            data, width, height, content_type = scaled(item, cap)
+            url = f"data:{content_type};base64," + base64.b64encode(data).decode()
+            content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": item.question}]
+            specs.append(RequestSpec(
+                index=index, klass=IMAGE, images=1, image_pixels=width * height,
+                image_tokens=estimate_tokens(width, height), sizes=[(width, height)],
+                body={"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
+                      "temperature": 0},
+                meta={"item": item.key, "task_type": item.task_type, "expected": list(item.expected)}))
+            index += 1
+        stages.append(specs)
+    return stages
+
+
+def cap_summary(samples: list[Sample], specs: dict[int, RequestSpec], *, cap: int, rates: Rates | None) -> dict:
+    ok = [s for s in samples if s.ok]
+    by_task: dict[str, list[dict]] = {}
+    answers = []
+    for sample in samples:
+        meta = specs[sample.index].meta
+        if not meta.get("task_type"):
+            continue
+        if sample.ok:
+            result = scoring.score(sample.text, meta["expected"] or [""], meta["task_type"])
+        else:
+            result = {"exact_match": 0.0, "anls": 0.0}  # no answer is a wrong answer
+        by_task.setdefault(meta["task_type"], []).append(result)
+        answers.append([cap, meta["item"], meta["task_type"], sample.text[:300], result["exact_match"],
+                        round(result["anls"], 4)])
+    per_image = None
+    if ok and rates is not None:
+        per_image = str((sum(stats.image_cost(s, rates) for s in ok) / sum(s.images for s in ok))
+                        .quantize(Decimal("0.000001")))
+    return {
+        "cap": cap,
+        "requests": len(samples),
+        "errors": len(samples) - len(ok),
+        "mean_image_tokens": round(sum(s.image_tokens for s in ok) / len(ok), 1) if ok else None,
+        "mean_output_tokens": round(sum(s.output_tokens for s in ok) / len(ok), 1) if ok else None,
+        "ttft": stats.distribution([s.ttft for s in ok if s.ttft is not None]),
+        "e2e": stats.distribution([s.e2e for s in ok if s.e2e is not None]),
+        "cost_per_image": per_image,
+        "tasks": {task: {"items": len(results),
+                         "exact_match": round(sum(r["exact_match"] for r in results) / len(results), 4),
+                         "anls": round(sum(r["anls"] for r in results) / len(results), 4)}
+                  for task, results in sorted(by_task.items())},
+        "answers": answers,
+    }
