@@ -58,17 +58,20 @@ def throughput_chart(runs: list[tuple[str, dict]], div_id: str = "throughput-cha
     return _html(figure, div_id)
 
 
-def quality_cost_chart(results: dict, div_id: str = "quality-cost-chart") -> str:
-    """Per task type: ANLS against the cost of an image, one point per pixel cap."""
+def quality_cost_chart(runs: list[tuple[str, dict]], div_id: str = "quality-cost-chart") -> str:
+    """Per run and task type: ANLS against the cost of an image, one point per pixel cap."""
     from controlplane.benchmarks.scoring import TASK_TYPES
 
-    caps = results.get("caps") or []
     figure = go.Figure()
-    for task in sorted({t for cap in caps for t in cap["tasks"]}):
-        points = [(float(c["cost_per_image"] or 0), c["tasks"][task]["anls"], c["cap"]) for c in caps
-                  if task in c["tasks"]]
-        figure.add_scatter(name=TASK_TYPES.get(task, task), x=[x for x, _, _ in points], y=[y for _, y, _ in points],
-                           text=[f"{cap:,} px" for _, _, cap in points], mode="lines+markers")
+    for name, results in runs:
+        caps = results.get("caps") or []
+        for task in sorted({t for cap in caps for t in cap["tasks"]}):
+            points = [(float(c["cost_per_image"] or 0), c["tasks"][task]["anls"], c["cap"]) for c in caps
+                      if task in c["tasks"]]
+            label = TASK_TYPES.get(task, task)
+            figure.add_scatter(name=f"{name}: {label}" if len(runs) > 1 else label, x=[x for x, _, _ in points],
+                               y=[y for _, y, _ in points], text=[f"{cap:,} px" for _, _, cap in points],
+                               mode="lines+markers")
     figure.update_layout(title="Quality against cost, one point per pixel cap", xaxis_title="cost per image",
                          yaxis_title="ANLS (probe: share answered no)", yaxis={"range": [0, 1.05]},
                          margin={"l": 60, "r": 20, "t": 50, "b": 50}, height=380)

@@ -70,3 +70,18 @@ def comparison_rows(a: BenchmarkRun, b: BenchmarkRun) -> list[dict]:
                 cells.append({"label": label, "a": before, "b": after, "change": _change(before, after)})
             rows.append({"level": stage_a["level"], "klass": CLASS_NAMES.get(klass, klass), "cells": cells})
     return rows
+
+
+def cap_rows(a: BenchmarkRun, b: BenchmarkRun) -> list[dict]:
+    """Resolution sweeps side by side: each pixel cap both ran, with tokens, cost and ANLS."""
+    caps_b = {cap["cap"]: cap for cap in b.results.get("caps") or []}
+    rows = []
+    for cap_a in a.results.get("caps") or []:
+        cap_b = caps_b.get(cap_a["cap"])
+        if cap_b is None:
+            continue
+        tasks = sorted(set(cap_a["tasks"]) | set(cap_b["tasks"]))
+        rows.append({"cap": cap_a["cap"], "a": cap_a, "b": cap_b,
+                     "tasks": [(t, (cap_a["tasks"].get(t) or {}).get("anls"), (cap_b["tasks"].get(t) or {}).get("anls"))
+                               for t in tasks]})
+    return rows

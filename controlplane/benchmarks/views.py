@@ -126,7 +126,8 @@ def run_detail(request, pk: int):
         "run": run,
         "caps": caps,
         "answers": [a for cap in caps for a in cap.get("answers", [])][:200],
-        "quality_chart": charts.quality_cost_chart(results) if any(c["tasks"] for c in caps) else None,
+        "quality_chart": charts.quality_cost_chart([(str(run), results)]) if any(c["tasks"] for c in caps)
+        else None,
         "resolution_chart": charts.resolution_chart(results) if caps else None,
         "rows": selectors.stage_rows(results),
         "ttft_chart": charts.latency_chart([(str(run), results)]) if has_stages else None,
@@ -159,4 +160,6 @@ def compare(request):
         context.update(a=a, b=b, rows=selectors.comparison_rows(a, b), changes=selectors.config_changes(a, b),
                        ttft_chart=charts.latency_chart(named, quantiles=("p99",)),
                        throughput_chart=charts.throughput_chart(named))
+        if any(results.get("caps") for _, results in named):
+            context.update(quality_chart=charts.quality_cost_chart(named), caps_rows=selectors.cap_rows(a, b))
     return render(request, "benchmarks/compare.html", context)

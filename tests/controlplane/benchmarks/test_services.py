@@ -18,7 +18,8 @@ from workers.tasks import benchmark_run
 
 
 @pytest.mark.django_db
-def test_the_task_runs_a_sweep_against_an_instance_and_stores_figures_per_stage_and_class(world, instance):
+def test_the_task_runs_a_sweep_against_an_instance_and_stores_figures_per_stage_and_class(client, world,
+                                                                                         instance):
     profile = make_profile(world.vision, sweep=[1, 3], image_buckets=[
         {"width": 640, "height": 480, "weight": 1}, {"width": 2400, "height": 1800, "weight": 1}])
     run = BenchmarkRun.objects.create(profile=profile)
@@ -42,6 +43,9 @@ def test_the_task_runs_a_sweep_against_an_instance_and_stores_figures_per_stage_
     # 640x480 is 391+2 tokens on Qwen2.5-VL; 2400x1800 is capped by the policy at ~1M pixels
     assert sum(stage["requests"] for stage in results["stages"]) == len(results["samples"])
     assert "stage 2 (concurrency 3)" in run.log
+    client.force_login(world.operator)  # and the page an operator reads it on
+    page = client.get(f"/benchmarks/runs/{run.pk}/").content.decode()
+    assert 'data-stage="2" data-class="text"' in page and 'id="latency-chart"' in page
 
 
 @pytest.mark.django_db(transaction=True)

@@ -205,17 +205,30 @@ def test_evaluation_items_are_added_with_their_image_and_removed(client, world):
     assert not EvalItem.objects.exists()
 
 
-def test_a_resolution_run_page_shows_each_cap_and_the_quality_cost_curve(client, world):
-    client.force_login(world.operator)
-    profile = make_profile(world.vision, kind="resolution")
+def resolution_run(profile, high_anls=1.0):
     dist = {"p50": 40.0, "p90": 50.0, "p99": 60.0, "mean": 45.0}
     caps = [{"cap": cap, "requests": 4, "errors": 0, "mean_image_tokens": tokens, "mean_output_tokens": 8,
              "ttft": dist, "e2e": dist, "cost_per_image": cost, "answers": [[cap, "item-1", "ocr", "42", 1.0, 1.0]],
              "tasks": {"ocr": {"items": 2, "exact_match": em, "anls": em}}}
-            for cap, tokens, cost, em in ((200704, 258, "0.000039", 0.5), (1003520, 1282, "0.000192", 1.0))]
-    run = BenchmarkRun.objects.create(profile=profile, state="succeeded", progress=1.0,
-                                      config={"kind": "resolution", "pixel_caps": [200704, 1003520]},
-                                      results={"kind": "resolution", "caps": caps})
+            for cap, tokens, cost, em in ((200704, 258, "0.000039", 0.5), (1003520, 1282, "0.000192", high_anls))]
+    return BenchmarkRun.objects.create(profile=profile, state="succeeded", progress=1.0,
+                                       config={"kind": "resolution", "pixel_caps": [200704, 1003520]},
+                                       results={"kind": "resolution", "caps": caps})
+
+
+def test_two_resolution_sweeps_compare_cap_by_cap(client, world):
+    client.force_login(world.operator)
+    profile = make_profile(world.vision, kind="resolution")
+    a, b = resolution_run(profile, 0.75), resolution_run(profile, 1.0)
+    page = client.get(f"/benchmarks/compare/?a={a.pk}&b={b.pk}").content.decode()
+    row = page.split('data-cap="1003520"')[1].split("</tr>")[0]
+    assert "1282 / 1282" in row and "ocr 0.75 / 1.00" in row
+    assert 'id="quality-cost-chart"' in page
+
+
+def test_a_resolution_run_page_shows_each_cap_and_the_quality_cost_curve(client, world):
+    client.force_login(world.operator)
+    run = resolution_run(make_profile(world.vision, kind="resolution"))
     page = client.get(f"/benchmarks/runs/{run.pk}/").content.decode()
     row = page.split('data-cap="1003520"')[1].split("</tr>")[0]
     assert "1282" in row and "0.000192" in row and "ocr 1.00 / 1.00 (2)" in row
