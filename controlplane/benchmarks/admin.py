@@ -1,6 +1,6 @@
 from django.contrib import admin
 
-from controlplane.benchmarks.models import BenchmarkImage, BenchmarkProfile, BenchmarkRun
+from controlplane.benchmarks.models import BenchmarkImage, BenchmarkProfile, BenchmarkRun, EvalItem
 
 
 class BenchmarkImageInline(admin.TabularInline):
@@ -10,10 +10,17 @@ class BenchmarkImageInline(admin.TabularInline):
     extra = 0
 
 
+class EvalItemInline(admin.TabularInline):
+    model = EvalItem
+    fields = ["task_type", "question", "expected", "name", "width", "height"]
+    readonly_fields = ["name", "width", "height"]
+    extra = 0
+
+
 @admin.register(BenchmarkProfile)
 class BenchmarkProfileAdmin(admin.ModelAdmin):
-    list_display = ["name", "tier", "target", "arrival", "schedule_enabled", "schedule_cron"]
-    inlines = [BenchmarkImageInline]
+    list_display = ["name", "kind", "tier", "target", "arrival", "schedule_enabled", "schedule_cron"]
+    inlines = [BenchmarkImageInline, EvalItemInline]
 
 
 @admin.register(BenchmarkRun)

@@ -5,7 +5,7 @@ from django.db import models
 from django.utils import timezone
 
 # A run is one Celery task with a one-hour limit: the load planned, plus the drain of each
-# stage, must fit inside it.
+# stage (at most 30 s, services.drain_seconds), must fit inside it.
 MAX_PLANNED_S = 2400
 
 

@@ -86,7 +86,10 @@ def benchmark_cancel(*, run: BenchmarkRun) -> None:
     if cancelled_now and run.task_id:
         from workers.celery import app
 
-        app.control.revoke(run.task_id)
+        try:  # the flag already stops it; revoking only spares a worker the pickup
+            app.control.revoke(run.task_id)
+        except Exception:
+            log.warning("could not revoke the task of benchmark run %s", run.pk, exc_info=True)
     run.refresh_from_db()
 
 
@@ -230,6 +233,12 @@ def benchmark_execute(*, run_id: int) -> None:
             cleanup()
 
 
+def drain_seconds(stage_duration_s: float) -> float:
+    """How long a stage waits for what is in flight at its end. With MAX_PLANNED_S of load
+    and at most 20 stages, a run stays inside its task's one-hour limit."""
+    return min(30.0, max(10.0, stage_duration_s))
+
+
 def _measure(run: BenchmarkRun, workload: Workload, target: loadgen.Target, levels: list[float]) -> None:
     profile = run.profile
     slo = stats.Slo(ttft_ms=profile.ttft_slo_ms, tpot_ms=profile.tpot_slo_ms)
@@ -244,7 +253,7 @@ def _measure(run: BenchmarkRun, workload: Workload, target: loadgen.Target, leve
         return loadgen.run_sweep(
             target, lambda: workload.spec(next(counter)), arrival=profile.arrival, levels=levels,
             duration_s=profile.stage_duration_s, seed=profile.seed, on_tick=on_tick, on_stage=on_stage,
-            tick_s=0.2, drain_s=max(30.0, profile.stage_duration_s))
+            tick_s=0.2, drain_s=drain_seconds(profile.stage_duration_s))
 
     def summarise(n, samples, elapsed_s, stopped):
         # Rates are per second of the stage as it ran: its load, the drain of what was in
@@ -324,22 +333,25 @@ def _drive(run: BenchmarkRun, results: dict, start, summarise) -> None:
         except BaseException as exc:  # handed to the database thread, which reports it
             shared.error = exc
 
-    def take_finished_stages():
+    def take_finished_stages() -> bool:
         with shared.lock:
             done, shared.finished_stages = shared.finished_stages, []
         for n, samples, elapsed_s, stopped in done:
             _append_log(run, summarise(n, samples, elapsed_s, stopped))
+        return bool(done)
 
     thread = threading.Thread(target=load, name=f"benchmark-{run.pk}", daemon=True)
     thread.start()
     cancelled = False
     while thread.is_alive():
         thread.join(POLL_S)
-        take_finished_stages()
+        fields = {"progress": round(shared.progress, 4)}
+        if take_finished_stages():  # the results grow a stage at a time: written when they do
+            fields["results"] = results
         if BenchmarkRun.objects.filter(pk=run.pk, cancel_requested=True).exists() and not shared.stop:
             shared.stop = cancelled = True
             _append_log(run, "cancel requested: stopping")
-        BenchmarkRun.objects.filter(pk=run.pk).update(progress=round(shared.progress, 4), results=results)
+        BenchmarkRun.objects.filter(pk=run.pk).update(**fields)
     take_finished_stages()  # a stage that ended just as the thread did
     if shared.error is not None:
         raise shared.error

@@ -233,3 +233,12 @@ def test_a_resolution_run_page_shows_each_cap_and_the_quality_cost_curve(client,
     row = page.split('data-cap="1003520"')[1].split("</tr>")[0]
     assert "1282" in row and "0.000192" in row and "ocr 1.00 / 1.00 (2)" in row
     assert 'id="quality-cost-chart"' in page and 'id="resolution-chart"' in page
+
+
+def test_the_admin_lists_and_opens_profiles_and_runs(admin_client, world):
+    client = admin_client
+    profile = make_profile(world.vision)
+    run = finished_run(profile, "x", 1.0)
+    for url in ("/admin/benchmarks/benchmarkprofile/", f"/admin/benchmarks/benchmarkprofile/{profile.pk}/change/",
+                "/admin/benchmarks/benchmarkrun/", f"/admin/benchmarks/benchmarkrun/{run.pk}/change/"):
+        assert client.get(url).status_code == 200, url
