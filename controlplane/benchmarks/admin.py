@@ -1,4 +1,5 @@
 from django.contrib import admin
+from django.db import models
 
 from controlplane.benchmarks.models import BenchmarkImage, BenchmarkProfile, BenchmarkRun, EvalItem
 
@@ -21,6 +22,7 @@ class EvalItemInline(admin.TabularInline):
 class BenchmarkProfileAdmin(admin.ModelAdmin):
     list_display = ["name", "kind", "tier", "target", "arrival", "schedule_enabled", "schedule_cron"]
     inlines = [BenchmarkImageInline, EvalItemInline]
+    formfield_overrides = {models.URLField: {"assume_scheme": "http"}}  # a gateway on the local network
 
 
 @admin.register(BenchmarkRun)
