@@ -75,7 +75,8 @@ class BenchmarkProfile(models.Model):
     # A resolution sweep: its evaluation items (or images) at each cap, sweep[0] at a time.
     pixel_caps = models.JSONField(
         default=_default_caps, blank=True,
-        help_text="Resolution sweep: pixel caps the images are scaled down to, e.g. [200704, 1003520]")
+        help_text="Resolution sweep: pixel caps the images are scaled down to, e.g. [200704, 1003520]; "
+                  "it sends the sweep's first value of requests at a time")
     # Service levels.
     ttft_slo_ms = models.PositiveIntegerField(default=2000, help_text="Time to first token, ms")
     tpot_slo_ms = models.PositiveIntegerField(default=100, help_text="Time per output token, ms")

@@ -21,7 +21,7 @@ class Migration(migrations.Migration):
         migrations.AddField(
             model_name='benchmarkprofile',
             name='pixel_caps',
-            field=models.JSONField(blank=True, default=controlplane.benchmarks.models._default_caps, help_text='Resolution sweep: pixel caps the images are scaled down to, e.g. [200704, 1003520]'),
+            field=models.JSONField(blank=True, default=controlplane.benchmarks.models._default_caps, help_text="Resolution sweep: pixel caps the images are scaled down to, e.g. [200704, 1003520]; it sends the sweep's first value of requests at a time"),
         ),
         migrations.CreateModel(
             name='EvalItem',
