@@ -6,23 +6,26 @@ Runs against its own PostgreSQL database (created, migrated and dropped by the b
 its own keys in Redis, both on 127.0.0.1 like the test suite. The world: 20 tenants with
 three API keys each (a few events carry no key), two vision tiers and a text tier, on price
 plans that changed prices ten days ago.
-- ingest: usage records (half of them with one to four images) are put on the Redis usage
-  stream with RedisOutbox.put, as the gateway does, then `usage_ingest` is called until the
-  stream is empty; events/s for each half. Compared in the same run with a naive path: one
-  `usage_record` call per event, each its own transaction, no stream.
-- rollup: events are generated in PostgreSQL with generate_series (not through the ORM),
-  spread over 30 days, skewed across tenants; then the hourly and daily rollups run from an
-  empty watermark (full), new events arrive (recorded after the watermark, made within the
-  last hour) and both run again (incremental). The incremental run recomputes only the
-  periods its new events touch, so its cost follows the new events' hour and day, not the
-  history. The same for every size given (the data set grows from one size to the next).
-- export: image rows are attached to the stored events (SQL again) and the per-image CSV is
-  produced by per_image_rows + csv_lines and read to the end; compared with the same rows and
-  lines collected into a list and one bytes object (what streaming alone saves), and with a
-  naive export that evaluates a queryset of model instances into a list and writes the whole
-  CSV into one string. Each runs in its own child process; "peak +MB" is the growth of the
-  child's resident memory over its size before the export (VmHWM after resetting it through
-  /proc/self/clear_refs).
+- ingest: usage records (about half of them with one to four images) are put on the Redis
+  usage stream with RedisOutbox.put, 32 at a time, as the gateway does; then `usage_ingest`
+  is called until the stream is empty. Events/s for each step and both, compared in the same
+  run with a naive path: one `usage_record` call per event, each its own transaction, no
+  stream. Last, entries already stored are delivered again and ingested (stored once).
+- rollup: for each history size (--rollup-sizes, default 1M and 10M) a history is generated
+  in PostgreSQL with generate_series (not through the ORM): events spread over 30 days in time
+  order, skewed across tenants, with their image rows (about one per event). The hourly and
+  daily rollups (the daily one also rewrites each day's cost-per-image histogram) run from an
+  empty watermark (full); then new events arrive, made within the last hour and recorded after
+  the watermark, and both run again (incremental). An incremental run recomputes only the
+  periods its new events touch: its cost follows the events of the current hour and day, not
+  the length of the history.
+- export: the per-image CSV of the newest --export-rows billed images (default 1M, on the
+  first history) produced by per_image_rows + csv_lines and read to the end; compared with the
+  same rows and lines collected into a list and one bytes object (what streaming alone
+  saves), and with a naive export that evaluates a queryset of model instances into a list
+  and writes the whole CSV into one string. Each runs in its own child process; "peak +MB" is
+  the growth of the child's resident memory over its size before the export (VmHWM after
+  resetting it through /proc/self/clear_refs).
 """
 
 from __future__ import annotations
@@ -207,8 +210,9 @@ def bench_ingest(world: World, count: int, naive_count: int) -> None:
     redelivered = usage_records(world, min(count, 2000), "stream")
     asyncio.run(_put_all(redelivered))
     again_s, again = _timed(drain)
-    assert UsageEvent.objects.filter(request_id__startswith="stream-").count() == stored
-    print(f"ingest: {count:,} events, {images:,} image rows ({images / count:.2f} per event)")
+    kept = UsageEvent.objects.filter(request_id__startswith="stream-").count()
+    print(f"ingest: {count:,} events, {images:,} image rows ({images / count:.2f} per event); "
+          f"{kept:,} events stored after {len(redelivered):,} were delivered again")
     print(f"  {'path':44} {'events':>8} {'seconds':>8} {'events/s':>9}")
     for label, n, seconds in (("RedisOutbox.put (32 concurrent)", count, put_s),
                               ("usage_ingest, stream -> PostgreSQL", stored, ingest_s),
@@ -223,16 +227,22 @@ def bench_ingest(world: World, count: int, naive_count: int) -> None:
 
 
 def generate_events(world: World, first: int, count: int, *, start, end, recorded=None) -> None:
-    """`count` events made between start and end in bulk SQL, request ids from `first` on.
-    A few tenants make most of the traffic; 30% are text; 2% failed, 1% aborted."""
+    """`count` events made between start and end, in time order, with their image rows, in bulk
+    SQL; request ids from `first` on. A few tenants make most of the traffic; 30% are text;
+    3 in 4 vision requests carry images (1.5 on average); 2% failed, 1% aborted."""
     from django.db import connection
+
+    tables = _tables()
+    with connection.cursor() as cursor:
+        cursor.execute(f"SELECT COALESCE(max(id), 0) FROM {tables['event']}")
+        (after,) = cursor.fetchone()
 
     columns = ("request_id, created_at, recorded_at, tenant_id, api_key_id, tier_id, instance_id, status, "
                "http_status, stream, latency_ms, image_count, image_tokens, cached_tokens, cached_image_tokens, "
                "text_tokens, output_tokens, cost, cache_savings, rated")
     with connection.cursor() as cursor:
         cursor.execute(f"""
-            INSERT INTO {_tables()['event']} ({columns})
+            INSERT INTO {tables['event']} ({columns})
             SELECT 'gen-' || i, at, COALESCE(%(recorded)s::timestamptz, at + interval '2 seconds'), tenant, key, tier, NULL,
                    status, CASE status WHEN 'error' THEN 502 ELSE 200 END, mod(i, 3) = 0, 200 + mod(i, 3000),
                    images, image_tokens, cached_image + (mod(i, 3)) * 16, cached_image, text_tokens, output_tokens,
@@ -262,14 +272,27 @@ def generate_events(world: World, first: int, count: int, *, start, end, recorde
             ) AS usage
         """, {"first": first, "count": count, "start": start, "end": end, "recorded": recorded,
               "tenants": world.tenants, "keys": world.keys, "tiers": world.tiers})
+        cursor.execute(f"""
+            INSERT INTO {tables['image']} (event_id, position, source_format, source_width, source_height, width,
+                                           height, tokens, fingerprint, cached)
+            SELECT id, position, (ARRAY['JPEG', 'PNG', 'WEBP'])[1 + mod(id + position, 3)],
+                   4000 - mod(id, 7) * 320, 3000 - mod(id, 5) * 240, 1148, 868, image_tokens / image_count,
+                   left(md5(id || '-' || position), 16), position = 0 AND cached_image_tokens > 0
+            FROM {tables['event']}, generate_series(0, image_count - 1) AS position
+            WHERE id > %s AND image_count > 0
+        """, [after])
     connection.close()
     with connection.cursor() as cursor:
-        cursor.execute(f"VACUUM ANALYZE {_tables()['event']}")  # what autovacuum does after a bulk load
+        for table in ("event", "image"):  # what autovacuum does after a bulk load
+            cursor.execute(f"VACUUM ANALYZE {tables[table]}")
 
 
-def _rollup_reset() -> None:
+def _history_reset() -> None:
+    from controlplane.metering.models import ImageCostHistogram
+
     tables = _tables()
-    _sql(f"TRUNCATE {tables['daily']}, {tables['hourly']}")
+    _sql(f"TRUNCATE {tables['image']}, {tables['event']}, {tables['daily']}, {tables['hourly']}, "
+         f"{ImageCostHistogram._meta.db_table} RESTART IDENTITY")
     _sql(f"DELETE FROM {tables['state']}")
 
 
@@ -277,19 +300,18 @@ ROLLUP_HEADER = (f"  {'events':>11} {'generate s':>10} {'rollup':6} {'full s':>8
                  f"{'periods':>8} {'full/incr':>9}")
 
 
-def bench_rollup(world: World, stored: int, size: int, new_events: int, days: int) -> int:
-    """Grow the history to `size` events, roll it all up, add new events, roll up again.
-    Returns the events now stored."""
+def bench_rollup(world: World, size: int, new_events: int, days: int) -> None:
+    """A history of `size` events in time order (stored as the gateway would have stored them),
+    all rolled up, then new events, rolled up again."""
     import datetime as dt
 
     from django.utils import timezone
 
     from controlplane.metering.services import rollup_daily, rollup_hourly
 
+    _history_reset()
     now = timezone.now()
-    generate_s, _ = _timed(lambda: generate_events(world, stored, size - stored,
-                                                   start=now - dt.timedelta(days=days), end=now))
-    _rollup_reset()
+    generate_s, _ = _timed(lambda: generate_events(world, 0, size, start=now - dt.timedelta(days=days), end=now))
     ran = now + dt.timedelta(seconds=5)
     full = {kind: _timed(lambda rollup=rollup: rollup(now=ran))
             for kind, rollup in (("hourly", rollup_hourly), ("daily", rollup_daily))}
@@ -303,27 +325,29 @@ def bench_rollup(world: World, stored: int, size: int, new_events: int, days: in
         shown = f"{size:11,} {generate_s:10.1f}" if kind == "hourly" else " " * 22
         print(f"  {shown} {kind:6} {full_s:8.2f} {full_periods:8,} {incr_s:8.3f} {incr_periods:8,} "
               f"{full_s / incr_s:8.0f}x", flush=True)
-    return size + new_events
 
 
 # --- export --------------------------------------------------------------------------------
 
 
-def attach_images(rows: int) -> int:
-    """Image rows for stored completed events that carried images, in bulk SQL."""
+def export_window(rows: int):
+    """From when the newest `rows` billed images were sent (a few more when they share a
+    request), until tomorrow."""
+    import datetime as dt
+
+    from django.db import connection
+    from django.utils import timezone
+
     tables = _tables()
-    return _sql(f"""
-        INSERT INTO {tables['image']} (event_id, position, source_format, source_width, source_height, width,
-                                       height, tokens, fingerprint, cached)
-        SELECT id, position, (ARRAY['JPEG', 'PNG', 'WEBP'])[1 + mod(id + position, 3)], 4000 - mod(id, 7) * 320,
-               3000 - mod(id, 5) * 240, 1148, 868, image_tokens / image_count, left(md5(id || '-' || position), 16),
-               position = 0 AND cached_image_tokens > 0
-        FROM (SELECT id, image_count, image_tokens, cached_image_tokens FROM {tables['event']}
-              WHERE image_count > 0 AND status = 'ok' ORDER BY id) AS event,
-             generate_series(0, image_count - 1) AS position
-        ORDER BY id, position
-        LIMIT %s
-    """, [rows])
+    with connection.cursor() as cursor:
+        cursor.execute(f"""
+            SELECT min(created_at) FROM (
+                SELECT event.created_at FROM {tables['image']} AS image
+                JOIN {tables['event']} AS event ON event.id = image.event_id
+                WHERE event.status = 'ok' ORDER BY event.created_at DESC LIMIT %s) AS newest
+        """, [rows])
+        (since,) = cursor.fetchone()
+    return since, timezone.now() + dt.timedelta(days=1)
 
 
 def _status_kb(field: str) -> int:
@@ -358,14 +382,17 @@ def _naive(since, until, tenants) -> tuple[int, int]:
     import csv
     import io
 
+    from django.db.models import Q
+
     from controlplane.catalog.models import PriceRate
     from controlplane.metering.exports import IMAGE_COLUMNS
     from controlplane.metering.models import UsageImage
     from controlplane.metering.rating import Usage, price
 
-    images = list(UsageImage.objects.filter(event__created_at__gte=since, event__created_at__lt=until,
+    billed = Q(event__status="ok") | Q(event__status__in=["aborted", "interrupted"], event__instance__isnull=False)
+    images = list(UsageImage.objects.filter(billed, event__created_at__gte=since, event__created_at__lt=until,
                                             event__tenant__in=tenants)
-                  .exclude(event__status="error").select_related("event__tenant", "event__tier")
+                  .select_related("event__tenant", "event__tier")
                   .order_by("event__created_at", "event_id", "position"))
     rates = {}
     for rate in PriceRate.objects.order_by("-effective_from"):
@@ -390,25 +417,23 @@ EXPORTS = {"per_image_rows + csv_lines": _streamed, "the same, held in memory": 
            "naive: models list, one string": _naive}
 
 
-def _export_child(name: str, queue) -> None:
+def _export_child(name: str, since: str, until: str, queue) -> None:
     import datetime as dt
 
     import django
 
     django.setup()
-    from django.utils import timezone
-
     from controlplane.tenants.models import Tenant
 
     fn = EXPORTS[name]
-    now = timezone.now()
+    since, until = dt.datetime.fromisoformat(since), dt.datetime.fromisoformat(until)
     tenants = Tenant.objects.all()
-    fn(now - dt.timedelta(days=1), now - dt.timedelta(days=1), tenants)  # imports and a connection first
+    fn(until, until, tenants)  # imports and a connection first
     with open("/proc/self/clear_refs", "w") as refs:
         refs.write("5")
     baseline = _status_kb("VmRSS")
     started = time.perf_counter()
-    rows, size = fn(now - dt.timedelta(days=400), now + dt.timedelta(days=1), tenants)
+    rows, size = fn(since, until, tenants)
     elapsed = time.perf_counter() - started
     queue.put((rows, size, elapsed, (_status_kb("VmHWM") - baseline) / 1024))
 
@@ -416,15 +441,15 @@ def _export_child(name: str, queue) -> None:
 def bench_export(rows: int) -> None:
     from django.db import connections
 
-    attached = attach_images(rows)
-    _sql(f"VACUUM ANALYZE {_tables()['image']}")
+    since, until = export_window(rows)
     connections.close_all()
-    print(f"export: per-image CSV over {attached:,} image rows; each in its own child process")
+    print(f"export: per-image CSV of the images sent since {since:%Y-%m-%d %H:%M}; each export in its own "
+          f"child process")
     print(f"  {'export':30} {'rows':>10} {'MB':>7} {'seconds':>8} {'rows/s':>9} {'peak +MB':>9}")
     context = multiprocessing.get_context("spawn")
     for name in EXPORTS:
         queue = context.Queue()
-        child = context.Process(target=_export_child, args=(name, queue))
+        child = context.Process(target=_export_child, args=(name, since.isoformat(), until.isoformat(), queue))
         child.start()
         exported, size, seconds, peak = queue.get(timeout=3600)
         child.join()
@@ -458,28 +483,25 @@ def main() -> None:
         world = seed()
         if "ingest" in parts:
             bench_ingest(world, ingest, naive)
-            tables = _tables()
-            _sql(f"TRUNCATE {tables['image']}, {tables['event']}")
         if "rollup" in parts:
-            print(f"rollup: events over {args.days} days, {TENANTS} tenants x {KEYS_PER_TENANT} keys x 3 tiers; "
-                  f"incremental after {args.new_events:,} new events made in the last hour")
+            print(f"rollup: events over {args.days} days, {TENANTS} tenants x {KEYS_PER_TENANT} keys x 3 tiers, "
+                  f"about one image per event; incremental after {args.new_events:,} new events made in the "
+                  f"last hour")
             print(ROLLUP_HEADER, flush=True)
-        stored = 0
-        for n, size in enumerate(sizes):
-            if "rollup" in parts:
-                stored = bench_rollup(world, stored, size, args.new_events, args.days)
-            if n == 0 and "export" in parts:
-                if "rollup" not in parts:
-                    from django.utils import timezone
+            for n, size in enumerate(sizes):
+                bench_rollup(world, size, args.new_events, args.days)
+                if n == 0 and "export" in parts:  # on the first history, before the next replaces it
+                    print()
+                    bench_export(export_rows)
+                    if sizes[1:]:
+                        print(ROLLUP_HEADER, flush=True)
+        elif "export" in parts:
+            from django.utils import timezone
 
-                    now = timezone.now()
-                    generate_events(world, 0, size, start=now - timezone.timedelta(days=args.days), end=now)
-                print()
-                bench_export(export_rows)
-                if "rollup" in parts and sizes[1:]:
-                    print(ROLLUP_HEADER, flush=True)
-            if "rollup" not in parts:
-                break
+            _history_reset()
+            now = timezone.now()
+            generate_events(world, 0, export_rows, start=now - timezone.timedelta(days=args.days), end=now)
+            bench_export(export_rows)
     finally:
         database.stop()
 
