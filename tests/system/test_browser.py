@@ -53,8 +53,9 @@ def test_an_operator_logs_in_and_sees_image_tokens_per_day(system, page):
     _login(page, system.base_url, "operator", "operator")
     expect(page.get_by_role("heading", name="Usage, last 30 days")).to_be_visible()
 
-    # The beat rollup runs every 2 s here: reload until today's bar is drawn.
-    bars = page.locator("#image-tokens-chart g.trace.bars path")
+    # The beat rollup runs every 2 s here: reload until today's bar is drawn (days without
+    # usage are drawn as bars of no height, which are not visible).
+    bars = page.locator("#image-tokens-chart g.trace.bars path >> visible=true")
     for _ in range(30):
         if bars.count():
             break
@@ -96,3 +97,57 @@ def test_a_finance_user_sees_usage_but_not_fleet_or_keys(system, page):
     expect(page.get_by_role("link", name="API keys")).to_have_count(0)
     response = page.goto(f"{system.base_url}/keys/")
     assert response.status == 403
+
+
+def test_finance_downloads_the_per_image_report_and_monthly_summary_from_the_exports_page(system, page):
+    import io
+
+    import openpyxl
+
+    client = openai.OpenAI(base_url=f"{system.base_url}/v1", api_key=system.api_key, max_retries=0)
+    sent = client.chat.completions.with_raw_response.create(
+        model="vlm-lite", max_tokens=4,
+        messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": data_url(image_bytes(1600, 1200))}}]}])
+    request_id = sent.headers["x-request-id"]
+
+    _login(page, system.base_url, "finance", "finance")
+    page.get_by_role("link", name="Exports").click()
+    expect(page.get_by_role("heading", name="Exports")).to_be_visible()
+    this_month = page.locator("#quick-exports tr", has_text="This month so far")
+
+    # The usage stream is ingested every 2 s: download again until the request is in the report.
+    for _ in range(20):
+        with page.expect_download() as csv_download:
+            this_month.filter(has_text="image").get_by_role("link", name="CSV").click()
+        report = open(csv_download.value.path(), encoding="utf-8").read()
+        if request_id in report:
+            break
+        page.wait_for_timeout(1000)
+    row = next(line.split(",") for line in report.splitlines() if request_id in line)
+    assert row[0] == "demo" and row[4:6] == ["1600", "1200"]  # the size it came in at
+
+    with page.expect_download() as xlsx_download:
+        this_month.filter(has_text="summary").get_by_role("link", name="XLSX (Excel)").click()
+    assert xlsx_download.value.suggested_filename.endswith(".xlsx")
+    book = openpyxl.load_workbook(io.BytesIO(open(xlsx_download.value.path(), "rb").read()), read_only=True)
+    cells = [row for sheet in book.worksheets for row in sheet.iter_rows(values_only=True)]
+    assert any("demo" in row for row in cells)  # the demo tenant has a line this month
+
+
+def test_an_operator_points_a_benchmark_at_the_gateway_runs_it_and_sees_its_latencies(system, page):
+    _login(page, system.base_url, "operator", "operator")
+    page.get_by_role("link", name="Benchmarks").click()
+    page.get_by_role("link", name="text-baseline").first.click()
+    form = page.locator("#profile-form")
+    form.get_by_label("Gateway url").fill(system.base_url)
+    form.get_by_label("Sweep").fill("[2]")
+    form.get_by_label("Stage duration s").fill("2")
+    form.get_by_role("button", name="Save").click()
+    page.get_by_role("button", name="Run now").click()
+
+    # The run page refreshes itself until the Celery worker has finished the run.
+    expect(page.locator("#run-state")).to_have_text("succeeded", timeout=90_000)
+    rows = page.locator("#results tr[data-class='text']")
+    expect(rows.first).to_be_visible()
+    expect(page.locator("#latency-chart .main-svg").first).to_be_visible()  # drawn by Plotly
