@@ -17,7 +17,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from decimal import Decimal
 
-from django.db.models import Q, QuerySet, Sum
+from django.db.models import F, Q, QuerySet, Sum
 from django.db.models.functions import TruncMonth
 from django.http import StreamingHttpResponse
 
@@ -94,14 +94,15 @@ def monthly_summary_rows(*, first: dt.date, last: dt.date, tenants) -> Iterator[
     """Per tenant and month from `first` to `last`: a line per tier, then the tenant's total.
 
     Read from the daily rollups. Costs and savings are sums of each request's recorded cost,
-    so they equal the monthly statement's lines and total to the micro-unit. The counters
-    count every recorded request, failed ones included (which cost nothing), as the usage
-    dashboard does; a statement counts only the requests that did not fail.
+    so they equal the monthly statement's lines and total to the micro-unit; like a statement,
+    the counters leave failed requests out (the rollups count them apart).
     """
+    sums = {name: Sum(name) for name in SUMMARY_COUNTERS + SUMMARY_AMOUNTS}
+    sums["requests"] = Sum(F("requests") - F("failed_requests"))
     lines = (DailyUsage.objects.filter(tenant__in=tenants, day__gte=first, day__lte=last)
              .annotate(month=TruncMonth("day"))
              .values("tenant__name", "month", "tier__name")
-             .annotate(**{name: Sum(name) for name in SUMMARY_COUNTERS + SUMMARY_AMOUNTS})
+             .annotate(**sums)
              .order_by("tenant__name", "month", "tier__name"))
     for (tenant, month), group in itertools.groupby(lines.iterator(), key=lambda r: (r["tenant__name"], r["month"])):
         period = f"{month:%Y-%m}"

@@ -72,9 +72,12 @@ class UsageImage(models.Model):
 
 
 class UsageTotals(models.Model):
-    """The totals a rollup keeps for each period, tenant, key and tier."""
+    """The totals a rollup keeps for each period, tenant, key and tier. Failed requests are
+    counted apart and add nothing else (they are not billed), so the token totals and the
+    requests less the failed ones are what a statement shows."""
 
     requests = models.PositiveIntegerField(default=0)
+    failed_requests = models.PositiveIntegerField(default=0)
     images = models.PositiveIntegerField(default=0)
     image_tokens = models.PositiveBigIntegerField(default=0)
     cached_tokens = models.PositiveBigIntegerField(default=0)

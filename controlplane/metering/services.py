@@ -6,7 +6,7 @@ import logging
 from dataclasses import dataclass, field, replace
 
 from django.db import IntegrityError, transaction
-from django.db.models import Count, Sum
+from django.db.models import Count, Q, Sum
 from django.db.models.functions import TruncDate, TruncHour
 from django.utils import timezone
 
@@ -222,8 +222,8 @@ def _usage_rows(record: UsageRecord, tier: ModelTier, rate_at) -> tuple[UsageEve
     return event, images
 
 
-_TOTALS = ("requests", "images", "image_tokens", "cached_tokens", "cached_image_tokens", "text_tokens",
-           "output_tokens", "cost", "cache_savings")
+_TOTALS = ("requests", "failed_requests", "images", "image_tokens", "cached_tokens", "cached_image_tokens",
+           "text_tokens", "output_tokens", "cost", "cache_savings")
 
 
 def rollup_daily(*, now: dt.datetime | None = None) -> int:
@@ -262,15 +262,19 @@ def _rollup(name, model, field, trunc, length, now, also=None) -> int:
     return len(periods)
 
 
+_FAILED = Q(status=UsageEvent.Status.ERROR)
+_SUMMED = (("images", "image_count"), ("image_tokens", "image_tokens"), ("cached_tokens", "cached_tokens"),
+           ("cached_image_tokens", "cached_image_tokens"), ("text_tokens", "text_tokens"),
+           ("output_tokens", "output_tokens"), ("cost", "cost"), ("cache_savings", "cache_savings"))
+
+
 def _rollup_period(model, field, period, length: dt.timedelta) -> None:
     start = period if isinstance(period, dt.datetime) else dt.datetime.combine(period, dt.time.min, tzinfo=dt.UTC)
     rows = (
         UsageEvent.objects.filter(created_at__gte=start, created_at__lt=start + length)
         .values("tenant_id", "api_key_id", "tier_id")
-        .annotate(requests=Count("id"), images=Sum("image_count"), image_tokens=Sum("image_tokens"),
-                  cached_tokens=Sum("cached_tokens"), cached_image_tokens=Sum("cached_image_tokens"),
-                  text_tokens=Sum("text_tokens"), output_tokens=Sum("output_tokens"), cost=Sum("cost"),
-                  cache_savings=Sum("cache_savings"))
+        .annotate(requests=Count("id"), failed_requests=Count("id", filter=_FAILED),
+                  **{name: Sum(column, filter=~_FAILED) for name, column in _SUMMED})
         .order_by()
     )
     # The period's rows are replaced in two statements rather than upserted one by one (a

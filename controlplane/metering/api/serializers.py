@@ -3,7 +3,7 @@ from rest_framework import serializers
 from controlplane.metering.models import DailyUsage, HourlyUsage, UsageEvent, UsageImage
 
 # What every rollup row (and the totals per tier) carries, in this order.
-TOTALS = ["requests", "images", "image_tokens", "cached_tokens", "cached_image_tokens", "text_tokens",
+TOTALS = ["requests", "failed_requests", "images", "image_tokens", "cached_tokens", "cached_image_tokens", "text_tokens",
           "output_tokens", "cost", "cache_savings"]
 
 
@@ -52,6 +52,8 @@ class TierUsageSerializer(serializers.Serializer):
 
     tier = serializers.CharField(source="tier__name")
     requests = serializers.IntegerField(source="sum_requests")
+    failed_requests = serializers.IntegerField(source="sum_failed_requests",
+                                               help_text="Of the requests, those that failed (not billed)")
     images = serializers.IntegerField(source="sum_images")
     image_tokens = serializers.IntegerField(source="sum_image_tokens")
     cached_tokens = serializers.IntegerField(source="sum_cached_tokens")

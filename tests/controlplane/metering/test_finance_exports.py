@@ -111,9 +111,9 @@ def test_it_sums_each_tenant_month_per_tier_with_costs_equal_to_the_statement(wo
     assert {r["month"] for r in rows} == {"2025-03"}
     summary = _summary(rows)
     alice = summary[("alice", "tier", "vlm-lite")]
-    # a-1, a-2 and the failed request, which is counted but costs nothing
+    # a-1 and a-2; the failed request is left out, as the statement leaves it out
     assert (alice["requests"], alice["images"], alice["image_tokens"], alice["cached_image_tokens"]) == (
-        3, 4, 1224 * 2 + 300 + 999, 1224)
+        2, 3, 1224 * 2 + 300, 1224)
     # a-1: (50 x 0.20 + (2448 - 1224 x 0.5) x 0.30 + 20 x 0.60) / 1e6 + 2 x 0.001, rounded to 1e-6
     a1 = UsageEvent.objects.get(request_id="a-1")
     assert (a1.cost, a1.cache_savings) == (Decimal("0.002573"), Decimal("0.000183"))
@@ -121,6 +121,9 @@ def test_it_sums_each_tenant_month_per_tier_with_costs_equal_to_the_statement(wo
         bill = statement(tenant=tenant, year=2025, month=3)
         for line in bill["lines"]:
             assert summary[(tenant.name, "tier", line["tier"])]["cost_usd"] == line["cost"]
+        for line in bill["lines"]:  # every column, not only the money
+            for name in ("requests", "images", "image_tokens", "text_tokens", "output_tokens"):
+                assert summary[(tenant.name, "tier", line["tier"])][name] == line[name]
         total = summary[(tenant.name, "total", None)]
         assert total["cost_usd"] == bill["total"]
         events = UsageEvent.objects.filter(tenant=tenant, created_at__gte=MARCH, created_at__lt=dt.datetime(
@@ -160,8 +163,8 @@ def test_a_range_of_days_selects_the_whole_months_it_touches(client, world):
     rows = _csv(response)
     assert [(r["month"], r["line"], r["image_tokens"]) for r in rows if r["tenant"] == "alice"] == [
         ("2025-02", "tier", "5000"), ("2025-02", "total", "5000"),
-        ("2025-03", "tier", "0"), ("2025-03", "tier", str(1224 * 2 + 300 + 999)),
-        ("2025-03", "total", str(1224 * 2 + 300 + 999)),
+        ("2025-03", "tier", "0"), ("2025-03", "tier", str(1224 * 2 + 300)),  # not the failed request's 999
+        ("2025-03", "total", str(1224 * 2 + 300)),
         ("2025-04", "tier", "7000"), ("2025-04", "total", "7000")]
     only_bob = _csv(client.get("/exports/monthly-summary.csv", {"month": "2025-03", "tenant": "bob"}))
     assert {r["tenant"] for r in only_bob} == {"bob"}
