@@ -10,7 +10,9 @@ whose engine is the fake upstream registered as an external engine. LiteLLM runs
 with one worker and no database, pointed at the same upstream. For text, a 1 MP JPEG and a
 12 MP JPEG (base64 data URLs), at concurrency 1 and 32, it reports the added p50 and p99
 latency over the direct call and requests per second; it also times the image library's
-normalise alone on each image, and the size of the body each proxy forwarded.
+normalise alone on each image, and the size of the body each proxy forwarded. For the
+images, a second gateway process with glibc's malloc defaults (GATEWAY_HEAP_KEEP_MB=0) shows
+what keeping freed image buffers is worth, and each gateway's peak resident memory its price.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PG = "postgres://postgres@127.0.0.1:5432"
 REDIS = "redis://127.0.0.1:6379/13"
 COUNTS = {("text", 1): 400, ("text", 32): 3000, ("1mp", 1): 60, ("1mp", 32): 240,
-          ("12mp", 1): 20, ("12mp", 32): 64}
+          ("12mp", 1): 60, ("12mp", 32): 64}
 
 
 def free_port() -> int:
@@ -83,7 +85,8 @@ class Gateway:
                     "DJANGO_SETTINGS_MODULE": "controlplane.settings", "LOG_LEVEL": "WARNING",
                     "VAR_DIR": tempfile.mkdtemp(prefix="bench-gateway-")}
         self.upstream = f"http://127.0.0.1:{upstream_port}"
-        self.process = None
+        self.process = self.untuned = None
+        self.others: list[subprocess.Popen] = []
         self._fresh = threading.Event()
 
     def start(self) -> str:
@@ -100,12 +103,24 @@ class Gateway:
         django.setup()
         key = self._seed()
         threading.Thread(target=self._keep_fresh, daemon=True).start()
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "uvicorn", "controlplane.asgi:application", "--port", str(self.port),
-             "--workers", "1", "--no-access-log", "--log-level", "warning"],
-            cwd=ROOT, env=self.env)
-        wait_http(f"http://127.0.0.1:{self.port}/login/")
+        self.process = self._serve(self.port, self.env)
         return key
+
+    def _serve(self, port: int, env: dict) -> subprocess.Popen:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "uvicorn", "controlplane.asgi:application", "--port", str(port),
+             "--workers", "1", "--no-access-log", "--log-level", "warning"],
+            cwd=ROOT, env=env)
+        wait_http(f"http://127.0.0.1:{port}/login/")
+        self.others.append(process)
+        return process
+
+    def start_untuned(self) -> int:
+        """A second gateway process on the same data with glibc's malloc defaults
+        (GATEWAY_HEAP_KEEP_MB=0), to show what keeping freed image buffers is worth."""
+        port = free_port()
+        self.untuned = self._serve(port, {**self.env, "GATEWAY_HEAP_KEEP_MB": "0"})
+        return port
 
     def _seed(self) -> str:
         from django.utils import timezone
@@ -145,9 +160,9 @@ class Gateway:
 
     def stop(self) -> None:
         self._fresh.set()
-        if self.process:
-            self.process.terminate()
-            self.process.wait(timeout=20)
+        for process in self.others:
+            process.terminate()
+            process.wait(timeout=20)
         import redis
 
         redis.Redis.from_url(REDIS).flushdb()
@@ -159,6 +174,12 @@ class Gateway:
         with psycopg.connect(f"{PG}/postgres", autocommit=True) as conn:
             conn.execute(f'DROP DATABASE IF EXISTS "{self.db}" WITH (FORCE)')
         shutil.rmtree(self.env["VAR_DIR"], ignore_errors=True)
+
+
+def peak_rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as status:
+        line = next(line for line in status if line.startswith("VmHWM:"))
+    return int(line.split()[1]) / 1024
 
 
 def start_litellm(upstream_port: int) -> tuple[subprocess.Popen, int, str]:
@@ -230,12 +251,14 @@ def main() -> None:
     litellm = None
     try:
         key = gateway.start()
+        untuned_port = gateway.start_untuned()
         litellm, litellm_port, litellm_key = start_litellm(upstream_port)
         images = {"text": None, "1mp": jpeg(1155, 866), "12mp": jpeg(4000, 3000)}
         targets = {
             "direct": (f"http://127.0.0.1:{upstream_port}/v1/chat/completions", "fake"),
             "gateway": (f"http://127.0.0.1:{gateway.port}/v1/chat/completions", key),
             "litellm": (f"http://127.0.0.1:{litellm_port}/v1/chat/completions", litellm_key),
+            "gw-nokeep": (f"http://127.0.0.1:{untuned_port}/v1/chat/completions", key),
         }
         print(f"{'payload':8} {'conc':>4} {'target':8} {'p50 ms':>8} {'p99 ms':>8} {'+p50 ms':>8} {'+p99 ms':>8} "
               f"{'req/s':>8} {'fwd body':>10}")
@@ -244,6 +267,8 @@ def main() -> None:
             model = "text" if image is None else "vlm"
             base = None
             for name, (url, secret) in targets.items():
+                if name == "gw-nokeep" and image is None:
+                    continue  # the malloc tuning matters for image buffers only
                 before = httpx.get(f"http://127.0.0.1:{upstream_port}/stats").json()
                 result = asyncio.run(load(url, secret, model, image, concurrency, count))
                 after = httpx.get(f"http://127.0.0.1:{upstream_port}/stats").json()
@@ -259,6 +284,8 @@ def main() -> None:
             alone, with_intake = normalise_alone(images[payload])
             print(f"{payload}: normalise alone {1000 * alone:.1f} ms, base64 intake + normalise "
                   f"{1000 * with_intake:.1f} ms (image sent as {sent / 1024:.0f} KB of base64)")
+        for name, process in (("gateway", gateway.process), ("gw-nokeep", gateway.untuned)):
+            print(f"{name} peak resident memory: {peak_rss_mb(process.pid):.0f} MB")
     finally:
         if litellm is not None:
             litellm.terminate()

@@ -215,6 +215,9 @@ METRICS_TOKEN = env_str("METRICS_TOKEN")  # when set, /metrics wants `Authorizat
 GATEWAY_UPSTREAM_TIMEOUT = float(env_int("GATEWAY_UPSTREAM_TIMEOUT_S", 300, minimum=1))
 GATEWAY_MAX_BODY_BYTES = env_int("GATEWAY_MAX_BODY_BYTES", 64 * 1024 * 1024, minimum=1024)
 GATEWAY_KEY_CACHE_SECONDS = env_int("GATEWAY_KEY_CACHE_SECONDS", 5, minimum=0)
+# Free heap a gateway process keeps for the next image instead of returning it (0: glibc's
+# defaults); see controlplane/gateway/memory.py.
+GATEWAY_HEAP_KEEP_MB = env_int("GATEWAY_HEAP_KEEP_MB", 256, minimum=0)
 # Each gateway process refreshes its in-flight journal this often; an entry not refreshed for
 # GATEWAY_JOURNAL_STALE_S belongs to a dead gateway and is recorded as interrupted.
 GATEWAY_HEARTBEAT_S = env_int("GATEWAY_HEARTBEAT_S", 5, minimum=1)

@@ -15,8 +15,10 @@ from django.db import close_old_connections
 from controlplane.gateway import handlers
 from controlplane.gateway.errors import error_response
 from controlplane.gateway.http import Request, Response
+from controlplane.gateway.memory import keep_freed_buffers
 
 log = logging.getLogger(__name__)
+keep_freed_buffers(settings.GATEWAY_HEAP_KEEP_MB)
 ROUTES = {"/v1/models": handlers.models, "/v1/chat/completions": handlers.chat_completions}
 CONNECTION_CHECK_SECONDS = 30
 _last_check = 0.0

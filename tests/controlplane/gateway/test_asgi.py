@@ -36,3 +36,11 @@ def test_an_oversized_body_is_refused_without_being_kept(world, settings):
                     headers={"Authorization": f"Bearer {world.alice_key}"})
     assert response.status_code == 413
     assert response.json()["error"]["code"] == "request_too_large"
+
+
+def test_the_gateway_process_keeps_freed_image_buffers_unless_told_not_to():
+    from controlplane.gateway.memory import keep_freed_buffers
+
+    # glibc accepts the tuning (a refused value would leave every request faulting in fresh pages)
+    assert keep_freed_buffers(256) is True
+    assert keep_freed_buffers(0) is False  # GATEWAY_HEAP_KEEP_MB=0: glibc's defaults
