@@ -74,7 +74,8 @@ def _gateway():
     port = _free_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "uvicorn", "controlplane.asgi:application", "--host", "127.0.0.1", "--port",
-         str(port), "--no-access-log", "--log-level", "warning"], cwd=settings.BASE_DIR)
+         str(port), "--no-access-log", "--log-level", "warning"], cwd=settings.BASE_DIR,
+        env={**os.environ, "LOG_LEVEL": "WARNING"})  # not a line per upstream request under the table
     try:
         _wait_healthy(f"http://127.0.0.1:{port}/v1/models", process, "the gateway", ok=(401,))
         yield f"http://127.0.0.1:{port}"
