@@ -196,6 +196,8 @@ def export_for(*, report: str, filetype: str, params: Mapping, tenants, today: d
     period = period_from(params, today=today)
     name = params.get("tenant") or ""
     if name:
+        if "\x00" in name:  # no name holds one, and the database refuses to compare with it
+            raise ExportError(f"no tenant named {name!r}")
         tenants = tenants.filter(name=name)
         if not tenants.exists():
             raise ExportError(f"no tenant named {name!r}")
