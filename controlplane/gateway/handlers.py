@@ -410,7 +410,11 @@ def _stream(request_id, flight, prepared, response, instance, started, slot=None
 
 
 def _record_in_background(record: UsageRecord, started: float) -> asyncio.Task:
-    task = asyncio.ensure_future(_record(record, started))
+    return _in_background(_record(record, started))
+
+
+def _in_background(coroutine) -> asyncio.Task:
+    task = asyncio.ensure_future(coroutine)
     _background.add(task)
     task.add_done_callback(_background.discard)
     return task
@@ -423,6 +427,12 @@ async def _record(record: UsageRecord, started: float) -> None:
     record.latency_ms = int((time.monotonic() - started) * 1000)
     counters.count(tier=_tier_names.get(record.tier_id, str(record.tier_id)), status=record.status,
                    images=record.image_tokens)
+    # A client leaving now cancels this task: the hand-over runs in a task of its own that
+    # cancellation cannot interrupt halfway.
+    await asyncio.shield(_in_background(_hand_over(record)))
+
+
+async def _hand_over(record: UsageRecord) -> None:
     try:
         # The usage handed over and the reservation corrected to what was really used, at once.
         await journal.finish(record)

@@ -161,7 +161,17 @@ class RedisJournal:
         except Exception:  # Redis unreachable: the database is slower, but nothing is lost
             log.exception("usage journal unavailable; writing %s to the database", record.request_id)
             await sync_to_async(usage_record)(record=record)
-            await _settle_apart(record)
+            # The reservation is settled by whoever removes the entry: here, or by the reaper
+            # if it is still there (the usage it hands over again is stored once).
+            held = None
+            try:
+                inflight, beats = _keys()
+                held = await self._client().hdel(inflight, record.request_id)
+                await self._client().hdel(beats, record.request_id)
+            except Exception:
+                log.warning("could not remove %s from the usage journal", record.request_id)
+            if held or not flight.journaled:
+                await _settle_apart(record)
 
     def reap(self, *, stale_before: float) -> int:
         import redis

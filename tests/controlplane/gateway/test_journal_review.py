@@ -1,0 +1,80 @@
+"""The in-flight journal at its edges: a client leaving while usage is handed over, and a
+usage journal that Redis fails to answer."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+from asgiref.sync import async_to_sync, sync_to_async
+from django.conf import settings as django_settings
+
+from controlplane.gateway import handlers, journal
+from controlplane.metering.models import UsageEvent
+from tests.controlplane.gateway.test_journal import (  # noqa: F401 - fixtures
+    ASK,
+    LIMITS,
+    _assert_room,
+    _record,
+    _reserve,
+    _stored,
+    engine,
+    mode,
+)
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("mode", ["embedded", "database-with-redis-quota"], indirect=True)
+def test_a_client_leaving_while_its_usage_is_handed_over_still_has_it_recorded_and_settled(world, mode, engine):  # noqa: F811
+    reservation = _reserve(world.alice.pk, LIMITS, ASK)
+    record = _record(world, "req-left", reservation)
+    record.stream = False
+    busy = threading.Event()
+
+    @async_to_sync
+    async def answered_then_client_leaves():
+        flight = await journal.open_flight(record)
+        await journal.engine_chosen(flight, engine.pk)
+        record.output_tokens = 50
+        # The database thread is busy with other requests' work when this one finishes...
+        other = asyncio.ensure_future(sync_to_async(busy.wait)())
+        recording = asyncio.ensure_future(handlers._record(record, time.monotonic()))
+        for _ in range(3):
+            await asyncio.sleep(0)
+        recording.cancel()  # ...and the client leaves just then
+        busy.set()
+        await other
+        await asyncio.gather(recording, return_exceptions=True)
+        while handlers._background:
+            await asyncio.gather(*list(handlers._background), return_exceptions=True)
+
+    answered_then_client_leaves()
+    [event] = UsageEvent.objects.all()
+    assert (event.request_id, event.status, event.output_tokens) == ("req-left", "ok", 50)
+    _assert_room(world, 820)  # settled to the 180 tokens used, the large-image slot free again
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("mode", ["redis"], indirect=True)
+def test_a_request_finished_while_the_journal_was_unreachable_is_settled_once(world, mode, engine, settings):  # noqa: F811
+    reservation = _reserve(world.alice.pk, LIMITS, ASK)
+    record = _record(world, "req-outage", reservation)
+
+    async def open_it():
+        await journal.engine_chosen(await journal.open_flight(record), engine.pk)
+
+    async_to_sync(open_it)()
+    record.output_tokens = 50
+    reachable = settings.REDIS_URL
+    settings.REDIS_URL = "redis://127.0.0.1:1/0"  # the journal's Redis does not answer the finish...
+    async_to_sync(journal.finish)(record)
+    settings.REDIS_URL = reachable  # ...and is back a moment later, the entry still in it
+
+    later = time.time() + django_settings.GATEWAY_JOURNAL_STALE_S + 1
+    journal.journal_reap(now=later)
+    [event] = _stored(mode)
+    assert (event.status, event.output_tokens) == ("ok", 50)  # stored once, as the gateway knew it
+    # The reservation settled once (by the reaper, to the prompt it knew), not once by each side.
+    _assert_room(world, 870)
