@@ -78,3 +78,27 @@ def test_a_request_finished_while_the_journal_was_unreachable_is_settled_once(wo
     assert (event.status, event.output_tokens) == ("ok", 50)  # stored once, as the gateway knew it
     # The reservation settled once (by the reaper, to the prompt it knew), not once by each side.
     _assert_room(world, 870)
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("mode", ["redis"], indirect=True)
+def test_quota_counters_started_afresh_count_what_was_settled(world, mode):  # noqa: F811
+    import redis
+
+    reservation = _reserve(world.alice.pk, LIMITS, ASK)
+    record = _record(world, "req-gave-up", reservation)
+
+    async def gave_up_waiting_for_a_slot():
+        await journal.open_flight(record)
+        record.status, record.http_status = "aborted", 499
+        await journal.finish(record)
+
+    async_to_sync(gave_up_waiting_for_a_slot)()
+    [event] = _stored(mode)
+    assert (event.status, event.cost) == ("aborted", 0)
+    _assert_room(world, 1000)  # no engine worked on it: nothing held against the quota
+    # Redis restarts without its counters: they start again from what is metered, alike.
+    client = redis.Redis.from_url(django_settings.REDIS_URL)
+    for key in client.scan_iter(f"{django_settings.CACHES['default']['KEY_PREFIX']}:quota:*"):
+        client.delete(key)
+    _assert_room(world, 1000)
