@@ -1,6 +1,7 @@
 from django.contrib import admin
 from django.db import models
 
+from controlplane.benchmarks import services
 from controlplane.benchmarks.models import BenchmarkImage, BenchmarkProfile, BenchmarkRun, EvalItem
 
 
@@ -23,6 +24,17 @@ class BenchmarkProfileAdmin(admin.ModelAdmin):
     list_display = ["name", "kind", "tier", "target", "arrival", "schedule_enabled", "schedule_cron"]
     inlines = [BenchmarkImageInline, EvalItemInline]
     formfield_overrides = {models.URLField: {"assume_scheme": "http"}}  # a gateway on the local network
+
+    # Through the services, so that the profile's beat schedule follows what is saved or deleted here.
+    def save_model(self, request, obj, form, change):
+        services.profile_save(profile=obj)
+
+    def delete_model(self, request, obj):
+        services.profile_delete(profile=obj)
+
+    def delete_queryset(self, request, queryset):
+        for profile in queryset.select_related("periodic_task"):
+            services.profile_delete(profile=profile)
 
 
 @admin.register(BenchmarkRun)

@@ -40,6 +40,9 @@ log = logging.getLogger(__name__)
 BENCHMARK_TENANT = "benchmarks"
 POLL_S = 0.5
 MAX_STORED_SAMPLES = 20_000
+# The run task's hard time limit (workers.tasks.benchmark_run): no worker still runs a run
+# that started longer ago than this.
+RUN_TIME_LIMIT_S = 3700
 SAMPLE_COLUMNS = ["stage", "class", "start_s", "ok", "ttft_s", "tpot_s", "e2e_s", "output_tokens", "image_tokens"]
 
 
@@ -67,6 +70,7 @@ def benchmark_start_scheduled(*, profile_id: int) -> BenchmarkRun | None:
     profile = BenchmarkProfile.objects.filter(pk=profile_id).first()
     if profile is None:
         return None
+    _abandoned_runs_end(profile.runs.all(), BenchmarkRun.State.FAILED)
     if profile.runs.filter(state__in=[BenchmarkRun.State.QUEUED, BenchmarkRun.State.RUNNING]).exists():
         log.info("benchmark profile %s: the previous run has not finished; skipping this turn", profile.name)
         return None
@@ -81,6 +85,7 @@ def benchmark_cancel(*, run: BenchmarkRun) -> None:
     if run.finished:
         return
     BenchmarkRun.objects.filter(pk=run.pk).update(cancel_requested=True)
+    _abandoned_runs_end(BenchmarkRun.objects.filter(pk=run.pk), BenchmarkRun.State.CANCELLED)
     cancelled_now = BenchmarkRun.objects.filter(pk=run.pk, state=BenchmarkRun.State.QUEUED).update(
         state=BenchmarkRun.State.CANCELLED, finished_at=timezone.now(), log="cancelled before it started\n")
     if cancelled_now and run.task_id:
@@ -91,6 +96,20 @@ def benchmark_cancel(*, run: BenchmarkRun) -> None:
         except Exception:
             log.warning("could not revoke the task of benchmark run %s", run.pk, exc_info=True)
     run.refresh_from_db()
+
+
+def _abandoned_runs_end(runs, state: str) -> int:
+    """End the runs still marked running long after their task's hard time limit: the worker
+    that ran them died (killed, or the limit reached) without writing how they ended, and
+    nothing else ever will."""
+    from django.db.models import Value
+    from django.db.models.functions import Concat
+
+    now = timezone.now()
+    return runs.filter(state=BenchmarkRun.State.RUNNING,
+                       started_at__lt=now - dt.timedelta(seconds=RUN_TIME_LIMIT_S)).update(
+        state=state, finished_at=now,
+        log=Concat("log", Value(f"{now:%H:%M:%S} the worker running it stopped without finishing it\n")))
 
 
 def profile_config(profile: BenchmarkProfile) -> dict:

@@ -72,9 +72,10 @@ class RunViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
     def get_queryset(self):
         queryset = BenchmarkRun.objects.select_related("profile")
         if profile := self.request.query_params.get("profile"):
-            queryset = queryset.filter(profile_id=profile) if profile.isdigit() else queryset.none()
+            queryset = queryset.filter(profile_id=profile) if profile.isascii() and profile.isdigit() \
+                else queryset.none()
         if state := self.request.query_params.get("state"):
-            queryset = queryset.filter(state=state)
+            queryset = queryset.filter(state=state) if state in BenchmarkRun.State.values else queryset.none()
         if self.action == "list":
             queryset = queryset.defer("results", "log", "config")
         return queryset.order_by("-created_at", "-id")
