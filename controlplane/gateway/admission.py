@@ -116,11 +116,12 @@ end
 return 0
 """
 # Settling is a Lua function so that the usage journal can settle in the same atomic step
-# as it hands the usage over (see controlplane/gateway/journal.py).
+# as it hands the usage over (see controlplane/gateway/journal.py). A counter that is gone
+# (Redis lost it) is left to be started again from what is metered, not created from a delta.
 SETTLE_FUNCTION = """
 local function settle(image_key, total_key, large_key, image_delta, total_delta, large)
-  redis.call('INCRBY', image_key, image_delta)
-  redis.call('INCRBY', total_key, total_delta)
+  if redis.call('EXISTS', image_key) == 1 then redis.call('INCRBY', image_key, image_delta) end
+  if redis.call('EXISTS', total_key) == 1 then redis.call('INCRBY', total_key, total_delta) end
   if large == '1' and tonumber(redis.call('GET', large_key) or '0') > 0 then redis.call('DECR', large_key) end
 end
 """

@@ -102,3 +102,25 @@ def test_quota_counters_started_afresh_count_what_was_settled(world, mode):  # n
     for key in client.scan_iter(f"{django_settings.CACHES['default']['KEY_PREFIX']}:quota:*"):
         client.delete(key)
     _assert_room(world, 1000)
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("mode", ["redis"], indirect=True)
+def test_a_request_finishing_after_redis_lost_its_counters_does_not_open_the_quota(world, mode, engine):  # noqa: F811
+    import redis
+
+    reservation = _reserve(world.alice.pk, LIMITS, ASK)
+    record = _record(world, "req-through-restart", reservation)
+
+    async def answered():
+        await journal.engine_chosen(await journal.open_flight(record), engine.pk)
+        client = redis.Redis.from_url(django_settings.REDIS_URL)  # Redis restarts, its counters lost
+        for key in client.scan_iter(f"{django_settings.CACHES['default']['KEY_PREFIX']}:quota:*"):
+            client.delete(key)
+        record.output_tokens = 50
+        await journal.finish(record)
+
+    async_to_sync(answered)()
+    [event] = _stored(mode)
+    assert event.status == "ok"
+    _assert_room(world, 820)  # counted from what is metered: the 180 tokens used, no more room
