@@ -210,6 +210,7 @@ def test_the_totals_table_has_a_line_per_tenant_and_tier_and_their_sum(client, w
            cost=Decimal("0.002551"), cache_savings=Decimal("0.000184"))
     _daily(world.alice, world.vision, days_ago=4, images=1, image_tokens=1224, cost=Decimal("0.001367"))
     _daily(world.bob, world.text, text_tokens=500, output_tokens=50, cost=Decimal("0.00013"))
+    _daily(world.bob, world.text, days_ago=2, requests=2, failed_requests=2)  # failed: counted, nothing more
     _daily(world.bob, world.text, days_ago=40, text_tokens=99_999, cost=Decimal("5"))  # before the period
 
     page = _page(client, world.operator)
@@ -218,11 +219,11 @@ def test_the_totals_table_has_a_line_per_tenant_and_tier_and_their_sum(client, w
         return re.findall(r"<t[dh][^>]*>([^<]*)</t[dh]>", html)
 
     alice = page.split('data-tenant="alice" data-tier="vlm-lite">')[1].split("</tr>")[0]
-    assert cells(alice) == ["alice", "vlm-lite", "2", "3", "3672", "1224", "0", "0", "0.003918", "0.000184"]
+    assert cells(alice) == ["alice", "vlm-lite", "2", "0", "3", "3672", "1224", "0", "0", "0.003918", "0.000184"]
     bob = page.split('data-tenant="bob" data-tier="text">')[1].split("</tr>")[0]
-    assert cells(bob) == ["bob", "text", "1", "0", "0", "0", "500", "50", "0.000130", "0.000000"]
+    assert cells(bob) == ["bob", "text", "3", "2", "0", "0", "0", "500", "50", "0.000130", "0.000000"]
     total = page.split('id="usage-table-total">')[1].split("</tr>")[0]
-    assert cells(total) == ["Total", "3", "3", "3672", "1224", "500", "50", "0.004048", "0.000184"]
+    assert cells(total) == ["Total", "5", "2", "3", "3672", "1224", "500", "50", "0.004048", "0.000184"]
 
 
 def test_an_empty_period_says_so(client, world):
