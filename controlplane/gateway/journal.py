@@ -95,6 +95,7 @@ def _interrupted(entry: str, beat: dict | None) -> UsageRecord:
 # --- Redis: two hashes beside the usage stream ------------------------------------------------
 
 _FINISH = admission.SETTLE_FUNCTION + """
+if ARGV[8] ~= '' and redis.call('HGET', KEYS[2], ARGV[1]) ~= ARGV[8] then return 0 end
 local held = redis.call('HDEL', KEYS[1], ARGV[1])
 redis.call('HDEL', KEYS[2], ARGV[1])
 if held == 0 and ARGV[2] == '1' then return 0 end
@@ -118,8 +119,9 @@ def _keys() -> tuple[str, str]:
     return f"{_prefix()}:inflight", f"{_prefix()}:inflight:beat"
 
 
-def _finish_call(record: UsageRecord, journaled: bool) -> tuple[list, list]:
-    """Keys and arguments of _FINISH: hand the usage over and settle the reservation."""
+def _finish_call(record: UsageRecord, journaled: bool, stale_beat: str = "") -> tuple[list, list]:
+    """Keys and arguments of _FINISH: hand the usage over and settle the reservation. The
+    reaper passes the beat it judged stale: a beat refreshed since means the gateway lives."""
     from controlplane.metering.outbox import stream_key
 
     inflight, beats = _keys()
@@ -130,8 +132,8 @@ def _finish_call(record: UsageRecord, journaled: bool) -> tuple[list, list]:
         image_tokens, total_tokens = settlement(record)
         settle_keys, settle_args = backend.settle_plan(record.reservation, image_tokens=image_tokens,
                                                        total_tokens=total_tokens)
-        return keys + settle_keys, args + ["1", *settle_args]
-    return keys + ["", "", ""], args + ["0", 0, 0, 0]
+        return keys + settle_keys, args + ["1", *settle_args, stale_beat]
+    return keys + ["", "", ""], args + ["0", 0, 0, 0, stale_beat]
 
 
 class RedisJournal:
@@ -180,16 +182,19 @@ class RedisJournal:
         inflight, beats = _keys()
         reaped = 0
         for request_id, raw in client.hgetall(beats).items():
-            beat = json.loads(raw)
-            if beat["t"] >= stale_before:
-                continue
-            entry = client.hget(inflight, request_id)
-            if entry is None:  # finished between the two reads
-                client.hdel(beats, request_id)
-                continue
-            record = _interrupted(entry, beat)
-            keys, args = _finish_call(record, True)
-            reaped += client.eval(_FINISH, len(keys), *keys, *args)
+            try:
+                beat = json.loads(raw)
+                if beat["t"] >= stale_before:
+                    continue
+                entry = client.hget(inflight, request_id)
+                if entry is None:  # finished between the two reads
+                    client.hdel(beats, request_id)
+                    continue
+                record = _interrupted(entry, beat)
+                keys, args = _finish_call(record, True, stale_beat=raw.decode())
+                reaped += client.eval(_FINISH, len(keys), *keys, *args)
+            except Exception:  # one bad entry must not stop the others (nor the ingest after them)
+                log.exception("could not record the interrupted request %s", request_id)
         return reaped
 
 
@@ -243,14 +248,18 @@ class DatabaseJournal:
         reaped = 0
         cutoff = dt.datetime.fromtimestamp(stale_before, tz=dt.UTC)
         for request_id in InFlightRequest.objects.filter(beat_at__lt=cutoff).values_list("request_id", flat=True):
-            with transaction.atomic():
-                row = InFlightRequest.objects.select_for_update(skip_locked=True).filter(
-                    request_id=request_id, beat_at__lt=cutoff).first()
-                if row is None:
-                    continue
-                beat = {"t": row.beat_at.timestamp(), "produced": row.produced, "instance": row.instance_id}
-                record = _interrupted(json.dumps(row.record), beat)
-                settled = self._finish(record, True)
+            try:
+                with transaction.atomic():
+                    row = InFlightRequest.objects.select_for_update(skip_locked=True).filter(
+                        request_id=request_id, beat_at__lt=cutoff).first()
+                    if row is None:
+                        continue
+                    beat = {"t": row.beat_at.timestamp(), "produced": row.produced, "instance": row.instance_id}
+                    record = _interrupted(json.dumps(row.record), beat)
+                    settled = self._finish(record, True)
+            except Exception:  # one bad entry must not stop the others (nor the ingest after them)
+                log.exception("could not record the interrupted request %s", request_id)
+                continue
             if not settled:
                 async_to_sync(_settle_apart)(record)
             reaped += 1

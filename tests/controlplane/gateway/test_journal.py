@@ -176,3 +176,49 @@ def test_the_heartbeat_setting_must_leave_room_for_a_missed_beat(monkeypatch):
                           capture_output=True, text=True, cwd=django_settings.BASE_DIR)
     assert done.returncode != 0
     assert "GATEWAY_JOURNAL_STALE_S=15 must be at least twice GATEWAY_HEARTBEAT_S=10" in done.stderr
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_reaper_leaves_an_entry_whose_heartbeat_came_back_meanwhile(world, engine, settings):
+    """A gateway frozen past the limit that beats again just as the reaper looks is alive."""
+    settings.USAGE_OUTBOX = "redis"
+    settings.CACHES = {"default": {**django_settings.CACHES["default"], "KEY_PREFIX": f"j-{uuid.uuid4().hex}"}}
+    record = _record(world, "req-back", None)
+
+    async def open_and_beat():
+        flight = await journal.open_flight(record)
+        await journal.engine_chosen(flight, engine.pk)
+        return flight
+
+    flight = async_to_sync(open_and_beat)()
+    client = redis.Redis.from_url(settings.REDIS_URL)
+    inflight, beats = journal._keys()
+    judged_stale = client.hget(beats, "req-back").decode()
+    flight.produced = 3
+    async_to_sync(journal.journal().beat)([flight])  # it beats again
+    keys, args = journal._finish_call(journal._interrupted(client.hget(inflight, "req-back"), {}), True,
+                                      stale_beat=judged_stale)
+    assert client.eval(journal._FINISH, len(keys), *keys, *args) == 0
+    assert client.hexists(inflight, "req-back")  # left to its gateway
+    journal._live.clear()
+    for key in (inflight, beats):
+        client.delete(key)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_entry_that_cannot_be_recorded_does_not_stop_the_reaper(world, engine, settings):
+    settings.USAGE_OUTBOX = "database"
+
+    async def two_dead_gateways():
+        for request_id in ("req-broken", "req-fine"):
+            flight = await journal.open_flight(_record(world, request_id, None))
+            await journal.engine_chosen(flight, engine.pk)
+        journal._live.clear()
+
+    async_to_sync(two_dead_gateways)()
+    broken = InFlightRequest.objects.get(request_id="req-broken")
+    broken.record = {**broken.record, "tier_id": 999_999}  # its tier is gone: it cannot be stored
+    broken.save()
+    assert journal.journal_reap(now=time.time() + 3600) == 1
+    assert list(UsageEvent.objects.values_list("request_id", flat=True)) == ["req-fine"]
+    assert InFlightRequest.objects.filter(request_id="req-broken").exists()  # kept, for a later run
