@@ -175,17 +175,33 @@ class RedisJournal:
             if held or not flight.journaled:
                 await _settle_apart(record)
 
-    def reap(self, *, stale_before: float) -> int:
+    def reap(self, *, stale_before: float, now: float) -> int:
+        """Two looks: an entry is reaped only if its beat is stale and still the same beat a
+        second reaper run later, at least two heartbeats after the first. A live gateway has
+        beaten by then, whatever its clock says and however long Redis was unreachable."""
         import redis
 
         client = redis.Redis.from_url(settings.REDIS_URL)
         inflight, beats = _keys()
+        suspects_key = f"{beats}:suspect"
+        all_beats, suspects = client.hgetall(beats), client.hgetall(suspects_key)
+        if gone := set(suspects) - set(all_beats):
+            client.hdel(suspects_key, *gone)
         reaped = 0
-        for request_id, raw in client.hgetall(beats).items():
+        for request_id, raw in all_beats.items():
             try:
                 beat = json.loads(raw)
                 if beat["t"] >= stale_before:
+                    if request_id in suspects:
+                        client.hdel(suspects_key, request_id)
                     continue
+                seen = json.loads(suspects[request_id]) if request_id in suspects else None
+                if seen is None or seen["beat"] != raw.decode():  # the first look
+                    client.hset(suspects_key, request_id, json.dumps({"beat": raw.decode(), "at": now}))
+                    continue
+                if now - seen["at"] < 2 * settings.GATEWAY_HEARTBEAT_S:
+                    continue  # its gateway may not have had its chance to beat yet
+                client.hdel(suspects_key, request_id)
                 entry = client.hget(inflight, request_id)
                 if entry is None:  # finished between the two reads
                     client.hdel(beats, request_id)
@@ -242,7 +258,7 @@ class DatabaseJournal:
                 backend.settle_sync(record.reservation, image_tokens=image_tokens, total_tokens=total_tokens)
         return in_database or record.reservation is None
 
-    def reap(self, *, stale_before: float) -> int:
+    def reap(self, *, stale_before: float, now: float) -> int:
         from controlplane.gateway.models import InFlightRequest
 
         reaped = 0
@@ -334,4 +350,4 @@ async def _heartbeat() -> None:
 def journal_reap(*, now: float | None = None) -> int:
     """Record the requests of dead gateways as interrupted. Returns how many."""
     now = time.time() if now is None else now
-    return journal().reap(stale_before=now - settings.GATEWAY_JOURNAL_STALE_S)
+    return journal().reap(stale_before=now - settings.GATEWAY_JOURNAL_STALE_S, now=now)

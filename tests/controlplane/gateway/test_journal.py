@@ -84,6 +84,13 @@ def _assert_room(world, room: int) -> None:
     assert _reserve(world.alice.pk, LIMITS, Ask(0, room, True))
 
 
+def _reap(now: float) -> int:
+    """What the reaper takes on two runs: a look, and a second look two heartbeats later (with
+    Redis an entry must still be stale and unchanged on the second)."""
+    return journal.journal_reap(now=now) + journal.journal_reap(
+        now=now + 2 * django_settings.GATEWAY_HEARTBEAT_S + 1)
+
+
 LIMITS = Limits(total_tokens=1000, concurrent_large_images=1)
 ASK = Ask(image_tokens=110, total_tokens=900, large=True)  # prompt 130 + a max_tokens ceiling of 770
 
@@ -106,8 +113,8 @@ def test_a_request_whose_gateway_died_is_recorded_once_as_interrupted(world, mod
         _reserve(world.alice.pk, LIMITS, Ask(0, 200, True))
 
     later = time.time() + django_settings.GATEWAY_JOURNAL_STALE_S + 1
-    assert journal.journal_reap(now=later) == 1
-    assert journal.journal_reap(now=later) == 0
+    assert _reap(later) == 1
+    assert _reap(later + 60) == 0
 
     [event] = _stored(mode)
     assert (event.request_id, event.status, event.instance_id) == ("req-orphan", "interrupted", engine.pk)
@@ -130,7 +137,7 @@ def test_a_finished_request_leaves_nothing_for_the_reaper(world, mode, engine):
         await journal.finish(record)
 
     normal_request()
-    assert journal.journal_reap(now=time.time() + 3600) == 0
+    assert _reap(time.time() + 3600) == 0
     [event] = _stored(mode)
     assert (event.status, event.output_tokens) == ("ok", 50)
     assert not InFlightRequest.objects.exists()
@@ -146,7 +153,7 @@ def test_a_gateway_that_finishes_after_being_reaped_does_not_count_twice(world, 
         await journal.engine_chosen(await journal.open_flight(record), engine.pk)
 
     async_to_sync(open_it)()
-    assert journal.journal_reap(now=time.time() + 3600) == 1  # taken for dead (a frozen process)
+    assert _reap(time.time() + 3600) == 1  # taken for dead (a frozen process)
     record.output_tokens = 500
     async_to_sync(journal.finish)(record)  # then it woke up and finished
 
@@ -160,7 +167,7 @@ def test_a_request_that_never_reached_an_engine_is_recorded_at_no_cost(world, mo
     reservation = _reserve(world.alice.pk, LIMITS, ASK)
     async_to_sync(journal.open_flight)(_record(world, "req-queued", reservation))  # died waiting for a slot
     journal._live.clear()
-    assert journal.journal_reap(now=time.time() + 3600) == 1
+    assert _reap(time.time() + 3600) == 1
     [event] = _stored(mode)
     assert (event.status, event.cost) == ("interrupted", 0)
     _assert_room(world, 1000)  # nothing held against the quota
@@ -219,6 +226,38 @@ def test_an_entry_that_cannot_be_recorded_does_not_stop_the_reaper(world, engine
     broken = InFlightRequest.objects.get(request_id="req-broken")
     broken.record = {**broken.record, "tier_id": 999_999}  # its tier is gone: it cannot be stored
     broken.save()
-    assert journal.journal_reap(now=time.time() + 3600) == 1
+    assert _reap(time.time() + 3600) == 1
     assert list(UsageEvent.objects.values_list("request_id", flat=True)) == ["req-fine"]
     assert InFlightRequest.objects.filter(request_id="req-broken").exists()  # kept, for a later run
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_live_gateway_whose_beats_look_stale_is_not_reaped(world, engine, settings):
+    """After a Redis outage longer than the limit (or with a gateway clock far behind), every
+    beat looks stale; a gateway that is alive beats again before the reaper's second look."""
+    settings.USAGE_OUTBOX = "redis"
+    settings.CACHES = {"default": {**django_settings.CACHES["default"], "KEY_PREFIX": f"j-{uuid.uuid4().hex}"}}
+    record = _record(world, "req-alive", None)
+
+    async def open_it():
+        flight = await journal.open_flight(record)
+        await journal.engine_chosen(flight, engine.pk)
+        return flight
+
+    flight = async_to_sync(open_it)()
+    first_look = time.time() + 3600  # its beat is an hour old by then
+    assert journal.journal_reap(now=first_look) == 0
+    async_to_sync(journal.journal().beat)([flight])  # Redis is back: the gateway beats (its clock an hour behind)
+    second_look = first_look + 2 * django_settings.GATEWAY_HEARTBEAT_S + 1
+    assert journal.journal_reap(now=second_look) == 0
+    flight.produced = 9
+    async_to_sync(journal.journal().beat)([flight])  # and again, as it does every few seconds
+    assert journal.journal_reap(now=second_look + 2 * django_settings.GATEWAY_HEARTBEAT_S + 1) == 0
+
+    record.output_tokens = 40
+    async_to_sync(journal.finish)(record)  # and it finishes its request itself
+    [event] = _stored("redis")
+    assert (event.status, event.output_tokens) == ("ok", 40)
+    client = redis.Redis.from_url(settings.REDIS_URL)
+    for key in client.scan_iter(f"{settings.CACHES['default']['KEY_PREFIX']}:*"):
+        client.delete(key)

@@ -17,6 +17,7 @@ from tests.controlplane.gateway.test_journal import (  # noqa: F401 - fixtures
     ASK,
     LIMITS,
     _assert_room,
+    _reap,
     _record,
     _reserve,
     _stored,
@@ -73,7 +74,7 @@ def test_a_request_finished_while_the_journal_was_unreachable_is_settled_once(wo
     settings.REDIS_URL = reachable  # ...and is back a moment later, the entry still in it
 
     later = time.time() + django_settings.GATEWAY_JOURNAL_STALE_S + 1
-    journal.journal_reap(now=later)
+    _reap(later)
     [event] = _stored(mode)
     assert (event.status, event.output_tokens) == ("ok", 50)  # stored once, as the gateway knew it
     # The reservation settled once (by the reaper, to the prompt it knew), not once by each side.
