@@ -224,6 +224,9 @@ class BenchmarkRun(models.Model):
     created_at = models.DateTimeField(default=timezone.now)
     started_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
+    # Written by the worker as it runs (every half second under load): a running run silent
+    # for long has lost its worker.
+    beat_at = models.DateTimeField(null=True, blank=True)
     progress = models.FloatField(default=0.0)
     log = models.TextField(blank=True)
     config = models.JSONField(default=dict, blank=True, help_text="The profile and tier as the run used them")

@@ -43,6 +43,9 @@ MAX_STORED_SAMPLES = 20_000
 # The run task's hard time limit (workers.tasks.benchmark_run): no worker still runs a run
 # that started longer ago than this.
 RUN_TIME_LIMIT_S = 3700
+# A running run whose worker has written nothing for this long has lost it (a worker beats
+# every POLL_S under load; preparing images or a key before the load takes seconds).
+RUN_SILENCE_S = 300
 SAMPLE_COLUMNS = ["stage", "class", "start_s", "ok", "ttft_s", "tpot_s", "e2e_s", "output_tokens", "image_tokens"]
 
 
@@ -99,15 +102,18 @@ def benchmark_cancel(*, run: BenchmarkRun) -> None:
 
 
 def _abandoned_runs_end(runs, state: str) -> int:
-    """End the runs still marked running long after their task's hard time limit: the worker
-    that ran them died (killed, or the limit reached) without writing how they ended, and
-    nothing else ever will."""
-    from django.db.models import Value
-    from django.db.models.functions import Concat
+    """End the runs still marked running whose worker has gone silent (or that outlived their
+    task's hard time limit): it died (killed, or the limit reached) without writing how they
+    ended, and nothing else ever will."""
+    from django.db.models import Q, Value
+    from django.db.models.functions import Coalesce, Concat
 
     now = timezone.now()
-    return runs.filter(state=BenchmarkRun.State.RUNNING,
-                       started_at__lt=now - dt.timedelta(seconds=RUN_TIME_LIMIT_S)).update(
+    silent = Q(last_sign__lt=now - dt.timedelta(seconds=RUN_SILENCE_S))
+    too_long = Q(started_at__lt=now - dt.timedelta(seconds=RUN_TIME_LIMIT_S))
+    gone = runs.filter(state=BenchmarkRun.State.RUNNING).annotate(
+        last_sign=Coalesce("beat_at", "started_at")).filter(silent | too_long).values_list("pk", flat=True)
+    return BenchmarkRun.objects.filter(pk__in=list(gone)).update(
         state=state, finished_at=now,
         log=Concat("log", Value(f"{now:%H:%M:%S} the worker running it stopped without finishing it\n")))
 
@@ -218,7 +224,7 @@ class _Shared:
 
 def benchmark_execute(*, run_id: int) -> None:
     moved = BenchmarkRun.objects.filter(pk=run_id, state=BenchmarkRun.State.QUEUED, cancel_requested=False) \
-        .update(state=BenchmarkRun.State.RUNNING, started_at=timezone.now())
+        .update(state=BenchmarkRun.State.RUNNING, started_at=timezone.now(), beat_at=timezone.now())
     if not moved:
         return
     run = BenchmarkRun.objects.select_related("profile__tier__price_plan", "profile__tier__resolution_policy",
@@ -364,7 +370,7 @@ def _drive(run: BenchmarkRun, results: dict, start, summarise) -> None:
     cancelled = False
     while thread.is_alive():
         thread.join(POLL_S)
-        fields = {"progress": round(shared.progress, 4)}
+        fields = {"progress": round(shared.progress, 4), "beat_at": timezone.now()}
         if take_finished_stages():  # the results grow a stage at a time: written when they do
             fields["results"] = results
         if BenchmarkRun.objects.filter(pk=run.pk, cancel_requested=True).exists() and not shared.stop:

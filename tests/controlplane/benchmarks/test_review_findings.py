@@ -94,3 +94,22 @@ def test_a_bad_run_filter_is_no_server_error(client, world, query):
     client.force_login(world.operator)
     response = client.get("/api/v1/benchmarks/runs/", query)
     assert response.status_code in (200, 400)
+
+
+def test_a_run_whose_worker_fell_silent_minutes_ago_is_ended_by_a_cancel(world):
+    """Not an hour later: the worker writes a sign of life every half second under load."""
+    run = BenchmarkRun.objects.create(profile=make_profile(world.vision), state="running",
+                                      started_at=timezone.now() - dt.timedelta(minutes=20),
+                                      beat_at=timezone.now() - dt.timedelta(minutes=6))
+    benchmark_cancel(run=run)
+    run.refresh_from_db()
+    assert run.state == "cancelled" and "stopped without finishing" in run.log
+
+
+def test_a_long_run_whose_worker_is_alive_is_only_asked_to_stop(world):
+    run = BenchmarkRun.objects.create(profile=make_profile(world.vision), state="running",
+                                      started_at=timezone.now() - dt.timedelta(minutes=50),
+                                      beat_at=timezone.now() - dt.timedelta(seconds=1))
+    benchmark_cancel(run=run)
+    run.refresh_from_db()
+    assert (run.state, run.cancel_requested) == ("running", True)  # its worker stops it, keeping results

@@ -55,6 +55,7 @@ def test_a_run_through_the_gateway_uses_a_benchmark_key_meters_it_and_revokes_it
     benchmark_execute(run_id=run.pk)
     run.refresh_from_db()
     assert run.state == "succeeded", run.log
+    assert run.started_at < run.beat_at <= run.finished_at  # it gave signs of life while it ran
     stage = run.results["stages"][0]
     assert stage["errors"] == 0
     # the gateway reports the exact image tokens of each image request: 393 for 640x480
