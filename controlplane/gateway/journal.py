@@ -263,12 +263,19 @@ class DatabaseJournal:
 
         reaped = 0
         cutoff = dt.datetime.fromtimestamp(stale_before, tz=dt.UTC)
+        moment = dt.datetime.fromtimestamp(now, tz=dt.UTC)
         for request_id in InFlightRequest.objects.filter(beat_at__lt=cutoff).values_list("request_id", flat=True):
             try:
                 with transaction.atomic():
                     row = InFlightRequest.objects.select_for_update(skip_locked=True).filter(
                         request_id=request_id, beat_at__lt=cutoff).first()
                     if row is None:
+                        continue
+                    if row.suspected_beat != row.beat_at:  # the first look (see RedisJournal.reap)
+                        row.suspected_beat, row.suspected_at = row.beat_at, moment
+                        row.save(update_fields=["suspected_beat", "suspected_at"])
+                        continue
+                    if moment - row.suspected_at < dt.timedelta(seconds=2 * settings.GATEWAY_HEARTBEAT_S):
                         continue
                     beat = {"t": row.beat_at.timestamp(), "produced": row.produced, "instance": row.instance_id}
                     record = _interrupted(json.dumps(row.record), beat)

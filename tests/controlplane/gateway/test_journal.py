@@ -232,10 +232,12 @@ def test_an_entry_that_cannot_be_recorded_does_not_stop_the_reaper(world, engine
 
 
 @pytest.mark.django_db(transaction=True)
-def test_a_live_gateway_whose_beats_look_stale_is_not_reaped(world, engine, settings):
-    """After a Redis outage longer than the limit (or with a gateway clock far behind), every
-    beat looks stale; a gateway that is alive beats again before the reaper's second look."""
-    settings.USAGE_OUTBOX = "redis"
+@pytest.mark.parametrize("usage", ["redis", "database"])
+def test_a_live_gateway_whose_beats_look_stale_is_not_reaped(world, engine, settings, usage):
+    """After an outage of the journal longer than the limit (or with a gateway clock far
+    behind), every beat looks stale; a gateway that is alive beats again before the reaper's
+    second look."""
+    settings.USAGE_OUTBOX = usage
     settings.CACHES = {"default": {**django_settings.CACHES["default"], "KEY_PREFIX": f"j-{uuid.uuid4().hex}"}}
     record = _record(world, "req-alive", None)
 
@@ -256,7 +258,7 @@ def test_a_live_gateway_whose_beats_look_stale_is_not_reaped(world, engine, sett
 
     record.output_tokens = 40
     async_to_sync(journal.finish)(record)  # and it finishes its request itself
-    [event] = _stored("redis")
+    [event] = _stored("redis" if usage == "redis" else "embedded")
     assert (event.status, event.output_tokens) == ("ok", 40)
     client = redis.Redis.from_url(settings.REDIS_URL)
     for key in client.scan_iter(f"{settings.CACHES['default']['KEY_PREFIX']}:*"):
