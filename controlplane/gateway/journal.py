@@ -49,7 +49,6 @@ class Flight:
     record: UsageRecord
     journaled: bool = False
     produced: int = 0  # output tokens streamed so far
-    instance_id: int | None = None
 
 
 _live: dict[str, Flight] = {}
@@ -64,21 +63,20 @@ def settlement(record: UsageRecord) -> tuple[int, int]:
     return record.image_tokens, record.text_tokens + record.image_tokens + record.output_tokens
 
 
-def _entry(record: UsageRecord) -> str:
+def _entry(record: UsageRecord) -> dict:
     data = usage_to_json(record)
     if record.reservation is not None:
         data["reservation"] = admission.reservation_to_json(record.reservation)
-    return json.dumps(data)
+    return data
 
 
 def _beat(flight: Flight, now: float) -> str:
-    return json.dumps({"t": now, "produced": flight.produced, "instance": flight.instance_id})
+    return json.dumps({"t": now, "produced": flight.produced, "instance": flight.record.instance_id})
 
 
-def _interrupted(entry: str, beat: dict | None) -> UsageRecord:
-    """What a dead gateway's request is recorded as: counted before forwarding, plus what
-    its last heartbeat knew."""
-    data = json.loads(entry)
+def _interrupted(data: dict, beat: dict | None) -> UsageRecord:
+    """What a dead gateway's request is recorded as: counted before forwarding (its journal
+    entry), plus what its last heartbeat knew."""
     record = usage_from_json(data)
     if data.get("reservation"):
         record.reservation = admission.reservation_from_json(data["reservation"])
@@ -145,7 +143,7 @@ class RedisJournal:
     async def open(self, flight: Flight) -> None:
         inflight, beats = _keys()
         async with self._client().pipeline(transaction=True) as pipe:
-            pipe.hset(inflight, flight.record.request_id, _entry(flight.record))
+            pipe.hset(inflight, flight.record.request_id, json.dumps(_entry(flight.record)))
             pipe.hset(beats, flight.record.request_id, _beat(flight, time.time()))
             await pipe.execute()
 
@@ -206,7 +204,7 @@ class RedisJournal:
                 if entry is None:  # finished between the two reads
                     client.hdel(beats, request_id)
                     continue
-                record = _interrupted(entry, beat)
+                record = _interrupted(json.loads(entry), beat)
                 keys, args = _finish_call(record, True, stale_beat=raw.decode())
                 reaped += client.eval(_FINISH, len(keys), *keys, *args)
             except Exception:  # one bad entry must not stop the others (nor the ingest after them)
@@ -223,7 +221,7 @@ class DatabaseJournal:
     def _open(self, flight: Flight) -> None:
         from controlplane.gateway.models import InFlightRequest
 
-        InFlightRequest.objects.create(request_id=flight.record.request_id, record=json.loads(_entry(flight.record)),
+        InFlightRequest.objects.create(request_id=flight.record.request_id, record=_entry(flight.record),
                                        beat_at=timezone.now())
 
     async def beat(self, flights: list[Flight]) -> None:
@@ -235,7 +233,7 @@ class DatabaseJournal:
         now = timezone.now()
         for flight in flights:
             InFlightRequest.objects.filter(request_id=flight.record.request_id).update(
-                beat_at=now, produced=flight.produced, instance_id=flight.instance_id)
+                beat_at=now, produced=flight.produced, instance_id=flight.record.instance_id)
 
     async def finish(self, flight: Flight) -> None:
         settled = await sync_to_async(self._finish)(flight.record, flight.journaled)
@@ -278,7 +276,7 @@ class DatabaseJournal:
                     if moment - row.suspected_at < dt.timedelta(seconds=2 * settings.GATEWAY_HEARTBEAT_S):
                         continue
                     beat = {"t": row.beat_at.timestamp(), "produced": row.produced, "instance": row.instance_id}
-                    record = _interrupted(json.dumps(row.record), beat)
+                    record = _interrupted(row.record, beat)
                     settled = self._finish(record, True)
             except Exception:  # one bad entry must not stop the others (nor the ingest after them)
                 log.exception("could not record the interrupted request %s", request_id)
@@ -321,7 +319,7 @@ async def open_flight(record: UsageRecord) -> Flight:
 
 async def engine_chosen(flight: Flight, instance_id: int) -> None:
     """Say which engine does the work (the reaper bills only work an engine did)."""
-    flight.instance_id = flight.record.instance_id = instance_id
+    flight.record.instance_id = instance_id
     if flight.journaled:
         try:
             await journal().beat([flight])

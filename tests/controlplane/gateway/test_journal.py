@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 
@@ -203,7 +204,7 @@ def test_the_reaper_leaves_an_entry_whose_heartbeat_came_back_meanwhile(world, e
     judged_stale = client.hget(beats, "req-back").decode()
     flight.produced = 3
     async_to_sync(journal.journal().beat)([flight])  # it beats again
-    keys, args = journal._finish_call(journal._interrupted(client.hget(inflight, "req-back"), {}), True,
+    keys, args = journal._finish_call(journal._interrupted(json.loads(client.hget(inflight, "req-back")), {}), True,
                                       stale_beat=judged_stale)
     assert client.eval(journal._FINISH, len(keys), *keys, *args) == 0
     assert client.hexists(inflight, "req-back")  # left to its gateway
