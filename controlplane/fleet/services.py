@@ -2,12 +2,13 @@ from __future__ import annotations
 
 import datetime as dt
 
+from django.conf import settings
 from django.db import transaction
 from django.db.models import Count, Q
 from django.utils import timezone
 
 from controlplane.catalog.models import ModelTier
-from controlplane.fleet.models import EngineEvent, EngineInstance, Gpu, Node
+from controlplane.fleet.models import EngineEvent, EngineInstance, EngineMetricSample, Gpu, Node
 
 NODE_LIVE_SECONDS = 30
 
@@ -52,7 +53,7 @@ def tier_replicas_sync() -> int:
     counts = {
         (tier_id, pool): n for tier_id, pool, n in
         EngineInstance.objects.filter(desired_state=EngineInstance.Desired.RUNNING)
-        .values_list("tier_id", "pool").annotate(n=Count("id")).values_list("tier_id", "pool", "n")
+        .values_list("tier_id", "pool").annotate(n=Count("id"))
     }
     # External engines are registered by URL, one row each, by an operator: never created here.
     for tier in ModelTier.objects.filter(enabled=True).exclude(engine_kind=ModelTier.EngineKind.EXTERNAL):
@@ -147,10 +148,6 @@ def instance_set_desired(*, instance: EngineInstance, desired: str, reason: str)
 
 def samples_prune(now=None) -> int:
     """Drop metric samples past their retention."""
-    from django.conf import settings
-
-    from controlplane.fleet.models import EngineMetricSample
-
     cutoff = (now or timezone.now()) - dt.timedelta(hours=settings.FLEET_METRICS_RETENTION_HOURS)
     deleted, _ = EngineMetricSample.objects.filter(at__lt=cutoff).delete()
     return deleted
@@ -169,7 +166,7 @@ def instance_action(*, instance: EngineInstance, action: str, user) -> None:
             actual_state=EngineInstance.Actual.PENDING
             if instance.actual_state == EngineInstance.Actual.FAILED else instance.actual_state)
         instance.refresh_from_db()
-        if instance.pid is None and instance.tier.engine_kind != ModelTier.EngineKind.EXTERNAL:
+        if instance.pid is None:
             # No live process holds its GPUs, which may have gone to another engine
             # meanwhile: place it afresh.
             instance.gpus.clear()
