@@ -95,10 +95,6 @@ def is_billable(record: UsageRecord) -> bool:
     return record.status == "ok" or (record.status in ("aborted", "interrupted") and record.instance_id is not None)
 
 
-def usage_cost(*, tier: ModelTier, when: dt.datetime, usage: Usage):
-    return price(usage, tier.price_plan.rate_at(when).as_rates())
-
-
 def usage_record(*, record: UsageRecord) -> UsageEvent:
     """Store one request's usage. Recording the same request id twice stores it once."""
     existing = UsageEvent.objects.filter(request_id=record.request_id).first()
