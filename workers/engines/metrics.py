@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 _SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>.*)\})?\s+(?P<value>\S+)(?:\s+\d+)?$")
 _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
@@ -117,7 +117,6 @@ class Snapshot:
     requests_finished: float = 0.0
     ttft: Histogram | None = None
     e2e: Histogram | None = None
-    extra: dict = field(default_factory=dict)
 
     @property
     def progress(self) -> float:
