@@ -19,7 +19,7 @@ from controlplane.imaging.tokens import processor_options
 from workers.engines import process
 from workers.engines.launch import LaunchSpec, build_command
 from workers.supervision import compat
-from workers.supervision.liveness import assess, record_sample, scrape
+from workers.supervision.liveness import assess, observe
 
 log = logging.getLogger(__name__)
 A = EngineInstance.Actual
@@ -158,13 +158,10 @@ def _drain(instance: EngineInstance, alive: bool, now: dt.datetime) -> None:
                             drain_started_at=now, healthy=False)
         return
     if alive:  # only look: a probe would itself be in-flight work on a draining engine
-        snap = scrape(instance)
-        if snap is not None:
-            record_sample(instance, snap, now)
-            instance.num_running, instance.num_waiting = snap.running, snap.waiting
-            EngineInstance.objects.filter(pk=instance.pk).update(
-                num_running=snap.running, num_waiting=snap.waiting, kv_cache_usage=snap.kv_cache_usage,
-                metrics_at=now)
+        fields = {}
+        if observe(instance, now, fields) is not None:
+            instance.num_running, instance.num_waiting = fields["num_running"], fields["num_waiting"]
+            EngineInstance.objects.filter(pk=instance.pk).update(**fields)
     waited = now - (instance.drain_started_at or now)
     busy = instance.num_running + instance.num_waiting
     timeout = dt.timedelta(seconds=settings.ENGINE_DRAIN_TIMEOUT_S)

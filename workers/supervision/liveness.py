@@ -79,15 +79,22 @@ def record_sample(instance: EngineInstance, snap: Snapshot, now: dt.datetime) ->
     )
 
 
-def assess(instance: EngineInstance, now: dt.datetime, fields: dict) -> Liveness:
-    """Health, progress and probe for a running process; fills `fields` with what to save."""
-    if not health_ok(instance):
-        return Liveness(False, "health check failed")
+def observe(instance: EngineInstance, now: dt.datetime, fields: dict) -> Snapshot | None:
+    """Scrape /metrics into a sample; the latest gauges go into `fields`, to be saved."""
     snap = scrape(instance)
     if snap is not None:
         record_sample(instance, snap, now)
         fields.update(num_running=snap.running, num_waiting=snap.waiting,
                       kv_cache_usage=snap.kv_cache_usage, metrics_at=now)
+    return snap
+
+
+def assess(instance: EngineInstance, now: dt.datetime, fields: dict) -> Liveness:
+    """Health, progress and probe for a running process; fills `fields` with what to save."""
+    if not health_ok(instance):
+        return Liveness(False, "health check failed")
+    snap = observe(instance, now, fields)
+    if snap is not None:
         if snap.progress != instance.last_progress or instance.last_progress_at is None:
             fields.update(last_progress=snap.progress, last_progress_at=now)
         elif snap.running + snap.waiting > 0 and now - instance.last_progress_at > HANG_AFTER:
