@@ -4,9 +4,10 @@ process's request counters. Scraped by Prometheus beside the engines' own /metri
 from __future__ import annotations
 
 import hmac
+from collections import Counter
 
 from django.conf import settings
-from django.db.models import Count, Sum
+from django.db.models import Sum
 from django.http import HttpResponse
 from django.utils import timezone
 
@@ -25,10 +26,11 @@ def _line(name: str, labels: dict, value) -> str:
 
 
 def render() -> str:
+    instances = list(EngineInstance.objects.select_related("tier").order_by("id"))
     out = ["# HELP vlmcp_engine_instances Engine instances by tier and state.",
            "# TYPE vlmcp_engine_instances gauge"]
-    for row in EngineInstance.objects.values("tier__name", "actual_state").annotate(n=Count("id")).order_by():
-        out.append(_line("vlmcp_engine_instances", {"tier": row["tier__name"], "state": row["actual_state"]}, row["n"]))
+    by_state = Counter((i.tier.name, i.actual_state) for i in instances)
+    out += [_line("vlmcp_engine_instances", {"tier": tier, "state": state}, n) for (tier, state), n in by_state.items()]
     per_instance = {
         "vlmcp_engine_healthy": ("Whether the instance passed its last health check.", "healthy"),
         "vlmcp_engine_kv_cache_usage": ("KV cache in use, 0..1, from the engine's last scrape.", "kv_cache_usage"),
@@ -36,7 +38,6 @@ def render() -> str:
         "vlmcp_engine_requests_waiting": ("Requests waiting on the engine at its last scrape.", "num_waiting"),
         "vlmcp_engine_restarts": ("Restarts since the instance was last healthy for 10 minutes.", "restart_count"),
     }
-    instances = list(EngineInstance.objects.select_related("tier").order_by("id"))
     for name, (help_text, attribute) in per_instance.items():
         out += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge"]
         out += [_line(name, {"instance": i.pk, "tier": i.tier.name}, getattr(i, attribute)) for i in instances]
