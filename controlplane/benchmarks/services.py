@@ -29,9 +29,10 @@ from controlplane.benchmarks.workload import (
     buckets_from_json,
 )
 from controlplane.catalog.models import PriceRate
+from controlplane.catalog.services import tier_image_tokens
 from controlplane.fleet.selectors import routable_instances
 from controlplane.imaging.policy import fit_within
-from controlplane.imaging.tokens import count_image_tokens, processor_options
+from controlplane.imaging.tokens import count_image_tokens
 from controlplane.tenants.models import Tenant
 from controlplane.tenants.services import api_key_create, api_key_revoke
 
@@ -138,15 +139,13 @@ def profile_config(profile: BenchmarkProfile) -> dict:
 
 def token_estimator(tier):
     """Image tokens of a `width` x `height` image on the tier, after its resolution policy."""
-    policy = tier.resolution_policy.as_policy() if tier.resolution_policy else None
-    options = processor_options(tier.family, min_pixels=policy.min_pixels, max_pixels=policy.max_pixels) \
-        if policy else {}
+    policy = tier.resolution_policy
 
     def estimate(width: int, height: int) -> int:
-        if policy is not None:
-            width, height = fit_within(width, height, max_pixels=policy.max_pixels,
-                                       max_long_edge=policy.max_long_edge)
-        return count_image_tokens(tier.family, width, height, **options)
+        if policy is None:
+            return count_image_tokens(tier.family, width, height)
+        width, height = fit_within(width, height, max_pixels=policy.max_pixels, max_long_edge=policy.max_long_edge)
+        return tier_image_tokens(tier, width, height)
 
     return estimate
 
