@@ -61,9 +61,12 @@ class Prompt:
     tokens: int
     max_tokens: int
     priority: int
-    images: list[ImageInput]
     spans: list[tuple[int, ImageInput]]  # (prompt position, image)
     prefixes: list[tuple[str, int]]  # (hash of messages[:k], their tokens), k = 1..n
+
+    @property
+    def images(self) -> list[ImageInput]:
+        return [image for _, image in self.spans]
 
 
 @dataclass
@@ -194,7 +197,7 @@ class SimulatedEngine:
                 f"your request has {prompt} input tokens."
             )
         budget = self.max_model_len - prompt
-        return Prompt(prompt, min(limit or budget, budget), priority, images, spans, prefixes)
+        return Prompt(prompt, min(limit or budget, budget), priority, spans, prefixes)
 
     def reply_tokens(self, body: dict, images: list[ImageInput], max_tokens: int) -> tuple[list[str], str]:
         """Deterministic output: a description of what was received, then filler words."""
