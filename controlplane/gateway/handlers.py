@@ -216,12 +216,12 @@ async def _forward(request_id: str, key: state.KeyInfo, tier: TierSpec, prepared
     except asyncio.CancelledError:
         if not record.recorded:  # gone while waiting for a slot: release the quota it reserved
             record.status, record.http_status = "aborted", 499
-            await asyncio.shield(_record_in_background(record, started))
+            await _record(record, started)
         raise
     except Exception:
         if not record.recorded:  # whatever failed, the reservation is settled and the request metered
             record.status, record.http_status = "error", 500
-            await asyncio.shield(_record_in_background(record, started))
+            await _record(record, started)
         raise
     finally:
         if slot is not None and not slot.handed_over:
@@ -267,10 +267,7 @@ async def _attempts(request_id, tier, prepared, flight, candidates, payload, sta
             except httpx.TransportError as exc:
                 # The engine may have started work: do not run the request a second time.
                 log.warning("engine %s failed %s mid-request: %s", instance.id, request_id, exc)
-                record.status, record.http_status = "error", 502
-                await _record(record, started)
-                return error_response(502, "the engine failed while answering; retry the request",
-                                      code="engine_error", request_id=request_id)
+                return await _engine_failed(record, started)
             if response.status_code == 200:
                 routing.remember(fingerprints, instance.id)
             if record.stream and response.status_code == 200:
@@ -282,17 +279,14 @@ async def _attempts(request_id, tier, prepared, flight, candidates, payload, sta
                 content = await response.aread()
             except httpx.TransportError as exc:
                 log.warning("engine %s broke its answer to %s: %s", instance.id, request_id, exc)
-                record.status, record.http_status = "error", 502
-                await _record(record, started)
-                return error_response(502, "the engine failed while answering; retry the request",
-                                      code="engine_error", request_id=request_id)
+                return await _engine_failed(record, started)
             finally:
                 await response.aclose()
             return await _finish_plain(request_id, record, prepared, response.status_code, content, started)
         except asyncio.CancelledError:
             # The client went away before the engine answered: the engine still did work.
             record.status, record.http_status = "aborted", 499
-            await asyncio.shield(_record_in_background(record, started))
+            await _record(record, started)
             raise
         finally:
             if not handed_over:
@@ -302,6 +296,13 @@ async def _attempts(request_id, tier, prepared, flight, candidates, payload, sta
     return error_response(503, f"no healthy engine is serving '{tier.name}' right now; retry shortly",
                           code="engine_unavailable", request_id=request_id,
                           headers={"Retry-After": "5"})
+
+
+async def _engine_failed(record: UsageRecord, started: float) -> Response:
+    record.status, record.http_status = "error", 502
+    await _record(record, started)
+    return error_response(502, "the engine failed while answering; retry the request",
+                          code="engine_error", request_id=record.request_id)
 
 
 def _usage_details(usage: dict, prepared: Prepared) -> dict:
@@ -348,7 +349,7 @@ async def _finish_plain(request_id, record, prepared, status, content, started):
 def _stream(request_id, flight, prepared, response, instance, started, slot=None):
     record = flight.record
     client_wants_usage = bool((prepared.body.get("stream_options") or {}).get("include_usage"))
-    progress = {"produced": 0, "finished": False, "closed": False}
+    progress = {"finished": False, "closed": False}
 
     async def close():
         """Once, however the stream ends: finished, failed, client gone, or never read at all."""
@@ -364,10 +365,8 @@ def _stream(request_id, flight, prepared, response, instance, started, slot=None
             if not progress["finished"] and record.status == "ok":
                 record.status = "aborted"
             if not record.output_tokens:
-                record.output_tokens = progress["produced"]  # what was generated before the end
-            # The client may be gone and this task cancelled: the record runs in a task of its
-            # own that cancellation cannot interrupt.
-            await asyncio.shield(_record_in_background(record, started))
+                record.output_tokens = flight.produced  # what was generated before the end
+            await _record(record, started)  # its hand-over survives this task being cancelled
 
     async def events():
         try:
@@ -392,8 +391,7 @@ def _stream(request_id, flight, prepared, response, instance, started, slot=None
                         chunk.pop("usage")
                 for choice in chunk.get("choices") or ():
                     if (choice.get("delta") or {}).get("content"):
-                        progress["produced"] += 1
-                        flight.produced += 1  # what the journal bills if this gateway dies
+                        flight.produced += 1  # also what the journal bills if this gateway dies
                 yield b"data: " + orjson.dumps(chunk) + b"\n\n"
         except httpx.HTTPError as exc:
             # The engine dropped the stream: tell the client in the stream's own terms.
@@ -407,10 +405,6 @@ def _stream(request_id, flight, prepared, response, instance, started, slot=None
 
     return Response(stream=events(), content_type="text/event-stream", on_close=close,
                     headers={"cache-control": "no-cache", "x-request-id": request_id})
-
-
-def _record_in_background(record: UsageRecord, started: float) -> asyncio.Task:
-    return _in_background(_record(record, started))
 
 
 def _in_background(coroutine) -> asyncio.Task:
