@@ -14,6 +14,5 @@ urlpatterns = [
     path("policies/", views.policies, name="policies"),
     path("capacity/", views.capacity, name="capacity"),
     path("exports/", exports.exports, name="exports"),
-    path("exports/images.csv", exports.download, {"report": "images", "filetype": "csv"}, name="export-images"),
     path("exports/<slug:report>.<str:filetype>", exports.download, name="export"),
 ]
