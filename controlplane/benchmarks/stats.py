@@ -94,6 +94,7 @@ def stage_summary(samples: list[Sample], *, duration_s: float, slo: Slo, rates: 
     """Everything a results table shows for one stage (one load level)."""
     ok = [s for s in samples if s.ok]
     per_s = (lambda n: round(n / duration_s, 4)) if duration_s > 0 else (lambda n: 0.0)
+    everything = class_summary(samples, slo, duration_s)
     summary = {
         "level": level,
         "duration_s": round(duration_s, 3),
@@ -106,10 +107,10 @@ def stage_summary(samples: list[Sample], *, duration_s: float, slo: Slo, rates: 
             "image_tokens_per_s": per_s(sum(s.image_tokens for s in ok)),
         },
         "goodput": {
-            "requests_per_s": per_s(sum(meets_slo(s, slo) for s in samples)),
-            "share": round(sum(meets_slo(s, slo) for s in samples) / len(samples), 4) if samples else None,
+            "requests_per_s": per_s(everything["slo_attained"]),
+            "share": round(everything["slo_attained"] / len(samples), 4) if samples else None,
         },
-        "all": class_summary(samples, slo, duration_s),
+        "all": everything,
         "classes": {
             klass: class_summary(of_class, slo, duration_s)
             for klass in CLASSES if (of_class := [s for s in samples if s.klass == klass])
