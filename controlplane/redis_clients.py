@@ -16,3 +16,10 @@ def async_redis(url: str) -> redis.Redis:
     if client is None:
         client = per_loop[url] = redis.Redis.from_url(url)
     return client
+
+
+def key_prefix() -> str:
+    """Where this deployment's keys live in a shared Redis (CACHE_KEY_PREFIX)."""
+    from django.conf import settings
+
+    return settings.CACHES["default"].get("KEY_PREFIX", "vlmcp")

@@ -276,7 +276,9 @@ def backend():
         from django.conf import settings
 
         if settings.REDIS_URL:
-            _backend = RedisAdmission(settings.REDIS_URL, prefix=settings.CACHES["default"].get("KEY_PREFIX", "vlmcp"),
+            from controlplane.redis_clients import key_prefix
+
+            _backend = RedisAdmission(settings.REDIS_URL, prefix=key_prefix(),
                                       seed=sync_to_async(metered_so_far))
         else:
             _backend = DatabaseAdmission(seed_sync=metered_so_far)

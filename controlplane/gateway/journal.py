@@ -109,12 +109,10 @@ return 0
 """
 
 
-def _prefix() -> str:
-    return settings.CACHES["default"].get("KEY_PREFIX", "vlmcp")
-
-
 def _keys() -> tuple[str, str]:
-    return f"{_prefix()}:inflight", f"{_prefix()}:inflight:beat"
+    from controlplane.redis_clients import key_prefix
+
+    return f"{key_prefix()}:inflight", f"{key_prefix()}:inflight:beat"
 
 
 def _finish_call(record: UsageRecord, journaled: bool, stale_beat: str = "") -> tuple[list, list]:
