@@ -106,7 +106,7 @@ def resolution_curves_chart(curves: dict[str, list[tuple[float, int]]], *, div_i
         figure.add_scatter(name=tier, x=[mp for mp, _ in points], y=[t for _, t in points], mode="lines+markers")
     figure.update_layout(
         title="Image tokens by source resolution (4:3 photo)", xaxis_title="source megapixels",
-        yaxis_title="image tokens", margin={"l": 60, "r": 20, "t": 50, "b": 50}, height=340,
+        yaxis_title="image tokens", margin=_MARGIN, height=340,
     )
     return _html(figure, div_id)
 
@@ -136,5 +136,4 @@ def engine_load_chart(samples) -> str:
         yaxis3={"overlaying": "y", "side": "right", "position": 0.97, "showgrid": False, "title": "TTFT s"},
         xaxis={"domain": [0, 0.9]},
     )
-    return pio.to_html(figure, include_plotlyjs=False, full_html=False, div_id="engine-load",
-                       config={"displaylogo": False})
+    return _html(figure, "engine-load")
