@@ -12,7 +12,6 @@ import base64
 import io
 from collections.abc import Callable
 from dataclasses import dataclass
-from decimal import Decimal
 
 from PIL import Image
 
@@ -90,10 +89,6 @@ def cap_summary(samples: list[Sample], specs: dict[int, RequestSpec], *, cap: in
         by_task.setdefault(meta["task_type"], []).append(result)
         answers.append([cap, meta["item"], meta["task_type"], sample.text[:300], result["exact_match"],
                         round(result["anls"], 4)])
-    per_image = None
-    if ok and rates is not None:
-        per_image = str((sum(stats.image_cost(s, rates) for s in ok) / sum(s.images for s in ok))
-                        .quantize(Decimal("0.000001")))
     return {
         "cap": cap,
         "requests": len(samples),
@@ -102,7 +97,7 @@ def cap_summary(samples: list[Sample], specs: dict[int, RequestSpec], *, cap: in
         "mean_output_tokens": round(sum(s.output_tokens for s in ok) / len(ok), 1) if ok else None,
         "ttft": stats.distribution([s.ttft for s in ok if s.ttft is not None]),
         "e2e": stats.distribution([s.e2e for s in ok if s.e2e is not None]),
-        "cost_per_image": per_image,
+        "cost_per_image": stats.cost_per_image(ok, rates) if rates is not None else None,
         "tasks": {task: {"items": len(results),
                          "exact_match": round(sum(r["exact_match"] for r in results) / len(results), 4),
                          "anls": round(sum(r["anls"] for r in results) / len(results), 4)}

@@ -121,18 +121,24 @@ def stage_summary(samples: list[Sample], *, duration_s: float, slo: Slo, rates: 
     return summary
 
 
-def cost_summary(ok: list[Sample], rates: Rates) -> dict:
+def cost_per_image(ok: list[Sample], rates: Rates) -> str | None:
+    """What an image cost on average (image tokens and fees), None without images."""
     with_images = [s for s in ok if s.images]
     images = sum(s.images for s in with_images)
+    if not images:
+        return None
+    return str((sum(image_cost(s, rates) for s in with_images) / images).quantize(Decimal("0.000001")))
+
+
+def cost_summary(ok: list[Sample], rates: Rates) -> dict:
     per_class = {}
     for klass in CLASSES:
         of_class = [s for s in ok if s.klass == klass]
         if of_class:
             per_class[klass] = str((sum(request_cost(s, rates) for s in of_class) / len(of_class))
                                    .quantize(Decimal("0.000001")))
-    per_image = (sum(image_cost(s, rates) for s in with_images) / images) if images else None
     return {
-        "per_image": str(per_image.quantize(Decimal("0.000001"))) if per_image is not None else None,
+        "per_image": cost_per_image(ok, rates),
         "per_request": per_class,
         "total": str(sum((request_cost(s, rates) for s in ok), Decimal("0"))),
     }
