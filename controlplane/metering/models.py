@@ -91,6 +91,10 @@ class UsageTotals(models.Model):
         abstract = True
 
 
+# The totals every rollup row carries, in this order.
+TOTALS = tuple(field.name for field in UsageTotals._meta.fields)
+
+
 class DailyUsage(UsageTotals):
     day = models.DateField()
     tenant = models.ForeignKey("tenants.Tenant", on_delete=models.CASCADE, related_name="daily_usage")

@@ -12,6 +12,7 @@ from django.utils import timezone
 
 from controlplane.catalog.models import ModelTier, PriceRate
 from controlplane.metering.models import (
+    TOTALS,
     DailyUsage,
     HourlyUsage,
     ImageCostHistogram,
@@ -218,10 +219,6 @@ def _usage_rows(record: UsageRecord, tier: ModelTier, rate_at) -> tuple[UsageEve
     return event, images
 
 
-_TOTALS = ("requests", "failed_requests", "images", "image_tokens", "cached_tokens", "cached_image_tokens",
-           "text_tokens", "output_tokens", "cost", "cache_savings")
-
-
 def rollup_daily(*, now: dt.datetime | None = None) -> int:
     """Recompute the daily totals of every day that received events since the last run, and
     that day's cost-per-image histogram.
@@ -279,7 +276,7 @@ def _rollup_period(model, field, period, length: dt.timedelta) -> None:
     model.objects.filter(**{field: period}).delete()
     model.objects.bulk_create(
         model(**{field: period}, tenant_id=row["tenant_id"], api_key_id=row["api_key_id"], tier_id=row["tier_id"],
-              **{k: row[k] or 0 for k in _TOTALS})
+              **{k: row[k] or 0 for k in TOTALS})
         for row in rows
     )
 

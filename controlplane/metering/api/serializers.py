@@ -1,10 +1,6 @@
 from rest_framework import serializers
 
-from controlplane.metering.models import DailyUsage, HourlyUsage, UsageEvent, UsageImage
-
-# What every rollup row (and the totals per tier) carries, in this order.
-TOTALS = ["requests", "failed_requests", "images", "image_tokens", "cached_tokens", "cached_image_tokens", "text_tokens",
-          "output_tokens", "cost", "cache_savings"]
+from controlplane.metering.models import TOTALS, DailyUsage, HourlyUsage, UsageEvent, UsageImage
 
 
 class UsageImageSerializer(serializers.ModelSerializer):

@@ -17,13 +17,12 @@ from controlplane.metering.api.filters import (
     UsagePagination,
 )
 from controlplane.metering.api.serializers import (
-    TOTALS,
     DailyUsageSerializer,
     HourlyUsageSerializer,
     TierUsageSerializer,
     UsageEventSerializer,
 )
-from controlplane.metering.models import DailyUsage, HourlyUsage, UsageEvent
+from controlplane.metering.models import TOTALS, DailyUsage, HourlyUsage, UsageEvent
 
 BAD_FILTER = OpenApiResponse(
     response=OpenApiTypes.OBJECT,
