@@ -8,7 +8,6 @@ against an engine alike.
 
 from __future__ import annotations
 
-import base64
 import io
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,7 +16,7 @@ from PIL import Image
 
 from controlplane.benchmarks import scoring, stats
 from controlplane.benchmarks.loadgen import Sample
-from controlplane.benchmarks.workload import IMAGE, RequestSpec
+from controlplane.benchmarks.workload import IMAGE, RequestSpec, data_url
 from controlplane.imaging.policy import fit_within
 from controlplane.metering.rating import Rates
 
@@ -61,8 +60,7 @@ def sweep_specs(items: list[Item], caps: list[int], *, max_tokens: int,
         specs = []
         for item in items:
             data, width, height, content_type = scaled(item, cap)
-            url = f"data:{content_type};base64," + base64.b64encode(data).decode()
-            content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": item.question}]
+            content = [{"type": "image_url", "image_url": {"url": data_url(data, content_type)}}, {"type": "text", "text": item.question}]
             specs.append(RequestSpec(
                 index=index, klass=IMAGE, images=1, image_pixels=width * height,
                 image_tokens=estimate_tokens(width, height), sizes=[(width, height)],

@@ -85,7 +85,7 @@ def synthetic_jpeg(width: int, height: int, variant: int) -> bytes:
     return buffer.getvalue()
 
 
-def _data_url(data: bytes, content_type: str) -> str:
+def data_url(data: bytes, content_type: str) -> str:
     return f"data:{content_type};base64," + base64.b64encode(data).decode()
 
 
@@ -133,8 +133,8 @@ class Workload:
     def _image(self, rng: random.Random) -> tuple[str, int, int]:
         if self.mix.uploads:
             upload = rng.choice(self.mix.uploads)
-            return _data_url(upload.data, upload.content_type), upload.width, upload.height
+            return data_url(upload.data, upload.content_type), upload.width, upload.height
         buckets: Sequence[Bucket] = self.mix.buckets
         bucket = rng.choices(buckets, weights=[b.weight for b in buckets])[0]
         data = synthetic_jpeg(bucket.width, bucket.height, rng.randrange(VARIANTS))
-        return _data_url(data, "image/jpeg"), bucket.width, bucket.height
+        return data_url(data, "image/jpeg"), bucket.width, bucket.height
