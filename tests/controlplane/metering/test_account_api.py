@@ -15,7 +15,7 @@ pytestmark = pytest.mark.django_db
 def _spend(world, tenant, request_id, image_tokens, status="ok"):
     return usage_record(record=UsageRecord(request_id=request_id, tenant_id=tenant.pk, api_key_id=None,
                                            tier_id=world.vision.pk, image_tokens=image_tokens, text_tokens=100,
-                                           output_tokens=50, status=status, instance_id=None if status != "ok" else None))
+                                           output_tokens=50, status=status))
 
 
 def _get(client, key, path, **params):
