@@ -59,15 +59,13 @@ def metering_rollup_daily() -> int:
 @shared_task(name="benchmarks.run", bind=True, soft_time_limit=3600, time_limit=3700)
 def benchmark_run(self, run_id: int | None = None, profile_id: int | None = None) -> None:
     """A run by id (started on demand), or a new run of a profile (its schedule's turn)."""
-    from controlplane.benchmarks.models import BenchmarkRun
     from controlplane.benchmarks.services import benchmark_execute, benchmark_start_scheduled
 
     if run_id is None:
-        run = benchmark_start_scheduled(profile_id=profile_id)
+        run = benchmark_start_scheduled(profile_id=profile_id, task_id=self.request.id or "")
         if run is None:
             return
         run_id = run.pk
-        BenchmarkRun.objects.filter(pk=run_id).update(task_id=self.request.id or "")
     benchmark_execute(run_id=run_id)
 
 

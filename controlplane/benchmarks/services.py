@@ -69,7 +69,7 @@ def benchmark_start(*, profile: BenchmarkProfile, label: str = "", user=None,
     return run
 
 
-def benchmark_start_scheduled(*, profile_id: int) -> BenchmarkRun | None:
+def benchmark_start_scheduled(*, profile_id: int, task_id: str = "") -> BenchmarkRun | None:
     """A schedule's turn: a run of the profile, unless one is still queued or running."""
     profile = BenchmarkProfile.objects.filter(pk=profile_id).first()
     if profile is None:
@@ -80,7 +80,7 @@ def benchmark_start_scheduled(*, profile_id: int) -> BenchmarkRun | None:
         return None
     return BenchmarkRun.objects.create(profile=profile, trigger=BenchmarkRun.Trigger.SCHEDULE,
                                        label=f"scheduled {timezone.now():%Y-%m-%d %H:%M}",
-                                       config=profile_config(profile))
+                                       config=profile_config(profile), task_id=task_id)
 
 
 def benchmark_cancel(*, run: BenchmarkRun) -> None:
