@@ -24,6 +24,7 @@ from controlplane.metering.services import (
     usage_record_many,
     usage_to_json,
 )
+from controlplane.redis_clients import key_prefix
 
 log = logging.getLogger(__name__)
 GROUP = "ingest"
@@ -32,7 +33,7 @@ MAX_DELIVERIES = 5
 
 
 def stream_key() -> str:
-    return f"{settings.CACHES['default'].get('KEY_PREFIX', 'vlmcp')}:usage"
+    return f"{key_prefix()}:usage"
 
 
 class RedisOutbox:
