@@ -7,7 +7,7 @@ its own keys in Redis, both on 127.0.0.1 like the test suite. The world: 20 tena
 three API keys each (a few events carry no key), two vision tiers and a text tier, on price
 plans that changed prices ten days ago.
 - ingest: usage records (about half of them with one to four images) are put on the Redis
-  usage stream with RedisOutbox.put, 32 at a time, as the gateway does; then `usage_ingest`
+  usage stream with the journal's finish, 32 at a time, as the gateway does; then `usage_ingest`
   is called until the stream is empty. Events/s for each step and both, compared in the same
   run with a naive path: one `usage_record` call per event, each its own transaction, no
   stream. Last, entries already stored are delivered again and ingested (stored once).
@@ -182,11 +182,10 @@ def usage_records(world: World, count: int, label: str) -> list:
 
 
 async def _put_all(records: list, concurrency: int = 32) -> None:
-    from controlplane.metering.outbox import RedisOutbox
+    from controlplane.gateway import journal
 
-    outbox = RedisOutbox(REDIS)
     for start in range(0, len(records), concurrency):
-        await asyncio.gather(*(outbox.put(r) for r in records[start:start + concurrency]))
+        await asyncio.gather(*(journal.finish(r) for r in records[start:start + concurrency]))
 
 
 def bench_ingest(world: World, count: int, naive_count: int) -> None:
@@ -214,7 +213,7 @@ def bench_ingest(world: World, count: int, naive_count: int) -> None:
     print(f"ingest: {count:,} events, {images:,} image rows ({images / count:.2f} per event); "
           f"{kept:,} events stored after {len(redelivered):,} were delivered again")
     print(f"  {'path':44} {'events':>8} {'seconds':>8} {'events/s':>9}")
-    for label, n, seconds in (("RedisOutbox.put (32 concurrent)", count, put_s),
+    for label, n, seconds in (("journal finish -> stream (32 concurrent)", count, put_s),
                               ("usage_ingest, stream -> PostgreSQL", stored, ingest_s),
                               ("put + ingest", count, put_s + ingest_s),
                               ("naive: usage_record per event, no stream", naive_count, naive_s),

@@ -1,11 +1,11 @@
-"""Where the gateway hands usage over, without a database write on the request path.
+"""The usage stream, from Redis into the database.
 
-With Redis, a record is appended to a stream before the response goes out (so a gateway
-that dies after the engine answered has already handed it over), and `usage_ingest` moves
-the stream into the database in batches, each stored with bulk inserts in one transaction.
-Storing is idempotent by request id, so an entry delivered twice (a consumer that crashed
-before acknowledging) is stored once. Without Redis (embedded mode) the record is written to
-the database directly.
+With Redis, the gateway appends each request's usage to a stream before the response goes
+out (controlplane/gateway/journal.py, in the same step that closes its journal entry and
+settles its quota), and `usage_ingest` moves the stream into the database in batches, each
+stored with bulk inserts in one transaction. Storing is idempotent by request id, so an entry
+delivered twice (a consumer that crashed before acknowledging) is stored once. Without Redis
+(embedded mode) the journal writes usage to the database directly.
 """
 
 from __future__ import annotations
@@ -14,15 +14,12 @@ import json
 import logging
 import socket
 
-from asgiref.sync import sync_to_async
 from django.conf import settings
 
 from controlplane.metering.services import (
-    UsageRecord,
     usage_from_json,
     usage_record,
     usage_record_many,
-    usage_to_json,
 )
 from controlplane.redis_clients import key_prefix
 
@@ -34,41 +31,6 @@ MAX_DELIVERIES = 5
 
 def stream_key() -> str:
     return f"{key_prefix()}:usage"
-
-
-class RedisOutbox:
-    def __init__(self, url: str):
-        self.url = url
-
-    def _client(self):
-        from controlplane.redis_clients import async_redis
-
-        return async_redis(self.url)
-
-    async def put(self, record: UsageRecord) -> None:
-        try:
-            await self._client().xadd(stream_key(), {"record": json.dumps(usage_to_json(record))})
-        except Exception:  # Redis unreachable: the database is slower, but nothing is lost
-            log.exception("usage stream unavailable; writing %s to the database", record.request_id)
-            await DatabaseOutbox().put(record)
-
-
-class DatabaseOutbox:
-    async def put(self, record: UsageRecord) -> None:
-        await sync_to_async(usage_record)(record=record)
-
-
-_outbox = None
-
-
-def outbox():
-    global _outbox
-    if _outbox is None:
-        if settings.USAGE_OUTBOX == "redis":
-            _outbox = RedisOutbox(settings.REDIS_URL)
-        else:
-            _outbox = DatabaseOutbox()
-    return _outbox
 
 
 def usage_ingest(*, batch: int = 500, max_batches: int = 20) -> int:
