@@ -251,16 +251,13 @@ class DatabaseAdmission:
 
 def metered_so_far(tenant_id: int, period: str, now: dt.datetime) -> tuple[int, int]:
     """Image and total tokens the tenant has used this period (starts a counter right)."""
-    from django.db.models import F, Q, Sum
+    from django.db.models import F, Sum
 
     from controlplane.metering.models import UsageEvent
+    from controlplane.metering.services import billed
 
-    # As settled: a failed request, or one left before an engine worked on it, counts nothing
-    # against the quota (see metering.services.is_billable).
-    unbilled = Q(status=UsageEvent.Status.ERROR) | Q(
-        status__in=(UsageEvent.Status.ABORTED, UsageEvent.Status.INTERRUPTED), instance__isnull=True)
-    totals = UsageEvent.objects.filter(tenant_id=tenant_id, created_at__gte=period_start(period, now)).exclude(
-        unbilled).aggregate(
+    # As settled: only billed requests count against the quota.
+    totals = UsageEvent.objects.filter(billed(), tenant_id=tenant_id, created_at__gte=period_start(period, now)).aggregate(
         image=Sum("image_tokens"), total=Sum(F("image_tokens") + F("text_tokens") + F("output_tokens")))
     return int(totals["image"] or 0), int(totals["total"] or 0)
 

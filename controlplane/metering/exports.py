@@ -17,13 +17,14 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from decimal import Decimal
 
-from django.db.models import F, Q, QuerySet, Sum
+from django.db.models import F, QuerySet, Sum
 from django.db.models.functions import TruncMonth
 from django.http import StreamingHttpResponse
 
 from controlplane.catalog.models import PriceRate
-from controlplane.metering.models import DailyUsage, UsageEvent, UsageImage
+from controlplane.metering.models import DailyUsage, UsageImage
 from controlplane.metering.rating import Rates, Usage, price
+from controlplane.metering.services import billed
 from controlplane.metering.statements import month_bounds
 
 IMAGE_COLUMNS = ["tenant", "request_id", "time", "tier", "source_width", "source_height", "sent_width",
@@ -46,7 +47,7 @@ class ExportError(ValueError):
 
 # -- the per-image cost report ------------------------------------------------------------
 
-class _ImagePrices:
+class ImagePrices:
     """An image's price at the rate in effect for its plan at a moment, without a query per
     row. Prices are kept per rate, token count and cache hit: few distinct values recur."""
 
@@ -70,15 +71,11 @@ class _ImagePrices:
 
 
 # The requests that were billed (services.is_billable): completed, or worked on by an engine.
-_BILLED = Q(event__status=UsageEvent.Status.OK) | Q(
-    event__status__in=[UsageEvent.Status.ABORTED, UsageEvent.Status.INTERRUPTED], event__instance__isnull=False)
-
-
 def per_image_rows(*, since: dt.datetime, until: dt.datetime, tenants) -> Iterator[list]:
     """One row per image sent to an engine: what it was, what it became, what it cost (None
     when no price was in effect)."""
-    prices = _ImagePrices()
-    images = (UsageImage.objects.filter(_BILLED, event__created_at__gte=since, event__created_at__lt=until,
+    prices = ImagePrices()
+    images = (UsageImage.objects.filter(billed("event__"), event__created_at__gte=since, event__created_at__lt=until,
                                         event__tenant__in=tenants)
               .order_by("event__created_at", "event_id", "position")
               .values_list("event__tenant__name", "event__request_id", "event__created_at", "event__tier__name",

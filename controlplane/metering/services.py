@@ -93,7 +93,16 @@ def is_billable(record: UsageRecord) -> bool:
     """Completed work is billed, and so is work an engine did for a client that left; a request
     refused or failed before an engine worked on it is not. Work interrupted by a gateway crash
     is billed as far as its journal knew."""
-    return record.status == "ok" or (record.status in ("aborted", "interrupted") and record.instance_id is not None)
+    return record.status == "ok" or (record.status in _CUT_SHORT and record.instance_id is not None)
+
+
+_CUT_SHORT = ("aborted", "interrupted")  # billed only if an engine worked on them
+
+
+def billed(path: str = "") -> Q:
+    """is_billable as a filter on usage events; `path` reaches them from another model
+    ("event__" from their images)."""
+    return Q(**{f"{path}status": "ok"}) | Q(**{f"{path}status__in": _CUT_SHORT, f"{path}instance__isnull": False})
 
 
 def usage_record(*, record: UsageRecord) -> UsageEvent:
@@ -289,17 +298,17 @@ def _image_costs_rewrite(day: dt.date) -> None:
     Images are counted in SQL by (tenant, tier, plan, tokens, cached), and each such group is
     priced once, so the run reads no image row into Python however many there are.
     """
-    from controlplane.metering.exports import _BILLED, _ImagePrices
+    from controlplane.metering.exports import ImagePrices
 
     start = dt.datetime.combine(day, dt.time.min, tzinfo=dt.UTC)
     end = start + dt.timedelta(days=1)
     # A price change during the day splits it, so that each piece has one rate per plan.
     changes = PriceRate.objects.filter(effective_from__gt=start, effective_from__lt=end).values_list(
         "effective_from", flat=True)
-    prices, bins = _ImagePrices(), {}
+    prices, bins = ImagePrices(), {}
     for since, until in itertools.pairwise([start, *sorted(set(changes)), end]):
         groups = (
-            UsageImage.objects.filter(_BILLED, event__created_at__gte=since, event__created_at__lt=until)
+            UsageImage.objects.filter(billed("event__"), event__created_at__gte=since, event__created_at__lt=until)
             .values("event__tenant_id", "event__tier_id", "event__tier__price_plan_id", "tokens", "cached")
             .annotate(count=Count("id"))
             .order_by()
