@@ -70,7 +70,6 @@ class ImagePrices:
         return None
 
 
-# The requests that were billed (services.is_billable): completed, or worked on by an engine.
 def per_image_rows(*, since: dt.datetime, until: dt.datetime, tenants) -> Iterator[list]:
     """One row per image sent to an engine: what it was, what it became, what it cost (None
     when no price was in effect)."""
