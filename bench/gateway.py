@@ -31,6 +31,8 @@ from pathlib import Path
 
 import httpx
 
+from bench.proc import status_kb
+
 ROOT = Path(__file__).resolve().parent.parent
 PG = "postgres://postgres@127.0.0.1:5432"
 REDIS = "redis://127.0.0.1:6379/13"
@@ -176,12 +178,6 @@ class Gateway:
         shutil.rmtree(self.env["VAR_DIR"], ignore_errors=True)
 
 
-def peak_rss_mb(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as status:
-        line = next(line for line in status if line.startswith("VmHWM:"))
-    return int(line.split()[1]) / 1024
-
-
 def start_litellm(upstream_port: int) -> tuple[subprocess.Popen, int, str]:
     port = free_port()
     folder = Path(tempfile.mkdtemp(prefix="bench-litellm-"))
@@ -285,7 +281,7 @@ def main() -> None:
             print(f"{payload}: normalise alone {1000 * alone:.1f} ms, base64 intake + normalise "
                   f"{1000 * with_intake:.1f} ms (image sent as {sent / 1024:.0f} KB of base64)")
         for name, process in (("gateway", gateway.process), ("gw-nokeep", gateway.untuned)):
-            print(f"{name} peak resident memory: {peak_rss_mb(process.pid):.0f} MB")
+            print(f"{name} peak resident memory: {status_kb('VmHWM', process.pid) / 1024:.0f} MB")
     finally:
         if litellm is not None:
             litellm.terminate()

@@ -24,6 +24,7 @@ import time
 
 from PIL import Image, ImageDraw, ImageFilter
 
+from bench.proc import status_kb
 from controlplane.imaging.fingerprint import perceptual_bits
 from controlplane.imaging.policy import Policy, fit_within, normalise
 
@@ -81,14 +82,6 @@ def hf(data: bytes) -> object:
 PIPELINES = {"ours": ours, "naive": naive, "hf": hf}
 
 
-def _status_kb(field: str) -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise KeyError(field)
-
-
 def _run(name: str, data: bytes, seconds: float, queue) -> None:
     import pillow_heif
 
@@ -101,13 +94,13 @@ def _run(name: str, data: bytes, seconds: float, queue) -> None:
         return
     with open("/proc/self/clear_refs", "w") as refs:
         refs.write("5")
-    baseline = _status_kb("VmRSS")
+    baseline = status_kb("VmRSS")
     count, started = 0, time.perf_counter()
     while time.perf_counter() - started < seconds:
         fn(data)
         count += 1
     elapsed = time.perf_counter() - started
-    queue.put((count / elapsed, (_status_kb("VmHWM") - baseline) / 1024))
+    queue.put((count / elapsed, (status_kb("VmHWM") - baseline) / 1024))
 
 
 def measure(name: str, data: bytes, seconds: float) -> tuple[float | None, float | str]:

@@ -41,6 +41,8 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.proc import status_kb
+
 ROOT = Path(__file__).resolve().parent.parent
 PG = "postgres://postgres@127.0.0.1:5432"
 REDIS = "redis://127.0.0.1:6379/12"
@@ -349,14 +351,6 @@ def export_window(rows: int):
     return since, timezone.now() + dt.timedelta(days=1)
 
 
-def _status_kb(field: str) -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise KeyError(field)
-
-
 def _streamed(since, until, tenants) -> tuple[int, int]:
     from controlplane.metering.exports import IMAGE_COLUMNS, csv_lines, per_image_rows
 
@@ -430,11 +424,11 @@ def _export_child(name: str, since: str, until: str, queue) -> None:
     fn(until, until, tenants)  # imports and a connection first
     with open("/proc/self/clear_refs", "w") as refs:
         refs.write("5")
-    baseline = _status_kb("VmRSS")
+    baseline = status_kb("VmRSS")
     started = time.perf_counter()
     rows, size = fn(since, until, tenants)
     elapsed = time.perf_counter() - started
-    queue.put((rows, size, elapsed, (_status_kb("VmHWM") - baseline) / 1024))
+    queue.put((rows, size, elapsed, (status_kb("VmHWM") - baseline) / 1024))
 
 
 def bench_export(rows: int) -> None:
