@@ -57,6 +57,27 @@ def mode(request, settings, monkeypatch):
         client.delete(key)
 
 
+def _forwarded(record, engine) -> journal.Flight:
+    """A request journaled and taken by `engine`, as the gateway does before sending it."""
+    async def forward():
+        flight = await journal.open_flight(record)
+        await journal.engine_chosen(flight, engine.pk)
+        return flight
+
+    return async_to_sync(forward)()
+
+
+@pytest.fixture
+def own_keys(settings):
+    """Journal keys of this test's own in Redis, removed afterwards."""
+    prefix = f"j-{uuid.uuid4().hex}"
+    settings.CACHES = {"default": {**django_settings.CACHES["default"], "KEY_PREFIX": prefix}}
+    yield
+    client = redis.Redis.from_url(settings.REDIS_URL)
+    for key in client.scan_iter(f"{prefix}:*"):
+        client.delete(key)
+
+
 def _reserve(tenant_id, limits, ask):
     return async_to_sync(admission.backend().reserve)(tenant_id, limits, ask, timezone.now())
 
@@ -100,15 +121,10 @@ ASK = Ask(image_tokens=110, total_tokens=900, large=True)  # prompt 130 + a max_
 def test_a_request_whose_gateway_died_is_recorded_once_as_interrupted(world, mode, engine):
     reservation = _reserve(world.alice.pk, LIMITS, ASK)
 
-    @async_to_sync
-    async def gateway_dies_mid_stream():
-        flight = await journal.open_flight(_record(world, "req-orphan", reservation))
-        await journal.engine_chosen(flight, engine.pk)
-        flight.produced = 7
-        await journal.journal().beat([flight])  # its last heartbeat: 7 tokens streamed
-        journal._live.clear()  # the process is gone: nothing of it runs any more
-
-    gateway_dies_mid_stream()
+    flight = _forwarded(_record(world, "req-orphan", reservation), engine)
+    flight.produced = 7
+    async_to_sync(journal.journal().beat)([flight])  # its last heartbeat: 7 tokens streamed
+    journal._live.clear()  # the process is gone: nothing of it runs any more
     assert journal.journal_reap() == 0  # its heartbeat is fresh: it may still be alive
     with pytest.raises(Refused):  # meanwhile the reservation holds the quota and the large slot
         _reserve(world.alice.pk, LIMITS, Ask(0, 200, True))
@@ -129,15 +145,10 @@ def test_a_request_whose_gateway_died_is_recorded_once_as_interrupted(world, mod
 def test_a_finished_request_leaves_nothing_for_the_reaper(world, mode, engine):
     reservation = _reserve(world.alice.pk, LIMITS, ASK)
 
-    @async_to_sync
-    async def normal_request():
-        record = _record(world, "req-done", reservation)
-        flight = await journal.open_flight(record)
-        await journal.engine_chosen(flight, engine.pk)
-        record.output_tokens = 50
-        await journal.finish(record)
-
-    normal_request()
+    record = _record(world, "req-done", reservation)
+    _forwarded(record, engine)
+    record.output_tokens = 50
+    async_to_sync(journal.finish)(record)
     assert _reap(time.time() + 3600) == 0
     [event] = _stored(mode)
     assert (event.status, event.output_tokens) == ("ok", 50)
@@ -150,10 +161,7 @@ def test_a_gateway_that_finishes_after_being_reaped_does_not_count_twice(world, 
     reservation = _reserve(world.alice.pk, LIMITS, ASK)
     record = _record(world, "req-slow", reservation)
 
-    async def open_it():
-        await journal.engine_chosen(await journal.open_flight(record), engine.pk)
-
-    async_to_sync(open_it)()
+    _forwarded(record, engine)
     assert _reap(time.time() + 3600) == 1  # taken for dead (a frozen process)
     record.output_tokens = 500
     async_to_sync(journal.finish)(record)  # then it woke up and finished
@@ -187,18 +195,10 @@ def test_the_heartbeat_setting_must_leave_room_for_a_missed_beat(monkeypatch):
 
 
 @pytest.mark.django_db(transaction=True)
-def test_the_reaper_leaves_an_entry_whose_heartbeat_came_back_meanwhile(world, engine, settings):
+def test_the_reaper_leaves_an_entry_whose_heartbeat_came_back_meanwhile(world, engine, settings, own_keys):
     """A gateway frozen past the limit that beats again just as the reaper looks is alive."""
     settings.USAGE_OUTBOX = "redis"
-    settings.CACHES = {"default": {**django_settings.CACHES["default"], "KEY_PREFIX": f"j-{uuid.uuid4().hex}"}}
-    record = _record(world, "req-back", None)
-
-    async def open_and_beat():
-        flight = await journal.open_flight(record)
-        await journal.engine_chosen(flight, engine.pk)
-        return flight
-
-    flight = async_to_sync(open_and_beat)()
+    flight = _forwarded(_record(world, "req-back", None), engine)
     client = redis.Redis.from_url(settings.REDIS_URL)
     inflight, beats = journal._keys()
     judged_stale = client.hget(beats, "req-back").decode()
@@ -209,21 +209,15 @@ def test_the_reaper_leaves_an_entry_whose_heartbeat_came_back_meanwhile(world, e
     assert client.eval(journal._FINISH, len(keys), *keys, *args) == 0
     assert client.hexists(inflight, "req-back")  # left to its gateway
     journal._live.clear()
-    for key in (inflight, beats):
-        client.delete(key)
 
 
 @pytest.mark.django_db(transaction=True)
 def test_an_entry_that_cannot_be_recorded_does_not_stop_the_reaper(world, engine, settings):
     settings.USAGE_OUTBOX = "database"
 
-    async def two_dead_gateways():
-        for request_id in ("req-broken", "req-fine"):
-            flight = await journal.open_flight(_record(world, request_id, None))
-            await journal.engine_chosen(flight, engine.pk)
-        journal._live.clear()
-
-    async_to_sync(two_dead_gateways)()
+    for request_id in ("req-broken", "req-fine"):  # two dead gateways' requests
+        _forwarded(_record(world, request_id, None), engine)
+    journal._live.clear()
     broken = InFlightRequest.objects.get(request_id="req-broken")
     broken.record = {**broken.record, "tier_id": 999_999}  # its tier is gone: it cannot be stored
     broken.save()
@@ -234,20 +228,13 @@ def test_an_entry_that_cannot_be_recorded_does_not_stop_the_reaper(world, engine
 
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.parametrize("usage", ["redis", "database"])
-def test_a_live_gateway_whose_beats_look_stale_is_not_reaped(world, engine, settings, usage):
+def test_a_live_gateway_whose_beats_look_stale_is_not_reaped(world, engine, settings, own_keys, usage):
     """After an outage of the journal longer than the limit (or with a gateway clock far
     behind), every beat looks stale; a gateway that is alive beats again before the reaper's
     second look."""
     settings.USAGE_OUTBOX = usage
-    settings.CACHES = {"default": {**django_settings.CACHES["default"], "KEY_PREFIX": f"j-{uuid.uuid4().hex}"}}
     record = _record(world, "req-alive", None)
-
-    async def open_it():
-        flight = await journal.open_flight(record)
-        await journal.engine_chosen(flight, engine.pk)
-        return flight
-
-    flight = async_to_sync(open_it)()
+    flight = _forwarded(record, engine)
     first_look = time.time() + 3600  # its beat is an hour old by then
     assert journal.journal_reap(now=first_look) == 0
     async_to_sync(journal.journal().beat)([flight])  # Redis is back: the gateway beats (its clock an hour behind)
@@ -261,6 +248,3 @@ def test_a_live_gateway_whose_beats_look_stale_is_not_reaped(world, engine, sett
     async_to_sync(journal.finish)(record)  # and it finishes its request itself
     [event] = _stored("redis" if usage == "redis" else "embedded")
     assert (event.status, event.output_tokens) == ("ok", 40)
-    client = redis.Redis.from_url(settings.REDIS_URL)
-    for key in client.scan_iter(f"{settings.CACHES['default']['KEY_PREFIX']}:*"):
-        client.delete(key)

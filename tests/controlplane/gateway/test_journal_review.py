@@ -17,6 +17,7 @@ from tests.controlplane.gateway.test_journal import (  # noqa: F401 - fixtures
     ASK,
     LIMITS,
     _assert_room,
+    _forwarded,
     _reap,
     _record,
     _reserve,
@@ -63,10 +64,7 @@ def test_a_request_finished_while_the_journal_was_unreachable_is_settled_once(wo
     reservation = _reserve(world.alice.pk, LIMITS, ASK)
     record = _record(world, "req-outage", reservation)
 
-    async def open_it():
-        await journal.engine_chosen(await journal.open_flight(record), engine.pk)
-
-    async_to_sync(open_it)()
+    _forwarded(record, engine)
     record.output_tokens = 50
     reachable = settings.REDIS_URL
     settings.REDIS_URL = "redis://127.0.0.1:1/0"  # the journal's Redis does not answer the finish...
