@@ -7,9 +7,6 @@ import asyncio
 
 import pytest
 
-from controlplane.textcount import prompt_text_tokens
-from tests.images import data_url, image_bytes
-from workers.engines.simulator.engine import EngineRequestError, SimulatedEngine
 from workers.engines.simulator.metrics import Metrics
 from workers.engines.simulator.scheduler import CostModel, Faults, Scheduler, SchedulerConfig
 from workers.engines.simulator.sequence import ImageSpan, Sequence
@@ -244,78 +241,3 @@ def test_hang_stops_stepping_and_slow_stretches_each_step():
 
     _run(scheduler, [hung], hang_then_slow)
     assert clock.now == pytest.approx(4 * (OVERHEAD + 10 * PREFILL + OVERHEAD + DECODE))
-
-
-# -- the engine's front half: layout, validation and faults --------------------------------------
-
-def _engine(**kw):
-    return SimulatedEngine(served_model_name="vlm", family="qwen2_5_vl",
-                           mm_processor_kwargs={"max_pixels": 1003520}, max_num_seqs=4,
-                           max_model_len=32768, images_per_prompt=2, cost=COST, **kw)
-
-
-def _image(color):
-    return {"type": "image_url", "image_url": {"url": data_url(image_bytes(640, 480, color=color))}}
-
-
-def test_the_prompt_layout_places_images_and_adds_up_to_the_prompt_tokens():
-    messages = [{"role": "system", "content": "Describe."},
-                {"role": "user", "content": [{"type": "text", "text": "one"}, _image((1, 2, 3)),
-                                             {"type": "text", "text": "two"}, _image((4, 5, 6))]}]
-    prompt = _engine().plan({"messages": messages})
-    starts = [at for at, _ in prompt.spans]
-    image_tokens = [image.tokens for _, image in prompt.spans]
-    assert prompt.tokens == prompt_text_tokens(messages) + sum(image_tokens)
-    assert starts[1] == starts[0] + image_tokens[0] + 1  # "two" is one token
-    assert prompt.prefixes[-1][1] + 3 == prompt.tokens  # the reply primer closes the prompt
-
-
-def test_prefix_keys_depend_on_the_messages_images_and_cache_salt():
-    engine = _engine()
-    messages = [{"role": "user", "content": [_image((7, 7, 7))]}, {"role": "user", "content": "x"}]
-    keys = lambda **body: [k for k, _ in engine.plan({"messages": messages, **body}).prefixes]  # noqa: E731
-    assert keys() == keys()
-    assert keys(cache_salt="tenant-a")[0] != keys()[0] != keys(cache_salt="tenant-b")[0]
-    other = [{"role": "user", "content": [_image((8, 8, 8))]}, messages[1]]
-    assert engine.plan({"messages": other}).prefixes[0][0] != keys()[0]
-
-
-def test_the_reply_is_deterministic():
-    engine = _engine()
-    body = {"messages": [{"role": "user", "content": "same words"}]}
-    assert engine.reply_tokens(body, [], 100) == engine.reply_tokens(body, [], 100)
-
-
-@pytest.mark.parametrize("body, message", [
-    ({"priority": 1}, "priority scheduling is not enabled"),
-    ({"priority": "high"}, "priority must be an integer"),
-    ({"cache_salt": 5}, "cache_salt"),
-    ({"messages": ["not an object"]}, "object"),
-])
-def test_invalid_scheduling_fields_are_refused(body, message):
-    with pytest.raises(EngineRequestError, match=message):
-        _engine().plan({"messages": [{"role": "user", "content": "hi"}], **body})
-
-
-def test_priority_is_taken_under_the_priority_policy():
-    engine = _engine(scheduling_policy="priority")
-    assert engine.plan({"messages": [{"role": "user", "content": "hi"}], "priority": -3}).priority == -3
-
-
-def test_max_model_len_shrinks_to_the_kv_cache():
-    assert _engine(kv_cache_tokens=1000).max_model_len == 992
-
-
-@pytest.mark.parametrize("mode, factor, rate", [
-    ("explode", None, None), ("slow", 0, None), ("slow", -1, None), ("error_rate", None, 1.5),
-    ("slow", "fast", None), ("slow", float("nan"), None),
-])
-def test_invalid_faults_are_refused(mode, factor, rate):
-    with pytest.raises(EngineRequestError):
-        _engine().set_fault(mode, factor, rate)
-
-
-def test_a_fault_is_set_and_cleared():
-    engine = _engine()
-    assert engine.set_fault("slow", 3).factor == 3.0 and engine.faults.mode == "slow"
-    assert engine.set_fault("none").mode == "none"
