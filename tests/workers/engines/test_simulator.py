@@ -242,6 +242,15 @@ def test_invalid_requests_are_a_400(engine, payload, message):
     assert message in response.json()["error"]["message"]
 
 
+def test_a_refused_option_is_a_400_naming_its_parameter_as_vllm_does(engine):
+    response = engine.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "hi"}], "stream_options": {"include_usage": True}})
+    assert response.status_code == 400
+    assert response.json() == {"error": {
+        "message": "Stream options can only be defined when `stream=True`. (parameter=stream_options)",
+        "type": "BadRequestError", "param": "stream_options", "code": 400}}
+
+
 def test_unknown_path_is_a_404(engine):
     assert engine.get("/v1/embeddings").status_code == 404
 

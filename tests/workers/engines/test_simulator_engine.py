@@ -9,6 +9,9 @@ from workers.engines.simulator.scheduler import CostModel
 
 COST = CostModel(prefill_us_per_token=100, encode_us_per_image_token=50, decode_ms_per_token=1,
                  step_overhead_ms=10)
+HI = [{"role": "user", "content": "hi"}]
+TOOLS = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
+
 
 def _engine(**kw):
     return SimulatedEngine(served_model_name="vlm", family="qwen2_5_vl",
@@ -81,3 +84,52 @@ def test_a_fault_is_set_and_cleared():
     engine = _engine()
     assert engine.set_fault("slow", 3).factor == 3.0 and engine.faults.mode == "slow"
     assert engine.set_fault("none").mode == "none"
+
+
+def _refusal(engine, **body):
+    with pytest.raises(EngineRequestError) as refused:
+        engine.plan({"messages": HI, **body})
+    return str(refused.value), refused.value.parameter
+
+
+@pytest.mark.parametrize("body, message, parameter", [
+    ({"stream_options": {"include_usage": True}},
+     "Stream options can only be defined when `stream=True`. (parameter=stream_options)", "stream_options"),
+    ({"stream": False, "stream_options": {"include_usage": False}},
+     "Stream options can only be defined when `stream=True`. (parameter=stream_options)", "stream_options"),
+    ({"top_logprobs": 2},
+     "when using `top_logprobs`, `logprobs` must be set to true. (parameter=top_logprobs)", "top_logprobs"),
+    ({"top_logprobs": 2, "logprobs": False},
+     "when using `top_logprobs`, `logprobs` must be set to true. (parameter=top_logprobs)", "top_logprobs"),
+])
+def test_it_refuses_the_options_vllm_refuses_naming_the_parameter(body, message, parameter):
+    assert _refusal(_engine(), **body) == (message, parameter)
+
+
+@pytest.mark.parametrize("body", [
+    {"stream": True, "stream_options": {"include_usage": True}},
+    {"logprobs": True, "top_logprobs": 2},
+    {"top_logprobs": 0},
+    {"tools": TOOLS, "tool_choice": "none"},
+])
+def test_it_takes_the_same_options_where_vllm_takes_them(body):
+    assert _engine().plan({"messages": HI, **body}).tokens == prompt_text_tokens(HI)
+
+
+@pytest.mark.parametrize("body", [{"tools": TOOLS}, {"tools": TOOLS, "tool_choice": "auto"}])
+def test_it_refuses_auto_tool_choice_unless_launched_with_a_tool_parser(body):
+    message = '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
+    assert _refusal(_engine(), **body) == (message, None)
+    assert _engine(auto_tool_choice=True).plan({"messages": HI, **body}).tokens > 0
+
+
+def test_it_refuses_an_image_over_vllm_max_image_pixels_before_counting_its_tokens():
+    # 6000x20 is past Qwen-VL's aspect ratio limit: counting its tokens would fail otherwise.
+    wide = [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": data_url(image_bytes(6000, 20))}}]}]
+    message, parameter = _refusal(_engine(max_image_pixels=119_999), messages=wide)
+    assert message == ("Image dimensions 6000x20 (120000 pixels) exceed the maximum of 119999 pixels. "
+                       "Set VLLM_MAX_IMAGE_PIXELS to increase this limit.")
+    assert parameter is None
+    at_the_limit = _engine(max_image_pixels=640 * 480)
+    assert at_the_limit.plan({"messages": [{"role": "user", "content": [_image((9, 9, 9))]}]}).spans

@@ -36,6 +36,8 @@ def parse_args(argv=None):
     parser.add_argument("--allowed-media-domains", nargs="*")
     parser.add_argument("--enable-prefix-caching", action="store_true")
     parser.add_argument("--enable-prompt-tokens-details", action="store_true")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true")
+    parser.add_argument("--tool-call-parser")
     # The cost model and capacity (see scheduler.py for what a real GPU has).
     parser.add_argument("--sim-prefill-us-per-token", type=float, default=CostModel.prefill_us_per_token)
     parser.add_argument("--sim-encode-us-per-image-token", type=float,
@@ -52,18 +54,27 @@ def parse_args(argv=None):
                         help="slow: every step takes this many times longer")
     parser.add_argument("--sim-fault-rate", type=float, default=Faults.rate,
                         help="error_rate: the fraction of chat requests answered 500")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.enable_auto_tool_choice and not args.tool_call_parser:  # vLLM refuses to start too
+        parser.error("--enable-auto-tool-choice requires --tool-call-parser")
+    return args
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    if args.sim_fault == "crash":
-        print("simulator: crashing at start (--sim-fault crash)", file=sys.stderr, flush=True)
-        os._exit(CRASH_EXIT_CODE)
+def _max_image_pixels(environ) -> int | None:
+    """VLLM_MAX_IMAGE_PIXELS as vLLM reads it (0 or less: no limit); unset: no limit here."""
+    value = environ.get("VLLM_MAX_IMAGE_PIXELS", "")
+    try:
+        limit = int(value) if value else 0
+    except ValueError:
+        sys.exit(f"simulator: VLLM_MAX_IMAGE_PIXELS must be an integer, not {value!r}")
+    return limit if limit > 0 else None
+
+
+def engine_from_args(args, environ) -> SimulatedEngine:
     limit = args.limit_mm_per_prompt
     images = None if not limit else int(limit["image"]["count"] if isinstance(limit["image"], dict)
                                          else limit["image"])
-    engine = SimulatedEngine(
+    return SimulatedEngine(
         served_model_name=args.served_model_name or args.model,
         family=args.family,
         mm_processor_kwargs=args.mm_processor_kwargs or {},
@@ -76,7 +87,17 @@ def main(argv=None):
         kv_cache_tokens=args.sim_kv_cache_tokens,
         scheduling_policy=args.scheduling_policy,
         enable_prefix_caching=args.enable_prefix_caching,
+        auto_tool_choice=args.enable_auto_tool_choice,
+        max_image_pixels=_max_image_pixels(environ),
     )
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.sim_fault == "crash":
+        print("simulator: crashing at start (--sim-fault crash)", file=sys.stderr, flush=True)
+        os._exit(CRASH_EXIT_CODE)
+    engine = engine_from_args(args, os.environ)
     try:
         engine.set_fault(args.sim_fault, args.sim_fault_factor, args.sim_fault_rate)
     except EngineRequestError as exc:

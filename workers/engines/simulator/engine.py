@@ -33,15 +33,12 @@ from workers.engines.simulator.scheduler import (
     SchedulerConfig,
 )
 from workers.engines.simulator.sequence import BLOCK_SIZE, ImageSpan, Sequence
+from workers.engines.simulator.validation import EngineRequestError, check_options
 
 __all__ = ["CostModel", "EngineDead", "EngineRequestError", "Faults", "SimulatedEngine"]
 
 _WORDS = ("the", "a", "of", "and", "is", "in", "on", "with", "blue", "red", "one", "two",
           "left", "top", "text", "line", "bar", "shows", "near", "edge", "sky", "tree", "cat")
-
-
-class EngineRequestError(ValueError):
-    pass
 
 
 class EngineDead(RuntimeError):
@@ -92,11 +89,14 @@ class SimulatedEngine:
                  cost: CostModel, encoder_cache_items: int = 256,
                  max_num_batched_tokens: int = 8192, kv_cache_tokens: int = 65536,
                  scheduling_policy: str = "fcfs", enable_prefix_caching: bool = False,
+                 auto_tool_choice: bool = False, max_image_pixels: int | None = None,
                  faults: Faults | None = None, clock=time.monotonic, sleep=asyncio.sleep):
         self.name = served_model_name
         self.family = family
         self.mm_kwargs = mm_processor_kwargs
         self.images_per_prompt = images_per_prompt
+        self.auto_tool_choice = auto_tool_choice
+        self.max_image_pixels = max_image_pixels  # VLLM_MAX_IMAGE_PIXELS; None: no limit
         self.cost = cost
         self.metrics = Metrics(served_model_name)
         config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, kv_cache_tokens,
@@ -133,6 +133,12 @@ class SimulatedEngine:
                 width, height = image.size
         except (binascii.Error, ValueError, UnidentifiedImageError, OSError) as exc:
             raise EngineRequestError(f"cannot decode image: {exc}") from None
+        # vLLM checks the size as it opens the image, before its processor (and so before
+        # any token count) sees it.
+        if self.max_image_pixels and width * height > self.max_image_pixels:
+            raise EngineRequestError(
+                f"Image dimensions {width}x{height} ({width * height} pixels) exceed the maximum of "
+                f"{self.max_image_pixels} pixels. Set VLLM_MAX_IMAGE_PIXELS to increase this limit.")
         tokens = count_image_tokens(self.family, width, height, **self.mm_kwargs)
         return ImageInput(width, height, tokens, hashlib.blake2b(data, digest_size=16).hexdigest())
 
@@ -170,6 +176,7 @@ class SimulatedEngine:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise EngineRequestError("messages must be a non-empty list")
+        check_options(body, auto_tool_choice=self.auto_tool_choice)
         salt = body.get("cache_salt")
         if salt is not None and (not isinstance(salt, str) or not salt):
             raise EngineRequestError("cache_salt must be a non-empty string")

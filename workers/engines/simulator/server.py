@@ -50,8 +50,12 @@ def _json(data) -> bytes:
     return json.dumps(data, separators=(",", ":")).encode()
 
 
-def _error(message: str, status: int = 400, kind: str = "BadRequestError") -> bytes:
-    return _json({"error": {"message": message, "type": kind, "param": None, "code": status}})
+def _error(message: str, status: int = 400, kind: str = "BadRequestError", param: str | None = None) -> bytes:
+    return _json({"error": {"message": message, "type": kind, "param": param, "code": status}})
+
+
+def _refusal(exc: ValueError) -> bytes:
+    return _error(str(exc), param=getattr(exc, "parameter", None))
 
 
 def _usage(completion, completion_tokens: int) -> dict:
@@ -113,8 +117,8 @@ class App:
                 self.engine.set_fault(body.get("mode"), body.get("factor"), body.get("rate"))
             except ConnectionError:
                 return
-            except (ValueError, EngineRequestError) as exc:
-                return await _send(send, 400, _error(str(exc)))
+            except ValueError as exc:  # EngineRequestError included
+                return await _send(send, 400, _refusal(exc))
         faults = self.engine.faults
         await _send(send, 200, _json({"mode": faults.mode, "factor": faults.factor,
                                       "rate": faults.rate}))
@@ -129,8 +133,8 @@ class App:
             prompt = self.engine.plan(body)
         except ConnectionError:
             return
-        except (ValueError, EngineRequestError) as exc:
-            return await _send(send, 400, _error(str(exc)))
+        except ValueError as exc:  # EngineRequestError included
+            return await _send(send, 400, _refusal(exc))
         faults = self.engine.faults
         if faults.mode == "error_rate" and self.random.random() < faults.rate:
             return await _send(send, 500, _error("simulated engine error (fault injection)", 500,
