@@ -52,7 +52,6 @@ def test_the_reply_is_deterministic():
 
 
 @pytest.mark.parametrize("body, message", [
-    ({"priority": 1}, "priority scheduling is not enabled"),
     ({"priority": "high"}, "priority must be an integer"),
     ({"cache_salt": 5}, "cache_salt"),
     ({"messages": ["not an object"]}, "object"),
@@ -65,6 +64,10 @@ def test_invalid_scheduling_fields_are_refused(body, message):
 def test_priority_is_taken_under_the_priority_policy():
     engine = _engine(scheduling_policy="priority")
     assert engine.plan({"messages": [{"role": "user", "content": "hi"}], "priority": -3}).priority == -3
+
+
+def test_it_accepts_and_ignores_priority_under_fcfs_as_vllm_0_32_does():
+    assert _engine().plan({"messages": HI, "priority": 5}).priority == 0
 
 
 def test_max_model_len_shrinks_to_the_kv_cache():

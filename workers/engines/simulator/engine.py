@@ -183,9 +183,8 @@ class SimulatedEngine:
         priority = body.get("priority") or 0
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise EngineRequestError("priority must be an integer")
-        if priority and self.scheduler.config.policy != "priority":
-            raise EngineRequestError(
-                f"Got priority {priority} but priority scheduling is not enabled.")
+        if self.scheduler.config.policy != "priority":
+            priority = 0  # vLLM 0.32 takes a priority under fcfs and ignores it
         spans, prefixes = self._layout(messages, salt)
         images = [image for _, image in spans]
         if images and self.images_per_prompt is None:
