@@ -10,7 +10,7 @@ else
 endif
 TEST_WORKERS ?= 2
 
-.PHONY: run test install install-dev lint migrate seed bench clean
+.PHONY: run test install install-dev browser engine-cpu lint migrate seed bench clean
 
 $(STAMP_DIR)/.installed-run: pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv .venv
@@ -32,7 +32,21 @@ run: install
 	$(PY) manage.py seed_demo
 	$(PY) manage.py runlocal
 
-test: install-dev
+# Browser tests drive Debian's chromium through Playwright (Playwright's own browser download
+# cannot work offline). As root it is installed when missing; otherwise say what to do.
+browser:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing Debian's chromium for the browser tests"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
+	  else echo "the browser tests need chromium: sudo apt-get install chromium" >&2; exit 1; fi; }
+
+# vLLM's CPU build in an engine environment of its own, outside the project's (reused
+# between runs; a few minutes the first time). The real-engine tests run it.
+engine-cpu: install
+	@$(PY) -m workers.engines.cpu.install >/dev/null
+
+test: install-dev browser engine-cpu
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 lint: install-dev

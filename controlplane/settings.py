@@ -8,6 +8,7 @@ Redis, which is what several machines share.
 from __future__ import annotations
 
 import socket
+import sys
 from datetime import timedelta
 from pathlib import Path
 
@@ -204,6 +205,9 @@ CELERY_BEAT_SCHEDULE = {
 NODE_NAME = env_str("NODE_NAME", socket.gethostname())
 NODE_ADDRESS = env_str("NODE_ADDRESS", "127.0.0.1")
 NODE_GPUS = env_str("NODE_GPUS", "")  # e.g. "0:A100-80GB:81920,1:A100-80GB:81920"
+# The Python of the environment vLLM is installed in (`python -m workers.engines.cpu.install`
+# prints one for vLLM's CPU build); by default this process's own.
+VLLM_PYTHON = env_str("VLLM_PYTHON", sys.executable)
 ENGINE_PORT_BASE = env_int("ENGINE_PORT_BASE", 8100, minimum=1024)
 ENGINE_LOG_DIR = Path(env_str("ENGINE_LOG_DIR", str(VAR_DIR / "engines")))
 ENGINE_HEALTH_TIMEOUT = float(env_int("ENGINE_HEALTH_TIMEOUT_MS", 2000, minimum=1)) / 1000

@@ -156,6 +156,11 @@ class ModelTier(models.Model):
     def __str__(self):
         return self.name
 
+    @property
+    def runs_on_cpu(self) -> bool:
+        """A vLLM tier with `device: cpu` runs vLLM's CPU build, on a node without GPUs."""
+        return self.engine_kind == self.EngineKind.VLLM and (self.engine_settings or {}).get("device") == "cpu"
+
     def clean(self):
         if self.kind == self.Kind.VISION and self.resolution_policy_id is None:
             raise ValidationError("a vision tier needs a resolution policy")

@@ -14,7 +14,8 @@ class Node(models.Model):
     name = models.CharField(max_length=128, unique=True)
     address = models.CharField(max_length=255, default="127.0.0.1", help_text="Where engines are reached")
     queue = models.CharField(max_length=160, unique=True)
-    vllm_version = models.CharField(max_length=64, blank=True)
+    vllm_version = models.CharField(max_length=64, blank=True, help_text="'+cpu' for vLLM's CPU build")
+    transformers_version = models.CharField(max_length=64, blank=True)
     registered_at = models.DateTimeField(default=timezone.now)
     last_seen_at = models.DateTimeField(null=True, blank=True)
 

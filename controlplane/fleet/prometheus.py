@@ -41,13 +41,18 @@ def render() -> str:
     for name, (help_text, attribute) in per_instance.items():
         out += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge"]
         out += [_line(name, {"instance": i.pk, "tier": i.tier.name}, getattr(i, attribute)) for i in instances]
-    requests, image_tokens = counters.snapshot()
+    requests, image_tokens, disagreements = counters.snapshot()
     out += ["# HELP vlmcp_gateway_requests_total Requests this gateway process answered.",
             "# TYPE vlmcp_gateway_requests_total counter"]
     out += [_line("vlmcp_gateway_requests_total", {"tier": t, "status": s}, n) for (t, s), n in sorted(requests.items())]
     out += ["# HELP vlmcp_gateway_image_tokens_total Image tokens this gateway process sent to engines.",
             "# TYPE vlmcp_gateway_image_tokens_total counter"]
     out += [_line("vlmcp_gateway_image_tokens_total", {"tier": t}, n) for t, n in sorted(image_tokens.items())]
+    out += ["# HELP vlmcp_gateway_image_token_disagreements_total Answers whose engine counted other "
+            "image tokens than the gateway.",
+            "# TYPE vlmcp_gateway_image_token_disagreements_total counter"]
+    out += [_line("vlmcp_gateway_image_token_disagreements_total", {"tier": t}, n)
+            for t, n in sorted(disagreements.items())]
     out += ["# HELP vlmcp_usage_image_tokens_today Image tokens metered today (UTC), from the rollups.",
             "# TYPE vlmcp_usage_image_tokens_today gauge"]
     today = DailyUsage.objects.filter(day=timezone.now().date()).values("tier__name").annotate(

@@ -26,11 +26,12 @@ def instance_transition(*, instance: EngineInstance, to_state: str, reason: str,
                                    reason=reason[:512])
 
 
-def node_register(*, name: str, address: str, gpus: list[dict], vllm_version: str = "") -> Node:
+def node_register(*, name: str, address: str, gpus: list[dict], vllm_version: str = "",
+                  transformers_version: str = "") -> Node:
     node, _ = Node.objects.update_or_create(
         name=name,
         defaults={"address": address, "queue": Node.queue_for(name), "vllm_version": vllm_version,
-                  "last_seen_at": timezone.now()},
+                  "transformers_version": transformers_version, "last_seen_at": timezone.now()},
     )
     seen = set()
     for gpu in gpus:
@@ -117,7 +118,9 @@ def instances_place(now=None) -> int:
     )
     for instance in pending:
         need = instance.tier.gpus_per_replica
-        if instance.tier.engine_kind == ModelTier.EngineKind.VLLM:
+        if instance.tier.runs_on_cpu:
+            need = 0  # vLLM's CPU build: host memory and cores, no GPU
+        elif instance.tier.engine_kind == ModelTier.EngineKind.VLLM:
             need = max(need, int((instance.tier.engine_settings or {}).get("tensor_parallel_size", 1)))
         for node in sorted(nodes, key=lambda n: load.get(n.pk, 0)):
             free = [g for g in node.gpus.all() if g.pk not in busy]

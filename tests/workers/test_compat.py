@@ -57,3 +57,26 @@ def test_every_family_we_count_tokens_for_has_a_vllm_architecture():
 
     assert set(FAMILIES) <= set(compat.ARCHITECTURES)
     assert ModelTier.EngineKind.EXTERNAL == "external"
+
+
+@pytest.mark.parametrize("installed, device, refused", [
+    ("0.32.0+cpu", "cpu", None),
+    ("0.32.0+cpu", "gpu", "cannot serve a GPU tier"),
+    ("0.33.0", "cpu", "has a GPU build of vLLM"),
+    ("", "cpu", "workers.engines.cpu.install"),
+])
+def test_a_cpu_tier_needs_vllms_cpu_build_and_a_gpu_tier_the_gpu_build(world, installed, device, refused):
+    reason = compat.launch_refusal(_vllm_tier(world, device=device), Node(name="n", vllm_version=installed))
+    assert (reason is None) if refused is None else (refused in reason)
+
+
+def test_a_cpu_tier_is_placed_on_a_node_without_gpus(world):
+    from controlplane.fleet.services import instances_place
+
+    tier = _vllm_tier(world, device="cpu")
+    node = Node.objects.create(name="cpu-a", queue="node.cpu-a", vllm_version="0.32.0+cpu",
+                               last_seen_at=timezone.now())
+    instance = EngineInstance.objects.create(tier=tier)
+    assert instances_place() == 1
+    instance.refresh_from_db()
+    assert instance.node == node and not instance.gpus.exists()

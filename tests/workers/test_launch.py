@@ -47,9 +47,10 @@ def flag_value(argv, flag):
     return argv[argv.index(flag) + 1]
 
 
-def test_vllm_command_starts_with_vllm_serve_and_the_model():
-    argv, _ = build_command(vision_spec())
-    assert argv[:3] == ["vllm", "serve", "Qwen/Qwen2.5-VL-7B-Instruct"]
+def test_vllm_command_runs_vllm_serve_with_the_model():
+    argv, _ = build_command(vision_spec(vllm_python="/engines/vllm/bin/python"))
+    assert argv[:5] == ["/engines/vllm/bin/python", "-m", "vllm.entrypoints.cli.main", "serve",
+                        "Qwen/Qwen2.5-VL-7B-Instruct"]
 
 
 def test_vllm_command_names_port_and_parallelism():
@@ -67,7 +68,8 @@ def test_vllm_command_names_port_and_parallelism():
 
 def test_vllm_command_limits_images_and_sets_the_processor_pixels():
     argv, _ = build_command(vision_spec())
-    assert json.loads(flag_value(argv, "--limit-mm-per-prompt")) == {"image": 4}
+    # No video: vLLM would otherwise reserve encoder budget for one the gateway never sends.
+    assert json.loads(flag_value(argv, "--limit-mm-per-prompt")) == {"image": 4, "video": 0}
     assert json.loads(flag_value(argv, "--mm-processor-kwargs")) == {
         "min_pixels": 3136, "max_pixels": 1003520}
     assert flag_value(argv, "--mm-processor-cache-gb") == "4"
@@ -177,7 +179,7 @@ def test_simulator_accepts_every_flag_build_command_emits(monkeypatch):
     assert args.served_model_name == "vlm-flagship"
     assert (args.host, args.port) == ("127.0.0.1", 8101)
     assert (args.max_model_len, args.max_num_seqs, args.max_num_batched_tokens) == (32768, 16, 8192)
-    assert args.limit_mm_per_prompt == {"image": 4}
+    assert args.limit_mm_per_prompt == {"image": 4, "video": 0}
     assert args.mm_processor_kwargs == {"min_pixels": 3136, "max_pixels": 1003520}
     assert args.allowed_media_domains == ["a.example", "b.example"]
     assert args.api_key == "engine-secret"

@@ -51,18 +51,23 @@ DOCUMENTED = {
     "--allowed-media-domains": _hosts,
     "--enable-prompt-tokens-details": None,
     "--dtype": lambda v: v in (["auto"], ["half"], ["float16"], ["bfloat16"], ["float"], ["float32"]),
+    "--enable-auto-tool-choice": None,
+    "--tool-call-parser": lambda v: len(v) == 1,
 }
 # Environment variables vLLM reads (vllm/envs.py).
 ENVIRONMENT = {"VLLM_MEDIA_URL_ALLOW_REDIRECTS": ("0", "1"), "VLLM_API_KEY": None,
-               "VLLM_MAX_IMAGE_PIXELS": None, "CUDA_VISIBLE_DEVICES": None}
+               "VLLM_MAX_IMAGE_PIXELS": None, "CUDA_VISIBLE_DEVICES": None,
+               # the CPU build's
+               "VLLM_TARGET_DEVICE": ("cpu",), "VLLM_CPU_KVCACHE_SPACE": None,
+               "VLLM_CPU_OMP_THREADS_BIND": None, "VLLM_CPU_NUM_OF_RESERVED_CPU": None}
 
 
 def check(argv: list[str], env: dict[str, str]) -> list[str]:
     """Problems with a `vllm serve` command line, flag by flag (empty when it is right)."""
     problems = []
-    if argv[:2] != ["vllm", "serve"] or len(argv) < 3 or argv[2].startswith("-"):
-        problems.append("must start with: vllm serve MODEL")
-    index = 3
+    if argv[1:4] != ["-m", "vllm.entrypoints.cli.main", "serve"] or len(argv) < 5 or argv[4].startswith("-"):
+        problems.append("must start with: PYTHON -m vllm.entrypoints.cli.main serve MODEL")
+    index = 5
     while index < len(argv):
         flag = argv[index]
         values = []

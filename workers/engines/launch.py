@@ -1,5 +1,6 @@
 """The command line and environment that start an engine. One builder serves both kinds:
-`vllm serve` on GPU hosts and the simulator where there is no GPU, with the same flags."""
+`vllm serve` (on GPUs, or vLLM's CPU build on nodes without them) and the simulator, with the
+same flags."""
 
 from __future__ import annotations
 
@@ -23,6 +24,15 @@ class LaunchSpec:
     max_input_pixels: int | None = None
     allowed_media_domains: tuple[str, ...] = ()
     api_key: str | None = None
+    # The Python of the environment vLLM is installed in (the node agent's VLLM_PYTHON).
+    vllm_python: str = sys.executable
+    # The node's transformers release, which decides the form of the processor's pixel bounds.
+    transformers_version: str = ""
+
+    @property
+    def device(self) -> str:
+        """"cpu" for a tier that runs on vLLM's CPU build, else "gpu"."""
+        return (self.settings or {}).get("device") or "gpu"
 
 
 # engine setting -> vLLM flag, for plain valued settings
@@ -37,21 +47,49 @@ _VALUED = {
     "scheduling_policy": "--scheduling-policy",
     "dtype": "--dtype",
 }
+# CPU engines: engine setting -> vLLM environment variable (vllm/envs.py). The KV cache is
+# sized in GiB of host memory instead of as a fraction of GPU memory.
+_CPU_ENVIRONMENT = {
+    "cpu_kvcache_space_gb": "VLLM_CPU_KVCACHE_SPACE",
+    "cpu_threads_bind": "VLLM_CPU_OMP_THREADS_BIND",  # "auto", "all", or core ids like "0-15"
+    "cpu_reserved_cores": "VLLM_CPU_NUM_OF_RESERVED_CPU",
+}
+CPU_KVCACHE_DEFAULT_GB = 4
 # simulator-only cost parameters, passed as --sim-* flags
 _SIMULATOR = ("prefill_us_per_token", "decode_ms_per_token", "encode_us_per_image_token", "step_overhead_ms",
               "kv_cache_tokens")
 
 
+def _major(version: str) -> int:
+    head = version.strip().split(".")[0]
+    return int(head) if head.isdigit() else 0
+
+
+def processor_flags(processor_kwargs: dict, transformers_version: str) -> dict:
+    """Qwen-VL pixel bounds in the form the node's transformers takes. transformers 5
+    deprecates min_pixels/max_pixels (removal announced) for size {shortest_edge,
+    longest_edge}, which bounds the area identically; releases before 5 take the pair."""
+    if _major(transformers_version) < 5 or not {"min_pixels", "max_pixels"} <= processor_kwargs.keys():
+        return processor_kwargs
+    rest = {k: v for k, v in processor_kwargs.items() if k not in ("min_pixels", "max_pixels")}
+    return {**rest, "size": {"shortest_edge": processor_kwargs["min_pixels"],
+                             "longest_edge": processor_kwargs["max_pixels"]}}
+
+
 def build_command(spec: LaunchSpec) -> tuple[list[str], dict[str, str]]:
     settings = spec.settings or {}
+    cpu = spec.engine_kind == "vllm" and spec.device == "cpu"
     if spec.engine_kind == "vllm":
-        argv = ["vllm", "serve", spec.model_id]
+        # The module behind the `vllm` command, run by the engine environment's Python.
+        argv = [spec.vllm_python, "-m", "vllm.entrypoints.cli.main", "serve", spec.model_id]
     elif spec.engine_kind == "simulator":
         argv = [sys.executable, "-m", "workers.engines.simulator", spec.model_id, "--family", spec.family]
     else:
         raise ValueError(f"engine kind {spec.engine_kind!r} cannot be launched")
     argv += ["--served-model-name", spec.served_model_name, "--host", spec.host, "--port", str(spec.port)]
-    if spec.engine_kind == "vllm" and settings.get("gpu_memory_utilization") is None:
+    if cpu:
+        settings = {k: v for k, v in settings.items() if k != "gpu_memory_utilization"}
+    elif spec.engine_kind == "vllm" and settings.get("gpu_memory_utilization") is None:
         # Always explicit: vLLM's own default moved from 0.9 to 0.92 in 0.20.
         settings = {**settings, "gpu_memory_utilization": 0.9}
     for key, flag in _VALUED.items():
@@ -60,15 +98,22 @@ def build_command(spec: LaunchSpec) -> tuple[list[str], dict[str, str]]:
     if settings.get("enable_prefix_caching", True):
         argv.append("--enable-prefix-caching")
     if spec.images_per_prompt is not None:
-        argv += ["--limit-mm-per-prompt", json.dumps({"image": spec.images_per_prompt})]
+        # "video": 0 as well: otherwise vLLM sizes its encoder budget for a maximal video,
+        # which the gateway never sends (8,960 tokens against 2,048 for four images).
+        argv += ["--limit-mm-per-prompt", json.dumps({"image": spec.images_per_prompt, "video": 0})]
         if spec.processor_kwargs:  # only options the family's processor takes
-            argv += ["--mm-processor-kwargs", json.dumps(spec.processor_kwargs)]
+            kwargs = processor_flags(spec.processor_kwargs, spec.transformers_version) \
+                if spec.engine_kind == "vllm" else spec.processor_kwargs
+            argv += ["--mm-processor-kwargs", json.dumps(kwargs)]
         # The gateway fetches image URLs itself and sends data URLs, so the engine need fetch
         # nothing. vLLM matches exact host names only (no wildcards) and has no "none"
         # value: a reserved .invalid name switches its fetching off.
         exact = [d for d in spec.allowed_media_domains if "*" not in d]
         argv += ["--allowed-media-domains", *(exact or ["no-engine-fetching.invalid"])]
     argv.append("--enable-prompt-tokens-details")
+    if settings.get("tool_call_parser"):
+        # Without both, vLLM answers every request that carries tools with a 400.
+        argv += ["--enable-auto-tool-choice", "--tool-call-parser", str(settings["tool_call_parser"])]
     if spec.engine_kind == "simulator":
         for key in _SIMULATOR:
             if settings.get(key) is not None:
@@ -77,6 +122,13 @@ def build_command(spec: LaunchSpec) -> tuple[list[str], dict[str, str]]:
         "CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in spec.gpu_indices),
         "VLLM_MEDIA_URL_ALLOW_REDIRECTS": "0",
     }
+    if cpu:
+        env["VLLM_TARGET_DEVICE"] = "cpu"
+        cpu_settings = {"cpu_kvcache_space_gb": CPU_KVCACHE_DEFAULT_GB, "cpu_threads_bind": "auto",
+                        **{k: v for k, v in settings.items() if v is not None}}
+        for key, variable in _CPU_ENVIRONMENT.items():
+            if cpu_settings.get(key) is not None:
+                env[variable] = str(cpu_settings[key])
     if spec.max_input_pixels:
         env["VLLM_MAX_IMAGE_PIXELS"] = str(spec.max_input_pixels)
     if spec.api_key:

@@ -13,8 +13,8 @@ from workers.supervision.engine import (
 )
 from workers.supervision.external import external_check, external_reconcile
 from workers.supervision.node import (
+    detect_engine_packages,
     detect_gpus,
-    detect_vllm_version,
     node_reconcile,
     node_stop_all,
     stop_orphans,
@@ -22,7 +22,7 @@ from workers.supervision.node import (
 )
 
 __all__ = [
-    "deployment_id", "detect_gpus", "detect_vllm_version", "engine_check", "engine_launch", "engine_marker",
+    "deployment_id", "detect_gpus", "detect_engine_packages", "engine_check", "engine_launch", "engine_marker",
     "engine_stop", "external_check", "external_reconcile", "launch_spec", "node_reconcile", "node_stop_all",
     "restart_delay", "stop_orphans", "this_node",
 ]

@@ -42,7 +42,17 @@ def launch_refusal(tier, node) -> str | None:
     if tier.engine_kind != "vllm":
         return None
     if not node.vllm_version:
+        if tier.runs_on_cpu:
+            return (f"vLLM is not installed on node {node.name}: install its CPU build with "
+                    "`python -m workers.engines.cpu.install` and give the agent VLLM_PYTHON")
         return f"vLLM is not installed on node {node.name} (pip install 'vlm-serving-controlplane[vllm]')"
+    cpu_build = "+cpu" in node.vllm_version
+    if tier.runs_on_cpu and not cpu_build:
+        return (f"the tier runs on CPU (device: cpu) but node {node.name} has a GPU build of vLLM "
+                f"({node.vllm_version}); install vLLM's CPU build there")
+    if not tier.runs_on_cpu and cpu_build:
+        return (f"node {node.name} has vLLM's CPU build ({node.vllm_version}), which cannot serve "
+                "a GPU tier; set device: cpu on the tier or install vLLM's GPU build")
     try:
         installed = version_tuple(node.vllm_version)
     except ValueError:

@@ -72,6 +72,8 @@ def launch_spec(instance: EngineInstance, port: int) -> LaunchSpec:
         max_input_pixels=policy.max_input_pixels if vision else None,
         allowed_media_domains=tuple(engine.get("allowed_media_domains", ())),
         api_key=instance.api_key,
+        vllm_python=settings.VLLM_PYTHON,
+        transformers_version=instance.node.transformers_version if instance.node else "",
     )
 
 

