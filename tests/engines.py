@@ -1,12 +1,17 @@
-"""A real simulator engine process for tests that need an upstream."""
+"""Engines for tests that need an upstream: a real simulator process, or a raw socket server
+standing in for an engine that misbehaves in ways the simulator never does."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import json
 import subprocess
 import sys
 
 import httpx
+from asgiref.sync import async_to_sync, sync_to_async
+from django.utils import timezone
 
 from tests.system.harness import ROOT, free_port, wait_for
 
@@ -27,3 +32,45 @@ def simulator(*, family="qwen2_5_vl", name="vlm-lite", images=4, max_pixels=1003
     finally:
         process.terminate()
         process.wait(timeout=10)
+
+
+async def read_request(reader) -> None:
+    """Read one HTTP request (head and body) off `reader`."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += await reader.read(65536)
+    head, _, rest = data.partition(b"\r\n\r\n")
+    length = int(next(line for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")).split(b":")[1])
+    while len(rest) < length:
+        rest += await reader.read(65536)
+
+
+def with_raw_engine(world, handler, request_body):
+    """Send `request_body` twice through the gateway to `handler`, alice's key, the vision tier."""
+    from controlplane.fleet.models import EngineInstance, Node
+    from controlplane.gateway import handlers
+    from controlplane.gateway.http import Request
+
+    @async_to_sync
+    async def run():
+        server = await asyncio.start_server(handler, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+
+        def register():
+            node = Node.objects.create(name="flaky", address="127.0.0.1", queue="node.flaky", last_seen_at=timezone.now())
+            EngineInstance.objects.create(tier=world.vision, node=node, port=port, actual_state="running",
+                                          healthy=True, last_health_at=timezone.now())
+
+        await sync_to_async(register)()
+        request = Request("POST", {"authorization": f"Bearer {world.alice_key}"}, json.dumps(request_body).encode())
+        results = []
+        for _ in range(2):
+            response = await handlers.chat_completions(request)
+            text = b"".join([c async for c in response.stream]) if response.stream else response.body
+            if response.on_close:
+                await response.on_close()
+            results.append((response.status, text))
+        server.close()
+        return results
+
+    return run()

@@ -8,15 +8,18 @@ from collections import Counter
 _lock = threading.Lock()
 requests: Counter = Counter()  # (tier, status) -> requests answered
 image_tokens: Counter = Counter()  # tier -> image tokens sent to engines
+disagreements: Counter = Counter()  # tier -> answers whose engine image count differed
 
 
-def count(*, tier: str, status: str, images: int = 0) -> None:
+def count(*, tier: str, status: str, images: int = 0, disagree: bool = False) -> None:
     with _lock:
         requests[(tier, status)] += 1
         if images:
             image_tokens[tier] += images
+        if disagree:
+            disagreements[tier] += 1
 
 
-def snapshot() -> tuple[dict, dict]:
+def snapshot() -> tuple[dict, dict, dict]:
     with _lock:
-        return dict(requests), dict(image_tokens)
+        return dict(requests), dict(image_tokens), dict(disagreements)

@@ -25,6 +25,7 @@ from controlplane.gateway.prepare import (
     prepare,
     validate_body,
 )
+from controlplane.imaging.tokens import engine_image_tokens
 from controlplane.metering.services import UsageRecord
 
 log = logging.getLogger(__name__)
@@ -274,7 +275,7 @@ async def _attempts(request_id, tier, prepared, flight, candidates, payload, sta
                 handed_over = True
                 if slot is not None:
                     slot.handed_over = True
-                return _stream(request_id, flight, prepared, response, instance, started, slot)
+                return _stream(request_id, tier.family, flight, prepared, response, instance, started, slot)
             try:
                 content = await response.aread()
             except httpx.TransportError as exc:
@@ -282,7 +283,7 @@ async def _attempts(request_id, tier, prepared, flight, candidates, payload, sta
                 return await _engine_failed(record, started)
             finally:
                 await response.aclose()
-            return await _finish_plain(request_id, record, prepared, response.status_code, content, started)
+            return await _finish_plain(request_id, tier, record, prepared, response.status_code, content, started)
         except asyncio.CancelledError:
             # The client went away before the engine answered: the engine still did work.
             record.status, record.http_status = "aborted", 499
@@ -306,13 +307,22 @@ async def _engine_failed(record: UsageRecord, started: float) -> Response:
 
 
 def _usage_details(usage: dict, prepared: Prepared) -> dict:
+    """The usage a client sees. `image_tokens` is the gateway's count: every prompt position
+    the images take (features and the markers around each image), what they are billed for.
+    vLLM's own `multimodal_tokens` (the placeholders alone) is passed through beside it."""
     details = dict(usage.get("prompt_tokens_details") or {})
     details.setdefault("cached_tokens", 0)
     details["image_tokens"] = prepared.image_tokens
     return {**usage, "prompt_tokens_details": details}
 
 
-def _apply_usage(record: UsageRecord, usage: dict | None, prepared: Prepared) -> None:
+def _engine_image_tokens(usage: dict) -> int | None:
+    counts = (usage.get("prompt_tokens_details") or {}).get("multimodal_tokens")
+    value = counts.get("image") if isinstance(counts, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
+def _apply_usage(record: UsageRecord, usage: dict | None, prepared: Prepared, family: str) -> None:
     if not usage:
         return
     prompt = int(usage.get("prompt_tokens") or 0)
@@ -323,9 +333,17 @@ def _apply_usage(record: UsageRecord, usage: dict | None, prepared: Prepared) ->
     # was served from that cache when all of it lies inside the prefix.
     record.images = [(p.image, p.tokens, p.position + p.tokens <= record.cached_tokens) for p in prepared.images]
     record.cached_image_tokens = sum(tokens for _, tokens, cached in record.images if cached)
+    record.engine_image_tokens = _engine_image_tokens(usage)
+    expected = [engine_image_tokens(family, p.tokens) for p in prepared.images]
+    if prepared.images and None not in expected:
+        # An engine that reports no image count for a request with images disagrees as well.
+        record.image_tokens_disagree = record.engine_image_tokens != sum(expected)
+        if record.image_tokens_disagree:
+            log.warning("engine counted %s image tokens for %s where the gateway expects %s",
+                        record.engine_image_tokens, record.request_id, sum(expected))
 
 
-async def _finish_plain(request_id, record, prepared, status, content, started):
+async def _finish_plain(request_id, tier, record, prepared, status, content, started):
     try:
         data = orjson.loads(content)
     except ValueError:
@@ -338,7 +356,7 @@ async def _finish_plain(request_id, record, prepared, status, content, started):
             message = f"the engine refused the request: {data['error'].get('message', '')}"
         http = status if 400 <= status < 500 else 502
         return error_response(http, message, code="upstream_error", request_id=request_id)
-    _apply_usage(record, data.get("usage"), prepared)
+    _apply_usage(record, data.get("usage"), prepared, tier.family)
     if data.get("usage"):
         data["usage"] = _usage_details(data["usage"], prepared)
     data["id"] = data.get("id") or request_id
@@ -346,7 +364,7 @@ async def _finish_plain(request_id, record, prepared, status, content, started):
     return json_response(data, headers={"x-request-id": request_id})
 
 
-def _stream(request_id, flight, prepared, response, instance, started, slot=None):
+def _stream(request_id, tier_family, flight, prepared, response, instance, started, slot=None):
     record = flight.record
     client_wants_usage = bool((prepared.body.get("stream_options") or {}).get("include_usage"))
     progress = {"finished": False, "closed": False}
@@ -383,7 +401,7 @@ def _stream(request_id, flight, prepared, response, instance, started, slot=None
                 except ValueError:
                     continue
                 if chunk.get("usage"):
-                    _apply_usage(record, chunk["usage"], prepared)
+                    _apply_usage(record, chunk["usage"], prepared, tier_family)
                     chunk["usage"] = _usage_details(chunk["usage"], prepared)
                     if not chunk.get("choices") and not client_wants_usage:
                         continue
@@ -420,7 +438,7 @@ async def _record(record: UsageRecord, started: float) -> None:
     record.recorded = True
     record.latency_ms = int((time.monotonic() - started) * 1000)
     counters.count(tier=_tier_names.get(record.tier_id, str(record.tier_id)), status=record.status,
-                   images=record.image_tokens)
+                   images=record.image_tokens, disagree=record.image_tokens_disagree)
     # A client leaving now cancels this task: the hand-over runs in a task of its own that
     # cancellation cannot interrupt halfway.
     await asyncio.shield(_in_background(_hand_over(record)))

@@ -44,6 +44,7 @@ class TierSpec:
     require_moderation: bool = False  # images go through the moderation endpoint first
     large_image_concurrency: int = 2  # per gateway process, when the tier has no large-image pool
     fetch_policy: FetchPolicy | None = None  # None: image URLs are refused
+    tool_calls: bool = False  # the engine runs with a tool-call parser (engine setting tool_call_parser)
 
 
 @dataclass
@@ -167,6 +168,12 @@ async def prepare(body: dict, tier: TierSpec, *, max_image_bytes: int) -> Prepar
     if parts and tier.kind != "vision":
         raise RequestInvalid(f"model {tier.name} does not accept images", param="messages",
                              code="images_not_supported")
+    if body.get("tools") and body.get("tool_choice", "auto") not in (None, "none") and not tier.tool_calls:
+        # vLLM refuses these with a 400 unless it runs with a tool-call parser: say so here,
+        # before the images are prepared and the quota is reserved.
+        raise RequestInvalid(f"model {tier.name} does not support tool calls (its engine runs "
+                             "without a tool-call parser); send no tools, or tool_choice 'none'",
+                             param="tools", code="tools_not_supported")
     limit = body.pop("max_completion_tokens", None) or body.get("max_tokens")
     if limit is not None and limit > tier.max_output_tokens:
         raise RequestInvalid(

@@ -154,6 +154,7 @@ def _load_tiers() -> dict[str, TierSpec]:
             large_image_concurrency=max(1, int(engine.get("large_image_concurrency", 2))),
             price_plan_id=tier.price_plan_id,
             fetch_policy=fetch,
+            tool_calls=bool(engine.get("tool_call_parser")),
         )
     return specs
 

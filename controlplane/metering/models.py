@@ -36,6 +36,13 @@ class UsageEvent(models.Model):
     cached_tokens = models.PositiveIntegerField(default=0)
     # Image tokens of whole images inside the prefix the engine reused (priced at a discount).
     cached_image_tokens = models.PositiveIntegerField(default=0)
+    # The engine's own count (vLLM's prompt_tokens_details.multimodal_tokens.image: the image
+    # placeholders, without the markers around each image that image_tokens includes). Null
+    # when the engine reported none.
+    engine_image_tokens = models.PositiveIntegerField(null=True, blank=True)
+    # The engine's count is not what the gateway's count implies: billed at the gateway's
+    # count (what admission reserved), flagged here and counted on the tier for review.
+    image_tokens_disagree = models.BooleanField(default=False)
     text_tokens = models.PositiveIntegerField(default=0)
     output_tokens = models.PositiveIntegerField(default=0)
     cost = models.DecimalField(max_digits=14, decimal_places=6, default=Decimal("0"))

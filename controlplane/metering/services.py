@@ -41,6 +41,10 @@ class UsageRecord:
     output_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens the engine reused from its prefix cache
     cached_image_tokens: int = 0  # of which image tokens (whole images inside the cached prefix)
+    # The engine's own count of image tokens (vLLM's multimodal_tokens.image), None when it
+    # reported none; and whether it disagrees with the gateway's image_tokens.
+    engine_image_tokens: int | None = None
+    image_tokens_disagree: bool = False
     instance_id: int | None = None
     status: str = "ok"
     http_status: int = 200
@@ -52,7 +56,9 @@ class UsageRecord:
 
 _SCALARS = ("request_id", "tenant_id", "api_key_id", "tier_id", "stream", "image_tokens", "text_tokens",
             "output_tokens", "cached_tokens", "cached_image_tokens", "instance_id", "status", "http_status",
-            "latency_ms")
+            "latency_ms", "engine_image_tokens", "image_tokens_disagree")
+# Fields newer than some records already in flight (streams and journals outlive a deploy).
+_SCALAR_DEFAULTS = {"engine_image_tokens": None, "image_tokens_disagree": False}
 _IMAGE_FIELDS = ("source_format", "source_width", "source_height", "width", "height", "fingerprint")
 
 
@@ -78,7 +84,8 @@ def usage_to_json(record: UsageRecord) -> dict:
 
 
 def usage_from_json(data: dict) -> UsageRecord:
-    record = UsageRecord(**{name: data[name] for name in _SCALARS})
+    record = UsageRecord(**{name: data[name] if name not in _SCALAR_DEFAULTS else
+                            data.get(name, _SCALAR_DEFAULTS[name]) for name in _SCALARS})
     record.created_at = dt.datetime.fromisoformat(data["created_at"])
     record.images = [(ImageLine(**image), tokens, cached) for image, tokens, cached in data["images"]]
     return record
@@ -204,6 +211,8 @@ def _usage_rows(record: UsageRecord, tier: ModelTier, rate_at) -> tuple[UsageEve
         image_tokens=record.image_tokens,
         cached_tokens=record.cached_tokens,
         cached_image_tokens=cached_image,
+        engine_image_tokens=record.engine_image_tokens,
+        image_tokens_disagree=record.image_tokens_disagree,
         text_tokens=record.text_tokens,
         output_tokens=record.output_tokens,
         cost=cost,

@@ -18,6 +18,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 
+from controlplane.imaging.tokens import qwen
 from controlplane.imaging.tokens.gemma3 import gemma3, gemma3_num_crops
 from controlplane.imaging.tokens.idefics3 import idefics3, idefics3_grid
 from controlplane.imaging.tokens.internvl import internvl, internvl_grid
@@ -38,6 +39,7 @@ __all__ = [
     "internvl_grid",
     "phi3_v_hd_size",
     "pixtral_grid",
+    "engine_image_tokens",
     "processor_options",
     "qwen_smart_resize",
     "select_best_resolution",
@@ -107,6 +109,20 @@ def count_image_tokens(family: str, width: int, height: int, **options) -> int:
         height,
         **{k: v for k, v in options.items() if k in accepted and v is not None},
     )
+
+
+# Prompt positions of an image that lie outside what vLLM reports as its image tokens
+# (`prompt_tokens_details.multimodal_tokens.image`, the length of the image's placeholder):
+# Qwen-VL's chat template writes <|vision_start|> and <|vision_end|> around the placeholder,
+# which the processor expands to the features alone. Checked against vLLM 0.32 for the
+# Qwen-VL families; for the others the engine's count is kept but not compared.
+_OUTSIDE_ENGINE_COUNT = {"qwen2_vl": qwen.MARKERS, "qwen2_5_vl": qwen.MARKERS, "qwen3_vl": qwen.MARKERS}
+
+
+def engine_image_tokens(family: str, tokens: int) -> int | None:
+    """What vLLM reports for an image of `tokens` prompt positions, or None when unknown."""
+    outside = _OUTSIDE_ENGINE_COUNT.get(family)
+    return None if outside is None else tokens - outside
 
 
 def processor_options(family: str, *, min_pixels: int, max_pixels: int) -> dict:

@@ -3,74 +3,34 @@ request is metered once, its quota reservation settled, its large-image slot fre
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import pytest
-from asgiref.sync import async_to_sync, sync_to_async
-from django.utils import timezone
 
-from controlplane.fleet.models import EngineInstance, Node
-from controlplane.gateway import handlers, routing
-from controlplane.gateway.http import Request
+from controlplane.gateway import routing
 from controlplane.metering.models import UsageEvent
 from controlplane.tenants.models import Quota
+from tests.engines import read_request, with_raw_engine
 from tests.images import data_url, image_bytes
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
-async def _read_request(reader) -> None:
-    data = b""
-    while b"\r\n\r\n" not in data:
-        data += await reader.read(65536)
-    head, _, rest = data.partition(b"\r\n\r\n")
-    length = int(next(line for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")).split(b":")[1])
-    while len(rest) < length:
-        rest += await reader.read(65536)
-
-
 async def dies_mid_body(reader, writer):
-    await _read_request(reader)
+    await read_request(reader)
     writer.write(b'HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 5000\r\n\r\n{"id":"x"')
     await writer.drain()
     writer.close()
 
 
 async def dies_mid_stream(reader, writer):
-    await _read_request(reader)
+    await read_request(reader)
     chunk = {"id": "c", "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": "hel"}}]}
     writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
     line = b"data: " + json.dumps(chunk).encode() + b"\n\n"
     writer.write(hex(len(line))[2:].encode() + b"\r\n" + line + b"\r\n")
     await writer.drain()
     writer.close()
-
-
-def _with_engine(world, handler, request_body):
-    @async_to_sync
-    async def run():
-        server = await asyncio.start_server(handler, "127.0.0.1", 0)
-        port = server.sockets[0].getsockname()[1]
-
-        def register():
-            node = Node.objects.create(name="flaky", address="127.0.0.1", queue="node.flaky", last_seen_at=timezone.now())
-            EngineInstance.objects.create(tier=world.vision, node=node, port=port, actual_state="running",
-                                          healthy=True, last_health_at=timezone.now())
-
-        await sync_to_async(register)()
-        request = Request("POST", {"authorization": f"Bearer {world.alice_key}"}, json.dumps(request_body).encode())
-        results = []
-        for _ in range(2):
-            response = await handlers.chat_completions(request)
-            text = b"".join([c async for c in response.stream]) if response.stream else response.body
-            if response.on_close:
-                await response.on_close()
-            results.append((response.status, text))
-        server.close()
-        return results
-
-    return run()
 
 
 def _large_image_request(**extra):
@@ -82,7 +42,7 @@ def test_an_answer_cut_off_is_a_502_metered_once_and_frees_the_large_image_slot(
     world.vision.large_image_threshold = 0  # every image request is "large"
     world.vision.save()
     Quota.objects.create(tenant=world.alice, concurrent_large_images=1, total_tokens=10**9)
-    (first, _), (second, _) = _with_engine(world, dies_mid_body, _large_image_request())
+    (first, _), (second, _) = with_raw_engine(world, dies_mid_body, _large_image_request())
     assert (first, second) == (502, 502)  # the second is not refused: the slot came back
     events = UsageEvent.objects.filter(tenant=world.alice)
     assert [(e.status, e.http_status, e.cost) for e in events] == [("error", 502, 0)] * 2
@@ -90,7 +50,7 @@ def test_an_answer_cut_off_is_a_502_metered_once_and_frees_the_large_image_slot(
 
 
 def test_a_stream_the_engine_drops_ends_with_an_error_event(world):
-    (status, text), _ = _with_engine(world, dies_mid_stream, _large_image_request(stream=True))
+    (status, text), _ = with_raw_engine(world, dies_mid_stream, _large_image_request(stream=True))
     assert status == 200
     events = [line[6:] for line in text.decode().split("\n\n") if line.startswith("data: ")]
     assert json.loads(events[0])["choices"][0]["delta"]["content"] == "hel"

@@ -326,3 +326,26 @@ def test_with_priority_scheduling_text_runs_ahead_of_images(client, world):
 
         order = burst()
     assert order.index("text") <= 1  # it overtook the images queued before it
+
+
+TOOLS = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {}}}}]
+
+
+def test_a_tier_without_a_tool_call_parser_refuses_tools_with_a_clear_400(client, routed):
+    response = post(client, routed.alice_key, {"model": "vlm-lite", "tools": TOOLS,
+                                               "messages": [{"role": "user", "content": "hi"}]})
+    assert response.status_code == 400
+    assert (response.json()["error"]["code"], response.json()["error"]["param"]) == ("tools_not_supported", "tools")
+    # tool_choice "none" asks for no tool call: vLLM serves it without a parser.
+    allowed = post(client, routed.alice_key, {"model": "vlm-lite", "tools": TOOLS, "tool_choice": "none",
+                                              "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
+    assert allowed.status_code == 200
+
+
+def test_a_tier_whose_engine_has_a_tool_call_parser_forwards_tools(client, routed):
+    routed.vision.engine_settings = {**routed.vision.engine_settings, "tool_call_parser": "hermes"}
+    routed.vision.save()
+    response = post(client, routed.alice_key, {"model": "vlm-lite", "tools": TOOLS, "max_tokens": 2,
+                                               "messages": [{"role": "user", "content": "hi"}]})
+    # Forwarded: the engine behind it (a simulator launched without the parser) refuses it.
+    assert response.status_code == 400 and "tool-call-parser" in response.json()["error"]["message"]
