@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from controlplane.textcount import prompt_text_tokens
+from controlplane.textcount import MESSAGE_OVERHEAD, REPLY_PRIMER, prompt_text_tokens
 from tests.images import data_url, image_bytes
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -385,10 +385,20 @@ def test_the_prefix_cache_reports_the_conversation_so_far_as_cached(batching_eng
         return response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
 
     assert cached("And at night?") == 0
-    expected = (prompt_text_tokens(history) - 3) // 16 * 16  # whole blocks, no reply primer
+    # Whole blocks of the history and the next turn's opening (not the reply primer).
+    expected = (prompt_text_tokens(history) - REPLY_PRIMER + MESSAGE_OVERHEAD) // 16 * 16
     assert cached("And at dawn?") == expected > 0
     assert _metric(client, "vllm:prefix_cache_hits_total") == hits + expected
     assert cached("And at dusk?", cache_salt="another-tenant") == 0
+
+
+def test_the_same_image_request_again_is_cached_in_whole_blocks_but_for_its_last_token(batching_engine):
+    messages = [{"role": "user", "content": [{"type": "text", "text": "What is in this picture?"},
+                                             _image_part(1280, 720, color=(3, 141, 59))]}]
+    first, again = (batching_engine.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 8})
+                    .json()["usage"] for _ in range(2))
+    assert first["prompt_tokens_details"]["cached_tokens"] == 0
+    assert again["prompt_tokens_details"]["cached_tokens"] == (again["prompt_tokens"] - 1) // 16 * 16
 
 
 @pytest.fixture(scope="module")

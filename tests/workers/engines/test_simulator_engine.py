@@ -2,7 +2,7 @@
 
 import pytest
 
-from controlplane.textcount import prompt_text_tokens
+from controlplane.textcount import MESSAGE_OVERHEAD, count_text_tokens, prompt_text_tokens
 from tests.images import data_url, image_bytes
 from workers.engines.simulator.engine import EngineRequestError, SimulatedEngine
 from workers.engines.simulator.scheduler import CostModel
@@ -32,17 +32,28 @@ def test_the_prompt_layout_places_images_and_adds_up_to_the_prompt_tokens():
     image_tokens = [image.tokens for _, image in prompt.spans]
     assert prompt.tokens == prompt_text_tokens(messages) + sum(image_tokens)
     assert starts[1] == starts[0] + image_tokens[0] + 1  # "two" is one token
-    assert prompt.prefixes[-1][1] + 3 == prompt.tokens  # the reply primer closes the prompt
+    assert len(prompt.block_keys) == prompt.tokens // 16  # one key per full KV block
 
 
-def test_prefix_keys_depend_on_the_messages_images_and_cache_salt():
+def test_block_keys_follow_the_prompts_tokens_images_and_cache_salt():
     engine = _engine()
-    messages = [{"role": "user", "content": [_image((7, 7, 7))]}, {"role": "user", "content": "x"}]
-    keys = lambda **body: [k for k, _ in engine.plan({"messages": messages, **body}).prefixes]  # noqa: E731
-    assert keys() == keys()
-    assert keys(cache_salt="tenant-a")[0] != keys()[0] != keys(cache_salt="tenant-b")[0]
-    other = [{"role": "user", "content": [_image((8, 8, 8))]}, messages[1]]
-    assert engine.plan({"messages": other}).prefixes[0][0] != keys()[0]
+    system = {"role": "system", "content": "You describe images in one short sentence. " * 4}
+
+    def keys(color=(7, 7, 7), **body):
+        user = {"role": "user", "content": [_image(color), {"type": "text", "text": "x"}]}
+        return engine.plan({"messages": [system, user], **body}).block_keys
+
+    same = keys()
+    assert same == keys()
+    shared = (MESSAGE_OVERHEAD * 2 + count_text_tokens(system["content"])) // 16  # before the image
+    other = keys((8, 8, 8))
+    assert other[:shared] == same[:shared] and set(other[shared:]).isdisjoint(same)
+    assert keys(cache_salt="tenant-a")[0] != same[0] != keys(cache_salt="tenant-b")[0]
+
+
+def test_the_block_size_is_the_engines():
+    prompt = _engine(block_size=128).plan({"messages": [{"role": "user", "content": [_image((1, 1, 1))]}]})
+    assert prompt.tokens > 128 and len(prompt.block_keys) == prompt.tokens // 128
 
 
 def test_the_reply_is_deterministic():

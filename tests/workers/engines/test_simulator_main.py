@@ -29,3 +29,8 @@ def test_it_reads_the_image_pixel_limit_from_the_environment(environ, limit):
 def test_it_refuses_to_start_with_an_unreadable_pixel_limit():
     with pytest.raises(SystemExit, match="VLLM_MAX_IMAGE_PIXELS"):
         engine_from_args(parse_args(MODEL), {"VLLM_MAX_IMAGE_PIXELS": "lots"})
+
+
+def test_it_takes_vllms_block_size_which_defaults_to_a_gpus_16():
+    assert engine_from_args(parse_args(MODEL), {}).scheduler.config.block_size == 16
+    assert engine_from_args(parse_args([*MODEL, "--block-size", "128"]), {}).scheduler.config.block_size == 128

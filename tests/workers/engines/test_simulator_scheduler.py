@@ -164,27 +164,61 @@ def test_under_priority_the_preempted_sequence_is_the_lowest_priority_one():
     assert low.state == "waiting" and high.state == "running"
 
 
-def test_the_prefix_cache_counts_whole_blocks_of_the_conversation_so_far():
+def test_the_prefix_cache_reuses_the_leading_whole_blocks_two_prompts_share():
     scheduler = make(enable_prefix_caching=True)
-    history = [("sys", 20), ("user1", 45)]
-    first, = add(scheduler, seq(60, prefixes=[*history, ("last-a", 60)]))
+    first, = add(scheduler, seq(60, block_keys=["a", "b", "c"]))  # 3 full blocks, 12 tokens over
     drain(scheduler)
-    second, = add(scheduler, seq(70, prefixes=[*history, ("last-b", 70)]))
+    second, = add(scheduler, seq(70, block_keys=["a", "b", "x", "y"]))
     planned = step(scheduler)
-    assert planned.chunks == [(second, 70 - 32)]  # 45 tokens hit, 2 whole blocks count
+    assert planned.chunks == [(second, 70 - 32)]  # "a" and "b" were computed already
     assert (first.cached_tokens, second.cached_tokens) == (0, 32)
+    # What each wrote into full blocks: the first its three, the second its two new ones.
+    assert (first.created_cache_tokens, second.created_cache_tokens) == (48, 32)
     counters = scheduler.metrics.counters
     assert counters["vllm:prefix_cache_queries_total"] == 130
     assert counters["vllm:prefix_cache_hits_total"] == 32
 
 
+def test_the_same_prompt_again_is_cached_but_for_its_last_token():
+    scheduler = make(enable_prefix_caching=True)
+    for prompt, keys, cached, created in ((50, ["a", "b", "c"], 48, 0),  # 2 tokens past the blocks
+                                          (48, ["d", "e", "f"], 32, 16)):  # ends on a block
+        first, = add(scheduler, seq(prompt, block_keys=keys))
+        drain(scheduler)
+        again, = add(scheduler, seq(prompt, block_keys=keys))
+        drain(scheduler)
+        assert (first.cached_tokens, first.created_cache_tokens) == (0, 48)
+        assert (again.cached_tokens, again.created_cache_tokens) == (cached, created)
+
+
+def test_a_long_prefill_caches_its_blocks_chunk_by_chunk():
+    scheduler = make(enable_prefix_caching=True, max_num_batched_tokens=40)
+    keys = [f"k{i}" for i in range(6)]
+    add(scheduler, seq(100, block_keys=keys))
+    step(scheduler)  # 40 tokens computed: two whole blocks
+    follower, = add(scheduler, seq(100, block_keys=keys))
+    step(scheduler)
+    assert follower.cached_tokens == 32
+
+
+def test_the_block_size_sets_the_kv_blocks_and_the_cache_granularity():
+    scheduler = make(enable_prefix_caching=True, block_size=128, kv_cache_tokens=2048)
+    assert scheduler.total_blocks == 16
+    add(scheduler, seq(1221, block_keys=[f"b{i}" for i in range(9)]))
+    drain(scheduler)
+    again, = add(scheduler, seq(1221, block_keys=[f"b{i}" for i in range(9)]))
+    step(scheduler)
+    assert again.cached_tokens == 1152 and again.blocks == 10  # vLLM on CPU: 9 x 128
+
+
 def test_without_prefix_caching_nothing_is_looked_up():
     scheduler = make()
-    add(scheduler, seq(60, prefixes=[("a", 40), ("b", 60)]))
+    add(scheduler, seq(60, block_keys=["a", "b", "c"]))
     drain(scheduler)
-    add(scheduler, seq(60, prefixes=[("a", 40), ("c", 60)]))
+    again, = add(scheduler, seq(60, block_keys=["a", "b", "c"]))
     drain(scheduler)
     assert scheduler.metrics.counters["vllm:prefix_cache_queries_total"] == 0
+    assert (again.cached_tokens, again.created_cache_tokens) == (0, 0)
 
 
 def test_an_abort_frees_the_kv_and_counts_as_abort():

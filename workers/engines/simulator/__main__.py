@@ -35,6 +35,8 @@ def parse_args(argv=None):
         parser.add_argument(flag)
     parser.add_argument("--allowed-media-domains", nargs="*")
     parser.add_argument("--enable-prefix-caching", action="store_true")
+    parser.add_argument("--block-size", type=int, default=SchedulerConfig.block_size,
+                        help="tokens per KV block (vLLM: 16 on a GPU, 128 on its CPU build)")
     parser.add_argument("--enable-prompt-tokens-details", action="store_true")
     parser.add_argument("--enable-auto-tool-choice", action="store_true")
     parser.add_argument("--tool-call-parser")
@@ -47,7 +49,7 @@ def parse_args(argv=None):
     parser.add_argument("--sim-step-overhead-ms", type=float, default=CostModel.step_overhead_ms,
                         help="the fixed cost of every engine step")
     parser.add_argument("--sim-kv-cache-tokens", type=int, default=SchedulerConfig.kv_cache_tokens,
-                        help="KV cache capacity in tokens (16-token blocks)")
+                        help="KV cache capacity in tokens (in blocks of --block-size)")
     # A fault from the start; POST /sim/fault changes it at run time.
     parser.add_argument("--sim-fault", choices=FAULT_MODES, default="none")
     parser.add_argument("--sim-fault-factor", type=float, default=Faults.factor,
@@ -87,6 +89,7 @@ def engine_from_args(args, environ) -> SimulatedEngine:
         kv_cache_tokens=args.sim_kv_cache_tokens,
         scheduling_policy=args.scheduling_policy,
         enable_prefix_caching=args.enable_prefix_caching,
+        block_size=args.block_size,
         auto_tool_choice=args.enable_auto_tool_choice,
         max_image_pixels=_max_image_pixels(environ),
     )

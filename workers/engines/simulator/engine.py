@@ -1,7 +1,7 @@
 """The simulated engine's front half: request checks, token accounting and replies.
 
 It decodes the images a request carries, counts their tokens with the gateway's family
-formulas, lays the prompt out (where each image sits, which message prefixes it has) and
+formulas, lays the prompt out (where each image sits, the keys of its KV blocks) and
 hands a Sequence to the Scheduler (scheduler.py), which owns timing, batching, KV and the
 caches; the cost parameters and what a real GPU has are described there.
 """
@@ -13,7 +13,6 @@ import base64
 import binascii
 import hashlib
 import io
-import json
 import math
 import random
 import time
@@ -22,8 +21,13 @@ from dataclasses import dataclass
 from PIL import Image, UnidentifiedImageError
 
 from controlplane.imaging.tokens import count_image_tokens
-from controlplane.textcount import MESSAGE_OVERHEAD, count_text_tokens, prompt_text_tokens
-from workers.engines.simulator.caches import EncoderCache
+from controlplane.textcount import (
+    MESSAGE_OVERHEAD,
+    REPLY_PRIMER,
+    count_text_tokens,
+    prompt_text_tokens,
+)
+from workers.engines.simulator.caches import EncoderCache, block_keys
 from workers.engines.simulator.metrics import Metrics
 from workers.engines.simulator.scheduler import (
     FAULT_MODES,
@@ -59,7 +63,7 @@ class Prompt:
     max_tokens: int
     priority: int
     spans: list[tuple[int, ImageInput]]  # (prompt position, image)
-    prefixes: list[tuple[str, int]]  # (hash of messages[:k], their tokens), k = 1..n
+    block_keys: list[str]  # one per full KV block of the prompt
 
     @property
     def images(self) -> list[ImageInput]:
@@ -89,6 +93,7 @@ class SimulatedEngine:
                  cost: CostModel, encoder_cache_items: int = 256,
                  max_num_batched_tokens: int = 8192, kv_cache_tokens: int = 65536,
                  scheduling_policy: str = "fcfs", enable_prefix_caching: bool = False,
+                 block_size: int = BLOCK_SIZE,
                  auto_tool_choice: bool = False, max_image_pixels: int | None = None,
                  faults: Faults | None = None, clock=time.monotonic, sleep=asyncio.sleep):
         self.name = served_model_name
@@ -100,12 +105,12 @@ class SimulatedEngine:
         self.cost = cost
         self.metrics = Metrics(served_model_name)
         config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, kv_cache_tokens,
-                                 scheduling_policy or "fcfs", enable_prefix_caching)
+                                 scheduling_policy or "fcfs", enable_prefix_caching, block_size)
         self.scheduler = Scheduler(config, cost, self.metrics, faults=faults, clock=clock,
                                    sleep=sleep, encoder_cache=EncoderCache(encoder_cache_items))
         # vLLM refuses to start when one sequence of max_model_len cannot fit in the KV
         # cache; the simulator shrinks max_model_len to the KV instead.
-        self.max_model_len = min(max_model_len, self.scheduler.total_blocks * BLOCK_SIZE)
+        self.max_model_len = min(max_model_len, self.scheduler.total_blocks * block_size)
         self.max_num_seqs = max_num_seqs
 
     @property
@@ -142,35 +147,40 @@ class SimulatedEngine:
         tokens = count_image_tokens(self.family, width, height, **self.mm_kwargs)
         return ImageInput(width, height, tokens, hashlib.blake2b(data, digest_size=16).hexdigest())
 
-    def _layout(self, messages: list, salt) -> tuple[list, list]:
-        """Images at their prompt positions, and the hash chain of whole-message prefixes."""
-        spans, prefixes, position = [], [], 0
-        chain = hashlib.blake2b(json.dumps(salt).encode(), digest_size=16)
+    def _layout(self, messages: list) -> tuple[list, list]:
+        """Images at their prompt positions, and the prompt as runs of (what, positions).
+
+        A run is one kind of positions: a message's opening (by role), a text (by a hash of
+        its content), an image (by its digest), the reply primer. Two prompts share a block
+        exactly when its runs match, as vLLM's block hashes see the tokens (except that a
+        text which only starts like another counts as wholly different here)."""
+        spans, runs, position = [], [], 0
+
+        def add(what: str, tokens: int) -> None:
+            nonlocal position
+            runs.append((what, tokens))
+            position += tokens
+
         for message in messages:
             if not isinstance(message, dict):
                 raise EngineRequestError("each message must be an object")
             content = message.get("content")
-            position += MESSAGE_OVERHEAD
-            shape = [message.get("role")]
-            if isinstance(content, str):
-                position += count_text_tokens(content)
-                shape.append(content)
-            for part in content if isinstance(content, list) else ():
+            add(f"turn:{message.get('role')}", MESSAGE_OVERHEAD)
+            parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
+            for part in parts if isinstance(parts, list) else ():
                 if not isinstance(part, dict):
                     continue
                 if part.get("type") == "text":
                     text = str(part.get("text", ""))
-                    position += count_text_tokens(text)
-                    shape.append(text)
+                    add(f"text:{hashlib.blake2b(text.encode(), digest_size=16).hexdigest()}",
+                        count_text_tokens(text))
                 elif part.get("type") == "image_url":
                     spec = part.get("image_url")
                     image = self._decode(spec.get("url") if isinstance(spec, dict) else spec)
                     spans.append((position, image))
-                    position += image.tokens
-                    shape.append({"image": image.digest})
-            chain.update(json.dumps(shape).encode())
-            prefixes.append((chain.hexdigest(), position))
-        return spans, prefixes
+                    add(f"image:{image.digest}", image.tokens)
+        add("reply", REPLY_PRIMER)
+        return spans, runs
 
     def plan(self, body: dict) -> Prompt:
         messages = body.get("messages")
@@ -185,7 +195,7 @@ class SimulatedEngine:
             raise EngineRequestError("priority must be an integer")
         if self.scheduler.config.policy != "priority":
             priority = 0  # vLLM 0.32 takes a priority under fcfs and ignores it
-        spans, prefixes = self._layout(messages, salt)
+        spans, runs = self._layout(messages)
         images = [image for _, image in spans]
         if images and self.images_per_prompt is None:
             raise EngineRequestError(f"{self.name} is not a multimodal model")
@@ -203,7 +213,8 @@ class SimulatedEngine:
                 f"your request has {prompt} input tokens."
             )
         budget = self.max_model_len - prompt
-        return Prompt(prompt, min(limit or budget, budget), priority, spans, prefixes)
+        keys = block_keys(runs, self.scheduler.config.block_size, salt)
+        return Prompt(prompt, min(limit or budget, budget), priority, spans, keys)
 
     def reply_tokens(self, body: dict, images: list[ImageInput], max_tokens: int) -> tuple[list[str], str]:
         """Deterministic output: a description of what was received, then filler words."""
@@ -227,7 +238,7 @@ class SimulatedEngine:
         tokens, finish_reason = self.reply_tokens(body, prompt.images, prompt.max_tokens)
         seq = Sequence(prompt.tokens, tokens, finish_reason, prompt.priority,
                        images=[ImageSpan(at, i.tokens, i.digest) for at, i in prompt.spans],
-                       prefixes=prompt.prefixes)
+                       block_keys=prompt.block_keys)
         try:
             self.scheduler.submit(seq)
         except RuntimeError as exc:

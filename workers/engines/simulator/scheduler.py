@@ -3,9 +3,10 @@
 A step, in order:
 1. Intake: new and aborted requests reach the engine (a hung loop sees neither).
 2. KV room for running sequences, in scheduling order: a sequence whose next token needs a
-   new 16-token block and finds none free preempts (recompute-style, as vLLM v1) the
-   running sequence that comes last in scheduling order, possibly itself: it goes back to
-   waiting with its KV freed and later prefills its prompt and output so far again.
+   new block (of block_size tokens, 16 by default as on a GPU) and finds none free
+   preempts (recompute-style, as vLLM v1) the running sequence that comes last in
+   scheduling order, possibly itself: it goes back to waiting with its KV freed and later
+   prefills its prompt and output so far again.
 3. Admission, unless step 2 preempted: waiting sequences, in scheduling order, join the
    running set while it has fewer than max_num_seqs and the free KV holds the sequence's
    tokens (all of its prompt is allocated on admission). The first that does not fit
@@ -31,16 +32,20 @@ that tests and demos run quickly):
   sampling), 5-10 ms. Batching amortises it: a decode step lands at 10-30 ms whether it
   carries 1 sequence or 32, so a GPU-shaped setting has overhead >> per-sequence cost
   (the defaults, 0.5 and 1.0 ms, are the other way round: set both to model batching).
-kv_cache_tokens: the KV pool. 80 GB x 0.9 minus 16 GB of weights at 57 KB/token is about
-1M tokens for a 7B model; a 3B model on a 24 GB card holds about 300k.
+kv_cache_tokens: the KV pool, in blocks of block_size tokens. 80 GB x 0.9 minus 16 GB of
+weights at 57 KB/token is about 1M tokens for a 7B model; a 3B model on a 24 GB card
+holds about 300k.
 
-Prefix cache (when enabled): on admission the longest cached prefix of whole chat messages
-(all but the last message, keyed with cache_salt and image digests) counts as computed,
-rounded down to whole blocks; vllm:prefix_cache_queries_total / _hits_total grow by the
-prompt's tokens / the hit tokens. A sequence's prefixes are cached when its prefill ends.
-Reported cached_tokens = the prefix hit, as vLLM reports it (encoder-cache hits show in the
-vllm:mm_cache_* metrics only). Simplifications: a preempted sequence keeps its images encoded; sequences sharing
-a prefix do not share KV blocks.
+Prefix cache (when enabled), in whole KV blocks as vLLM's: on admission the prompt's
+leading blocks found in the cache (keyed by their content chained from the first block,
+images by digest, cache_salt in the first; see caches.block_keys) count as computed, but
+never the prompt's last token, which vLLM always computes again (its logits start the
+reply). vllm:prefix_cache_queries_total / _hits_total grow by the sequence's tokens / the
+hit tokens. A prefill chunk caches the full prompt blocks computed so far. Reported
+cached_tokens = the hit at first admission, created_cache_tokens = the prompt's full blocks
+that were not a hit (encoder-cache hits save encoding only, not prefill).
+Simplifications: a preempted sequence keeps its images encoded; sequences sharing a prefix
+do not share KV blocks; blocks of generated tokens are not cached.
 """
 
 from __future__ import annotations
@@ -76,6 +81,7 @@ class SchedulerConfig:
     kv_cache_tokens: int = 65536
     policy: str = "fcfs"
     enable_prefix_caching: bool = False
+    block_size: int = BLOCK_SIZE
 
 
 @dataclass
@@ -93,15 +99,14 @@ class Scheduler:
                  clock=time.monotonic, sleep=asyncio.sleep):
         if config.policy not in POLICIES:
             raise ValueError(f"scheduling policy must be one of {POLICIES}")
-        if config.max_num_seqs < 1 or config.max_num_batched_tokens < 1:
-            raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        if config.max_num_seqs < 1 or config.max_num_batched_tokens < 1 or config.block_size < 1:
+            raise ValueError("max_num_seqs, max_num_batched_tokens and block_size must be positive")
         self.config, self.cost, self.metrics = config, cost, metrics
         self.encoder_cache = encoder_cache or EncoderCache()
-        self.prefix_cache = (PrefixCache(config.kv_cache_tokens)
-                             if config.enable_prefix_caching else None)
         self.faults = faults or Faults()
         self.clock, self.sleep = clock, sleep
-        self.total_blocks = max(1, config.kv_cache_tokens // BLOCK_SIZE)
+        self.total_blocks = max(1, config.kv_cache_tokens // config.block_size)
+        self.prefix_cache = PrefixCache(self.total_blocks) if config.enable_prefix_caching else None
         self.free_blocks = self.total_blocks
         self.inbox: list[Sequence] = []
         self.aborts: list[Sequence] = []
@@ -174,7 +179,7 @@ class Scheduler:
     def schedule(self) -> Step:
         now, preempted = self.clock(), False
         for seq in list(self.running):  # room for each running sequence's next token
-            while seq.state == "running" and blocks(seq.num_tokens) > seq.blocks:
+            while seq.state == "running" and self._blocks(seq.num_tokens) > seq.blocks:
                 if self.free_blocks:
                     self.free_blocks -= 1
                     seq.blocks += 1
@@ -182,7 +187,7 @@ class Scheduler:
                     self._preempt(max(self.running, key=self.key))
                     preempted = True
         while (not preempted and self.waiting and len(self.running) < self.config.max_num_seqs
-               and blocks(self.waiting[0].num_tokens) <= self.free_blocks):
+               and self._blocks(self.waiting[0].num_tokens) <= self.free_blocks):
             self._admit(self.waiting.pop(0), now)
         budget = self.config.max_num_batched_tokens
         decodes = [seq for seq in self.running if seq.output and seq.num_tokens - seq.num_computed == 1]
@@ -214,9 +219,10 @@ class Scheduler:
         for seq, n in step.chunks:
             if seq.state == "running" and not seq.aborted:
                 seq.num_computed += n
+                if self.prefix_cache is not None:
+                    full = min(seq.num_computed, seq.prompt_tokens) // self.config.block_size
+                    self.prefix_cache.insert(seq.block_keys[:full])
                 if seq.num_computed == seq.num_tokens:
-                    if self.prefix_cache is not None:
-                        self.prefix_cache.insert(seq.prefixes)
                     self._emit(seq, now)
         self._gauges()
 
@@ -224,22 +230,27 @@ class Scheduler:
     def _insert(self, queue: list[Sequence], seq: Sequence) -> None:
         bisect.insort(queue, seq, key=self.key)
 
+    def _blocks(self, tokens: int) -> int:
+        return blocks(tokens, self.config.block_size)
+
     def _admit(self, seq: Sequence, now: float) -> None:
-        seq.blocks = blocks(seq.num_tokens)
+        seq.blocks = self._blocks(seq.num_tokens)
         self.free_blocks -= seq.blocks
         seq.state = "running"
         self._insert(self.running, seq)
         if seq.scheduled_at is None:
             seq.scheduled_at = now
             self.metrics.histograms["vllm:request_queue_time_seconds"].observe(now - seq.arrived_at)
-        hit = 0
+        hit, size = 0, self.config.block_size
         if self.prefix_cache is not None:
-            found = self.prefix_cache.lookup(seq.prefixes[:-1])
-            hit = min(found, seq.num_tokens - 1) // BLOCK_SIZE * BLOCK_SIZE
+            found = self.prefix_cache.lookup(seq.block_keys) * size
+            hit = min(found, (seq.num_tokens - 1) // size * size)  # the last token is computed
             self.metrics.counters["vllm:prefix_cache_queries_total"] += seq.num_tokens
             self.metrics.counters["vllm:prefix_cache_hits_total"] += hit
         if seq.prefix_hit is None:
             seq.prefix_hit = hit
+            if self.prefix_cache is not None:
+                seq.created_cache_tokens = seq.prompt_tokens // size * size - hit
         seq.num_computed = hit
         for image in seq.images:  # wholly inside the cached prefix: no encoder needed
             if image.start + image.tokens <= hit:

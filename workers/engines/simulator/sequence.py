@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-BLOCK_SIZE = 16  # tokens per KV block, vLLM's default
+BLOCK_SIZE = 16  # tokens per KV block: vLLM's default on a GPU (its CPU build uses 128)
 
 
 @dataclass
@@ -23,7 +23,7 @@ class Sequence:
     finish_reason: str  # once all of `reply` is out: "stop" or "length"
     priority: int = 0
     images: list[ImageSpan] = field(default_factory=list)
-    prefixes: list[tuple[str, int]] = field(default_factory=list)  # shortest first
+    block_keys: list[str] = field(default_factory=list)  # one per full block of the prompt
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     state: str = "new"  # waiting, running, finished
     arrival: int = 0
@@ -33,6 +33,7 @@ class Sequence:
     blocks: int = 0
     aborted: bool = False
     prefix_hit: int | None = None  # tokens, at first admission
+    created_cache_tokens: int = 0  # prompt tokens it writes into new cache blocks
     encoder_hit_tokens: int = 0
     scheduled_at: float | None = None
     first_token_at: float | None = None
@@ -56,5 +57,5 @@ class Step:
     duration: float
 
 
-def blocks(tokens: int) -> int:
-    return -(-tokens // BLOCK_SIZE)
+def blocks(tokens: int, block_size: int) -> int:
+    return -(-tokens // block_size)
