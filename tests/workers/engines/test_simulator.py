@@ -8,6 +8,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from unittest.mock import ANY
 
 import httpx
 import pytest
@@ -128,6 +129,39 @@ def test_text_only_chat_counts_only_text(engine):
     response = engine.post("/v1/chat/completions", json={"model": "vlm", "messages": messages})
     assert response.status_code == 200
     assert response.json()["usage"]["prompt_tokens"] == prompt_text_tokens(messages)
+
+
+def _question(*images):
+    return [{"role": "user", "content": [{"type": "text", "text": "What is in this picture?"}, *images]}]
+
+
+def _stream_usage(client, messages):
+    payload = {"messages": messages, "stream": True, "stream_options": {"include_usage": True}}
+    with client.stream("POST", "/v1/chat/completions", json=payload) as response:
+        events = [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
+    return json.loads(events[-2])["usage"]
+
+
+def test_usage_has_vllms_shape_counting_an_images_placeholder_tokens_without_its_markers(engine):
+    image = _image_part(1280, 720, color=(77, 1, 200))  # 1198 prompt positions: 1196 + 2 markers
+    usage = engine.post("/v1/chat/completions", json={"messages": _question(image)}).json()["usage"]
+    assert list(usage) == ["prompt_tokens", "total_tokens", "completion_tokens", "prompt_tokens_details",
+                           "completion_tokens_details"]
+    assert usage["prompt_tokens"] == prompt_text_tokens(_question()) + 1198
+    assert usage["prompt_tokens_details"] == {"cached_tokens": 0, "created_cache_tokens": 0,
+                                              "multimodal_tokens": {"image": 1196}}
+    assert usage["completion_tokens_details"] is None
+    text = engine.post("/v1/chat/completions", json={"messages": _question()}).json()["usage"]
+    assert text["prompt_tokens_details"]["multimodal_tokens"] is None
+
+
+def test_streamed_usage_has_vllms_shape_without_empty_fields(engine):
+    assert _stream_usage(engine, _question()) == {
+        "prompt_tokens": prompt_text_tokens(_question()), "total_tokens": ANY, "completion_tokens": ANY,
+        "prompt_tokens_details": {"cached_tokens": 0, "created_cache_tokens": 0}}
+    image = _stream_usage(engine, _question(_image_part(1280, 720, color=(78, 2, 201))))
+    assert list(image) == ["prompt_tokens", "total_tokens", "completion_tokens", "prompt_tokens_details"]
+    assert image["prompt_tokens_details"]["multimodal_tokens"] == {"image": 1196}
 
 
 def test_stream_with_include_usage_ends_with_a_usage_chunk_and_done(engine):
@@ -393,12 +427,16 @@ def test_the_prefix_cache_reports_the_conversation_so_far_as_cached(batching_eng
 
 
 def test_the_same_image_request_again_is_cached_in_whole_blocks_but_for_its_last_token(batching_engine):
-    messages = [{"role": "user", "content": [{"type": "text", "text": "What is in this picture?"},
-                                             _image_part(1280, 720, color=(3, 141, 59))]}]
+    messages = _question(_image_part(1280, 720, color=(3, 141, 59)))
     first, again = (batching_engine.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 8})
                     .json()["usage"] for _ in range(2))
+    prompt = first["prompt_tokens"]
+    assert prompt % 16  # so that the second one writes no block of its own
+    # The first writes all the prompt's full blocks into the cache, the second reads them.
     assert first["prompt_tokens_details"]["cached_tokens"] == 0
-    assert again["prompt_tokens_details"]["cached_tokens"] == (again["prompt_tokens"] - 1) // 16 * 16
+    assert first["prompt_tokens_details"]["created_cache_tokens"] == prompt // 16 * 16
+    assert again["prompt_tokens_details"]["cached_tokens"] == (prompt - 1) // 16 * 16
+    assert again["prompt_tokens_details"]["created_cache_tokens"] == 0
 
 
 @pytest.fixture(scope="module")

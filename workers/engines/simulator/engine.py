@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from PIL import Image, UnidentifiedImageError
 
 from controlplane.imaging.tokens import count_image_tokens
+from controlplane.imaging.tokens.qwen import MARKERS as QWEN_MARKERS
 from controlplane.textcount import (
     MESSAGE_OVERHEAD,
     REPLY_PRIMER,
@@ -40,6 +41,13 @@ from workers.engines.simulator.sequence import BLOCK_SIZE, ImageSpan, Sequence
 from workers.engines.simulator.validation import EngineRequestError, check_options
 
 __all__ = ["CostModel", "EngineDead", "EngineRequestError", "Faults", "SimulatedEngine"]
+
+# vLLM's usage counts an image's placeholder: the positions its processor expands. Qwen-VL
+# expands only the pad between <|vision_start|> and <|vision_end|>, which the chat template
+# writes, so those two markers count as prompt tokens but not as the image's; the other
+# families' processors replace one image token with the whole expansion, markers included.
+_MARKERS_OUTSIDE_PLACEHOLDER = {"qwen2_vl": QWEN_MARKERS, "qwen2_5_vl": QWEN_MARKERS,
+                                "qwen3_vl": QWEN_MARKERS}
 
 _WORDS = ("the", "a", "of", "and", "is", "in", "on", "with", "blue", "red", "one", "two",
           "left", "top", "text", "line", "bar", "shows", "near", "edge", "sky", "tree", "cat")
@@ -73,8 +81,9 @@ class Prompt:
 @dataclass
 class Completion:
     prompt_tokens: int
-    image_tokens: int
+    image_placeholder_tokens: int
     cached_tokens: int
+    created_cache_tokens: int
     tokens: list[str]
     finish_reason: str
 
@@ -255,8 +264,10 @@ class SimulatedEngine:
                     first = False
                     yield "first", Completion(
                         prompt_tokens=prompt.tokens,
-                        image_tokens=sum(i.tokens for i in prompt.images),
+                        image_placeholder_tokens=sum(
+                            i.tokens - _MARKERS_OUTSIDE_PLACEHOLDER.get(self.family, 0) for i in prompt.images),
                         cached_tokens=seq.cached_tokens,
+                        created_cache_tokens=seq.created_cache_tokens,
                         tokens=tokens,
                         finish_reason=finish_reason,
                     )
