@@ -192,7 +192,7 @@ def test_stream_without_include_usage_has_no_usage_chunk(engine):
     assert all("usage" not in json.loads(e) for e in events[:-1])
 
 
-def test_the_same_image_twice_is_an_encoder_cache_hit(engine):
+def test_the_same_image_twice_is_a_processor_cache_hit(engine):
     image = _image_part(color=(1, 254, 77))  # not sent by any other test
     hits_before = _metric(engine, "vllm:mm_cache_hits_total")
     queries_before = _metric(engine, "vllm:mm_cache_queries_total")
@@ -204,7 +204,7 @@ def test_the_same_image_twice_is_an_encoder_cache_hit(engine):
     assert _metric(engine, "vllm:mm_cache_queries_total") == queries_before + 2
     assert _metric(engine, "vllm:mm_cache_hits_total") == hits_before + 1
     assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-    # As in vLLM, cached_tokens counts prefix-cache hits only; the encoder hit shows above.
+    # As in vLLM, cached_tokens counts prefix-cache hits only; the image cache hit shows above.
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
 
 

@@ -56,6 +56,15 @@ def test_the_block_size_is_the_engines():
     assert prompt.tokens > 128 and len(prompt.block_keys) == prompt.tokens // 128
 
 
+def test_every_image_of_every_request_queries_the_processor_cache_before_scheduling():
+    engine = _engine()
+    body = {"messages": [{"role": "user", "content": [_image((5, 5, 5)), _image((6, 6, 6))]}]}
+    engine.plan(body)
+    engine.plan(body)  # the same images, processed before: hits, whatever the KV caches hold
+    counters = engine.metrics.counters
+    assert (counters["vllm:mm_cache_queries_total"], counters["vllm:mm_cache_hits_total"]) == (4, 2)
+
+
 def test_the_reply_is_deterministic():
     engine = _engine()
     body = {"messages": [{"role": "user", "content": "same words"}]}

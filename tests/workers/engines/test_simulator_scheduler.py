@@ -104,8 +104,6 @@ def test_an_image_is_encoded_in_the_step_whose_chunk_reaches_it_and_once_per_byt
                                        OVERHEAD + 64 * PREFILL, OVERHEAD + 8 * PREFILL])
     second, = add(scheduler, seq(200, images=image()))  # the same image bytes again
     drain(scheduler)
-    counters = scheduler.metrics.counters
-    assert (counters["vllm:mm_cache_queries_total"], counters["vllm:mm_cache_hits_total"]) == (2, 1)
     assert (first.cached_tokens, second.cached_tokens) == (0, 0)  # encoder hits are not prefix hits
     assert (first.encoder_hit_tokens, second.encoder_hit_tokens) == (0, 50)
 

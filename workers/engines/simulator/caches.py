@@ -1,7 +1,9 @@
 """The simulator's caches, least-recently-used, and the block keys of a prompt.
 
-- EncoderCache: image digest -> image tokens. The same image bytes seen again skip the
-  vision encoder (vLLM keys its encoder and processor caches on a hash of the image).
+- ImageCache: image digest -> image tokens, as vLLM keys its two image caches on a hash
+  of the image: the processor cache, queried once for every image of every request as it
+  is processed (its lookups are the vllm:mm_cache_* metrics), and the encoder cache, which
+  lets the same image bytes seen again skip the vision encoder.
 - PrefixCache: the keys of the full KV blocks prefills have computed, which vLLM keeps
   after a request ends and hands to a later prompt that starts with the same blocks. It
   holds at most the KV pool's number of blocks, as cached blocks live in that pool.
@@ -14,13 +16,13 @@ import hashlib
 from collections import OrderedDict
 
 
-class EncoderCache:
+class ImageCache:
     def __init__(self, items: int = 256):
         self.items = items
         self.entries: OrderedDict[str, int] = OrderedDict()
 
     def lookup(self, digest: str, tokens: int) -> bool:
-        """True on a hit; a miss records the image, as its encoding is about to run."""
+        """True on a hit; a miss records the image, as its processing is about to run."""
         if digest in self.entries:
             self.entries.move_to_end(digest)
             return True

@@ -28,7 +28,7 @@ from controlplane.textcount import (
     count_text_tokens,
     prompt_text_tokens,
 )
-from workers.engines.simulator.caches import EncoderCache, block_keys
+from workers.engines.simulator.caches import ImageCache, block_keys
 from workers.engines.simulator.metrics import Metrics
 from workers.engines.simulator.scheduler import (
     FAULT_MODES,
@@ -99,7 +99,7 @@ def _number(name: str, value, valid) -> float:
 class SimulatedEngine:
     def __init__(self, *, served_model_name: str, family: str, mm_processor_kwargs: dict,
                  max_num_seqs: int, max_model_len: int, images_per_prompt: int | None,
-                 cost: CostModel, encoder_cache_items: int = 256,
+                 cost: CostModel, encoder_cache_items: int = 256, processor_cache_items: int = 256,
                  max_num_batched_tokens: int = 8192, kv_cache_tokens: int = 65536,
                  scheduling_policy: str = "fcfs", enable_prefix_caching: bool = False,
                  block_size: int = BLOCK_SIZE,
@@ -113,10 +113,11 @@ class SimulatedEngine:
         self.max_image_pixels = max_image_pixels  # VLLM_MAX_IMAGE_PIXELS; None: no limit
         self.cost = cost
         self.metrics = Metrics(served_model_name)
+        self.processor_cache = ImageCache(processor_cache_items)
         config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, kv_cache_tokens,
                                  scheduling_policy or "fcfs", enable_prefix_caching, block_size)
         self.scheduler = Scheduler(config, cost, self.metrics, faults=faults, clock=clock,
-                                   sleep=sleep, encoder_cache=EncoderCache(encoder_cache_items))
+                                   sleep=sleep, encoder_cache=ImageCache(encoder_cache_items))
         # vLLM refuses to start when one sequence of max_model_len cannot fit in the KV
         # cache; the simulator shrinks max_model_len to the KV instead.
         self.max_model_len = min(max_model_len, self.scheduler.total_blocks * block_size)
@@ -212,6 +213,13 @@ class SimulatedEngine:
             raise EngineRequestError(
                 f"At most {self.images_per_prompt} image(s) may be provided in one prompt."
             )
+        # vLLM's processor cache: every image of every request is looked up as it is
+        # processed, before the prompt is checked or scheduled. Its key (the image and the
+        # processor kwargs) is the digest here, as the kwargs are the engine's own.
+        for image in images:
+            self.metrics.counters["vllm:mm_cache_queries_total"] += 1
+            if self.processor_cache.lookup(image.digest, image.tokens):
+                self.metrics.counters["vllm:mm_cache_hits_total"] += 1
         prompt = prompt_text_tokens(messages) + sum(i.tokens for i in images)
         limit = body.get("max_completion_tokens") or body.get("max_tokens")
         if limit is not None and (not isinstance(limit, int) or limit < 1):

@@ -15,7 +15,7 @@ A step, in order:
 4. Token budget (max_num_batched_tokens): each decoding sequence takes 1 token first, the
    rest goes to prefill chunks of prefilling sequences in scheduling order (chunked
    prefill). A chunk that reaches an image not yet encoded runs the vision encoder on the
-   whole image unless the encoder cache holds it (vllm:mm_cache_* count these lookups).
+   whole image unless the encoder cache holds it.
 5. The step takes its time; then each decoding sequence emits one token and a sequence
    whose prefill completed emits its first token. A sequence finishes at its last token.
 
@@ -57,7 +57,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-from workers.engines.simulator.caches import EncoderCache, PrefixCache
+from workers.engines.simulator.caches import ImageCache, PrefixCache
 from workers.engines.simulator.metrics import Metrics
 from workers.engines.simulator.sequence import BLOCK_SIZE, Sequence, Step, blocks
 
@@ -95,14 +95,14 @@ class Faults:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, cost: CostModel, metrics: Metrics, *,
-                 encoder_cache: EncoderCache | None = None, faults: Faults | None = None,
+                 encoder_cache: ImageCache | None = None, faults: Faults | None = None,
                  clock=time.monotonic, sleep=asyncio.sleep):
         if config.policy not in POLICIES:
             raise ValueError(f"scheduling policy must be one of {POLICIES}")
         if config.max_num_seqs < 1 or config.max_num_batched_tokens < 1 or config.block_size < 1:
             raise ValueError("max_num_seqs, max_num_batched_tokens and block_size must be positive")
         self.config, self.cost, self.metrics = config, cost, metrics
-        self.encoder_cache = encoder_cache or EncoderCache()
+        self.encoder_cache = encoder_cache or ImageCache()
         self.faults = faults or Faults()
         self.clock, self.sleep = clock, sleep
         self.total_blocks = max(1, config.kv_cache_tokens // config.block_size)
@@ -263,9 +263,7 @@ class Scheduler:
             if image.encoded or image.start >= end or image.start + image.tokens <= start:
                 continue
             image.encoded = True
-            self.metrics.counters["vllm:mm_cache_queries_total"] += 1
             if self.encoder_cache.lookup(image.digest, image.tokens):
-                self.metrics.counters["vllm:mm_cache_hits_total"] += 1
                 inside = max(0, (seq.prefix_hit or 0) - image.start)
                 seq.encoder_hit_tokens += max(0, image.tokens - inside)
             else:
