@@ -31,9 +31,12 @@ class Histogram:
         self.count += 1
 
 
+FINISHED_REASONS = ("stop", "length", "abort", "error", "repetition")  # all exported, as vLLM's
+
+
 class Metrics:
     def __init__(self, model_name: str):
-        self.labels = f'model_name="{model_name}",engine="0"'
+        self.model_name = model_name
         self.counters: dict[str, float] = defaultdict(float)
         self.success: dict[str, int] = defaultdict(int)
         self.histograms = {
@@ -48,33 +51,36 @@ class Metrics:
         self.waiting = 0
         self.kv_usage = 0.0
 
+    def _labels(self, **extra: str) -> str:
+        # In vLLM's order (prometheus_client sorts them): engine, finished_reason/le, model_name.
+        labels = {"engine": "0", "model_name": self.model_name, **extra}
+        return ",".join(f'{name}="{labels[name]}"' for name in sorted(labels))
+
     def render(self) -> str:
-        lines = []
+        lines, labels = [], self._labels()
         gauges = {
             "vllm:num_requests_running": self.running,
             "vllm:num_requests_waiting": self.waiting,
             "vllm:kv_cache_usage_perc": self.kv_usage,
         }
         for name, value in gauges.items():
-            lines += [f"# TYPE {name} gauge", f"{name}{{{self.labels}}} {value}"]
+            lines += [f"# TYPE {name} gauge", f"{name}{{{labels}}} {float(value)}"]
         for name in ("vllm:prompt_tokens_total", "vllm:generation_tokens_total",
                      "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
                      "vllm:mm_cache_queries_total", "vllm:mm_cache_hits_total",
                      "vllm:num_preemptions_total"):
-            lines += [f"# TYPE {name} counter", f"{name}{{{self.labels}}} {self.counters[name]}"]
+            lines += [f"# TYPE {name} counter", f"{name}{{{labels}}} {float(self.counters[name])}"]
         lines.append("# TYPE vllm:request_success_total counter")
-        for reason in ("stop", "length", "abort"):
-            lines.append(
-                f'vllm:request_success_total{{{self.labels},finished_reason="{reason}"}} '
-                f"{self.success[reason]}"
-            )
+        for reason in FINISHED_REASONS:
+            lines.append(f"vllm:request_success_total{{{self._labels(finished_reason=reason)}}} "
+                         f"{float(self.success[reason])}")
         for name, hist in self.histograms.items():
             lines.append(f"# TYPE {name} histogram")
             cumulative = 0
             for bound, count in zip(hist.buckets, hist.counts, strict=True):
                 cumulative += count
-                lines.append(f'{name}_bucket{{{self.labels},le="{bound}"}} {cumulative}')
-            lines.append(f'{name}_bucket{{{self.labels},le="+Inf"}} {hist.count}')
-            lines.append(f"{name}_sum{{{self.labels}}} {hist.total}")
-            lines.append(f"{name}_count{{{self.labels}}} {hist.count}")
+                lines.append(f"{name}_bucket{{{self._labels(le=str(bound))}}} {float(cumulative)}")
+            lines.append(f"{name}_bucket{{{self._labels(le='+Inf')}}} {float(hist.count)}")
+            lines.append(f"{name}_sum{{{labels}}} {hist.total}")
+            lines.append(f"{name}_count{{{labels}}} {float(hist.count)}")
         return "\n".join(lines) + "\n"
