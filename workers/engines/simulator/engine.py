@@ -20,8 +20,7 @@ from dataclasses import dataclass
 
 from PIL import Image, UnidentifiedImageError
 
-from controlplane.imaging.tokens import count_image_tokens
-from controlplane.imaging.tokens.qwen import MARKERS as QWEN_MARKERS
+from controlplane.imaging.tokens import count_image_tokens, engine_image_tokens
 from controlplane.textcount import (
     MESSAGE_OVERHEAD,
     REPLY_PRIMER,
@@ -41,13 +40,6 @@ from workers.engines.simulator.sequence import BLOCK_SIZE, ImageSpan, Sequence
 from workers.engines.simulator.validation import EngineRequestError, check_options
 
 __all__ = ["CostModel", "EngineDead", "EngineRequestError", "Faults", "SimulatedEngine"]
-
-# vLLM's usage counts an image's placeholder: the positions its processor expands. Qwen-VL
-# expands only the pad between <|vision_start|> and <|vision_end|>, which the chat template
-# writes, so those two markers count as prompt tokens but not as the image's; the other
-# families' processors replace one image token with the whole expansion, markers included.
-_MARKERS_OUTSIDE_PLACEHOLDER = {"qwen2_vl": QWEN_MARKERS, "qwen2_5_vl": QWEN_MARKERS,
-                                "qwen3_vl": QWEN_MARKERS}
 
 _WORDS = ("the", "a", "of", "and", "is", "in", "on", "with", "blue", "red", "one", "two",
           "left", "top", "text", "line", "bar", "shows", "near", "edge", "sky", "tree", "cat")
@@ -233,6 +225,12 @@ class SimulatedEngine:
         keys = block_keys(runs, self.scheduler.config.block_size, salt)
         return Prompt(prompt, min(limit or budget, budget), priority, spans, keys)
 
+    def _placeholder_tokens(self, image: ImageInput) -> int:
+        """What vLLM reports as the image's tokens (its placeholder, without Qwen-VL's two
+        markers); the image's prompt positions for a family where no difference is known."""
+        counted = engine_image_tokens(self.family, image.tokens)
+        return image.tokens if counted is None else counted
+
     def reply_tokens(self, body: dict, images: list[ImageInput], max_tokens: int) -> tuple[list[str], str]:
         """Deterministic output: a description of what was received, then filler words."""
         seed = hashlib.sha256(repr(body.get("messages")).encode()).digest()
@@ -272,8 +270,7 @@ class SimulatedEngine:
                     first = False
                     yield "first", Completion(
                         prompt_tokens=prompt.tokens,
-                        image_placeholder_tokens=sum(
-                            i.tokens - _MARKERS_OUTSIDE_PLACEHOLDER.get(self.family, 0) for i in prompt.images),
+                        image_placeholder_tokens=sum(map(self._placeholder_tokens, prompt.images)),
                         cached_tokens=seq.cached_tokens,
                         created_cache_tokens=seq.created_cache_tokens,
                         tokens=tokens,
