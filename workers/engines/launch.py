@@ -30,6 +30,15 @@ class LaunchSpec:
     transformers_version: str = ""
 
     @property
+    def nice(self) -> int:
+        """Scheduling niceness of the engine's processes. vLLM's CPU build keeps its cores
+        busy while it generates (its worker threads and scheduler spin), so on a CPU node it
+        runs below the node agent and gateway, which must stay responsive to supervise and
+        route it; GPU engines compute on the GPU and run at normal priority."""
+        default = CPU_NICE_DEFAULT if self.engine_kind == "vllm" and self.device == "cpu" else 0
+        return int((self.settings or {}).get("cpu_nice", default))
+
+    @property
     def device(self) -> str:
         """"cpu" for a tier that runs on vLLM's CPU build, else "gpu"."""
         return (self.settings or {}).get("device") or "gpu"
@@ -55,6 +64,7 @@ _CPU_ENVIRONMENT = {
     "cpu_reserved_cores": "VLLM_CPU_NUM_OF_RESERVED_CPU",
 }
 CPU_KVCACHE_DEFAULT_GB = 4
+CPU_NICE_DEFAULT = 10
 # simulator-only cost parameters, passed as --sim-* flags
 _SIMULATOR = ("prefill_us_per_token", "decode_ms_per_token", "encode_us_per_image_token", "step_overhead_ms",
               "kv_cache_tokens")
@@ -127,8 +137,13 @@ def build_command(spec: LaunchSpec) -> tuple[list[str], dict[str, str]]:
         cpu_settings = {"cpu_kvcache_space_gb": CPU_KVCACHE_DEFAULT_GB, "cpu_threads_bind": "auto",
                         **{k: v for k, v in settings.items() if v is not None}}
         for key, variable in _CPU_ENVIRONMENT.items():
-            if cpu_settings.get(key) is not None:
-                env[variable] = str(cpu_settings[key])
+            value = cpu_settings.get(key)
+            if value is None:
+                continue
+            if key != "cpu_threads_bind" and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                # vLLM reads these with int() and would fail to start minutes later.
+                raise ValueError(f"{key} must be a whole number, not {value!r}")
+            env[variable] = str(value)
     if spec.max_input_pixels:
         env["VLLM_MAX_IMAGE_PIXELS"] = str(spec.max_input_pixels)
     if spec.api_key:

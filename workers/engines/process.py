@@ -13,7 +13,8 @@ from pathlib import Path
 MARKER_ENV = "VLM_ENGINE_INSTANCE"
 
 
-def spawn(argv: list[str], env: dict[str, str], *, log_path: Path, instance_id: str, cwd: str) -> int:
+def spawn(argv: list[str], env: dict[str, str], *, log_path: Path, instance_id: str, cwd: str,
+          nice: int = 0) -> int:
     log_path.parent.mkdir(parents=True, exist_ok=True)
     full_env = {**os.environ, **env, MARKER_ENV: str(instance_id)}
     with open(log_path, "ab", buffering=0) as log:
@@ -22,6 +23,13 @@ def spawn(argv: list[str], env: dict[str, str], *, log_path: Path, instance_id: 
             argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
             env=full_env, cwd=cwd, start_new_session=True, close_fds=True,
         )
+    if nice:
+        # Set from here rather than in a preexec_fn (unsafe in the agent's threads): the
+        # engine forks its workers only after seconds of imports, and they inherit it.
+        try:
+            os.setpriority(os.PRIO_PROCESS, process.pid, nice)
+        except OSError:
+            pass
     return process.pid
 
 

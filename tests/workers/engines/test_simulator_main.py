@@ -20,7 +20,7 @@ def test_it_refuses_to_start_with_auto_tool_choice_but_no_parser(capsys):
     assert "--enable-auto-tool-choice requires --tool-call-parser" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("environ, limit", [({}, None), ({"VLLM_MAX_IMAGE_PIXELS": "50000000"}, 50_000_000),
+@pytest.mark.parametrize("environ, limit", [({}, 178_956_970), ({"VLLM_MAX_IMAGE_PIXELS": "50000000"}, 50_000_000),
                                             ({"VLLM_MAX_IMAGE_PIXELS": "0"}, None)])
 def test_it_reads_the_image_pixel_limit_from_the_environment(environ, limit):
     assert engine_from_args(parse_args(MODEL), environ).max_image_pixels == limit

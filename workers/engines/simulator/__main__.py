@@ -62,11 +62,14 @@ def parse_args(argv=None):
     return args
 
 
+VLLM_MAX_IMAGE_PIXELS_DEFAULT = 178_956_970  # vllm/envs.py (0.32): Pillow's decompression-bomb bound
+
+
 def _max_image_pixels(environ) -> int | None:
-    """VLLM_MAX_IMAGE_PIXELS as vLLM reads it (0 or less: no limit); unset: no limit here."""
+    """VLLM_MAX_IMAGE_PIXELS as vLLM reads it (0 or less: no limit; unset: vLLM's default)."""
     value = environ.get("VLLM_MAX_IMAGE_PIXELS", "")
     try:
-        limit = int(value) if value else 0
+        limit = int(value) if value else VLLM_MAX_IMAGE_PIXELS_DEFAULT
     except ValueError:
         sys.exit(f"simulator: VLLM_MAX_IMAGE_PIXELS must be an integer, not {value!r}")
     return limit if limit > 0 else None

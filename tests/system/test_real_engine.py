@@ -1,0 +1,259 @@
+"""The real vLLM (its CPU build, serving a tiny Qwen2.5-VL made at test time) behind the
+gateway, launched and supervised by the node agent of the started system, as in production.
+
+One engine serves every test here; the ones that kill, stop or drain it come last.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+
+import httpx
+import openai
+import pytest
+from django.utils import timezone
+
+from controlplane.fleet.models import EngineEvent, EngineInstance, EngineMetricSample
+from controlplane.imaging.tokens import engine_image_tokens
+from controlplane.metering.models import UsageEvent
+from tests.images import data_url, image_bytes
+from tests.system.conftest import REAL_TIER
+from tests.system.harness import wait_for
+
+pytestmark = [pytest.mark.system, pytest.mark.xdist_group("system")]
+
+
+@pytest.fixture
+def client(system, real_engine):
+    return openai.OpenAI(base_url=f"{system.base_url}/v1", api_key=system.api_key, max_retries=0)
+
+
+def metered(system_db, request_id):
+    return wait_for(lambda: UsageEvent.objects.using(system_db).filter(request_id=request_id).first(),
+                    timeout=20, what=f"the usage event of {request_id}")
+
+
+def _content(*images, detail=None, text="What is in this picture?"):
+    parts = [{"type": "text", "text": text}]
+    for image in images:
+        url = {"url": data_url(image)} if detail is None else {"url": data_url(image), "detail": detail}
+        parts.append({"type": "image_url", "image_url": url})
+    return [{"role": "user", "content": parts}]
+
+
+def _ask(client, messages, **extra):
+    raw = client.chat.completions.with_raw_response.create(model=REAL_TIER, messages=messages, max_tokens=4, **extra)
+    return raw.parse(), raw.headers["x-request-id"]
+
+
+CASES = {
+    "hd photo": dict(images=[image_bytes(1920, 1080)]),
+    "vga photo": dict(images=[image_bytes(640, 480)]),
+    "tiny icon": dict(images=[image_bytes(40, 30)]),  # grown to the processor's minimum
+    "portrait": dict(images=[image_bytes(750, 1334)]),
+    "three images": dict(images=[image_bytes(800, 600), image_bytes(300, 300), image_bytes(1024, 200)]),
+    "receipt cut into tiles": dict(images=[image_bytes(400, 12000)]),  # past the policy's aspect bound
+    "low detail": dict(images=[image_bytes(1920, 1080)], detail="low"),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_the_gateway_counts_image_tokens_as_the_real_engine_does(client, system_db, case):
+    spec = CASES[case]
+    completion, request_id = _ask(client, _content(*spec["images"], detail=spec.get("detail")))
+    details = completion.usage.prompt_tokens_details
+    event = metered(system_db, request_id)
+    lines = list(event.images.order_by("position"))
+    if case == "receipt cut into tiles":
+        assert len(lines) > 1
+    # vLLM counts each image's placeholders; the gateway also counts the two markers around
+    # each image, which are prompt positions too. Both agree, image by image.
+    assert details.multimodal_tokens == {"image": sum(engine_image_tokens("qwen2_5_vl", line.tokens) for line in lines)}
+    assert details.image_tokens == event.image_tokens == sum(line.tokens for line in lines)
+    assert (event.engine_image_tokens, event.image_tokens_disagree) == (details.multimodal_tokens["image"], False)
+    assert event.text_tokens + event.image_tokens == completion.usage.prompt_tokens
+    assert event.output_tokens == completion.usage.completion_tokens
+
+
+def test_low_detail_costs_the_real_engine_fewer_tokens(client):
+    photo = image_bytes(1920, 1080)
+    high, _ = _ask(client, _content(photo, detail="high"))
+    low, _ = _ask(client, _content(photo, detail="low"))
+    assert low.usage.prompt_tokens_details.multimodal_tokens["image"] < high.usage.prompt_tokens_details.multimodal_tokens["image"]
+
+
+def test_a_stream_from_the_real_engine_ends_with_its_usage(client, system_db):
+    raw = client.chat.completions.with_raw_response.create(
+        model=REAL_TIER, messages=_content(image_bytes(1280, 720)), max_tokens=16, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True})  # random weights may stop early
+    chunks = list(raw.parse())
+    usage = chunks[-1].usage
+    assert usage.completion_tokens == 16 and not chunks[-1].choices
+    # 1280x720 within the policy: 46 x 26 merged patches, plus the two markers.
+    assert usage.prompt_tokens_details.image_tokens == 1198
+    assert usage.prompt_tokens_details.multimodal_tokens == {"image": 1196}
+    event = metered(system_db, raw.headers["x-request-id"])
+    assert (event.stream, event.status, event.output_tokens) == (True, "ok", 16)
+    assert (event.engine_image_tokens, event.image_tokens_disagree) == (1196, False)
+
+
+def test_a_repeated_image_is_served_from_the_real_engines_prefix_cache(client, system_db):
+    messages = _content(image_bytes(1024, 768, color=(10, 200, 90)), text="Describe the colours.")
+    first, _ = _ask(client, messages)
+    second, request_id = _ask(client, messages)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    # vLLM's CPU build caches whole blocks of 128 tokens, and never the prompt's last token.
+    assert cached == (second.usage.prompt_tokens - 1) // 128 * 128 > 0
+    assert metered(system_db, request_id).cached_tokens == cached
+
+
+def test_the_real_engines_metrics_are_scraped_into_samples(client, system_db, real_engine):
+    _ask(client, _content(image_bytes(640, 480)))
+
+    def sampled():
+        sample = EngineMetricSample.objects.using(system_db).filter(instance_id=real_engine.pk).first()
+        return sample if sample and sample.mm_cache_queries > 0 and sample.prefix_cache_queries > 0 else None
+
+    sample = wait_for(sampled, timeout=30, interval=0.5, what="a scrape that saw image requests")
+    assert sample.prompt_tokens > 0 and sample.generation_tokens > 0
+    assert 0 <= sample.kv_cache_usage <= 1 and sample.running >= 0 and sample.waiting >= 0
+    assert sample.ttft is not None and sample.ttft["count"] > 0
+
+
+def _shape(value):
+    """A JSON value's keys all the way down (what a client's parser depends on), not its numbers."""
+    if isinstance(value, dict):
+        return {k: _shape(v) for k, v in value.items()}
+    return type(value).__name__ if value is not None else None
+
+
+def _engine_call(instance, body, path="/v1/chat/completions"):
+    return httpx.post(f"{instance.base_url}{path}", json=body, timeout=60,
+                      headers={"Authorization": f"Bearer {instance.api_key}"})
+
+
+SAME_REQUESTS = {
+    "image": {"max_tokens": 3, "messages": "image"},
+    "stream_options without stream": {"max_tokens": 3, "stream_options": {"include_usage": True}},
+    "top_logprobs without logprobs": {"max_tokens": 3, "top_logprobs": 2},
+    "tools without a parser": {"max_tokens": 3, "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]},
+    "priority on a first-come engine": {"max_tokens": 3, "priority": 5},
+    "no messages": {"max_tokens": 3, "messages": []},
+}
+
+
+def test_the_simulator_answers_as_the_real_engine_does(system_db, real_engine):
+    simulator = EngineInstance.objects.using(system_db).select_related("tier", "node").get(tier__name="vlm-lite")
+    image = _content(image_bytes(1280, 720))
+    text = [{"role": "user", "content": "hello there"}]
+    answers = {}
+    for name, request in SAME_REQUESTS.items():
+        body = {**request, "messages": image if request.get("messages") == "image" else request.get("messages", text)}
+        answers[name] = [_engine_call(engine, {**body, "model": engine.tier.name}) for engine in (real_engine, simulator)]
+    assert {name: [a.status_code for a in pair] for name, pair in answers.items()} == {
+        name: [pair[0].status_code] * 2 for name, pair in answers.items()}
+    assert answers["image"][0].status_code == 200 and answers["stream_options without stream"][0].status_code == 400
+    real, simulated = (a.json()["usage"] for a in answers["image"])
+    assert _shape(simulated) == _shape(real)
+    assert simulated["prompt_tokens_details"]["multimodal_tokens"] == real["prompt_tokens_details"]["multimodal_tokens"]
+    for name in ("stream_options without stream", "top_logprobs without logprobs"):
+        real_error, simulated_error = (a.json()["error"] for a in answers[name])
+        assert (simulated_error["message"], simulated_error["param"]) == (real_error["message"], real_error["param"])
+
+
+def test_the_simulators_stream_usage_and_metrics_are_named_as_the_real_engines(system_db, real_engine):
+    simulator = EngineInstance.objects.using(system_db).select_related("tier", "node").get(tier__name="vlm-lite")
+    usages = []
+    for engine in (real_engine, simulator):
+        body = {"model": engine.tier.name, "messages": _content(image_bytes(640, 480)), "max_tokens": 3,
+                "stream": True, "stream_options": {"include_usage": True}}
+        with httpx.stream("POST", f"{engine.base_url}/v1/chat/completions", json=body, timeout=60,
+                          headers={"Authorization": f"Bearer {engine.api_key}"}) as response:
+            chunks = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+        usages.append(json.loads(chunks[-2])["usage"])
+    assert _shape(usages[1]) == _shape(usages[0])
+
+    def names(engine):
+        text = httpx.get(f"{engine.base_url}/metrics", timeout=10).text
+        return {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line.startswith("vllm:")}
+
+    assert names(simulator) <= names(real_engine)
+
+
+def _instance(system_db, pk):
+    return EngineInstance.objects.using(system_db).get(pk=pk)
+
+
+def test_a_stopped_real_engine_leaves_rotation_within_30_seconds(system, system_db, real_engine):
+    pid = _instance(system_db, real_engine.pk).pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        event = wait_for(lambda: EngineEvent.objects.using(system_db).filter(
+            instance_id=real_engine.pk, to_state="unhealthy").first(), timeout=30, what="the hang to be noticed")
+        assert "out of rotation" in event.reason
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    wait_for(lambda: _instance(system_db, real_engine.pk).actual_state == "running", timeout=30,
+             what="the engine back in rotation")
+
+
+def test_the_node_agent_brings_back_a_real_engine_killed_with_sigkill(system, system_db, real_engine):
+    old_pid = _instance(system_db, real_engine.pk).pid
+    os.kill(old_pid, signal.SIGKILL)
+    wait_for(lambda: EngineEvent.objects.using(system_db).filter(
+        instance_id=real_engine.pk, to_state__in=["crashed", "crash_loop"]).first(), timeout=15,
+        what="the crash to be noticed")
+
+    def back():
+        current = _instance(system_db, real_engine.pk)
+        return current.pid not in (None, old_pid) and current.actual_state == "running" and current.healthy
+
+    wait_for(back, timeout=300, interval=1, what="vLLM restarted and serving")
+    system.wait_for_engines(tiers=(REAL_TIER,), timeout=30)
+
+
+def test_draining_a_real_engine_lets_its_running_requests_finish(system, system_db, real_engine):
+    from controlplane.catalog.models import ModelTier
+
+    # No replacement: the tier's last test; its engine is not started again.
+    ModelTier.objects.using(system_db).filter(name=REAL_TIER).update(replicas=0)
+    generating, results = threading.Semaphore(0), []
+
+    def long_stream():
+        with httpx.stream("POST", f"{system.base_url}/v1/chat/completions", timeout=120,
+                          headers={"Authorization": f"Bearer {system.api_key}"},
+                          json={"model": REAL_TIER, "max_tokens": LONG, "stream": True, "ignore_eos": True,
+                                "messages": [{"role": "user", "content": "Count to a thousand."}]}) as response:
+            lines = response.iter_lines()
+            first = next(lines)
+            generating.release()
+            # Read on: a client that stops reading its stream holds up vLLM's other requests.
+            rest = [line for line in lines if line.startswith("data:")]
+            results.append((response.status_code, [first, *rest], timezone.now()))
+
+    streams = [threading.Thread(target=long_stream) for _ in range(STREAMS)]
+    for stream in streams:
+        stream.start()
+    for _ in streams:
+        assert generating.acquire(timeout=60), "a stream never started"
+    # What the Fleet page's Drain does (instance_action), without a second process's start-up.
+    EngineInstance.objects.using(system_db).filter(pk=real_engine.pk).update(drain=True, desired_state="stopped")
+    for stream in streams:
+        stream.join(timeout=120)
+    events = EngineEvent.objects.using(system_db).filter(instance_id=real_engine.pk)
+    assert [(status, lines[-1]) for status, lines, _ in results] == [(200, "data: [DONE]")] * STREAMS, [
+        (e.created_at.time(), e.to_state, e.reason) for e in events.order_by("created_at")]
+    draining = wait_for(lambda: events.filter(to_state="draining").first(), timeout=30, what="the drain to begin")
+    assert draining.created_at < min(ended for _, _, ended in results), "the requests ended before the drain"
+    stopped = wait_for(lambda: events.filter(to_state="stopped").first(), timeout=60, what="the drained engine to stop")
+    assert stopped.reason.startswith("drained after")
+    finished = UsageEvent.objects.using(system_db).filter(tier__name=REAL_TIER, output_tokens=LONG)
+    assert wait_for(lambda: finished.filter(status="ok").count() == STREAMS, timeout=20, what="every stream metered")
+
+
+STREAMS, LONG = 2, 6900  # answering at length together: 15 s or so on two cores
