@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import datetime as dt
+
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.core.exceptions import PermissionDenied
@@ -26,6 +28,7 @@ from controlplane.dashboard.selectors import (
     usage_totals,
 )
 from controlplane.fleet.models import EngineEvent, EngineInstance
+from controlplane.metering.selectors import image_count_disagreements
 from controlplane.tenants import roles
 from controlplane.tenants.models import ApiKey
 from controlplane.tenants.services import api_key_create, api_key_revoke
@@ -125,6 +128,7 @@ def fleet(request):
         "instances": instances,
         "events": EngineEvent.objects.select_related("instance__tier")[:40],
         "external_tiers": ModelTier.objects.filter(engine_kind=ModelTier.EngineKind.EXTERNAL),
+        "disagreements": image_count_disagreements(since=timezone.now() - dt.timedelta(hours=24)),
     })
 
 

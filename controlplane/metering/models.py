@@ -53,7 +53,12 @@ class UsageEvent(models.Model):
 
     class Meta:
         ordering = ["-created_at"]
-        indexes = [models.Index(fields=["tenant", "created_at"])]
+        indexes = [
+            models.Index(fields=["tenant", "created_at"]),
+            # The rare events whose engine counted other image tokens, shown per tier.
+            models.Index(fields=["tier", "created_at"], condition=models.Q(image_tokens_disagree=True),
+                         name="usage_image_count_disagree"),
+        ]
 
     def __str__(self):
         return self.request_id

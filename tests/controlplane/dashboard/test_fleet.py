@@ -88,3 +88,18 @@ def test_the_control_plane_exposes_its_own_prometheus_metrics(client, fleet, set
     settings.METRICS_TOKEN = "scrape-me"
     assert client.get("/metrics").status_code == 401
     assert client.get("/metrics", HTTP_AUTHORIZATION="Bearer scrape-me").status_code == 200
+
+
+def test_operators_see_which_tiers_engines_counted_other_image_tokens(client, fleet):
+    from controlplane.metering.services import UsageRecord, usage_record
+
+    world, _, running = fleet
+    client.force_login(world.operator)
+    assert "Every engine counted the image tokens" in client.get("/fleet/").content.decode()
+    for n, disagree in enumerate((True, True, False)):
+        usage_record(record=UsageRecord(request_id=f"req_{n}", tenant_id=world.alice.pk, api_key_id=None,
+                                 tier_id=world.vision.pk, instance_id=running.pk, image_tokens=1198,
+                                 engine_image_tokens=1190 if disagree else 1196, image_tokens_disagree=disagree))
+    section = client.get("/fleet/").content.decode().split('id="image-count-disagreements"')[1].split("</section>")[0]
+    assert "billed at the gateway's count" in section
+    assert f"<td>{world.vision.name}</td><td>2</td>" in section
