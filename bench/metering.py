@@ -169,9 +169,9 @@ def usage_records(world: World, count: int, label: str) -> list:
             for position in range((0, 0, 1, 1, 1, 2, 3, 4)[(i // 3) % 8]):
                 line = ImageLine(source_format="JPEG", source_width=4000, source_height=3000, width=1148,
                                  height=868, fingerprint=f"{i:012x}{position:04x}")
-                images.append((line, 1274, position == 0 and i % 4 == 0))
+                images.append((line, 1274, 1152 if position == 0 and i % 4 == 0 else 0))
         image_tokens = sum(tokens for _, tokens, _ in images)
-        cached_image = sum(tokens for _, tokens, cached in images if cached)
+        cached_image = sum(cached for _, _, cached in images)
         records.append(UsageRecord(
             request_id=f"{label}-{i}", tenant_id=world.tenants[tenant],
             api_key_id=world.keys[tenant * KEYS_PER_TENANT + i % KEYS_PER_TENANT],

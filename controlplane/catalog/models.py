@@ -164,3 +164,20 @@ class ModelTier(models.Model):
     def clean(self):
         if self.kind == self.Kind.VISION and self.resolution_policy_id is None:
             raise ValidationError("a vision tier needs a resolution policy")
+
+
+class TierTokenizer(models.Model):
+    """A tier's own tokenizer and chat template, with which the gateway counts prompts
+    exactly. Published by the node agent from the model it launched, or uploaded by an
+    operator (`manage.py tier_tokenizer`)."""
+
+    tier = models.OneToOneField(ModelTier, on_delete=models.CASCADE, related_name="tokenizer")
+    tokenizer_json = models.TextField(help_text="The model's tokenizer.json (fast tokenizer)")
+    chat_template = models.TextField()
+    special_tokens = models.JSONField(default=dict, blank=True, help_text="bos_token, eos_token")
+    digest = models.CharField(max_length=64, help_text="sha256 of the three above")
+    source = models.CharField(max_length=255, help_text="Where it came from")
+    updated_at = models.DateTimeField(auto_now=True)
+
+    def __str__(self):
+        return f"tokenizer of {self.tier}"

@@ -196,9 +196,10 @@ async def _forward(request_id: str, key: state.KeyInfo, tier: TierSpec, prepared
         request_id=request_id, tenant_id=key.tenant_id, api_key_id=key.key_id, tier_id=tier.id,
         reservation=reservation,
         stream=bool(prepared.body.get("stream")), images=[
-            (p.image, p.tokens, False) for p in prepared.images
+            (p.image, p.tokens, 0) for p in prepared.images
         ],
         image_tokens=prepared.image_tokens, text_tokens=prepared.text_tokens,
+        counted_prompt_tokens=prepared.text_tokens + prepared.image_tokens, prompt_estimated=prepared.estimated,
     )
     large = prepared.image_tokens > tier.large_image_threshold
     fingerprints = tuple(p.image.fingerprint for p in prepared.images)
@@ -329,10 +330,11 @@ def _apply_usage(record: UsageRecord, usage: dict | None, prepared: Prepared, fa
     record.text_tokens = max(0, prompt - record.image_tokens) if prompt else record.text_tokens
     record.output_tokens = int(usage.get("completion_tokens") or 0)
     record.cached_tokens = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
-    # The engine reports one number of cached prompt tokens: the prefix it reused. An image
-    # was served from that cache when all of it lies inside the prefix.
-    record.images = [(p.image, p.tokens, p.position + p.tokens <= record.cached_tokens) for p in prepared.images]
-    record.cached_image_tokens = sum(tokens for _, tokens, cached in record.images if cached)
+    # The engine reports one number of cached prompt tokens: the prefix it reused, in whole
+    # KV blocks. Each image's cached share is the part of its positions inside that prefix.
+    record.images = [(p.image, p.tokens, max(0, min(p.tokens, record.cached_tokens - p.position)))
+                     for p in prepared.images]
+    record.cached_image_tokens = sum(cached for _, _, cached in record.images)
     record.engine_image_tokens = _engine_image_tokens(usage)
     expected = [engine_image_tokens(family, p.tokens) for p in prepared.images]
     if prepared.images and None not in expected:

@@ -14,7 +14,8 @@ from controlplane.imaging.fetch import FetchPolicy
 from controlplane.imaging.fingerprint import FingerprintIndex
 from controlplane.imaging.intake import image_source_bytes
 from controlplane.imaging.policy import NormalisedImage, Policy, normalise_tiles
-from controlplane.imaging.tokens import count_image_tokens
+from controlplane.imaging.tokens import count_image_tokens, image_markers
+from controlplane.prompts import TemplateError
 from controlplane.textcount import image_positions, prompt_text_tokens
 
 # Re-encodings of a picture this process has seen get that picture's fingerprint.
@@ -45,6 +46,7 @@ class TierSpec:
     large_image_concurrency: int = 2  # per gateway process, when the tier has no large-image pool
     fetch_policy: FetchPolicy | None = None  # None: image URLs are refused
     tool_calls: bool = False  # the engine runs with a tool-call parser (engine setting tool_call_parser)
+    tokenizer: object = None  # the model's ChatTokenizer (controlplane.prompts), when the tier has one
 
 
 @dataclass
@@ -59,6 +61,9 @@ class Prepared:
     body: dict
     images: list[PreparedImage] = field(default_factory=list)
     text_tokens: int = 0
+    # True when text_tokens and the images' positions are the estimate, not the model's
+    # own tokenizer's count (the tier has none, or its chat template failed on the request).
+    estimated: bool = True
 
     @property
     def image_tokens(self) -> int:
@@ -183,6 +188,7 @@ async def prepare(body: dict, tier: TierSpec, *, max_image_bytes: int) -> Prepar
     prepared = Prepared(body=body, text_tokens=prompt_text_tokens(body["messages"]))
     if parts:
         await _prepare_images(prepared, parts, tier, max_image_bytes=max_image_bytes)
+    _lay_out(prepared, tier)
     # Always bounded: without a limit the engine would generate up to the rest of its context.
     room = tier.max_model_len - prepared.text_tokens - prepared.image_tokens
     if room < 1:
@@ -244,6 +250,22 @@ async def _prepare_images(prepared: Prepared, parts: list[dict], tier: TierSpec,
                 new for part in content
                 for new in (replacements.get(id(part)) or [part])
             ]
-    positions = image_positions(body["messages"], [p.tokens for p in prepared.images])
+
+
+
+def _lay_out(prepared: Prepared, tier: TierSpec) -> None:
+    """Text tokens and image positions: exact with the tier's tokenizer, else the estimate."""
+    messages, image_tokens = prepared.body["messages"], [p.tokens for p in prepared.images]
+    markers = image_markers(tier.family)
+    layout = None
+    if tier.tokenizer is not None and (markers is not None or not image_tokens):
+        try:
+            layout = tier.tokenizer.layout(messages, image_tokens, markers=markers or 0)
+        except TemplateError:
+            layout = None  # the engine's own template will say what is wrong, if anything is
+    if layout is not None:
+        prepared.text_tokens, positions, prepared.estimated = layout.text_tokens, layout.image_positions, False
+    else:
+        positions = image_positions(messages, image_tokens)
     for image, position in zip(prepared.images, positions, strict=True):
         image.position = position

@@ -8,6 +8,7 @@ hot path. A revoked key stops working once its cache entry expires
 from __future__ import annotations
 
 import hashlib
+import logging
 import time
 from dataclasses import dataclass
 
@@ -19,6 +20,8 @@ from controlplane.gateway.admission import Limits
 from controlplane.gateway.prepare import TierSpec
 from controlplane.imaging.fetch import FetchPolicy
 from controlplane.imaging.tokens import processor_options
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -120,11 +123,37 @@ async def key_info(secret: str) -> KeyInfo | None:
     return None if cached is _MISSING else cached
 
 
+_tokenizers: dict[int, tuple[str, object]] = {}  # tier id -> (digest, ChatTokenizer)
+
+
+def _tier_tokenizers(tier_ids) -> dict:
+    """Each tier's ChatTokenizer, built again only when its files changed (a Qwen
+    tokenizer.json is megabytes: the cache refresh reads only the digests)."""
+    from controlplane.catalog.models import TierTokenizer
+    from controlplane.prompts import ChatTokenizer
+
+    found = {}
+    for tier_id, digest in TierTokenizer.objects.filter(tier_id__in=tier_ids).values_list("tier_id", "digest"):
+        cached = _tokenizers.get(tier_id)
+        if cached is None or cached[0] != digest:
+            row = TierTokenizer.objects.get(tier_id=tier_id)
+            try:
+                cached = (digest, ChatTokenizer(row.tokenizer_json, row.chat_template, special=row.special_tokens))
+            except Exception:  # noqa: BLE001 - a broken upload: the estimate serves instead
+                log.exception("the tokenizer of tier %s does not load", tier_id)
+                cached = (digest, None)
+            _tokenizers[tier_id] = cached
+        found[tier_id] = cached[1]
+    return found
+
+
 def _load_tiers() -> dict[str, TierSpec]:
     from controlplane.catalog.models import ModelTier
 
     specs = {}
-    for tier in ModelTier.objects.filter(enabled=True).select_related("resolution_policy"):
+    tiers = list(ModelTier.objects.filter(enabled=True).select_related("resolution_policy"))
+    tokenizers = _tier_tokenizers([t.pk for t in tiers])
+    for tier in tiers:
         policy = tier.resolution_policy.as_policy() if tier.resolution_policy else None
         options = (
             processor_options(tier.family, min_pixels=policy.min_pixels, max_pixels=policy.max_pixels)
@@ -155,6 +184,7 @@ def _load_tiers() -> dict[str, TierSpec]:
             price_plan_id=tier.price_plan_id,
             fetch_policy=fetch,
             tool_calls=bool(engine.get("tool_call_parser")),
+            tokenizer=tokenizers.get(tier.pk),
         )
     return specs
 

@@ -28,7 +28,7 @@ from controlplane.metering.services import billed
 from controlplane.metering.statements import month_bounds
 
 IMAGE_COLUMNS = ["tenant", "request_id", "time", "tier", "source_width", "source_height", "sent_width",
-                 "sent_height", "image_tokens", "cache_hit", "cost_usd"]
+                 "sent_height", "image_tokens", "cached_image_tokens", "cost_usd"]
 SUMMARY_COUNTERS = ("requests", "images", "image_tokens", "cached_image_tokens", "text_tokens", "output_tokens")
 SUMMARY_AMOUNTS = ("cost", "cache_savings")
 SUMMARY_COLUMNS = ["tenant", "month", "line", "tier", *SUMMARY_COUNTERS, "cost_usd", "cache_savings_usd"]
@@ -55,17 +55,17 @@ class ImagePrices:
         self._rates: dict[int, list[tuple[dt.datetime, Rates]]] = {}
         self._prices: dict[tuple, Decimal] = {}
 
-    def price(self, plan_id: int, when: dt.datetime, tokens: int, cached: bool) -> Decimal | None:
+    def price(self, plan_id: int, when: dt.datetime, tokens: int, cached_tokens: int) -> Decimal | None:
         rates = self._rates.get(plan_id)
         if rates is None:
             rates = self._rates[plan_id] = [(r.effective_from, r.as_rates()) for r in
                                             PriceRate.objects.filter(plan_id=plan_id).order_by("-effective_from")]
         for index, (effective_from, rate) in enumerate(rates):
             if effective_from <= when:
-                key = (plan_id, index, tokens, cached)
+                key = (plan_id, index, tokens, cached_tokens)
                 if key not in self._prices:
                     self._prices[key] = price(Usage(image_tokens=tokens, images=1,
-                                                    cached_image_tokens=tokens if cached else 0), rate)
+                                                    cached_image_tokens=cached_tokens), rate)
                 return self._prices[key]
         return None
 
@@ -78,7 +78,7 @@ def per_image_rows(*, since: dt.datetime, until: dt.datetime, tenants) -> Iterat
                                         event__tenant__in=tenants)
               .order_by("event__created_at", "event_id", "position")
               .values_list("event__tenant__name", "event__request_id", "event__created_at", "event__tier__name",
-                           "source_width", "source_height", "width", "height", "tokens", "cached",
+                           "source_width", "source_height", "width", "height", "tokens", "cached_tokens",
                            "event__tier__price_plan_id"))
     for *row, plan_id in images.iterator(chunk_size=2000):
         yield [*row, prices.price(plan_id, row[2], row[8], row[9])]

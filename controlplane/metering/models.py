@@ -43,6 +43,10 @@ class UsageEvent(models.Model):
     # The engine's count is not what the gateway's count implies: billed at the gateway's
     # count (what admission reserved), flagged here and counted on the tier for review.
     image_tokens_disagree = models.BooleanField(default=False)
+    # What the gateway counted before forwarding (text and images), which it reserved
+    # against the quota; estimated when the tier had no tokenizer of its own.
+    counted_prompt_tokens = models.PositiveIntegerField(null=True, blank=True)
+    prompt_estimated = models.BooleanField(default=True)
     text_tokens = models.PositiveIntegerField(default=0)
     output_tokens = models.PositiveIntegerField(default=0)
     cost = models.DecimalField(max_digits=14, decimal_places=6, default=Decimal("0"))
@@ -74,7 +78,9 @@ class UsageImage(models.Model):
     height = models.PositiveIntegerField()
     tokens = models.PositiveIntegerField()
     fingerprint = models.CharField(max_length=32, db_index=True)
-    cached = models.BooleanField(default=False, help_text="Served from the engine's prefix cache")
+    cached = models.BooleanField(default=False, help_text="Served from the engine's prefix cache, wholly or in part")
+    # Its share of the engine's cached prefix: the positions of the image inside it.
+    cached_tokens = models.PositiveIntegerField(default=0)
 
     class Meta:
         ordering = ["event", "position"]

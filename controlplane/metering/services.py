@@ -35,16 +35,20 @@ class UsageRecord:
     api_key_id: int | None
     tier_id: int
     stream: bool = False
-    images: list = field(default_factory=list)  # (NormalisedImage, tokens, served from cache)
+    images: list = field(default_factory=list)  # (NormalisedImage, tokens, of which from the prefix cache)
     image_tokens: int = 0
     text_tokens: int = 0
     output_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens the engine reused from its prefix cache
-    cached_image_tokens: int = 0  # of which image tokens (whole images inside the cached prefix)
+    cached_image_tokens: int = 0  # of which image tokens (each image's share of the cached prefix)
     # The engine's own count of image tokens (vLLM's multimodal_tokens.image), None when it
     # reported none; and whether it disagrees with the gateway's image_tokens.
     engine_image_tokens: int | None = None
     image_tokens_disagree: bool = False
+    # The gateway's own prompt count before forwarding (text and images), and whether its
+    # text part was the estimate rather than the tier's tokenizer's exact count.
+    counted_prompt_tokens: int | None = None
+    prompt_estimated: bool = True
     instance_id: int | None = None
     status: str = "ok"
     http_status: int = 200
@@ -56,9 +60,10 @@ class UsageRecord:
 
 _SCALARS = ("request_id", "tenant_id", "api_key_id", "tier_id", "stream", "image_tokens", "text_tokens",
             "output_tokens", "cached_tokens", "cached_image_tokens", "instance_id", "status", "http_status",
-            "latency_ms", "engine_image_tokens", "image_tokens_disagree")
+            "latency_ms", "engine_image_tokens", "image_tokens_disagree", "counted_prompt_tokens", "prompt_estimated")
 # Fields newer than some records already in flight (streams and journals outlive a deploy).
-_SCALAR_DEFAULTS = {"engine_image_tokens": None, "image_tokens_disagree": False}
+_SCALAR_DEFAULTS = {"engine_image_tokens": None, "image_tokens_disagree": False, "counted_prompt_tokens": None,
+                    "prompt_estimated": True}
 _IMAGE_FIELDS = ("source_format", "source_width", "source_height", "width", "height", "fingerprint")
 
 
@@ -87,13 +92,20 @@ def usage_from_json(data: dict) -> UsageRecord:
     record = UsageRecord(**{name: data[name] if name not in _SCALAR_DEFAULTS else
                             data.get(name, _SCALAR_DEFAULTS[name]) for name in _SCALARS})
     record.created_at = dt.datetime.fromisoformat(data["created_at"])
-    record.images = [(ImageLine(**image), tokens, cached) for image, tokens, cached in data["images"]]
+    record.images = _lines([(ImageLine(**image), tokens, cached) for image, tokens, cached in data["images"]])
     return record
 
 
 def _lines(images: list) -> list:
-    # (image, tokens) pairs are images not served from a cache.
-    return [item if len(item) == 3 else (*item, False) for item in images]
+    """(image, tokens, cached tokens) lines. A pair is an image none of which came from the
+    cache; a flag (records made before shares were kept) means all of it or none."""
+    lines = []
+    for item in images:
+        image, tokens, cached = item if len(item) == 3 else (*item, 0)
+        if isinstance(cached, bool):
+            cached = tokens if cached else 0
+        lines.append((image, tokens, int(cached)))
+    return lines
 
 
 def is_billable(record: UsageRecord) -> bool:
@@ -213,6 +225,8 @@ def _usage_rows(record: UsageRecord, tier: ModelTier, rate_at) -> tuple[UsageEve
         cached_image_tokens=cached_image,
         engine_image_tokens=record.engine_image_tokens,
         image_tokens_disagree=record.image_tokens_disagree,
+        counted_prompt_tokens=record.counted_prompt_tokens,
+        prompt_estimated=record.prompt_estimated,
         text_tokens=record.text_tokens,
         output_tokens=record.output_tokens,
         cost=cost,
@@ -230,7 +244,8 @@ def _usage_rows(record: UsageRecord, tier: ModelTier, rate_at) -> tuple[UsageEve
             height=image.height,
             tokens=tokens,
             fingerprint=image.fingerprint,
-            cached=cached,
+            cached=cached > 0,
+            cached_tokens=cached,
         )
         for position, (image, tokens, cached) in enumerate(record.images)
     ]
@@ -304,7 +319,7 @@ def _image_costs_rewrite(day: dt.date) -> None:
     report lists (those of billed requests), each priced as it prices them, at the rate in
     effect when sent.
 
-    Images are counted in SQL by (tenant, tier, plan, tokens, cached), and each such group is
+    Images are counted in SQL by (tenant, tier, plan, tokens, cached tokens), and each such group is
     priced once, so the run reads no image row into Python however many there are.
     """
     from controlplane.metering.exports import ImagePrices
@@ -318,12 +333,12 @@ def _image_costs_rewrite(day: dt.date) -> None:
     for since, until in itertools.pairwise([start, *sorted(set(changes)), end]):
         groups = (
             UsageImage.objects.filter(billed("event__"), event__created_at__gte=since, event__created_at__lt=until)
-            .values("event__tenant_id", "event__tier_id", "event__tier__price_plan_id", "tokens", "cached")
+            .values("event__tenant_id", "event__tier_id", "event__tier__price_plan_id", "tokens", "cached_tokens")
             .annotate(count=Count("id"))
             .order_by()
         )
         for group in groups:
-            each = prices.price(group["event__tier__price_plan_id"], since, group["tokens"], group["cached"])
+            each = prices.price(group["event__tier__price_plan_id"], since, group["tokens"], group["cached_tokens"])
             key = (group["event__tenant_id"], group["event__tier_id"], ImageCostHistogram.bucket(each))
             row = bins.get(key)
             if row is None:

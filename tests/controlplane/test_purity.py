@@ -20,6 +20,7 @@ PURE_MODULES = [
     "controlplane.imaging.intake",
     "controlplane.imaging.kv",
     "controlplane.textcount",
+    "controlplane.prompts",
     "controlplane.metering.rating",
     "controlplane.gateway.prepare",
     "workers.engines.launch",

@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import threading
+from pathlib import Path
 
 import httpx
 import openai
@@ -76,6 +77,24 @@ def test_the_gateway_counts_image_tokens_as_the_real_engine_does(client, system_
     assert (event.engine_image_tokens, event.image_tokens_disagree) == (details.multimodal_tokens["image"], False)
     assert event.text_tokens + event.image_tokens == completion.usage.prompt_tokens
     assert event.output_tokens == completion.usage.completion_tokens
+    # The gateway counted the whole prompt before forwarding, with the tier's own tokenizer
+    # and chat template (published by the node agent from the model it launched).
+    assert (event.counted_prompt_tokens, event.prompt_estimated) == (completion.usage.prompt_tokens, False)
+
+
+def test_the_gateway_lays_out_a_conversation_as_vllms_tokenize_does(client, system_db, real_engine):
+    photo = image_bytes(640, 480)
+    messages = [{"role": "system", "content": "You read receipts, briefly."},
+                *_content(photo, text="What does this say?"),
+                {"role": "assistant", "content": "It is a receipt from a café."},
+                {"role": "user", "content": [{"type": "text", "text": "And the total, "},
+                                             {"type": "text", "text": "in euros?"}]}]
+    completion, request_id = _ask(client, messages)
+    tokenized = _engine_call(real_engine, {"model": REAL_TIER, "messages": messages}, "/tokenize").json()
+    event = metered(system_db, request_id)
+    assert event.counted_prompt_tokens == tokenized["count"] == completion.usage.prompt_tokens
+    assert event.prompt_estimated is False
+
 
 
 def test_low_detail_costs_the_real_engine_fewer_tokens(client):
@@ -100,7 +119,13 @@ def test_a_stream_from_the_real_engine_ends_with_its_usage(client, system_db):
     assert (event.engine_image_tokens, event.image_tokens_disagree) == (1196, False)
 
 
-def test_a_repeated_image_is_served_from_the_real_engines_prefix_cache(client, system_db):
+def _token_id(engine, token):
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(Path(engine.tier.model_id) / "tokenizer.json")).token_to_id(token)
+
+
+def test_a_repeated_image_is_served_from_the_real_engines_prefix_cache(client, system_db, real_engine):
     messages = _content(image_bytes(1024, 768, color=(10, 200, 90)), text="Describe the colours.")
     first, _ = _ask(client, messages)
     second, request_id = _ask(client, messages)
@@ -108,7 +133,14 @@ def test_a_repeated_image_is_served_from_the_real_engines_prefix_cache(client, s
     cached = second.usage.prompt_tokens_details.cached_tokens
     # vLLM's CPU build caches whole blocks of 128 tokens, and never the prompt's last token.
     assert cached == (second.usage.prompt_tokens - 1) // 128 * 128 > 0
-    assert metered(system_db, request_id).cached_tokens == cached
+    event = metered(system_db, request_id)
+    assert event.cached_tokens == cached
+    # The image's share of that prefix, from where vLLM's own tokens place it.
+    tokens = _engine_call(real_engine, {"model": REAL_TIER, "messages": messages}, "/tokenize").json()["tokens"]
+    start = tokens.index(_token_id(real_engine, "<|vision_start|>"))
+    image = event.images.get()
+    assert image.cached_tokens == event.cached_image_tokens == min(image.tokens, cached - start) > 0
+    assert event.cache_savings > 0
 
 
 def test_the_real_engines_metrics_are_scraped_into_samples(client, system_db, real_engine):

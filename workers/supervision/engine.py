@@ -13,6 +13,7 @@ from django.conf import settings
 from django.db import connection
 from django.utils import timezone
 
+from controlplane.catalog.tokenizers import tier_tokenizer_publish
 from controlplane.fleet.models import EngineInstance, Node
 from controlplane.fleet.services import instance_transition
 from controlplane.imaging.tokens import processor_options
@@ -113,6 +114,9 @@ def engine_launch(instance: EngineInstance, node: Node) -> None:
     except ValueError as exc:
         instance_transition(instance=instance, to_state=A.FAILED, reason=f"cannot launch: {exc}")
         return
+    if instance.tier.engine_kind == "vllm":
+        # The model is on this node: its tokenizer lets the gateway count prompts exactly.
+        tier_tokenizer_publish(tier=instance.tier, source=f"node {node.name}")
     log_path = Path(settings.ENGINE_LOG_DIR) / f"instance-{instance.pk}.log"
     pid = process.spawn(argv, env, log_path=log_path, instance_id=engine_marker(instance),
                         cwd=str(settings.BASE_DIR), nice=spec.nice)

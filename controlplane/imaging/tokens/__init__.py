@@ -40,6 +40,7 @@ __all__ = [
     "phi3_v_hd_size",
     "pixtral_grid",
     "engine_image_tokens",
+    "image_markers",
     "processor_options",
     "qwen_smart_resize",
     "select_best_resolution",
@@ -119,9 +120,14 @@ def count_image_tokens(family: str, width: int, height: int, **options) -> int:
 _OUTSIDE_ENGINE_COUNT = {"qwen2_vl": qwen.MARKERS, "qwen2_5_vl": qwen.MARKERS, "qwen3_vl": qwen.MARKERS}
 
 
+def image_markers(family: str) -> int | None:
+    """Tokens the chat template writes around each image's placeholder, None when unknown."""
+    return _OUTSIDE_ENGINE_COUNT.get(family)
+
+
 def engine_image_tokens(family: str, tokens: int) -> int | None:
     """What vLLM reports for an image of `tokens` prompt positions, or None when unknown."""
-    outside = _OUTSIDE_ENGINE_COUNT.get(family)
+    outside = image_markers(family)
     return None if outside is None else tokens - outside
 
 

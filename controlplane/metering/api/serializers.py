@@ -7,7 +7,7 @@ class UsageImageSerializer(serializers.ModelSerializer):
     class Meta:
         model = UsageImage
         fields = ["position", "source_format", "source_width", "source_height", "width", "height",
-                  "tokens", "fingerprint", "cached"]
+                  "tokens", "fingerprint", "cached", "cached_tokens"]
 
 
 class UsageEventSerializer(serializers.ModelSerializer):

@@ -20,10 +20,11 @@ GATEWAY_TOKENS = count_image_tokens("qwen2_5_vl", 640, 480, min_pixels=3136, max
 FEATURES = GATEWAY_TOKENS - 2  # vLLM counts the placeholders, not <|vision_start|>/<|vision_end|>
 
 
-def engine_reporting(image_count):
+def engine_reporting(image_count, cached_tokens=0):
     async def handler(reader, writer):
         await read_request(reader)
-        details = {"cached_tokens": 0, "multimodal_tokens": None if image_count is None else {"image": image_count}}
+        details = {"cached_tokens": cached_tokens,
+                   "multimodal_tokens": None if image_count is None else {"image": image_count}}
         body = json.dumps({"id": "c", "object": "chat.completion", "choices": [
             {"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
             "usage": {"prompt_tokens": GATEWAY_TOKENS + 20, "completion_tokens": 1,
@@ -68,3 +69,14 @@ def test_an_engine_that_reports_no_image_count_for_an_image_request_disagrees(wo
     with_raw_engine(world, engine_reporting(None), _image_request())
     event = UsageEvent.objects.filter(tenant=world.alice).first()
     assert (event.engine_image_tokens, event.image_tokens_disagree) == (None, True)
+
+
+def test_an_image_partly_inside_the_engines_cached_prefix_counts_its_share(world):
+    from controlplane.textcount import image_positions
+
+    start = image_positions(_image_request()["messages"], [GATEWAY_TOKENS])[0]  # no tokenizer: the estimate
+    with_raw_engine(world, engine_reporting(FEATURES, cached_tokens=start + 100), _image_request())
+    event = UsageEvent.objects.filter(tenant=world.alice).first()
+    line = event.images.get()
+    assert (event.cached_image_tokens, line.cached_tokens, line.cached) == (100, 100, True)
+    assert event.cache_savings > 0 and event.prompt_estimated

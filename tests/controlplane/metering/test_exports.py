@@ -39,8 +39,8 @@ def test_finance_gets_one_row_per_image_priced_like_the_bill(client, world):
     assert response["Content-Type"] == "text/csv"
     rows = _rows(response)
     assert list(rows[0]) == IMAGE_COLUMNS
-    assert [(r["tenant"], r["request_id"], r["image_tokens"], r["cache_hit"]) for r in rows] == [
-        ("alice", "req-1", "1224", "no"), ("alice", "req-1", "1224", "yes"), ("charlie", "req-2", "300", "no")]
+    assert [(r["tenant"], r["request_id"], r["image_tokens"], r["cached_image_tokens"]) for r in rows] == [
+        ("alice", "req-1", "1224", "0"), ("alice", "req-1", "1224", "1224"), ("charlie", "req-2", "300", "0")]
     assert (rows[0]["source_width"], rows[0]["sent_width"]) == ("1920", "1335")
     # 0.30 per million image tokens, half off when cached, plus 0.001 per image (the factory plan)
     assert Decimal(rows[0]["cost_usd"]) == Decimal("0.001367")
@@ -73,3 +73,14 @@ def test_under_asgi_rows_are_served_in_batches_not_read_whole():
 def test_rows_are_generated_lazily():
     rows = per_image_rows(since=timezone.now(), until=timezone.now(), tenants=[])
     assert iter(rows) is rows  # a generator: nothing is read until asked for
+
+
+def test_an_image_partly_inside_the_cached_prefix_is_priced_for_its_share(client, world):
+    # The engine reused 1,152 of a 1,224-token image's positions (whole KV blocks).
+    _request(world, world.alice, "req-partial", timezone.now(), [(1224, 1152)])
+    client.force_login(world.finance)
+    (row,) = _rows(client.get("/exports/images.csv"))
+    assert row["cached_image_tokens"] == "1152"
+    # 0.30 per million image tokens, half off the cached 1,152, plus 0.001 per image
+    assert Decimal(row["cost_usd"]) == (Decimal("0.30") * (72 + Decimal(1152) / 2) / 10**6
+                                        + Decimal("0.001")).quantize(Decimal("0.000001"))

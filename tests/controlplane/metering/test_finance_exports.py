@@ -176,12 +176,12 @@ def test_the_image_report_as_csv_and_xlsx_agree_with_numbers_and_datetimes(clien
     as_csv = _csv(client.get("/exports/images.csv", {"month": "2025-03"}))
     book = _workbook(client.get("/exports/images.xlsx", {"month": "2025-03"}))
     as_xlsx = _sheet_rows(book["Images"])
-    assert [(r["request_id"], r["cache_hit"]) for r in as_csv] == [
-        ("a-1", "no"), ("a-1", "yes"), ("b-1", "yes"), ("a-2", "no")]
+    assert [(r["request_id"], r["cached_image_tokens"] != "0") for r in as_csv] == [
+        ("a-1", False), ("a-1", True), ("b-1", True), ("a-2", False)]
     assert [{k: _as_csv_text(v) for k, v in row.items()} for row in as_xlsx] == as_csv
     first = as_xlsx[0]
     assert first["time"] == dt.datetime(2025, 3, 1, 9, 0)  # UTC
-    assert (first["image_tokens"], first["sent_width"], first["cache_hit"]) == (1224, 1335, False)
+    assert (first["image_tokens"], first["sent_width"], first["cached_image_tokens"]) == (1224, 1335, 0)
     cost = next(book["Images"].iter_rows(min_row=2, max_row=2))[IMAGE_COLUMNS.index("cost_usd")]
     assert cost.value == pytest.approx(0.001367) and "$" in cost.number_format
 

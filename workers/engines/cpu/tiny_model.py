@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[3]
 
 # Bump when anything below changes: cached copies are keyed by it.
-VERSION = "1"
+VERSION = "2"
 
 # Qwen2.5-VL's special tokens, in its order (ids follow the learned vocabulary here).
 SPECIAL_TOKENS = [
@@ -37,22 +37,19 @@ SPECIAL_TOKENS = [
 # <|vision_start|><|image_pad|><|vision_end|> where an image goes (the processor expands the
 # pad to one token per merged patch).
 CHAT_TEMPLATE = (
-    "{%- set image_count = namespace(value=0) -%}"
-    "{%- for message in messages -%}"
-    "{%- if loop.first and message['role'] != 'system' -%}"
+    "{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}"
     "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
-    "{%- endif -%}"
+    "{% endif %}"
     "<|im_start|>{{ message['role'] }}\n"
-    "{%- if message['content'] is string -%}{{ message['content'] }}"
-    "{%- else -%}{%- for part in message['content'] -%}"
-    "{%- if part['type'] == 'image' or 'image' in part or 'image_url' in part -%}"
-    "{%- set image_count.value = image_count.value + 1 -%}"
+    "{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' or 'image' in part or 'image_url' in part %}"
     "<|vision_start|><|image_pad|><|vision_end|>"
-    "{%- elif 'text' in part -%}{{ part['text'] }}"
-    "{%- endif -%}{%- endfor -%}{%- endif -%}"
-    "<|im_end|>\n"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}<|im_start|>assistant\n{%- endif -%}"
+    "{% elif 'text' in part %}{{ part['text'] }}"
+    "{% endif %}{% endfor %}<|im_end|>\n"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
 # Qwen/Qwen2.5-VL-*-Instruct preprocessor_config.json.
