@@ -6,12 +6,21 @@ from controlplane.catalog.models import ModelTier, PricePlan, PriceRate, Resolut
 class PriceRateInline(admin.TabularInline):
     model = PriceRate
     extra = 0
+    readonly_fields = ["created_at", "created_by"]
 
 
 @admin.register(PricePlan)
 class PricePlanAdmin(admin.ModelAdmin):
     list_display = ["name", "currency"]
     inlines = [PriceRateInline]
+
+    def save_formset(self, request, form, formset, change):
+        for rate in formset.save(commit=False):
+            if rate.pk is None:
+                rate.created_by = request.user.get_username()  # who entered the price
+            rate.save()
+        for rate in formset.deleted_objects:
+            rate.delete()
 
 
 @admin.register(ResolutionPolicy)

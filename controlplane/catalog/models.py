@@ -1,7 +1,7 @@
 from decimal import Decimal
 
 from django.core.exceptions import ValidationError
-from django.core.validators import MinValueValidator
+from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
 from django.utils import timezone
 
@@ -82,7 +82,12 @@ class PricePlan(models.Model):
         return rate
 
 
-_PRICE = {"max_digits": 12, "decimal_places": 6, "default": Decimal("0")}
+_PRICE = {"max_digits": 12, "decimal_places": 6, "default": Decimal("0"), "validators": [MinValueValidator(0)]}
+_AMOUNTS = ("text_input_per_mtok", "image_per_mtok", "output_per_mtok", "per_image_fee", "cached_image_discount")
+
+
+class RateInUse(ValidationError):
+    pass
 
 
 class PriceRate(models.Model):
@@ -96,17 +101,59 @@ class PriceRate(models.Model):
     per_image_fee = models.DecimalField(**_PRICE)
     cached_image_discount = models.DecimalField(
         max_digits=4, decimal_places=3, default=Decimal("0"),
+        validators=[MinValueValidator(0), MaxValueValidator(1)],
         help_text="Fraction of the image token price waived for cached image tokens (0..1)",
     )
+    created_at = models.DateTimeField(auto_now_add=True, null=True)
+    created_by = models.CharField(max_length=150, blank=True, help_text="Who entered this rate")
 
     class Meta:
         ordering = ["plan", "-effective_from"]
         constraints = [
-            models.UniqueConstraint(fields=["plan", "effective_from"], name="one_rate_per_instant")
+            models.UniqueConstraint(fields=["plan", "effective_from"], name="one_rate_per_instant"),
+            # Checked twice: the form and clean() refuse these, the database too.
+            models.CheckConstraint(
+                condition=models.Q(text_input_per_mtok__gte=0, image_per_mtok__gte=0, output_per_mtok__gte=0,
+                                   per_image_fee__gte=0),
+                name="rate_amounts_not_negative"),
+            models.CheckConstraint(condition=models.Q(cached_image_discount__gte=0, cached_image_discount__lte=1),
+                                   name="rate_cached_discount_a_fraction"),
         ]
 
     def __str__(self):
         return f"{self.plan} from {self.effective_from:%Y-%m-%d}"
+
+    def billed_requests(self) -> int:
+        """Requests this rate priced: its plan's, from its start until the next rate's."""
+        from controlplane.metering.models import UsageEvent
+
+        later = PriceRate.objects.filter(plan_id=self.plan_id, effective_from__gt=self.effective_from) \
+            .order_by("effective_from").values_list("effective_from", flat=True).first()
+        events = UsageEvent.objects.filter(tier__price_plan_id=self.plan_id, rated=True,
+                                           created_at__gte=self.effective_from)
+        return (events.filter(created_at__lt=later) if later else events).count()
+
+    def _refuse_a_billed_change(self) -> None:
+        if self.pk is None:
+            return
+        stored = PriceRate.objects.filter(pk=self.pk).values(*_AMOUNTS, "effective_from", "plan_id").first()
+        changed = stored and any(stored[name] != getattr(self, name) for name in (*_AMOUNTS, "effective_from", "plan_id"))
+        if changed and (billed := PriceRate.objects.get(pk=self.pk).billed_requests()):
+            # Editing it would rewrite what was billed: a change is a new rate from a date.
+            raise RateInUse(f"this rate has priced {billed} requests and cannot change; add a new "
+                            "rate with its own effective date")
+
+    def clean(self):
+        self._refuse_a_billed_change()
+
+    def save(self, *args, **kwargs):
+        self._refuse_a_billed_change()  # also for code that skips clean()
+        super().save(*args, **kwargs)
+
+    def delete(self, *args, **kwargs):
+        if billed := self.billed_requests():
+            raise RateInUse(f"this rate has priced {billed} requests and cannot be deleted")
+        return super().delete(*args, **kwargs)
 
     def as_rates(self):
         from controlplane.metering.rating import Rates
@@ -164,6 +211,9 @@ class ModelTier(models.Model):
     def clean(self):
         if self.kind == self.Kind.VISION and self.resolution_policy_id is None:
             raise ValidationError("a vision tier needs a resolution policy")
+        if self.enabled and self.price_plan_id and not PriceRate.objects.filter(
+                plan_id=self.price_plan_id, effective_from__lte=timezone.now()).exists():
+            raise ValidationError("an enabled tier needs a price in effect: add a rate to its plan first")
 
 
 class TierTokenizer(models.Model):

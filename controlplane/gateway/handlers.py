@@ -118,6 +118,11 @@ async def _chat_completions(request: Request, request_id: str):
         except RequestInvalid as exc:
             raise GatewayError(400, str(exc), code=exc.code, param=exc.param) from None
         tier = _pick_tier(body["model"], key, await state.tiers(), bool(image_parts(body["messages"])))
+        if not tier.priced:
+            # Serving it would bill nothing, or bill later at a price nobody agreed to.
+            log.error("tier %s has no price in effect; refusing its requests", tier.name)
+            raise GatewayError(503, f"the model '{tier.name}' has no price in effect yet; retry later",
+                               code="model_not_priced", headers={"Retry-After": "60"})
     except GatewayError as exc:
         return exc.response(request_id)
     started = time.monotonic()

@@ -47,6 +47,7 @@ class TierSpec:
     fetch_policy: FetchPolicy | None = None  # None: image URLs are refused
     tool_calls: bool = False  # the engine runs with a tool-call parser (engine setting tool_call_parser)
     tokenizer: object = None  # the model's ChatTokenizer (controlplane.prompts), when the tier has one
+    priced: bool = True  # its price plan has a rate in effect; without one nothing is forwarded
 
 
 @dataclass

@@ -148,11 +148,12 @@ def _tier_tokenizers(tier_ids) -> dict:
 
 
 def _load_tiers() -> dict[str, TierSpec]:
-    from controlplane.catalog.models import ModelTier
+    from controlplane.catalog.models import ModelTier, PriceRate
 
     specs = {}
     tiers = list(ModelTier.objects.filter(enabled=True).select_related("resolution_policy"))
     tokenizers = _tier_tokenizers([t.pk for t in tiers])
+    priced = set(PriceRate.objects.filter(effective_from__lte=timezone.now()).values_list("plan_id", flat=True))
     for tier in tiers:
         policy = tier.resolution_policy.as_policy() if tier.resolution_policy else None
         options = (
@@ -185,6 +186,7 @@ def _load_tiers() -> dict[str, TierSpec]:
             fetch_policy=fetch,
             tool_calls=bool(engine.get("tool_call_parser")),
             tokenizer=tokenizers.get(tier.pk),
+            priced=tier.price_plan_id in priced,
         )
     return specs
 

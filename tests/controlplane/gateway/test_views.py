@@ -349,3 +349,10 @@ def test_a_tier_whose_engine_has_a_tool_call_parser_forwards_tools(client, route
                                                "messages": [{"role": "user", "content": "hi"}]})
     # Forwarded: the engine behind it (a simulator launched without the parser) refuses it.
     assert response.status_code == 400 and "tool-call-parser" in response.json()["error"]["message"]
+
+
+def test_a_tier_without_a_price_in_effect_is_not_served(client, routed):
+    routed.vision.price_plan.rates.all().delete()  # nothing was billed at it yet
+    response = post(client, routed.alice_key, {"model": "vlm-lite", "messages": [{"role": "user", "content": "hi"}]})
+    assert (response.status_code, response.json()["error"]["code"]) == (503, "model_not_priced")
+    assert response["Retry-After"] == "60"
