@@ -123,6 +123,18 @@ class PriceRate(models.Model):
     def __str__(self):
         return f"{self.plan} from {self.effective_from:%Y-%m-%d}"
 
+    def clean(self):
+        self._refuse_a_billed_change()
+
+    def save(self, *args, **kwargs):
+        self._refuse_a_billed_change()  # also for code that skips clean()
+        super().save(*args, **kwargs)
+
+    def delete(self, *args, **kwargs):
+        if billed := self.billed_requests():
+            raise RateInUse(f"this rate has priced {billed} requests and cannot be deleted")
+        return super().delete(*args, **kwargs)
+
     def billed_requests(self) -> int:
         """Requests this rate priced: its plan's, from its start until the next rate's."""
         from controlplane.metering.models import UsageEvent
@@ -142,18 +154,6 @@ class PriceRate(models.Model):
             # Editing it would rewrite what was billed: a change is a new rate from a date.
             raise RateInUse(f"this rate has priced {billed} requests and cannot change; add a new "
                             "rate with its own effective date")
-
-    def clean(self):
-        self._refuse_a_billed_change()
-
-    def save(self, *args, **kwargs):
-        self._refuse_a_billed_change()  # also for code that skips clean()
-        super().save(*args, **kwargs)
-
-    def delete(self, *args, **kwargs):
-        if billed := self.billed_requests():
-            raise RateInUse(f"this rate has priced {billed} requests and cannot be deleted")
-        return super().delete(*args, **kwargs)
 
     def as_rates(self):
         from controlplane.metering.rating import Rates
