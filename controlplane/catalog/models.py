@@ -123,9 +123,6 @@ class PriceRate(models.Model):
     def __str__(self):
         return f"{self.plan} from {self.effective_from:%Y-%m-%d}"
 
-    def clean(self):
-        self._refuse_a_billed_change()
-
     def save(self, *args, **kwargs):
         self._refuse_a_billed_change()  # also for code that skips clean()
         super().save(*args, **kwargs)
@@ -134,6 +131,9 @@ class PriceRate(models.Model):
         if billed := self.billed_requests():
             raise RateInUse(f"this rate has priced {billed} requests and cannot be deleted")
         return super().delete(*args, **kwargs)
+
+    def clean(self):
+        self._refuse_a_billed_change()
 
     def billed_requests(self) -> int:
         """Requests this rate priced: its plan's, from its start until the next rate's."""
