@@ -15,7 +15,7 @@ import itertools
 import tempfile
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from decimal import Decimal
+from decimal import ROUND_HALF_EVEN, Decimal
 
 from django.db.models import F, QuerySet, Sum
 from django.db.models.functions import TruncMonth
@@ -23,7 +23,7 @@ from django.http import StreamingHttpResponse
 
 from controlplane.catalog.models import PriceRate
 from controlplane.metering.models import DailyUsage, UsageImage
-from controlplane.metering.rating import Rates, Usage, price
+from controlplane.metering.rating import MICRO, Rates, Usage, price
 from controlplane.metering.services import billed
 from controlplane.metering.statements import month_bounds
 
@@ -221,6 +221,10 @@ def _csv_cell(value):
         return "yes" if value else "no"
     if isinstance(value, dt.datetime):
         return value.isoformat()
+    if isinstance(value, Decimal):
+        # Money to the micro-unit, always six places: a sum read back from SQLite (a float
+        # there) would otherwise print 14 to 18 digits.
+        return f"{value.quantize(MICRO, rounding=ROUND_HALF_EVEN):f}"
     return value
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from decimal import Decimal
+from decimal import ROUND_HALF_EVEN, Decimal
 
 from django.db.models import Count, Sum
 from django.utils import timezone
@@ -18,7 +18,7 @@ from controlplane.gateway.admission import metered_so_far, period_start, seconds
 from controlplane.imaging.errors import ImageError
 from controlplane.imaging.policy import fit_within, normalise_tiles
 from controlplane.metering.models import UsageEvent
-from controlplane.metering.rating import Usage, price
+from controlplane.metering.rating import MICRO, Usage, price
 from controlplane.tenants.api_auth import TenantPrincipal
 
 
@@ -77,17 +77,20 @@ class CostToDate(APIView):
         tenant = _tenant(request)
         since = period_start("month", timezone.now())
         events = UsageEvent.objects.filter(tenant=tenant, created_at__gte=since)
-        by_tier = list(events.values("tier__name").annotate(
+        by_tier = list(events.values("tier__name", "tier__price_plan__currency").annotate(
             requests=Count("id"), images=Sum("image_count"), image_tokens=Sum("image_tokens"), cost=Sum("cost"))
             .order_by("tier__name"))
+        currencies = {row["tier__price_plan__currency"] for row in by_tier}
         return Response(CostSerializer({
-            "currency": "USD", "since": since,
+            "currency": currencies.pop() if len(currencies) == 1 else ("" if currencies else "USD"), "since": since,
             "requests": sum(row["requests"] for row in by_tier),
             "images": sum(row["images"] or 0 for row in by_tier),
             "image_tokens": sum(row["image_tokens"] or 0 for row in by_tier),
             "cost": sum((row["cost"] or Decimal(0) for row in by_tier), Decimal(0)),
             "by_tier": [{"tier": row["tier__name"], "requests": row["requests"], "images": row["images"] or 0,
-                         "image_tokens": row["image_tokens"] or 0, "cost": str(row["cost"] or Decimal(0))}
+                         "image_tokens": row["image_tokens"] or 0, "currency": row["tier__price_plan__currency"],
+                         # six places, as every amount here (SQLite sums in floats)
+                         "cost": f"{(row['cost'] or Decimal(0)).quantize(MICRO, rounding=ROUND_HALF_EVEN):f}"}
                         for row in by_tier],
         }).data)
 
@@ -97,6 +100,8 @@ class EstimateRequest(serializers.Serializer):
     width = serializers.IntegerField(min_value=1, max_value=100_000, required=False)
     height = serializers.IntegerField(min_value=1, max_value=100_000, required=False)
     image = serializers.FileField(required=False)
+    detail = serializers.ChoiceField(choices=["low", "high"], required=False,
+                                     help_text="As in an image part: the policy's low or high cap")
     text_tokens = serializers.IntegerField(min_value=0, default=0)
     output_tokens = serializers.IntegerField(min_value=0, default=0)
 
@@ -130,15 +135,15 @@ class Estimate(APIView):
             raise NotFound(f"no model named {data['tier']!r} is available to this key")
         sizes = []
         if tier.kind == ModelTier.Kind.VISION:
-            policy = tier.resolution_policy
+            policy, detail = tier.resolution_policy.as_policy(), data.get("detail")
             if "image" in data:
                 try:
-                    tiles = normalise_tiles(data["image"].read(), policy.as_policy())
+                    tiles = normalise_tiles(data["image"].read(), policy, detail=detail)
                 except ImageError as exc:
                     raise ValidationError({"image": str(exc)}) from None
                 sizes = [(t.width, t.height) for t in tiles]
             else:
-                sizes = [fit_within(data["width"], data["height"], max_pixels=policy.max_pixels,
+                sizes = [fit_within(data["width"], data["height"], max_pixels=policy.pixel_cap(detail),
                                     max_long_edge=policy.max_long_edge)]
         elif "image" in data or "width" in data:
             raise ValidationError({"tier": f"{tier.name} does not accept images"})

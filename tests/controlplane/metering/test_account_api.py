@@ -43,6 +43,8 @@ def test_cost_to_date_is_the_tenants_own_and_adds_up(client, world):
     assert cost["requests"] == 3 and cost["image_tokens"] == 3000
     assert Decimal(cost["cost"]) == sum(e.cost for e in events) > 0
     assert [row["tier"] for row in cost["by_tier"]] == ["vlm-lite"]
+    assert cost["by_tier"][0]["cost"] == cost["cost"] and len(cost["cost"].split(".")[1]) == 6
+    assert cost["currency"] == cost["by_tier"][0]["currency"] == world.vision.price_plan.currency
 
 
 def test_an_estimate_from_dimensions_matches_what_the_gateway_would_count(client, world):
@@ -51,6 +53,17 @@ def test_an_estimate_from_dimensions_matches_what_the_gateway_would_count(client
     body = response.json()
     assert body["image_tokens"] == 1224 and body["sent_sizes"] == [[1335, 751]]
     assert Decimal(body["cost"]) > 0
+
+
+def test_an_estimate_honours_low_detail_as_the_gateway_does(client, world):
+    def ask(**detail):
+        return client.post("/api/v1/estimate/", {"tier": "vlm-lite", "width": 1920, "height": 1080, **detail},
+                           HTTP_AUTHORIZATION=f"Bearer {world.alice_key}").json()
+
+    low, high = ask(detail="low"), ask(detail="high")
+    # The policy's low-detail cap, 200,704 pixels: 597x336 of the 1920x1080 photo.
+    assert low["sent_sizes"] == [[597, 336]] and low["image_tokens"] < high["image_tokens"] == 1224
+    assert Decimal(low["cost"]) < Decimal(high["cost"])
 
 
 def test_an_estimate_from_an_uploaded_image(client, world):

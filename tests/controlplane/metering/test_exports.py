@@ -84,3 +84,10 @@ def test_an_image_partly_inside_the_cached_prefix_is_priced_for_its_share(client
     # 0.30 per million image tokens, half off the cached 1,152, plus 0.001 per image
     assert Decimal(row["cost_usd"]) == (Decimal("0.30") * (72 + Decimal(1152) / 2) / 10**6
                                         + Decimal("0.001")).quantize(Decimal("0.000001"))
+
+
+def test_money_is_written_with_six_decimals_whatever_the_database_summed():
+    from controlplane.metering.exports import csv_lines
+
+    lines = b"".join(csv_lines(["cost_usd"], iter([[Decimal("0.00136700000000000012")], [Decimal("2")]])))
+    assert lines.decode().split() == ["cost_usd", "0.001367", "2.000000"]

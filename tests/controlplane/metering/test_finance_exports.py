@@ -88,10 +88,12 @@ def _sheet_rows(sheet) -> list[dict]:
     return [dict(zip(header, row, strict=True)) for row in rows]
 
 
-def _as_csv_text(value) -> str:
-    """An XLSX cell as the CSV writes the same value."""
+def _as_csv_text(value, money=False) -> str:
+    """An XLSX cell as the CSV writes the same value (money always with six decimals)."""
     if value is None:
         return ""
+    if money:
+        return str(Decimal(repr(value)).quantize(MICRO))
     if isinstance(value, bool):
         return "yes" if value else "no"
     if isinstance(value, dt.datetime):
@@ -145,7 +147,7 @@ def test_the_summary_as_csv_and_xlsx_agree_with_each_other_and_the_statement(cli
     assert book.sheetnames == ["Monthly summary"]
     as_xlsx = _sheet_rows(book["Monthly summary"])
     assert list(as_csv[0]) == SUMMARY_COLUMNS == list(as_xlsx[0])
-    assert [{k: _as_csv_text(v) for k, v in row.items()} for row in as_xlsx] == as_csv
+    assert [{k: _as_csv_text(v, money=k.endswith("_usd")) for k, v in row.items()} for row in as_xlsx] == as_csv
     for row in _summary(as_xlsx).values():
         assert isinstance(row["requests"], int) and isinstance(row["cost_usd"], float)
     money = next(book["Monthly summary"].iter_rows(min_row=2, max_row=2))[SUMMARY_COLUMNS.index("cost_usd")]
@@ -178,7 +180,7 @@ def test_the_image_report_as_csv_and_xlsx_agree_with_numbers_and_datetimes(clien
     as_xlsx = _sheet_rows(book["Images"])
     assert [(r["request_id"], r["cached_image_tokens"] != "0") for r in as_csv] == [
         ("a-1", False), ("a-1", True), ("b-1", True), ("a-2", False)]
-    assert [{k: _as_csv_text(v) for k, v in row.items()} for row in as_xlsx] == as_csv
+    assert [{k: _as_csv_text(v, money=k.endswith("_usd")) for k, v in row.items()} for row in as_xlsx] == as_csv
     first = as_xlsx[0]
     assert first["time"] == dt.datetime(2025, 3, 1, 9, 0)  # UTC
     assert (first["image_tokens"], first["sent_width"], first["cached_image_tokens"]) == (1224, 1335, 0)
