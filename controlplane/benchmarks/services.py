@@ -31,7 +31,7 @@ from controlplane.benchmarks.workload import (
 from controlplane.catalog.models import PriceRate
 from controlplane.catalog.services import tier_image_tokens
 from controlplane.fleet.selectors import routable_instances
-from controlplane.imaging.policy import fit_within
+from controlplane.imaging.policy import sent_sizes
 from controlplane.imaging.tokens import count_image_tokens
 from controlplane.tenants.models import Tenant
 from controlplane.tenants.services import api_key_create, api_key_revoke
@@ -139,13 +139,12 @@ def profile_config(profile: BenchmarkProfile) -> dict:
 
 def token_estimator(tier):
     """Image tokens of a `width` x `height` image on the tier, after its resolution policy."""
-    policy = tier.resolution_policy
+    policy = tier.image_policy()
 
     def estimate(width: int, height: int) -> int:
         if policy is None:
             return count_image_tokens(tier.family, width, height)
-        width, height = fit_within(width, height, max_pixels=policy.max_pixels, max_long_edge=policy.max_long_edge)
-        return tier_image_tokens(tier, width, height)
+        return sum(tier_image_tokens(tier, *sent) for sent in sent_sizes(width, height, policy))
 
     return estimate
 

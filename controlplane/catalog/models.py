@@ -48,10 +48,11 @@ class ResolutionPolicy(models.Model):
         if self.low_detail_max_pixels > self.max_pixels:
             raise ValidationError("low_detail_max_pixels must not exceed max_pixels")
 
-    def as_policy(self):
+    def as_policy(self, *, grid: int = 0):
         from controlplane.imaging.policy import Policy
 
         return Policy(
+            grid=grid,
             min_pixels=self.min_pixels,
             max_pixels=self.max_pixels,
             low_detail_max_pixels=self.low_detail_max_pixels,
@@ -202,6 +203,12 @@ class ModelTier(models.Model):
 
     def __str__(self):
         return self.name
+
+    def image_policy(self):
+        """The resolution policy as the imaging library applies it for this tier's model."""
+        from controlplane.imaging.tokens import image_grid
+
+        return self.resolution_policy.as_policy(grid=image_grid(self.family)) if self.resolution_policy else None
 
     @property
     def runs_on_cpu(self) -> bool:

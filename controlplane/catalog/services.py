@@ -41,7 +41,7 @@ def policy_preview(*, data: bytes, detail: str | None = None) -> list[TierPrevie
     for tier in vision_tiers():
         rate = tier.price_plan.rate_at(now)
         try:
-            tiles = normalise_tiles(data, tier.resolution_policy.as_policy(), detail=detail)
+            tiles = normalise_tiles(data, tier.image_policy(), detail=detail)
         except ImageError as exc:
             previews.append(TierPreview(tier, [], 0, None, tier.price_plan.currency, error=str(exc)))
             continue
@@ -54,13 +54,12 @@ def policy_preview(*, data: bytes, detail: str | None = None) -> list[TierPrevie
 
 def resolution_curve(tier: ModelTier, *, aspect=(4, 3), megapixels=(0.1, 0.25, 0.5, 1, 2, 4, 8, 12)):
     """Image tokens against source megapixels for `tier`'s policy (a 4:3 photo by default)."""
-    from controlplane.imaging.policy import fit_within
+    from controlplane.imaging.policy import sent_sizes
 
-    policy = tier.resolution_policy
+    policy = tier.image_policy()
     points = []
     for mp in megapixels:
         height = round((mp * 1e6 * aspect[1] / aspect[0]) ** 0.5)
         width = round(height * aspect[0] / aspect[1])
-        sent = fit_within(width, height, max_pixels=policy.max_pixels, max_long_edge=policy.max_long_edge)
-        points.append((mp, tier_image_tokens(tier, *sent)))
+        points.append((mp, sum(tier_image_tokens(tier, *sent) for sent in sent_sizes(width, height, policy))))
     return points

@@ -155,7 +155,7 @@ def _load_tiers() -> dict[str, TierSpec]:
     tokenizers = _tier_tokenizers([t.pk for t in tiers])
     priced = set(PriceRate.objects.filter(effective_from__lte=timezone.now()).values_list("plan_id", flat=True))
     for tier in tiers:
-        policy = tier.resolution_policy.as_policy() if tier.resolution_policy else None
+        policy = tier.image_policy()
         options = (
             processor_options(tier.family, min_pixels=policy.min_pixels, max_pixels=policy.max_pixels)
             if policy else {}

@@ -32,7 +32,7 @@ from controlplane.imaging.errors import CorruptImage, ImageTooLarge, InvalidData
 from controlplane.imaging.fingerprint import FingerprintIndex, fingerprint
 
 __all__ = ["SUPPORTED_FORMATS", "NormalisedImage", "Policy", "decode_data_url", "fit_within",
-           "normalise", "normalise_tiles", "plan_tiles"]
+           "normalise", "normalise_tiles", "plan_tiles", "sent_sizes"]
 
 _MIME = {"jpeg": "image/jpeg", "png": "image/png", "webp": "image/webp"}
 _DATA_URL = re.compile(r"^data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[\w.+-]+=[\w.+-]+)*)(?P<b64>;base64)?,")
@@ -53,6 +53,10 @@ class Policy:
     allowed_formats: tuple[str, ...] = ()
     output_format: str = "jpeg"
     output_quality: int = 85
+    # The side multiple the model's processor resizes to (Qwen2.5-VL: 28); 0 for none. A
+    # downscaled image is sized on it, as the processor would size the original, so the engine
+    # does not resize it again (rounding a gateway-sized image up cost up to 3 % more tokens).
+    grid: int = 0
 
     def pixel_cap(self, detail: str | None) -> int:
         if detail in (None, "auto"):
@@ -136,6 +140,11 @@ def plan_tiles(width: int, height: int, policy: Policy, cap: int) -> TilePlan:
     # Equal tiles of a whole number of pixels, so no tile exceeds the budget by rounding.
     scaled_short = max(1, math.floor(short_side * scale))
     piece = max(1, math.floor(tile_long * scale))
+    if scale < 1 and policy.grid:
+        # Down to the processor's grid, as it floors a large image itself: the engine then
+        # takes the image as it is, at the tokens it would give the original.
+        scaled_short = max(policy.grid, scaled_short // policy.grid * policy.grid)
+        piece = max(policy.grid, piece // policy.grid * policy.grid)
     if count > 1:  # flooring the short side must not push a tile past the aspect bound
         piece = min(piece, math.floor(scaled_short * policy.max_aspect_ratio))
     scaled_long = piece * count
@@ -145,6 +154,13 @@ def plan_tiles(width: int, height: int, policy: Policy, cap: int) -> TilePlan:
     )
     scaled = (scaled_short, scaled_long) if tall else (scaled_long, scaled_short)
     return TilePlan(width=scaled[0], height=scaled[1], boxes=boxes)
+
+
+def sent_sizes(width: int, height: int, policy: Policy, detail: str | None = None) -> list[tuple[int, int]]:
+    """The size of each image an upright `width` x `height` picture becomes under `policy`
+    (its tiles, for a long one): what `normalise_tiles` sends, without decoding anything."""
+    plan = plan_tiles(width, height, policy, policy.pixel_cap(detail))
+    return [(right - left, bottom - top) for left, top, right, bottom in plan.boxes]
 
 
 def _decode_scaled(image: Image.Image, fmt: str, turn: int, target: tuple[int, int]) -> Image.Image:

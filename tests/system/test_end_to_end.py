@@ -44,9 +44,9 @@ def test_it_meters_an_image_request_from_the_openai_client(client, system_db):
     completion = raw.parse()
     request_id = raw.headers["x-request-id"]
 
-    # The policy (1,003,520 px) brings 1920x1080 to 1335x751; Qwen2.5-VL then uses 1316x728:
-    # 47 x 26 merged patches = 1222 features, plus vision start and end.
-    expected = count_image_tokens("qwen2_5_vl", 1335, 751, max_pixels=1003520, min_pixels=3136)
+    # The policy (1,003,520 px) brings 1920x1080 to 1316x728, the size Qwen2.5-VL's processor
+    # would give the original: 47 x 26 merged patches = 1222 features, plus vision start and end.
+    expected = count_image_tokens("qwen2_5_vl", 1920, 1080, max_pixels=1003520, min_pixels=3136)
     assert expected == 1224
     assert completion.usage.prompt_tokens_details.image_tokens == expected
     assert completion.choices[0].message.content
@@ -58,7 +58,7 @@ def test_it_meters_an_image_request_from_the_openai_client(client, system_db):
     assert event.output_tokens == completion.usage.completion_tokens
     assert event.cost > 0
     image = event.images.get()
-    assert (image.source_width, image.source_height, image.width, image.height) == (1920, 1080, 1335, 751)
+    assert (image.source_width, image.source_height, image.width, image.height) == (1920, 1080, 1316, 728)
 
 
 def test_it_fetches_an_http_image_url_for_the_openai_client(client, system_db):

@@ -97,6 +97,15 @@ def test_the_gateway_lays_out_a_conversation_as_vllms_tokenize_does(client, syst
 
 
 
+def test_a_photo_the_gateway_downscales_costs_what_vllm_would_charge_for_the_original(client, real_engine):
+    photo = image_bytes(2000, 1500)
+    through_gateway, _ = _ask(client, _content(photo))
+    # The original straight to the engine, which downscales it itself (same pixel bounds).
+    direct = _engine_call(real_engine, {"model": REAL_TIER, "messages": _content(photo), "max_tokens": 1}).json()
+    assert through_gateway.usage.prompt_tokens_details.multimodal_tokens == \
+        direct["usage"]["prompt_tokens_details"]["multimodal_tokens"] == {"image": 1230}
+
+
 def test_low_detail_costs_the_real_engine_fewer_tokens(client):
     photo = image_bytes(1920, 1080)
     high, _ = _ask(client, _content(photo, detail="high"))

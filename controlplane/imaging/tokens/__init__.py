@@ -40,6 +40,7 @@ __all__ = [
     "phi3_v_hd_size",
     "pixtral_grid",
     "engine_image_tokens",
+    "image_grid",
     "image_markers",
     "processor_options",
     "qwen_smart_resize",
@@ -118,6 +119,14 @@ def count_image_tokens(family: str, width: int, height: int, **options) -> int:
 # which the processor expands to the features alone. Checked against vLLM 0.32 for the
 # Qwen-VL families; for the others the engine's count is kept but not compared.
 _OUTSIDE_ENGINE_COUNT = {"qwen2_vl": qwen.MARKERS, "qwen2_5_vl": qwen.MARKERS, "qwen3_vl": qwen.MARKERS}
+
+
+_GRID = {"qwen2_vl": 28, "qwen2_5_vl": 28, "qwen3_vl": 32}  # patch size x merge size
+
+
+def image_grid(family: str) -> int:
+    """The side multiple a family's processor resizes images to; 0 when it has none."""
+    return _GRID.get(family, 0)
 
 
 def image_markers(family: str) -> int | None:

@@ -16,7 +16,7 @@ from controlplane.catalog.models import ModelTier
 from controlplane.catalog.services import tier_image_tokens
 from controlplane.gateway.admission import metered_so_far, period_start, seconds_to_period_end
 from controlplane.imaging.errors import ImageError
-from controlplane.imaging.policy import fit_within, normalise_tiles
+from controlplane.imaging.policy import normalise_tiles, sent_sizes
 from controlplane.metering.models import UsageEvent
 from controlplane.metering.rating import MICRO, Usage, price
 from controlplane.tenants.api_auth import TenantPrincipal
@@ -135,7 +135,7 @@ class Estimate(APIView):
             raise NotFound(f"no model named {data['tier']!r} is available to this key")
         sizes = []
         if tier.kind == ModelTier.Kind.VISION:
-            policy, detail = tier.resolution_policy.as_policy(), data.get("detail")
+            policy, detail = tier.image_policy(), data.get("detail")
             if "image" in data:
                 try:
                     tiles = normalise_tiles(data["image"].read(), policy, detail=detail)
@@ -143,8 +143,10 @@ class Estimate(APIView):
                     raise ValidationError({"image": str(exc)}) from None
                 sizes = [(t.width, t.height) for t in tiles]
             else:
-                sizes = [fit_within(data["width"], data["height"], max_pixels=policy.pixel_cap(detail),
-                                    max_long_edge=policy.max_long_edge)]
+                try:
+                    sizes = sent_sizes(data["width"], data["height"], policy, detail)
+                except ImageError as exc:
+                    raise ValidationError({"width": str(exc)}) from None
         elif "image" in data or "width" in data:
             raise ValidationError({"tier": f"{tier.name} does not accept images"})
         tokens = sum(tier_image_tokens(tier, w, h) for w, h in sizes)

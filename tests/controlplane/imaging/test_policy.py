@@ -308,3 +308,21 @@ def test_decode_data_url_refuses_an_empty_payload():
 def test_decode_data_url_accepts_a_padded_payload_of_exactly_max_bytes(size):
     data = b"\xff" * size  # base64 of 3001 / 3002 bytes ends in '==' / '='
     assert len(decode_data_url(data_url(data), max_bytes=size)) == size
+
+
+def test_a_downscaled_image_lands_on_the_processors_grid_at_the_tokens_of_the_original():
+    from controlplane.imaging.tokens import count_image_tokens, qwen_smart_resize
+
+    bounds = {"min_pixels": 3136, "max_pixels": 1003520}
+    on_grid = normalise(image_bytes(2000, 1500), Policy(grid=28))
+    # What Qwen2.5-VL's processor makes of the original photo, so the engine resizes nothing.
+    assert (on_grid.height, on_grid.width) == qwen_smart_resize(1500, 2000, factor=28, **bounds) == (840, 1148)
+    assert count_image_tokens("qwen2_5_vl", on_grid.width, on_grid.height, **bounds) == 1232
+    # Sized off the grid, the processor rounds it up again: 41 tokens more for the same picture.
+    off_grid = normalise(image_bytes(2000, 1500), Policy())
+    assert count_image_tokens("qwen2_5_vl", off_grid.width, off_grid.height, **bounds) == 1273
+
+
+def test_an_image_within_the_cap_is_left_to_the_processor():
+    small = normalise(image_bytes(1000, 700), Policy(grid=28))
+    assert (small.width, small.height) == (1000, 700)
