@@ -147,6 +147,8 @@ def plan_tiles(width: int, height: int, policy: Policy, cap: int) -> TilePlan:
         piece = max(policy.grid, piece // policy.grid * policy.grid)
     if count > 1:  # flooring the short side must not push a tile past the aspect bound
         piece = min(piece, math.floor(scaled_short * policy.max_aspect_ratio))
+        if scale < 1 and policy.grid:
+            piece = max(policy.grid, piece // policy.grid * policy.grid)
     scaled_long = piece * count
     boxes = tuple(
         (0, i * piece, scaled_short, (i + 1) * piece) if tall else (i * piece, 0, (i + 1) * piece, scaled_short)
