@@ -1,8 +1,11 @@
 """Price maths. One function prices usage for gateway estimates, rollups and exports.
 
-Rounding rule: a request's cost is computed exactly in Decimal, then rounded half-even to
-1e-6 of the currency (a micro-unit). Totals are sums of those rounded request costs, so a
-statement always equals the sum of its lines. Pure Python: no Django, no Celery.
+Rounding rule: each part of a request is computed exactly in Decimal, then rounded half-even
+to 1e-6 of the currency (a micro-unit): every image on its own (its tokens, less its cached
+share's discount, and its fee), the text, and the output. A request's cost is the sum of its
+parts, and totals are sums of request costs, so a statement equals the sum of its lines, and
+the per-image report plus the text and output parts equals the statement, to the micro-unit.
+Pure Python: no Django, no Celery.
 """
 
 from __future__ import annotations
@@ -30,6 +33,31 @@ class Usage:
     cached_image_tokens: int = 0
     output_tokens: int = 0
     images: int = 0
+
+
+@dataclass(frozen=True)
+class Priced:
+    images: tuple[Decimal, ...]  # one per image, fee included
+    text: Decimal
+    output: Decimal
+
+    @property
+    def total(self) -> Decimal:
+        return sum(self.images, Decimal(0)) + self.text + self.output
+
+
+def price_parts(*, images: list[tuple[int, int]], text_tokens: int, output_tokens: int, rates: Rates,
+                unlined: tuple[int, int] = (0, 0)) -> Priced:
+    """A request priced part by part: `images` as (tokens, of which cached) per image, each
+    with its fee; `unlined` image tokens (and cached) counted without image lines, no fee."""
+    parts = [price(Usage(image_tokens=tokens, cached_image_tokens=cached, images=1), rates) for tokens, cached in images]
+    if unlined[0]:
+        parts.append(price(Usage(image_tokens=unlined[0], cached_image_tokens=unlined[1]), rates))
+    return Priced(
+        images=tuple(parts),
+        text=price(Usage(text_tokens=text_tokens), rates),
+        output=price(Usage(output_tokens=output_tokens), rates),
+    )
 
 
 def price(usage: Usage, rates: Rates) -> Decimal:

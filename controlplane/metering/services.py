@@ -3,7 +3,7 @@ from __future__ import annotations
 import datetime as dt
 import itertools
 import logging
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from django.db import IntegrityError, transaction
 from django.db.models import Count, Q, Sum
@@ -20,7 +20,7 @@ from controlplane.metering.models import (
     UsageEvent,
     UsageImage,
 )
-from controlplane.metering.rating import Usage, price
+from controlplane.metering.rating import price_parts
 
 log = logging.getLogger(__name__)
 # Events are stamped before they commit; a slow commit can land behind the watermark. Each
@@ -185,24 +185,39 @@ def _rate_finder(plan, rates: list[PriceRate]):
     return rate_at
 
 
+def _priced_lines(record: UsageRecord) -> tuple[list[tuple[int, int]], tuple[int, int]]:
+    """(tokens, cached) per image line as they are priced, the per-image report's way; and the
+    image tokens (and cached) a record counts without lines.
+
+    Lines carry their cached share. A record whose lines carry none but which counts cached
+    image tokens (made before shares were kept) has them laid over its images in order, as
+    a prefix cache covers a prompt from its start."""
+    lines = [(tokens, min(cached, tokens)) for _, tokens, cached in record.images]
+    cached = min(record.cached_image_tokens, record.image_tokens)
+    if lines and not any(share for _, share in lines) and cached:
+        left, lines = cached, [(tokens, 0) for tokens, _ in lines]
+        for index, (tokens, _) in enumerate(lines):
+            lines[index], left = (tokens, min(tokens, left)), left - min(tokens, left)
+    unlined_tokens = max(0, record.image_tokens - sum(tokens for tokens, _ in lines)) if not lines else 0
+    return lines, (unlined_tokens, min(cached, unlined_tokens))
+
+
 def _usage_rows(record: UsageRecord, tier: ModelTier, rate_at) -> tuple[UsageEvent, list[UsageImage]]:
     """The unsaved event and image rows for a record, priced with the rate rate_at finds."""
     record.images = _lines(record.images)
     billable = is_billable(record)
-    cached_image = min(record.cached_image_tokens, record.image_tokens)
-    usage = Usage(
-        text_tokens=record.text_tokens,
-        image_tokens=record.image_tokens,
-        cached_image_tokens=cached_image,
-        output_tokens=record.output_tokens,
-        images=len(record.images),
-    )
+    lines, unlined = _priced_lines(record)
+    cached_image = sum(cached for _, cached in lines) + unlined[1]
+    record.images = [(image, tokens, cached) for (image, tokens, _), (_, cached) in zip(record.images, lines, strict=True)]
     rated, cost, savings = True, 0, 0
     if billable:
         try:
             rates = rate_at(record.created_at).as_rates()
-            cost = price(usage, rates)
-            savings = price(replace(usage, cached_image_tokens=0), rates) - cost if cached_image else 0
+            parts = {"text_tokens": record.text_tokens, "output_tokens": record.output_tokens, "rates": rates}
+            cost = price_parts(images=lines, unlined=unlined, **parts).total
+            if cached_image:
+                savings = price_parts(images=[(tokens, 0) for tokens, _ in lines], unlined=(unlined[0], 0),
+                                      **parts).total - cost
         except PriceRate.DoesNotExist:
             # Never lose usage over a pricing gap: keep the event, flagged for rating.
             log.error("no price in effect for tier %s at %s; %s stored unrated",

@@ -119,7 +119,8 @@ def test_a_batch_stores_each_request_once_priced_at_the_rate_in_effect_then(worl
     assert (events["req-new"].cost, events["req-new"].cache_savings) == (Decimal("0.010151"), Decimal("0.000110"))
     assert (events["req-new"].cost, events["req-new"].cache_savings) == (
         events["req-direct"].cost, events["req-direct"].cache_savings)
-    # old card: (20*0.20 + 55*0.30 + 7*0.60) / 1e6 + 0.001 = 0.0010247 -> 0.001025
-    assert events["req-old"].cost == Decimal("0.001025")
+    # old card, part by part: the image 55*0.30 / 1e6 + 0.001 = 0.0010165 -> 0.001016, the text
+    # 20*0.20 / 1e6 = 0.000004, the output 7*0.60 / 1e6 = 0.0000042 -> 0.000004
+    assert events["req-old"].cost == Decimal("0.001024")
     assert (events["req-unpriced"].rated, events["req-unpriced"].cost) == (False, Decimal("0"))
     assert [(i.position, i.tokens, i.cached) for i in events["req-new"].images.all()] == [(0, 110, True)]
