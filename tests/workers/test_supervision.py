@@ -241,6 +241,24 @@ def test_a_draining_engine_finishes_its_in_flight_request_first(agent, settings)
     _reconcile_until(agent, lambda i: i.actual_state == "stopped", "the engine to stop once idle", timeout=30)
 
 
+def test_a_draining_engine_whose_counters_cannot_be_read_is_not_taken_for_idle(agent):
+    from controlplane.fleet.services import instance_action
+
+    _reconcile_until(agent, _running, "the engine to come up")
+    instance_action(instance=agent, action="drain", user=None)
+    _reconcile_until(agent, lambda i: i.actual_state == "draining", "draining to start")
+    # Its last scrape said idle (num_running 0), but it no longer answers: it may be busy.
+    os.kill(agent.pid, signal.SIGSTOP)
+    try:
+        later = timezone.now() + dt.timedelta(seconds=10)  # well past the drain's grace
+        supervision.engine_check(EngineInstance.objects.select_related("tier", "node").get(pk=agent.pk), later)
+        agent.refresh_from_db()
+        assert agent.actual_state == "draining"
+    finally:
+        os.kill(agent.pid, signal.SIGCONT)
+    _reconcile_until(agent, lambda i: i.actual_state == "stopped", "the engine to stop once seen idle", timeout=30)
+
+
 def test_an_external_engine_is_watched_and_routed_to_but_never_launched(world):
     from controlplane.catalog.models import ModelTier
     from controlplane.fleet.selectors import routable_instances

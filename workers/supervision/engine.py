@@ -164,15 +164,19 @@ def _drain(instance: EngineInstance, alive: bool, now: dt.datetime) -> None:
                             reason="draining: no new requests; waiting for in-flight ones",
                             drain_started_at=now, healthy=False)
         return
+    seen = False
     if alive:  # only look: a probe would itself be in-flight work on a draining engine
         fields = {}
         if observe(instance, now, fields) is not None:
             instance.num_running, instance.num_waiting = fields["num_running"], fields["num_waiting"]
             EngineInstance.objects.filter(pk=instance.pk).update(**fields)
+            seen = True
     waited = now - (instance.drain_started_at or now)
     busy = instance.num_running + instance.num_waiting
     timeout = dt.timedelta(seconds=settings.ENGINE_DRAIN_TIMEOUT_S)
-    if not alive or (waited >= DRAIN_GRACE and busy == 0):
+    # Idle only as the engine says so now: counters from an older scrape (one taken before
+    # its last requests arrived, say) would stop it under them.
+    if not alive or (waited >= DRAIN_GRACE and seen and busy == 0):
         engine_stop(instance, f"drained after {waited.seconds}s")
     elif waited >= timeout:
         engine_stop(instance, f"drain timed out after {waited.seconds}s with {busy:g} requests in flight")
