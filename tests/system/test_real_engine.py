@@ -326,4 +326,4 @@ def test_draining_a_real_engine_lets_its_running_requests_finish(system, system_
     assert wait_for(lambda: finished.filter(status="ok").count() == STREAMS, timeout=20, what="every stream metered")
 
 
-STREAMS, LONG = 2, 2000
+STREAMS, LONG = 2, 6900  # long enough to be mid-answer when the engine is held
