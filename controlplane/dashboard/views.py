@@ -203,7 +203,7 @@ def policies(request):
             from controlplane.imaging.commercial import commercial_costs
 
             preview = policy_preview(data=data, detail=form.cleaned_data["detail"])
-            commercial = commercial_costs(*source)
+            commercial = commercial_costs(*source, detail=form.cleaned_data["detail"])
     tiers = list(vision_tiers())
     return render(request, "dashboard/policies.html", {
         "form": form, "preview": preview, "source": source, "commercial": commercial, "error": error,

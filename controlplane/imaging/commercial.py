@@ -165,15 +165,17 @@ OFFERS: tuple[Offer, ...] = (
 )
 
 
-def commercial_costs(width: int, height: int) -> list[dict]:
+def commercial_costs(width: int, height: int, detail: str | None = None) -> list[dict]:
     """Tokens and list-price USD for one `width` x `height` image on each offer above.
 
-    OpenAI tile models are counted at detail "high" (the default for "auto" on large images).
+    `detail` as in an image part: OpenAI's tile models charge 85 tokens for "low", and count
+    "high" (also what "auto" gives a large image) otherwise; the other offers have no detail.
     """
     _check(width, height)
+    detail = "low" if detail == "low" else "high"
     rows = []
     for offer in OFFERS:
-        tokens = offer.tokens(width, height)
+        tokens = offer.tokens(width, height, detail) if offer.tokens is openai_tile_tokens else offer.tokens(width, height)
         rows.append({
             "provider": offer.provider,
             "model": offer.model,

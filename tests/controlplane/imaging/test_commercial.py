@@ -152,3 +152,10 @@ def test_price_table_is_dated_and_sourced():
 def test_non_positive_sides_are_refused(width, height):
     with pytest.raises(ValueError):
         commercial_costs(width, height)
+
+
+def test_low_detail_is_what_openai_tile_models_charge_for_it_and_changes_no_other_offer():
+    high = {row["model"]: row["tokens"] for row in commercial_costs(1920, 1080)}
+    low = {row["model"]: row["tokens"] for row in commercial_costs(1920, 1080, detail="low")}
+    assert (high["gpt-4o"], low["gpt-4o"]) == (1105, 85)
+    assert {m: t for m, t in low.items() if m != "gpt-4o"} == {m: t for m, t in high.items() if m != "gpt-4o"}
