@@ -15,7 +15,7 @@ import itertools
 import tempfile
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from decimal import ROUND_HALF_EVEN, Decimal
+from decimal import Decimal
 
 from django.db.models import F, QuerySet, Sum
 from django.db.models.functions import TruncMonth
@@ -23,7 +23,7 @@ from django.http import StreamingHttpResponse
 
 from controlplane.catalog.models import PriceRate
 from controlplane.metering.models import DailyUsage, UsageImage
-from controlplane.metering.rating import MICRO, Rates, Usage, price
+from controlplane.metering.rating import Rates, image_price, money_text
 from controlplane.metering.services import billed
 from controlplane.metering.statements import month_bounds
 
@@ -64,8 +64,7 @@ class ImagePrices:
             if effective_from <= when:
                 key = (plan_id, index, tokens, cached_tokens)
                 if key not in self._prices:
-                    self._prices[key] = price(Usage(image_tokens=tokens, images=1,
-                                                    cached_image_tokens=cached_tokens), rate)
+                    self._prices[key] = image_price(tokens, cached_tokens, rate)
                 return self._prices[key]
         return None
 
@@ -224,7 +223,7 @@ def _csv_cell(value):
     if isinstance(value, Decimal):
         # Money to the micro-unit, always six places: a sum read back from SQLite (a float
         # there) would otherwise print 14 to 18 digits.
-        return f"{value.quantize(MICRO, rounding=ROUND_HALF_EVEN):f}"
+        return money_text(value)
     return value
 
 

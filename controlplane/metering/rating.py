@@ -46,11 +46,21 @@ class Priced:
         return sum(self.images, Decimal(0)) + self.text + self.output
 
 
+def image_price(tokens: int, cached: int, rates: Rates) -> Decimal:
+    """One image: its tokens less its cached share's discount, and its fee, rounded."""
+    return price(Usage(image_tokens=tokens, cached_image_tokens=cached, images=1), rates)
+
+
+def money_text(amount: Decimal) -> str:
+    """An amount as reports print it: always to the micro-unit, six places."""
+    return f"{amount.quantize(MICRO, rounding=ROUND_HALF_EVEN):f}"
+
+
 def price_parts(*, images: list[tuple[int, int]], text_tokens: int, output_tokens: int, rates: Rates,
                 unlined: tuple[int, int] = (0, 0)) -> Priced:
     """A request priced part by part: `images` as (tokens, of which cached) per image, each
     with its fee; `unlined` image tokens (and cached) counted without image lines, no fee."""
-    parts = [price(Usage(image_tokens=tokens, cached_image_tokens=cached, images=1), rates) for tokens, cached in images]
+    parts = [image_price(tokens, cached, rates) for tokens, cached in images]
     if unlined[0]:
         parts.append(price(Usage(image_tokens=unlined[0], cached_image_tokens=unlined[1]), rates))
     return Priced(

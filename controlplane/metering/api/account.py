@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from decimal import ROUND_HALF_EVEN, Decimal
+from decimal import Decimal
 
 from django.db.models import Count, Sum
 from django.utils import timezone
@@ -18,7 +18,7 @@ from controlplane.gateway.admission import metered_so_far, period_start, seconds
 from controlplane.imaging.errors import ImageError
 from controlplane.imaging.policy import normalise_tiles, sent_sizes
 from controlplane.metering.models import UsageEvent
-from controlplane.metering.rating import MICRO, Usage, price
+from controlplane.metering.rating import Usage, money_text, price
 from controlplane.tenants.api_auth import TenantPrincipal
 
 
@@ -90,7 +90,7 @@ class CostToDate(APIView):
             "by_tier": [{"tier": row["tier__name"], "requests": row["requests"], "images": row["images"] or 0,
                          "image_tokens": row["image_tokens"] or 0, "currency": row["tier__price_plan__currency"],
                          # six places, as every amount here (SQLite sums in floats)
-                         "cost": f"{(row['cost'] or Decimal(0)).quantize(MICRO, rounding=ROUND_HALF_EVEN):f}"}
+                         "cost": money_text(row["cost"] or Decimal(0))}
                         for row in by_tier],
         }).data)
 
