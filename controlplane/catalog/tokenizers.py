@@ -68,15 +68,18 @@ def _digest(tokenizer_json: str, template: str, special: dict) -> str:
 
 def tier_tokenizer_store(*, tier: ModelTier, directory: Path, source: str) -> TierTokenizer:
     """Check the files make a working chat tokenizer, and keep them on the tier."""
-    tokenizer_json, template, special = read_model_tokenizer(directory)
+    return _store(tier, directory, read_model_tokenizer(directory), source)
+
+
+def _store(tier: ModelTier, directory: Path, files: tuple[str, str, dict], source: str) -> TierTokenizer:
+    tokenizer_json, template, special = files
     try:
         ChatTokenizer(tokenizer_json, template, special=special).render([{"role": "user", "content": "hi"}])
     except Exception as exc:  # noqa: BLE001 - tokenizers raises plain Exceptions for a broken file
         raise TokenizerFilesError(f"the tokenizer of {directory} does not work: {exc}") from None
-    digest = _digest(tokenizer_json, template, special)
     stored, _ = TierTokenizer.objects.update_or_create(tier=tier, defaults={
         "tokenizer_json": tokenizer_json, "chat_template": template, "special_tokens": special,
-        "digest": digest, "source": source[:255]})
+        "digest": _digest(*files), "source": source[:255]})
     return stored
 
 
@@ -87,10 +90,10 @@ def tier_tokenizer_publish(*, tier: ModelTier, source: str) -> bool:
     if directory is None:
         return False
     try:
-        tokenizer_json, template, special = read_model_tokenizer(directory)
-        if TierTokenizer.objects.filter(tier=tier, digest=_digest(tokenizer_json, template, special)).exists():
+        files = read_model_tokenizer(directory)
+        if TierTokenizer.objects.filter(tier=tier, digest=_digest(*files)).exists():
             return False
-        tier_tokenizer_store(tier=tier, directory=directory, source=source)
+        _store(tier, directory, files, source)
     except (OSError, ValueError) as exc:
         log.warning("no tokenizer published for tier %s: %s", tier.name, exc)
         return False

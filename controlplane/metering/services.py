@@ -194,12 +194,16 @@ def _priced_lines(record: UsageRecord) -> tuple[list[tuple[int, int]], tuple[int
     a prefix cache covers a prompt from its start."""
     lines = [(tokens, min(cached, tokens)) for _, tokens, cached in record.images]
     cached = min(record.cached_image_tokens, record.image_tokens)
-    if lines and not any(share for _, share in lines) and cached:
-        left, lines = cached, [(tokens, 0) for tokens, _ in lines]
-        for index, (tokens, _) in enumerate(lines):
-            lines[index], left = (tokens, min(tokens, left)), left - min(tokens, left)
-    unlined_tokens = max(0, record.image_tokens - sum(tokens for tokens, _ in lines)) if not lines else 0
-    return lines, (unlined_tokens, min(cached, unlined_tokens))
+    if not lines:
+        return [], (record.image_tokens, cached)
+    if cached and not any(share for _, share in lines):
+        spread = []
+        for tokens, _ in lines:
+            share = min(tokens, cached)
+            spread.append((tokens, share))
+            cached -= share
+        lines = spread
+    return lines, (0, 0)
 
 
 def _usage_rows(record: UsageRecord, tier: ModelTier, rate_at) -> tuple[UsageEvent, list[UsageImage]]:
