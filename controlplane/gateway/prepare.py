@@ -186,7 +186,7 @@ async def prepare(body: dict, tier: TierSpec, *, max_image_bytes: int) -> Prepar
             f"max_tokens {limit} exceeds this model's limit of {tier.max_output_tokens}",
             param="max_tokens",
         )
-    prepared = Prepared(body=body, text_tokens=prompt_text_tokens(body["messages"]))
+    prepared = Prepared(body=body)
     if parts:
         await _prepare_images(prepared, parts, tier, max_image_bytes=max_image_bytes)
     _lay_out(prepared, tier)
@@ -253,7 +253,6 @@ async def _prepare_images(prepared: Prepared, parts: list[dict], tier: TierSpec,
             ]
 
 
-
 def _lay_out(prepared: Prepared, tier: TierSpec) -> None:
     """Text tokens and image positions: exact with the tier's tokenizer, else the estimate."""
     messages, image_tokens = prepared.body["messages"], [p.tokens for p in prepared.images]
@@ -267,6 +266,6 @@ def _lay_out(prepared: Prepared, tier: TierSpec) -> None:
     if layout is not None:
         prepared.text_tokens, positions, prepared.estimated = layout.text_tokens, layout.image_positions, False
     else:
-        positions = image_positions(messages, image_tokens)
+        prepared.text_tokens, positions = prompt_text_tokens(messages), image_positions(messages, image_tokens)
     for image, position in zip(prepared.images, positions, strict=True):
         image.position = position

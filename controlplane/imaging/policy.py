@@ -119,6 +119,10 @@ class TilePlan:
     boxes: tuple[tuple[int, int, int, int], ...]  # crops of the scaled image, in reading order
 
 
+def _on_grid(side: int, grid: int) -> int:
+    return max(grid, side // grid * grid) if grid else side
+
+
 def plan_tiles(width: int, height: int, policy: Policy, cap: int) -> TilePlan:
     """How an upright `width` x `height` image becomes one or more images within `policy`."""
     ratio = max(width, height) / min(width, height)
@@ -138,17 +142,14 @@ def plan_tiles(width: int, height: int, policy: Policy, cap: int) -> TilePlan:
     tile_long = long_side / count
     scale = min(1.0, math.sqrt(cap / (tile_long * short_side)), policy.max_long_edge / max(tile_long, short_side))
     # Equal tiles of a whole number of pixels, so no tile exceeds the budget by rounding.
-    scaled_short = max(1, math.floor(short_side * scale))
+    # A downscaled image goes down to the processor's grid, as the processor floors a large
+    # image itself: the engine then takes it as it is, at the tokens it would give the original.
+    grid = policy.grid if scale < 1 else 0
+    scaled_short = _on_grid(max(1, math.floor(short_side * scale)), grid)
     piece = max(1, math.floor(tile_long * scale))
-    if scale < 1 and policy.grid:
-        # Down to the processor's grid, as it floors a large image itself: the engine then
-        # takes the image as it is, at the tokens it would give the original.
-        scaled_short = max(policy.grid, scaled_short // policy.grid * policy.grid)
-        piece = max(policy.grid, piece // policy.grid * policy.grid)
     if count > 1:  # flooring the short side must not push a tile past the aspect bound
         piece = min(piece, math.floor(scaled_short * policy.max_aspect_ratio))
-        if scale < 1 and policy.grid:
-            piece = max(policy.grid, piece // policy.grid * policy.grid)
+    piece = _on_grid(piece, grid)
     scaled_long = piece * count
     boxes = tuple(
         (0, i * piece, scaled_short, (i + 1) * piece) if tall else (i * piece, 0, (i + 1) * piece, scaled_short)
