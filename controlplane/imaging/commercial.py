@@ -135,8 +135,9 @@ class Offer:
     provider: str
     model: str
     usd_per_million_input: float
-    tokens: Callable[[int, int], int]
+    tokens: Callable[..., int]
     source: str
+    takes_detail: bool = False  # its tokens(width, height, detail) tells "low" from "high"
 
 
 def _patch(model: str) -> Callable[[int, int], int]:
@@ -150,7 +151,7 @@ PRICES_AS_OF = "2026-11-30"
 OFFERS: tuple[Offer, ...] = (
     # openai.com/api/pricing as tabulated by deploybase.ai "OpenAI pricing" (March 2026)
     # and aumiqx.com "OpenAI API pricing" (April 2026).
-    Offer("OpenAI", "gpt-4o", 2.50, openai_tile_tokens, "OpenAI pricing, via deploybase.ai 2026-03"),
+    Offer("OpenAI", "gpt-4o", 2.50, openai_tile_tokens, "OpenAI pricing, via deploybase.ai 2026-03", takes_detail=True),
     Offer("OpenAI", "gpt-4.1-mini", 0.40, _patch("gpt-4.1-mini"), "OpenAI pricing, via deploybase.ai 2026-03"),
     Offer("OpenAI", "gpt-4.1-nano", 0.10, _patch("gpt-4.1-nano"), "OpenAI pricing, via deploybase.ai 2026-03"),
     Offer("OpenAI", "o4-mini", 1.10, _patch("o4-mini"), "OpenAI pricing, via deploybase.ai 2026-03"),
@@ -175,7 +176,7 @@ def commercial_costs(width: int, height: int, detail: str | None = None) -> list
     detail = "low" if detail == "low" else "high"
     rows = []
     for offer in OFFERS:
-        tokens = offer.tokens(width, height, detail) if offer.tokens is openai_tile_tokens else offer.tokens(width, height)
+        tokens = offer.tokens(width, height, detail) if offer.takes_detail else offer.tokens(width, height)
         rows.append({
             "provider": offer.provider,
             "model": offer.model,

@@ -35,13 +35,12 @@ class LaunchSpec:
         busy while it generates (its worker threads and scheduler spin), so on a CPU node it
         runs below the node agent and gateway, which must stay responsive to supervise and
         route it; GPU engines compute on the GPU and run at normal priority."""
-        default = CPU_NICE_DEFAULT if self.engine_kind == "vllm" and self.device == "cpu" else 0
-        return int((self.settings or {}).get("cpu_nice", default))
+        return int((self.settings or {}).get("cpu_nice", CPU_NICE_DEFAULT if self.runs_on_cpu else 0))
 
     @property
-    def device(self) -> str:
-        """"cpu" for a tier that runs on vLLM's CPU build, else "gpu"."""
-        return (self.settings or {}).get("device") or "gpu"
+    def runs_on_cpu(self) -> bool:
+        """vLLM's CPU build (engine setting `device: cpu`), as ModelTier.runs_on_cpu says."""
+        return self.engine_kind == "vllm" and (self.settings or {}).get("device") == "cpu"
 
 
 # engine setting -> vLLM flag, for plain valued settings
@@ -88,7 +87,7 @@ def processor_flags(processor_kwargs: dict, transformers_version: str) -> dict:
 
 def build_command(spec: LaunchSpec) -> tuple[list[str], dict[str, str]]:
     settings = spec.settings or {}
-    cpu = spec.engine_kind == "vllm" and spec.device == "cpu"
+    cpu = spec.runs_on_cpu
     if spec.engine_kind == "vllm":
         # The module behind the `vllm` command, run by the engine environment's Python.
         argv = [spec.vllm_python, "-m", "vllm.entrypoints.cli.main", "serve", spec.model_id]
