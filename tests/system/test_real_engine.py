@@ -227,6 +227,14 @@ def test_the_simulators_stream_usage_and_metrics_are_named_as_the_real_engines(s
     assert names(simulator) <= names(real_engine)
 
 
+def test_the_real_engine_and_its_workers_run_below_the_node_agent(system_db, real_engine):
+    leader = _instance(system_db, real_engine.pk).pid
+    group = [leader, *_engine_workers(leader)]
+    assert len(group) > 1  # vLLM's API server, engine core and worker
+    assert {os.getpriority(os.PRIO_PROCESS, pid) for pid in group} == {10}
+    assert os.getpriority(os.PRIO_PROCESS, 0) == 0  # the tests (and the agent) at normal priority
+
+
 def _instance(system_db, pk):
     return EngineInstance.objects.using(system_db).get(pk=pk)
 
