@@ -49,7 +49,7 @@ def is_installed(path: Path) -> bool:
     return python_of(path).exists() and stamp.exists() and stamp.read_text().strip() == STAMP
 
 
-def _run(python: Path, *args: str, quiet: bool = True) -> str:
+def _run(python: Path, *args: str) -> str:
     result = subprocess.run([str(python), *args], capture_output=True, text=True)
     if result.returncode != 0:
         raise RuntimeError(f"{' '.join(args[:4])} failed:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}")
