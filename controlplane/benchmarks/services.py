@@ -28,7 +28,6 @@ from controlplane.benchmarks.workload import (
     Workload,
     buckets_from_json,
 )
-from controlplane.catalog.models import PriceRate
 from controlplane.catalog.services import tier_image_tokens
 from controlplane.fleet.selectors import routable_instances
 from controlplane.imaging.policy import sent_sizes
@@ -56,7 +55,7 @@ class BenchmarkError(Exception):
 
 def benchmark_start(*, profile: BenchmarkProfile, label: str = "", user=None,
                     trigger: str = BenchmarkRun.Trigger.MANUAL) -> BenchmarkRun:
-    from workers.tasks import benchmark_run
+    from controlplane.benchmarks.tasks import benchmark_run
 
     run = BenchmarkRun.objects.create(profile=profile, label=label, created_by=user, trigger=trigger,
                                       config=profile_config(profile))

@@ -153,7 +153,7 @@ def fleet_action(request, pk: int, action: str):
     from django.db import transaction
 
     from controlplane.fleet.services import instance_action
-    from workers.tasks import fleet_reconcile
+    from controlplane.fleet.tasks import fleet_reconcile
 
     instance = get_object_or_404(EngineInstance.objects.select_related("tier"), pk=pk)
     if action not in ("launch", "stop", "drain"):

@@ -10,8 +10,8 @@ from django.utils import timezone
 
 from controlplane.benchmarks.models import BenchmarkProfile, BenchmarkRun
 from controlplane.benchmarks.services import benchmark_cancel
+from controlplane.benchmarks.tasks import benchmark_run
 from tests.controlplane.benchmarks.conftest import make_profile
-from workers.tasks import benchmark_run
 
 pytestmark = pytest.mark.django_db
 

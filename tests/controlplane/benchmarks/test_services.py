@@ -11,10 +11,10 @@ from django.db import connections
 
 from controlplane.benchmarks.models import BenchmarkRun
 from controlplane.benchmarks.services import benchmark_cancel, benchmark_execute, benchmark_start
+from controlplane.benchmarks.tasks import benchmark_run
 from controlplane.metering.models import UsageEvent
 from controlplane.tenants.models import ApiKey
 from tests.controlplane.benchmarks.conftest import make_profile
-from workers.tasks import benchmark_run
 
 
 @pytest.mark.django_db
@@ -125,7 +125,7 @@ def test_cancelling_a_running_run_stops_it_and_keeps_what_it_measured(world, ins
 @pytest.mark.django_db
 def test_starting_a_run_queues_the_task_after_commit(world, django_capture_on_commit_callbacks, settings):
     settings.CELERY_TASK_ALWAYS_EAGER = True
-    from workers.celery import app
+    from controlplane.celery import app
 
     app.conf.task_always_eager = True
     try:
@@ -145,7 +145,7 @@ def test_a_schedules_turn_runs_the_profile_and_beat_knows_the_entry(world, insta
     from django_celery_beat.schedulers import DatabaseScheduler
 
     from controlplane.benchmarks.services import profile_save
-    from workers.celery import app
+    from controlplane.celery import app
 
     profile = make_profile(world.vision, schedule_enabled=True, schedule_cron="*/10 * * * *")
     profile_save(profile=profile)

@@ -35,11 +35,11 @@ class Command(BaseCommand):
         commands = {
             "web": [python, "-m", "uvicorn", "controlplane.asgi:application", "--host", host,
                     "--port", str(port), "--no-access-log", "--log-level", "warning"],
-            "worker": [python, "-m", "celery", "-A", "workers", "worker", "-Q",
+            "worker": [python, "-m", "celery", "-A", "controlplane", "worker", "-Q",
                        f"default,{node_queue}", "--pool", "threads", "--concurrency", "4",
                        "-n", f"agent@{settings.NODE_NAME}", "--loglevel", "WARNING",
                        "--without-gossip", "--without-mingle"],
-            "beat": [python, "-m", "celery", "-A", "workers", "beat", "--loglevel", "WARNING",
+            "beat": [python, "-m", "celery", "-A", "controlplane", "beat", "--loglevel", "WARNING",
                      "--pidfile", ""],
         }
         children = {name: subprocess.Popen(argv, cwd=settings.BASE_DIR) for name, argv in commands.items()}

@@ -1,4 +1,4 @@
-"""Celery entry points. Thin: ids in, a service call out; limits declared here."""
+"""Fleet tasks. Thin: ids in, a service call out; limits declared here."""
 
 from __future__ import annotations
 
@@ -35,38 +35,6 @@ def node_reconcile(node_name: str) -> int:
         log.warning("node %s received work for node %s; ignoring", settings.NODE_NAME, node_name)
         return 0
     return reconcile(node_name)
-
-
-@shared_task(name="metering.ingest", soft_time_limit=60, time_limit=90)
-def metering_ingest() -> int:
-    """Record what dead gateways left in flight, then move the usage stream into the database."""
-    from django.conf import settings
-
-    from controlplane.gateway.journal import journal_reap
-    from controlplane.metering.outbox import usage_ingest
-
-    reaped = journal_reap()
-    return reaped + (usage_ingest() if settings.USAGE_OUTBOX == "redis" else 0)
-
-
-@shared_task(name="metering.rollup_daily", soft_time_limit=300, time_limit=360)
-def metering_rollup_daily() -> int:
-    from controlplane.metering.services import rollup_daily, rollup_hourly
-
-    return rollup_hourly() + rollup_daily()
-
-
-@shared_task(name="benchmarks.run", bind=True, soft_time_limit=3600, time_limit=3700)
-def benchmark_run(self, run_id: int | None = None, profile_id: int | None = None) -> None:
-    """A run by id (started on demand), or a new run of a profile (its schedule's turn)."""
-    from controlplane.benchmarks.services import benchmark_execute, benchmark_start_scheduled
-
-    if run_id is None:
-        run = benchmark_start_scheduled(profile_id=profile_id, task_id=self.request.id or "")
-        if run is None:
-            return
-        run_id = run.pk
-    benchmark_execute(run_id=run_id)
 
 
 @worker_ready.connect

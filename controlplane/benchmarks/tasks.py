@@ -1,0 +1,18 @@
+"""Benchmark tasks. Thin: ids in, a service call out; limits declared here."""
+
+from __future__ import annotations
+
+from celery import shared_task
+
+
+@shared_task(name="benchmarks.run", bind=True, soft_time_limit=3600, time_limit=3700)
+def benchmark_run(self, run_id: int | None = None, profile_id: int | None = None) -> None:
+    """A run by id (started on demand), or a new run of a profile (its schedule's turn)."""
+    from controlplane.benchmarks.services import benchmark_execute, benchmark_start_scheduled
+
+    if run_id is None:
+        run = benchmark_start_scheduled(profile_id=profile_id, task_id=self.request.id or "")
+        if run is None:
+            return
+        run_id = run.pk
+    benchmark_execute(run_id=run_id)

@@ -1,0 +1,23 @@
+"""Metering tasks. Thin: a service call each; limits declared here."""
+
+from __future__ import annotations
+
+from celery import shared_task
+from django.conf import settings
+
+
+@shared_task(name="metering.ingest", soft_time_limit=60, time_limit=90)
+def metering_ingest() -> int:
+    """Record what dead gateways left in flight, then move the usage stream into the database."""
+    from controlplane.gateway.journal import journal_reap
+    from controlplane.metering.outbox import usage_ingest
+
+    reaped = journal_reap()
+    return reaped + (usage_ingest() if settings.USAGE_OUTBOX == "redis" else 0)
+
+
+@shared_task(name="metering.rollup_daily", soft_time_limit=300, time_limit=360)
+def metering_rollup_daily() -> int:
+    from controlplane.metering.services import rollup_daily, rollup_hourly
+
+    return rollup_hourly() + rollup_daily()
