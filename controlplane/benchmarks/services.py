@@ -92,7 +92,7 @@ def benchmark_cancel(*, run: BenchmarkRun) -> None:
     cancelled_now = BenchmarkRun.objects.filter(pk=run.pk, state=BenchmarkRun.State.QUEUED).update(
         state=BenchmarkRun.State.CANCELLED, finished_at=timezone.now(), log="cancelled before it started\n")
     if cancelled_now and run.task_id:
-        from workers.celery import app
+        from controlplane.celery import app
 
         try:  # the flag already stops it; revoking only spares a worker the pickup
             app.control.revoke(run.task_id)
@@ -191,9 +191,11 @@ def _target(run: BenchmarkRun, planned_s: float):
 
 
 def _rates(tier):
+    from controlplane.metering.ratebook import NoRate, RateBook
+
     try:
-        return tier.price_plan.rate_at(timezone.now()).as_rates()
-    except PriceRate.DoesNotExist:
+        return RateBook().rates_at(tier.price_plan_id, timezone.now())
+    except NoRate:
         return None
 
 

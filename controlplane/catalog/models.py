@@ -76,12 +76,6 @@ class PricePlan(models.Model):
     def __str__(self):
         return self.name
 
-    def rate_at(self, when):
-        rate = self.rates.filter(effective_from__lte=when).order_by("-effective_from").first()
-        if rate is None:
-            raise PriceRate.DoesNotExist(f"price plan {self.name} has no rate in effect at {when}")
-        return rate
-
 
 _PRICE = {"max_digits": 12, "decimal_places": 6, "default": Decimal("0"), "validators": [MinValueValidator(0)]}
 _AMOUNTS = ("text_input_per_mtok", "image_per_mtok", "output_per_mtok", "per_image_fee", "cached_image_discount")

@@ -10,6 +10,7 @@ from controlplane.catalog.models import ModelTier
 from controlplane.imaging.errors import ImageError
 from controlplane.imaging.policy import normalise_tiles
 from controlplane.imaging.tokens import count_image_tokens, processor_options
+from controlplane.metering.ratebook import NoRate, RateBook
 from controlplane.metering.rating import Usage, price
 
 
@@ -36,17 +37,19 @@ def tier_image_tokens(tier: ModelTier, width: int, height: int) -> int:
 
 def policy_preview(*, data: bytes, detail: str | None = None) -> list[TierPreview]:
     """Each vision tier's treatment of one image: sizes after its policy, tokens and cost."""
-    now = timezone.now()
+    now, book = timezone.now(), RateBook()
     previews = []
     for tier in vision_tiers():
-        rate = tier.price_plan.rate_at(now)
         try:
             tiles = normalise_tiles(data, tier.image_policy(), detail=detail)
         except ImageError as exc:
             previews.append(TierPreview(tier, [], 0, None, tier.price_plan.currency, error=str(exc)))
             continue
         tokens = sum(tier_image_tokens(tier, t.width, t.height) for t in tiles)
-        cost = price(Usage(image_tokens=tokens, images=len(tiles)), rate.as_rates())
+        try:
+            cost = price(Usage(image_tokens=tokens, images=len(tiles)), book.rates_at(tier.price_plan_id, now))
+        except NoRate:
+            cost = None  # shown as "no price in effect"
         previews.append(TierPreview(tier, [(t.width, t.height) for t in tiles], tokens, cost,
                                     tier.price_plan.currency))
     return previews

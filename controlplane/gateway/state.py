@@ -148,12 +148,13 @@ def _tier_tokenizers(tier_ids) -> dict:
 
 
 def _load_tiers() -> dict[str, TierSpec]:
-    from controlplane.catalog.models import ModelTier, PriceRate
+    from controlplane.catalog.models import ModelTier
+    from controlplane.metering.ratebook import priced_plans
 
     specs = {}
     tiers = list(ModelTier.objects.filter(enabled=True).select_related("resolution_policy"))
     tokenizers = _tier_tokenizers([t.pk for t in tiers])
-    priced = set(PriceRate.objects.filter(effective_from__lte=timezone.now()).values_list("plan_id", flat=True))
+    priced = priced_plans({tier.price_plan_id for tier in tiers}, timezone.now())
     for tier in tiers:
         policy = tier.image_policy()
         options = (

@@ -21,9 +21,9 @@ from django.db.models import F, QuerySet, Sum
 from django.db.models.functions import TruncMonth
 from django.http import StreamingHttpResponse
 
-from controlplane.catalog.models import PriceRate
 from controlplane.metering.models import DailyUsage, UsageImage
-from controlplane.metering.rating import Rates, image_price, money_text
+from controlplane.metering.ratebook import RateBook
+from controlplane.metering.rating import money_text
 from controlplane.metering.services import billed
 from controlplane.metering.statements import month_bounds
 
@@ -47,32 +47,10 @@ class ExportError(ValueError):
 
 # -- the per-image cost report ------------------------------------------------------------
 
-class ImagePrices:
-    """An image's price at the rate in effect for its plan at a moment, without a query per
-    row. Prices are kept per rate, token count and cache hit: few distinct values recur."""
-
-    def __init__(self):
-        self._rates: dict[int, list[tuple[dt.datetime, Rates]]] = {}
-        self._prices: dict[tuple, Decimal] = {}
-
-    def price(self, plan_id: int, when: dt.datetime, tokens: int, cached_tokens: int) -> Decimal | None:
-        rates = self._rates.get(plan_id)
-        if rates is None:
-            rates = self._rates[plan_id] = [(r.effective_from, r.as_rates()) for r in
-                                            PriceRate.objects.filter(plan_id=plan_id).order_by("-effective_from")]
-        for index, (effective_from, rate) in enumerate(rates):
-            if effective_from <= when:
-                key = (plan_id, index, tokens, cached_tokens)
-                if key not in self._prices:
-                    self._prices[key] = image_price(tokens, cached_tokens, rate)
-                return self._prices[key]
-        return None
-
-
 def per_image_rows(*, since: dt.datetime, until: dt.datetime, tenants) -> Iterator[list]:
     """One row per image sent to an engine: what it was, what it became, what it cost (None
     when no price was in effect)."""
-    prices = ImagePrices()
+    book = RateBook()
     images = (UsageImage.objects.filter(billed("event__"), event__created_at__gte=since, event__created_at__lt=until,
                                         event__tenant__in=tenants)
               .order_by("event__created_at", "event_id", "position")
@@ -80,7 +58,7 @@ def per_image_rows(*, since: dt.datetime, until: dt.datetime, tenants) -> Iterat
                            "source_width", "source_height", "width", "height", "tokens", "cached_tokens",
                            "event__tier__price_plan_id"))
     for *row, plan_id in images.iterator(chunk_size=2000):
-        yield [*row, prices.price(plan_id, row[2], row[8], row[9])]
+        yield [*row, book.image_price(plan_id, row[2], row[8], row[9])]
 
 
 # -- the per-tenant monthly summary ---------------------------------------------------------

@@ -10,7 +10,7 @@ from django.db.models import Count, Q, Sum
 from django.db.models.functions import TruncDate, TruncHour
 from django.utils import timezone
 
-from controlplane.catalog.models import ModelTier, PriceRate
+from controlplane.catalog.models import ModelTier
 from controlplane.metering.models import (
     TOTALS,
     DailyUsage,
@@ -20,6 +20,7 @@ from controlplane.metering.models import (
     UsageEvent,
     UsageImage,
 )
+from controlplane.metering.ratebook import NoRate, RateBook, rate_changes
 from controlplane.metering.rating import price_parts
 
 log = logging.getLogger(__name__)
@@ -129,8 +130,8 @@ def usage_record(*, record: UsageRecord) -> UsageEvent:
     existing = UsageEvent.objects.filter(request_id=record.request_id).first()
     if existing is not None:
         return existing
-    tier = ModelTier.objects.select_related("price_plan").get(pk=record.tier_id)
-    event, images = _usage_rows(record, tier, tier.price_plan.rate_at)
+    tier = ModelTier.objects.get(pk=record.tier_id)
+    event, images = _usage_rows(record, tier, RateBook())
     try:
         with transaction.atomic():
             event.save(force_insert=True)
@@ -156,33 +157,18 @@ def usage_record_many(*, records: list[UsageRecord]) -> int:
     fresh = [record for request_id, record in batch.items() if request_id not in stored]
     if not fresh:
         return 0
-    tiers = ModelTier.objects.select_related("price_plan").in_bulk({record.tier_id for record in fresh})
-    rates = {}
-    for rate in PriceRate.objects.filter(plan__in={tier.price_plan_id for tier in tiers.values()}):
-        rates.setdefault(rate.plan_id, []).append(rate)
+    tiers = ModelTier.objects.in_bulk({record.tier_id for record in fresh})
+    book = RateBook().load({tier.price_plan_id for tier in tiers.values()})
     rows = []
     for record in fresh:
         tier = tiers.get(record.tier_id)
         if tier is None:
             raise ModelTier.DoesNotExist(f"no tier {record.tier_id} for {record.request_id}")
-        rows.append(_usage_rows(record, tier, _rate_finder(tier.price_plan, rates.get(tier.price_plan_id, []))))
+        rows.append(_usage_rows(record, tier, book))
     with transaction.atomic():
         UsageEvent.objects.bulk_create([event for event, _ in rows])  # sets each event's id
         UsageImage.objects.bulk_create([image for _, images in rows for image in images])
     return len(rows)
-
-
-def _rate_finder(plan, rates: list[PriceRate]):
-    """PricePlan.rate_at over rates read beforehand."""
-    rates = sorted(rates, key=lambda rate: rate.effective_from, reverse=True)
-
-    def rate_at(when):
-        rate = next((rate for rate in rates if rate.effective_from <= when), None)
-        if rate is None:
-            raise PriceRate.DoesNotExist(f"price plan {plan.name} has no rate in effect at {when}")
-        return rate
-
-    return rate_at
 
 
 def _priced_lines(record: UsageRecord) -> tuple[list[tuple[int, int]], tuple[int, int]]:
@@ -206,8 +192,8 @@ def _priced_lines(record: UsageRecord) -> tuple[list[tuple[int, int]], tuple[int
     return lines, (0, 0)
 
 
-def _usage_rows(record: UsageRecord, tier: ModelTier, rate_at) -> tuple[UsageEvent, list[UsageImage]]:
-    """The unsaved event and image rows for a record, priced with the rate rate_at finds."""
+def _usage_rows(record: UsageRecord, tier: ModelTier, book: RateBook) -> tuple[UsageEvent, list[UsageImage]]:
+    """The unsaved event and image rows for a record, priced at the rate in effect when it was made."""
     record.images = _lines(record.images)
     billable = is_billable(record)
     lines, unlined = _priced_lines(record)
@@ -216,13 +202,13 @@ def _usage_rows(record: UsageRecord, tier: ModelTier, rate_at) -> tuple[UsageEve
     rated, cost, savings = True, 0, 0
     if billable:
         try:
-            rates = rate_at(record.created_at).as_rates()
+            rates = book.rates_at(tier.price_plan_id, record.created_at)
             parts = {"text_tokens": record.text_tokens, "output_tokens": record.output_tokens, "rates": rates}
             cost = price_parts(images=lines, unlined=unlined, **parts).total
             if cached_image:
                 savings = price_parts(images=[(tokens, 0) for tokens, _ in lines], unlined=(unlined[0], 0),
                                       **parts).total - cost
-        except PriceRate.DoesNotExist:
+        except NoRate:
             # Never lose usage over a pricing gap: keep the event, flagged for rating.
             log.error("no price in effect for tier %s at %s; %s stored unrated",
                       tier.name, record.created_at, record.request_id)
@@ -341,15 +327,11 @@ def _image_costs_rewrite(day: dt.date) -> None:
     Images are counted in SQL by (tenant, tier, plan, tokens, cached tokens), and each such group is
     priced once, so the run reads no image row into Python however many there are.
     """
-    from controlplane.metering.exports import ImagePrices
-
     start = dt.datetime.combine(day, dt.time.min, tzinfo=dt.UTC)
     end = start + dt.timedelta(days=1)
     # A price change during the day splits it, so that each piece has one rate per plan.
-    changes = PriceRate.objects.filter(effective_from__gt=start, effective_from__lt=end).values_list(
-        "effective_from", flat=True)
-    prices, bins = ImagePrices(), {}
-    for since, until in itertools.pairwise([start, *sorted(set(changes)), end]):
+    book, bins = RateBook(), {}
+    for since, until in itertools.pairwise([start, *rate_changes(start, end), end]):
         groups = (
             UsageImage.objects.filter(billed("event__"), event__created_at__gte=since, event__created_at__lt=until)
             .values("event__tenant_id", "event__tier_id", "event__tier__price_plan_id", "tokens", "cached_tokens")
@@ -357,7 +339,7 @@ def _image_costs_rewrite(day: dt.date) -> None:
             .order_by()
         )
         for group in groups:
-            each = prices.price(group["event__tier__price_plan_id"], since, group["tokens"], group["cached_tokens"])
+            each = book.image_price(group["event__tier__price_plan_id"], since, group["tokens"], group["cached_tokens"])
             key = (group["event__tenant_id"], group["event__tier_id"], ImageCostHistogram.bucket(each))
             row = bins.get(key)
             if row is None:

@@ -8,7 +8,7 @@ from django.db.models import Count, Sum
 from django.utils import timezone
 from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import serializers
-from rest_framework.exceptions import NotFound, PermissionDenied, ValidationError
+from rest_framework.exceptions import APIException, NotFound, PermissionDenied, ValidationError
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
@@ -18,8 +18,19 @@ from controlplane.gateway.admission import metered_so_far, period_start, seconds
 from controlplane.imaging.errors import ImageError
 from controlplane.imaging.policy import normalise_tiles, sent_sizes
 from controlplane.metering.models import UsageEvent
+from controlplane.metering.ratebook import NoRate, RateBook
 from controlplane.metering.rating import Usage, money_text, price
 from controlplane.tenants.api_auth import TenantPrincipal
+
+
+class NotPriced(APIException):
+    """The tier has no price in effect yet: nothing can be estimated (nor served) for it."""
+
+    status_code, default_code = 503, "model_not_priced"
+    wait = 60  # DRF sends it as Retry-After
+
+    def __init__(self, tier: str):
+        super().__init__(f"the model '{tier}' has no price in effect yet; retry later")
 
 
 def _tenant(request):
@@ -150,8 +161,12 @@ class Estimate(APIView):
         elif "image" in data or "width" in data:
             raise ValidationError({"tier": f"{tier.name} does not accept images"})
         tokens = sum(tier_image_tokens(tier, w, h) for w, h in sizes)
+        try:
+            rates = RateBook().rates_at(tier.price_plan_id, timezone.now())
+        except NoRate:
+            raise NotPriced(tier.name) from None
         cost = price(Usage(text_tokens=data["text_tokens"], image_tokens=tokens, output_tokens=data["output_tokens"],
-                           images=len(sizes)), tier.price_plan.rate_at(timezone.now()).as_rates())
+                           images=len(sizes)), rates)
         return Response(EstimateSerializer({"tier": tier.name, "sent_sizes": sizes, "image_tokens": tokens,
                                             "cost": cost, "currency": tier.price_plan.currency}).data)
 

@@ -10,6 +10,7 @@ from django.utils import timezone
 from controlplane.catalog.models import PriceRate
 from controlplane.imaging.policy import Policy, normalise
 from controlplane.metering.models import DailyUsage, RollupState, UsageEvent, UsageImage
+from controlplane.metering.ratebook import RateBook
 from controlplane.metering.services import UsageRecord, rollup_daily, usage_record
 from controlplane.tenants.services import api_key_create
 from tests.images import image_bytes
@@ -276,7 +277,7 @@ def test_only_images_inside_the_cached_prefix_are_priced_as_cached(world):
         request_id="req-prefix", tenant_id=world.alice.pk, api_key_id=None, tier_id=world.vision.pk,
         images=[(image, 1000, True), (image, 1000, False)], image_tokens=2000, text_tokens=500,
         output_tokens=10, cached_tokens=1400, cached_image_tokens=1000))
-    rate = world.vision.price_plan.rate_at(timezone.now()).as_rates()
+    rate = RateBook().rates_at(world.vision.price_plan_id, timezone.now())
     from controlplane.metering.rating import Usage, price
 
     assert event.cost == price(Usage(text_tokens=500, image_tokens=2000, cached_image_tokens=1000,

@@ -1,0 +1,89 @@
+"""The rate book: which rate of a price plan is in effect at a moment, and what an image
+costs under it. The one place the rate in effect is looked up, used by the gateway (is a
+tier priced?), ingest (the cost of each request), rollups and exports (the cost of each
+image), estimates and previews, and the benches.
+
+A book reads a plan's rates once, the first time the plan is asked about (or all the plans
+asked for at once, with `load`), and remembers each image price it computes: a month of
+images has few distinct (rate, tokens, cached tokens) triples. A book is a snapshot: make a
+new one for each unit of work (a request batch, an export, a rollup run), so that a rate
+added meanwhile is seen by the next.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Iterable
+from decimal import Decimal
+
+from controlplane.metering.rating import Rates, image_price
+
+
+class NoRate(LookupError):
+    """The plan has no rate in effect at that moment."""
+
+
+class RateBook:
+    def __init__(self):
+        self._plans: dict[int, list] = {}  # plan id -> its PriceRate rows, latest first
+        self._rates: dict[int, Rates] = {}  # PriceRate id -> its Rates
+        self._images: dict[tuple[int, int, int], Decimal] = {}
+
+    def load(self, plan_ids: Iterable[int]) -> RateBook:
+        """Read the rates of these plans (those not read yet) in one query."""
+        from controlplane.catalog.models import PriceRate
+
+        wanted = set(plan_ids) - set(self._plans)
+        if wanted:
+            for plan_id in wanted:
+                self._plans[plan_id] = []
+            for rate in PriceRate.objects.filter(plan_id__in=wanted).order_by("-effective_from"):
+                self._plans[rate.plan_id].append(rate)
+        return self
+
+    def rate_at(self, plan_id: int, when: dt.datetime):
+        """The PriceRate in effect for the plan at `when`; NoRate if there is none."""
+        self.load([plan_id])
+        for rate in self._plans[plan_id]:
+            if rate.effective_from <= when:
+                return rate
+        raise NoRate(f"price plan {plan_id} has no rate in effect at {when:%Y-%m-%d %H:%M:%S %Z}")
+
+    def rates_at(self, plan_id: int, when: dt.datetime) -> Rates:
+        rate = self.rate_at(plan_id, when)
+        if rate.pk not in self._rates:
+            self._rates[rate.pk] = rate.as_rates()
+        return self._rates[rate.pk]
+
+    def priced(self, plan_id: int, when: dt.datetime) -> bool:
+        try:
+            self.rate_at(plan_id, when)
+        except NoRate:
+            return False
+        return True
+
+    def image_price(self, plan_id: int, when: dt.datetime, tokens: int, cached_tokens: int) -> Decimal | None:
+        """One image's price as the per-image report prints it; None when no rate is in effect."""
+        try:
+            rate = self.rate_at(plan_id, when)
+        except NoRate:
+            return None
+        key = (rate.pk, tokens, cached_tokens)
+        if key not in self._images:
+            self._images[key] = image_price(tokens, cached_tokens, self.rates_at(plan_id, when))
+        return self._images[key]
+
+
+def rate_changes(since: dt.datetime, until: dt.datetime) -> list[dt.datetime]:
+    """The moments strictly inside [since, until) at which some plan's rate changes: a span
+    cut at these has one rate per plan in each piece."""
+    from controlplane.catalog.models import PriceRate
+
+    return sorted(set(PriceRate.objects.filter(effective_from__gt=since, effective_from__lt=until)
+                      .values_list("effective_from", flat=True)))
+
+
+def priced_plans(plan_ids: Iterable[int], when: dt.datetime) -> set[int]:
+    """Of these plans, those with a rate in effect at `when` (one query)."""
+    book = RateBook().load(plan_ids)
+    return {plan_id for plan_id in set(plan_ids) if book.priced(plan_id, when)}

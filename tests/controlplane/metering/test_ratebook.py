@@ -1,0 +1,55 @@
+"""The rate book answers which rate is in effect, for every reader, with one query per batch
+of plans, and a price change mid-period splits what each side of it costs."""
+
+from __future__ import annotations
+
+import datetime as dt
+from decimal import Decimal
+
+import pytest
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
+
+from controlplane.catalog.models import PricePlan, PriceRate
+from controlplane.metering.ratebook import NoRate, RateBook, priced_plans, rate_changes
+
+pytestmark = pytest.mark.django_db
+MARCH = dt.datetime(2025, 3, 1, tzinfo=dt.UTC)
+
+
+def _plan(name, *starts_and_prices):
+    plan = PricePlan.objects.create(name=name)
+    for start, image_per_mtok in starts_and_prices:
+        PriceRate.objects.create(plan=plan, effective_from=start, image_per_mtok=Decimal(image_per_mtok))
+    return plan
+
+
+def test_the_rate_in_effect_is_the_latest_started_and_none_before_the_first():
+    mid = MARCH + dt.timedelta(days=15)
+    plan = _plan("vision", (MARCH, "1"), (mid, "2"))
+    book = RateBook()
+    with pytest.raises(NoRate):
+        book.rate_at(plan.pk, MARCH - dt.timedelta(seconds=1))
+    assert book.rates_at(plan.pk, MARCH).image_per_mtok == Decimal("1")
+    assert book.rates_at(plan.pk, mid - dt.timedelta(microseconds=1)).image_per_mtok == Decimal("1")
+    assert book.rates_at(plan.pk, mid).image_per_mtok == Decimal("2")
+    assert book.image_price(plan.pk, MARCH - dt.timedelta(days=1), 1000, 0) is None
+    assert book.image_price(plan.pk, mid, 1_000_000, 0) == Decimal("2")
+    assert rate_changes(MARCH, MARCH + dt.timedelta(days=31)) == [mid]
+
+
+def test_a_book_reads_its_plans_once_however_many_prices_it_answers():
+    plans = [_plan(f"plan-{n}", (MARCH, str(n + 1))) for n in range(3)]
+    book = RateBook()
+    with CaptureQueriesContext(connection) as queries:
+        book.load(p.pk for p in plans)
+        for day in range(28):
+            for plan in plans:
+                book.image_price(plan.pk, MARCH + dt.timedelta(days=day), 1200 + day, day)
+    assert len(queries) == 1
+
+
+def test_only_plans_with_a_rate_in_effect_are_priced():
+    live, future, empty = _plan("live", (MARCH, "1")), _plan("future", (MARCH + dt.timedelta(days=9), "1")), \
+        _plan("empty")
+    assert priced_plans([live.pk, future.pk, empty.pk], MARCH + dt.timedelta(days=1)) == {live.pk}
