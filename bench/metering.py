@@ -184,10 +184,10 @@ def usage_records(world: World, count: int, label: str) -> list:
 
 
 async def _put_all(records: list, concurrency: int = 32) -> None:
-    from controlplane.gateway import journal
+    from controlplane.gateway import ledger
 
     for start in range(0, len(records), concurrency):
-        await asyncio.gather(*(journal.finish(r) for r in records[start:start + concurrency]))
+        await asyncio.gather(*(ledger.finish(r) for r in records[start:start + concurrency]))
 
 
 def bench_ingest(world: World, count: int, naive_count: int) -> None:

@@ -11,12 +11,11 @@ import uuid
 import httpx
 import orjson  # request bodies carry megabytes of base64: parsed ~3x faster than json
 from django.conf import settings
-from django.utils import timezone
 
-from controlplane.gateway import admission, counters, journal, moderation, routing, state, upstream
-from controlplane.gateway.admission import Ask, Refused
+from controlplane.gateway import counters, ledger, moderation, routing, state, upstream
 from controlplane.gateway.errors import GatewayError, error_response
 from controlplane.gateway.http import Request, Response, json_response
+from controlplane.gateway.ledger import Ask, Refused
 from controlplane.gateway.prepare import (
     Prepared,
     RequestInvalid,
@@ -139,42 +138,54 @@ async def _chat_completions(request: Request, request_id: str):
             except moderation.Unavailable as unavailable:
                 raise GatewayError(503, f"{unavailable}; retry shortly", code="moderation_unavailable",
                                    headers={"Retry-After": "5"}) from None
-        reservation = await _admit(key, tier, prepared)
+        flight = await _admit(request_id, key, tier, prepared, started)
     except GatewayError as exc:
         # Refused once the tier was known: the tenant sees it in their usage, at no cost.
         await _record(UsageRecord(request_id=request_id, tenant_id=key.tenant_id, api_key_id=key.key_id,
                                   tier_id=tier.id, status="error", http_status=exc.status,
                                   stream=bool(body.get("stream"))), started)
         return exc.response(request_id)
-    return await _forward(request_id, key, tier, prepared, reservation)
+    return await _forward(request_id, key, tier, prepared, flight)
 
 
-async def _admit(key: state.KeyInfo, tier: TierSpec, prepared: Prepared):
-    """Reserve the request against the tenant's quota, or refuse it with a 429."""
-    if key.limits is None:
-        return None
-    ask = Ask(image_tokens=prepared.image_tokens,
-              total_tokens=prepared.text_tokens + prepared.image_tokens + prepared.body["max_tokens"],
-              large=prepared.image_tokens > tier.large_image_threshold)
-    backend = admission.backend()
-    reserving = asyncio.ensure_future(backend.reserve(key.tenant_id, key.limits, ask, timezone.now()))
+async def _admit(request_id: str, key: state.KeyInfo, tier: TierSpec, prepared: Prepared,
+                 started: float) -> ledger.Flight:
+    """Reserve the request against the tenant's quota and journal it, in one step; or refuse
+    it with a 429."""
+    record = UsageRecord(
+        request_id=request_id, tenant_id=key.tenant_id, api_key_id=key.key_id, tier_id=tier.id,
+        stream=bool(prepared.body.get("stream")), images=[(p.image, p.tokens, 0) for p in prepared.images],
+        image_tokens=prepared.image_tokens, text_tokens=prepared.text_tokens,
+        counted_prompt_tokens=prepared.text_tokens + prepared.image_tokens, prompt_estimated=prepared.estimated,
+    )
+    ask = None if key.limits is None else Ask(
+        image_tokens=prepared.image_tokens,
+        total_tokens=prepared.text_tokens + prepared.image_tokens + prepared.body["max_tokens"],
+        large=prepared.image_tokens > tier.large_image_threshold)
+    admitting = asyncio.ensure_future(ledger.admit(record, key.limits, ask))
     try:
-        # Shielded: a reservation made just as the client leaves must still be released.
-        return await asyncio.shield(reserving)
+        # Shielded: a request admitted just as the client leaves must still be released.
+        return await asyncio.shield(admitting)
     except asyncio.CancelledError:
-        reserving.add_done_callback(lambda done: _release_if_made(backend, done))
+        admitting.add_done_callback(lambda done: _release_if_admitted(done, started))
         raise
     except Refused as refused:
         code = "rate_limit_exceeded" if refused.limit in ("requests_per_minute", "concurrent_large_images") \
             else "insufficient_quota"
         raise GatewayError(429, str(refused), code=code, headers={"Retry-After": str(refused.retry_after)}) from None
+    except Exception:
+        # The quota cannot be checked (its store does not answer): nothing is forwarded unchecked.
+        log.exception("could not admit %s against its quota", request_id)
+        raise GatewayError(503, "the quota service is unavailable; retry shortly", code="quota_unavailable",
+                           headers={"Retry-After": "5"}) from None
 
 
-def _release_if_made(backend, done: asyncio.Future) -> None:
+def _release_if_admitted(done: asyncio.Future, started: float) -> None:
+    """The client left while its request was admitted: recorded at no cost, quota released."""
     if not done.cancelled() and done.exception() is None:
-        task = asyncio.ensure_future(backend.settle(done.result(), image_tokens=0, total_tokens=0))
-        _background.add(task)
-        task.add_done_callback(_background.discard)
+        record = done.result().record
+        record.status, record.http_status = "aborted", 499
+        _in_background(_record(record, started))
 
 
 def _upstream_body(key: state.KeyInfo, tier: TierSpec, prepared: Prepared, *, large: bool = False) -> dict:
@@ -194,25 +205,16 @@ def _upstream_body(key: state.KeyInfo, tier: TierSpec, prepared: Prepared, *, la
     return body
 
 
-async def _forward(request_id: str, key: state.KeyInfo, tier: TierSpec, prepared: Prepared, reservation=None):
+async def _forward(request_id: str, key: state.KeyInfo, tier: TierSpec, prepared: Prepared, flight: ledger.Flight):
     started = time.monotonic()
     _tier_names[tier.id] = tier.name
-    record = UsageRecord(
-        request_id=request_id, tenant_id=key.tenant_id, api_key_id=key.key_id, tier_id=tier.id,
-        reservation=reservation,
-        stream=bool(prepared.body.get("stream")), images=[
-            (p.image, p.tokens, 0) for p in prepared.images
-        ],
-        image_tokens=prepared.image_tokens, text_tokens=prepared.text_tokens,
-        counted_prompt_tokens=prepared.text_tokens + prepared.image_tokens, prompt_estimated=prepared.estimated,
-    )
+    record = flight.record
     large = prepared.image_tokens > tier.large_image_threshold
     fingerprints = tuple(p.image.fingerprint for p in prepared.images)
     body = _upstream_body(key, tier, prepared, large=large)
     payload = orjson.dumps(body)
     slot = None
     try:
-        flight = await journal.open_flight(record)
         candidates = await state.instances(tier.id)
         if large and not routing.has_dedicated_large_pool(candidates):
             # No isolated pool: large requests take turns, so they never fill every batch.
@@ -260,7 +262,7 @@ async def _attempts(request_id, tier, prepared, flight, candidates, payload, sta
         routing.outstanding[instance.id] += 1
         handed_over = False  # to the stream, which then owns the counter and the record
         try:
-            await journal.engine_chosen(flight, instance.id)
+            await ledger.engine_chosen(flight, instance.id)
             req = upstream.client().build_request(
                 "POST", f"{instance.base_url}/v1/chat/completions", content=payload,
                 headers={"content-type": "application/json", "x-request-id": request_id,
@@ -454,7 +456,7 @@ async def _record(record: UsageRecord, started: float) -> None:
 async def _hand_over(record: UsageRecord) -> None:
     try:
         # The usage handed over and the reservation corrected to what was really used, at once.
-        await journal.finish(record)
+        await ledger.finish(record)
     except Exception:  # never lose the response over metering; the error is logged loudly
         log.exception("could not record usage for %s", record.request_id)
 

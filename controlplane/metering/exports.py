@@ -22,10 +22,10 @@ from django.db.models.functions import TruncMonth
 from django.http import StreamingHttpResponse
 
 from controlplane.metering.models import DailyUsage, UsageImage
+from controlplane.metering.periods import month_bounds
 from controlplane.metering.ratebook import RateBook
 from controlplane.metering.rating import money_text
 from controlplane.metering.services import billed
-from controlplane.metering.statements import month_bounds
 
 IMAGE_COLUMNS = ["tenant", "request_id", "time", "tier", "source_width", "source_height", "sent_width",
                  "sent_height", "image_tokens", "cached_image_tokens", "cost_usd"]

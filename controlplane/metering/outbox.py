@@ -1,7 +1,7 @@
 """The usage stream, from Redis into the database.
 
 With Redis, the gateway appends each request's usage to a stream before the response goes
-out (controlplane/gateway/journal.py, in the same step that closes its journal entry and
+out (controlplane/gateway/ledger/redis_store.py, in the same step that closes its journal entry and
 settles its quota), and `usage_ingest` moves the stream into the database in batches, each
 stored with bulk inserts in one transaction. Storing is idempotent by request id, so an entry
 delivered twice (a consumer that crashed before acknowledging) is stored once. Without Redis

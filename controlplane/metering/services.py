@@ -20,6 +20,7 @@ from controlplane.metering.models import (
     UsageEvent,
     UsageImage,
 )
+from controlplane.metering.periods import period_start
 from controlplane.metering.ratebook import NoRate, RateBook, rate_changes
 from controlplane.metering.rating import price_parts
 
@@ -123,6 +124,16 @@ def billed(path: str = "") -> Q:
     """is_billable as a filter on usage events; `path` reaches them from another model
     ("event__" from their images)."""
     return Q(**{f"{path}status": "ok"}) | Q(**{f"{path}status__in": _CUT_SHORT, f"{path}instance__isnull": False})
+
+
+def metered_so_far(tenant_id: int, period: str, now: dt.datetime) -> tuple[int, int]:
+    """Image and total tokens the tenant has used this period, as quotas count them: only
+    billed requests. A quota counter starts from this at the start of a period."""
+    from django.db.models import F
+
+    totals = UsageEvent.objects.filter(billed(), tenant_id=tenant_id, created_at__gte=period_start(period, now)).aggregate(
+        image=Sum("image_tokens"), total=Sum(F("image_tokens") + F("text_tokens") + F("output_tokens")))
+    return int(totals["image"] or 0), int(totals["total"] or 0)
 
 
 def usage_record(*, record: UsageRecord) -> UsageEvent:

@@ -4,20 +4,14 @@ exactly, and a later price change never rewrites a closed month."""
 
 from __future__ import annotations
 
-import calendar
-import datetime as dt
 from decimal import Decimal
 
 from django.db.models import Count, Sum
 
 from controlplane.metering.models import UsageEvent
+from controlplane.metering.periods import month_bounds
 
 LINE_FIELDS = ("requests", "images", "image_tokens", "cached_tokens", "text_tokens", "output_tokens", "cost")
-
-
-def month_bounds(year: int, month: int) -> tuple[dt.datetime, dt.datetime]:
-    start = dt.datetime(year, month, 1, tzinfo=dt.UTC)
-    return start, start + dt.timedelta(days=calendar.monthrange(year, month)[1])
 
 
 def statement(*, tenant, year: int, month: int) -> dict:

@@ -9,7 +9,7 @@ from django.conf import settings
 @shared_task(name="metering.ingest", soft_time_limit=60, time_limit=90)
 def metering_ingest() -> int:
     """Record what dead gateways left in flight, then move the usage stream into the database."""
-    from controlplane.gateway.journal import journal_reap
+    from controlplane.gateway.ledger import journal_reap
     from controlplane.metering.outbox import usage_ingest
 
     reaped = journal_reap()

@@ -74,10 +74,10 @@ def test_a_second_run_starts_cleanly_with_the_same_demo_key(embedded):
 SQLITE_CONCURRENCY = r"""
 import datetime as dt, threading
 from django.db import connection
-from controlplane.gateway.admission import Ask, DatabaseAdmission, Limits, Refused, metered_so_far
+from controlplane.gateway.ledger import Ask, DatabaseLedger, Limits, Refused
 from controlplane.tenants.models import Tenant
 tenant, _ = Tenant.objects.get_or_create(name="sqlite-race")
-backend = DatabaseAdmission(seed_sync=metered_so_far)
+backend = DatabaseLedger()
 now = dt.datetime(2026, 11, 30, 12, tzinfo=dt.UTC)
 start, results = threading.Barrier(24), []
 def ask():

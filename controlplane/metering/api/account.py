@@ -14,12 +14,13 @@ from rest_framework.views import APIView
 
 from controlplane.catalog.models import ModelTier
 from controlplane.catalog.services import tier_image_tokens
-from controlplane.gateway.admission import metered_so_far, period_start, seconds_to_period_end
 from controlplane.imaging.errors import ImageError
 from controlplane.imaging.policy import normalise_tiles, sent_sizes
 from controlplane.metering.models import UsageEvent
+from controlplane.metering.periods import period_start, seconds_to_period_end
 from controlplane.metering.ratebook import NoRate, RateBook
 from controlplane.metering.rating import Usage, money_text, price
+from controlplane.metering.services import metered_so_far
 from controlplane.tenants.api_auth import TenantPrincipal
 
 

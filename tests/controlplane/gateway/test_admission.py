@@ -9,18 +9,11 @@ import threading
 import uuid
 
 import pytest
-from asgiref.sync import async_to_sync, sync_to_async
+from asgiref.sync import async_to_sync
 from django.conf import settings
 from django.db import connection
 
-from controlplane.gateway.admission import (
-    Ask,
-    DatabaseAdmission,
-    Limits,
-    RedisAdmission,
-    Refused,
-    metered_so_far,
-)
+from controlplane.gateway.ledger import Ask, DatabaseLedger, Limits, RedisLedger, Refused
 from controlplane.metering.services import UsageRecord, usage_record
 from controlplane.tenants.models import Quota
 
@@ -28,16 +21,16 @@ NOW = dt.datetime(2026, 11, 30, 12, 0, 30, tzinfo=dt.UTC)
 
 
 def redis_backend():
-    return RedisAdmission(settings.REDIS_URL, prefix=f"test-{uuid.uuid4().hex}", seed=sync_to_async(metered_so_far))
+    return RedisLedger(settings.REDIS_URL, prefix=f"test-{uuid.uuid4().hex}")
 
 
 def database_backend():
-    return DatabaseAdmission(seed_sync=metered_so_far)
+    return DatabaseLedger()
 
 
 def reserve_all_at_once(backend, tenant_id, limits, asks) -> list:
     """Fire every reservation at the same moment; the outcomes, in order."""
-    if isinstance(backend, RedisAdmission):
+    if isinstance(backend, RedisLedger):
         @async_to_sync
         async def burst():
             return await asyncio.gather(*(backend.reserve(tenant_id, limits, a, NOW) for a in asks),
@@ -84,9 +77,9 @@ def test_concurrent_large_image_requests_are_capped_until_one_ends(world, make_b
     outcomes = reserve_all_at_once(backend, world.bob.pk, limits, [large] * 8)
     admitted = [o for o in outcomes if not isinstance(o, Exception)]
     assert len(admitted) == 2
-    settle = async_to_sync(backend.settle) if isinstance(backend, RedisAdmission) else backend.settle_sync
+    settle = async_to_sync(backend.settle) if isinstance(backend, RedisLedger) else backend.settle_sync
     settle(admitted[0], image_tokens=9000, total_tokens=9100)
-    reserve = async_to_sync(backend.reserve) if isinstance(backend, RedisAdmission) else backend.reserve_sync
+    reserve = async_to_sync(backend.reserve) if isinstance(backend, RedisLedger) else backend.reserve_sync
     assert reserve(world.bob.pk, limits, large, NOW)  # a slot came free
     with pytest.raises(Refused, match="concurrent large-image requests"):
         reserve(world.bob.pk, limits, large, NOW)
@@ -96,8 +89,8 @@ def test_concurrent_large_image_requests_are_capped_until_one_ends(world, make_b
 @pytest.mark.parametrize("make_backend", [redis_backend, database_backend], ids=["redis", "database"])
 def test_settling_returns_what_was_reserved_but_not_used(world, make_backend):
     backend = make_backend()
-    reserve = async_to_sync(backend.reserve) if isinstance(backend, RedisAdmission) else backend.reserve_sync
-    settle = async_to_sync(backend.settle) if isinstance(backend, RedisAdmission) else backend.settle_sync
+    reserve = async_to_sync(backend.reserve) if isinstance(backend, RedisLedger) else backend.reserve_sync
+    settle = async_to_sync(backend.settle) if isinstance(backend, RedisLedger) else backend.settle_sync
     limits = Limits(total_tokens=1000)
     first = reserve(world.alice.pk, limits, Ask(0, 800, False), NOW)  # 800 reserved (max_tokens ceiling)
     with pytest.raises(Refused):
@@ -110,7 +103,7 @@ def test_settling_returns_what_was_reserved_but_not_used(world, make_backend):
 @pytest.mark.parametrize("make_backend", [redis_backend, database_backend], ids=["redis", "database"])
 def test_requests_per_minute_refuse_until_the_next_minute(world, make_backend):
     backend = make_backend()
-    reserve = async_to_sync(backend.reserve) if isinstance(backend, RedisAdmission) else backend.reserve_sync
+    reserve = async_to_sync(backend.reserve) if isinstance(backend, RedisLedger) else backend.reserve_sync
     limits = Limits(requests_per_minute=3)
     for _ in range(3):
         reserve(world.charlie.pk, limits, Ask(0, 10, False), NOW)
@@ -126,7 +119,7 @@ def test_a_period_starts_from_what_is_already_metered(world, make_backend):
     usage_record(record=UsageRecord(request_id="earlier", tenant_id=world.alice.pk, api_key_id=None,
                                     tier_id=world.vision.pk, image_tokens=900, created_at=NOW - dt.timedelta(days=1)))
     backend = make_backend()
-    reserve = async_to_sync(backend.reserve) if isinstance(backend, RedisAdmission) else backend.reserve_sync
+    reserve = async_to_sync(backend.reserve) if isinstance(backend, RedisLedger) else backend.reserve_sync
     with pytest.raises(Refused) as refused:
         reserve(world.alice.pk, Limits(image_tokens=1000), Ask(200, 200, False), NOW)
     assert "image tokens (1,000 this month)" in str(refused.value)

@@ -1,4 +1,5 @@
-"""The in-flight journal: a request whose gateway died is metered once, from what was known."""
+"""The ledger's journal: a request whose gateway died is metered once, from what was known,
+and its reservation settled once."""
 
 from __future__ import annotations
 
@@ -8,31 +9,21 @@ import uuid
 
 import pytest
 import redis
-from asgiref.sync import async_to_sync, sync_to_async
+from asgiref.sync import async_to_sync
 from django.conf import settings as django_settings
 from django.utils import timezone
 
-from controlplane.gateway import admission, journal
-from controlplane.gateway.admission import (
-    Ask,
-    DatabaseAdmission,
-    Limits,
-    RedisAdmission,
-    Refused,
-    metered_so_far,
-)
+from controlplane.gateway import ledger
+from controlplane.gateway.ledger import Ask, Limits, RedisLedger, Refused
+from controlplane.gateway.ledger.base import interrupted
+from controlplane.gateway.ledger.redis_store import _FINISH
 from controlplane.gateway.models import InFlightRequest
 from controlplane.metering.models import UsageEvent
 from controlplane.metering.outbox import stream_key, usage_ingest
 from controlplane.metering.services import UsageRecord
 from tests.images import image_bytes
 
-MODES = {
-    # (where usage and the journal live, where quota counters live)
-    "redis": ("redis", "redis"),
-    "embedded": ("database", "database"),
-    "database-with-redis-quota": ("database", "redis"),
-}
+MODES = {"redis": "redis", "embedded": "database"}  # where the ledger lives
 
 
 @pytest.fixture
@@ -43,25 +34,22 @@ def engine(world):
 
 
 @pytest.fixture(params=list(MODES))
-def mode(request, settings, monkeypatch):
-    usage, quota = MODES[request.param]
+def mode(request, settings):
     prefix = f"journal-{uuid.uuid4().hex}"
-    settings.USAGE_OUTBOX = usage
+    settings.USAGE_OUTBOX = MODES[request.param]
     settings.CACHES = {"default": {**django_settings.CACHES["default"], "KEY_PREFIX": prefix}}
-    backend = (RedisAdmission(settings.REDIS_URL, prefix=prefix, seed=sync_to_async(metered_so_far))
-               if quota == "redis" else DatabaseAdmission(seed_sync=metered_so_far))
-    monkeypatch.setattr(admission, "_backend", backend)
     yield request.param
     client = redis.Redis.from_url(settings.REDIS_URL)
     for key in client.scan_iter(f"{prefix}:*"):
         client.delete(key)
 
 
-def _forwarded(record, engine) -> journal.Flight:
-    """A request journaled and taken by `engine`, as the gateway does before sending it."""
+def _forwarded(record, engine, limits=None, ask=None) -> ledger.Flight:
+    """A request admitted (against `limits`, if any) and journaled, then taken by `engine`, as
+    the gateway does before sending it."""
     async def forward():
-        flight = await journal.open_flight(record)
-        await journal.engine_chosen(flight, engine.pk)
+        flight = await ledger.admit(record, limits, ask)
+        await ledger.engine_chosen(flight, engine.pk)
         return flight
 
     return async_to_sync(forward)()
@@ -79,16 +67,15 @@ def own_keys(settings):
 
 
 def _reserve(tenant_id, limits, ask):
-    return async_to_sync(admission.backend().reserve)(tenant_id, limits, ask, timezone.now())
+    return async_to_sync(ledger.ledger().reserve)(tenant_id, limits, ask, timezone.now())
 
 
-def _record(world, request_id, reservation) -> UsageRecord:
+def _record(world, request_id) -> UsageRecord:
     from controlplane.imaging.policy import Policy, normalise
 
     image = normalise(image_bytes(320, 240), Policy())
     return UsageRecord(request_id=request_id, tenant_id=world.alice.pk, api_key_id=None, tier_id=world.vision.pk,
-                       stream=True, images=[(image, 110, False)], image_tokens=110, text_tokens=20,
-                       reservation=reservation)
+                       stream=True, images=[(image, 110, False)], image_tokens=110, text_tokens=20)
 
 
 def _stored(mode):
@@ -109,7 +96,7 @@ def _assert_room(world, room: int) -> None:
 def _reap(now: float) -> int:
     """What the reaper takes on two runs: a look, and a second look two heartbeats later (with
     Redis an entry must still be stale and unchanged on the second)."""
-    return journal.journal_reap(now=now) + journal.journal_reap(
+    return ledger.journal_reap(now=now) + ledger.journal_reap(
         now=now + 2 * django_settings.GATEWAY_HEARTBEAT_S + 1)
 
 
@@ -119,13 +106,11 @@ ASK = Ask(image_tokens=110, total_tokens=900, large=True)  # prompt 130 + a max_
 
 @pytest.mark.django_db(transaction=True)
 def test_a_request_whose_gateway_died_is_recorded_once_as_interrupted(world, mode, engine):
-    reservation = _reserve(world.alice.pk, LIMITS, ASK)
-
-    flight = _forwarded(_record(world, "req-orphan", reservation), engine)
+    flight = _forwarded(_record(world, "req-orphan"), engine, LIMITS, ASK)
     flight.produced = 7
-    async_to_sync(journal.journal().beat)([flight])  # its last heartbeat: 7 tokens streamed
-    journal._live.clear()  # the process is gone: nothing of it runs any more
-    assert journal.journal_reap() == 0  # its heartbeat is fresh: it may still be alive
+    async_to_sync(ledger.ledger().beat)([flight])  # its last heartbeat: 7 tokens streamed
+    ledger._live.clear()  # the process is gone: nothing of it runs any more
+    assert ledger.journal_reap() == 0  # its heartbeat is fresh: it may still be alive
     with pytest.raises(Refused):  # meanwhile the reservation holds the quota and the large slot
         _reserve(world.alice.pk, LIMITS, Ask(0, 200, True))
 
@@ -143,12 +128,10 @@ def test_a_request_whose_gateway_died_is_recorded_once_as_interrupted(world, mod
 
 @pytest.mark.django_db(transaction=True)
 def test_a_finished_request_leaves_nothing_for_the_reaper(world, mode, engine):
-    reservation = _reserve(world.alice.pk, LIMITS, ASK)
-
-    record = _record(world, "req-done", reservation)
-    _forwarded(record, engine)
+    record = _record(world, "req-done")
+    _forwarded(record, engine, LIMITS, ASK)
     record.output_tokens = 50
-    async_to_sync(journal.finish)(record)
+    async_to_sync(ledger.finish)(record)
     assert _reap(time.time() + 3600) == 0
     [event] = _stored(mode)
     assert (event.status, event.output_tokens) == ("ok", 50)
@@ -158,13 +141,12 @@ def test_a_finished_request_leaves_nothing_for_the_reaper(world, mode, engine):
 
 @pytest.mark.django_db(transaction=True)
 def test_a_gateway_that_finishes_after_being_reaped_does_not_count_twice(world, mode, engine):
-    reservation = _reserve(world.alice.pk, LIMITS, ASK)
-    record = _record(world, "req-slow", reservation)
+    record = _record(world, "req-slow")
 
-    _forwarded(record, engine)
+    _forwarded(record, engine, LIMITS, ASK)
     assert _reap(time.time() + 3600) == 1  # taken for dead (a frozen process)
     record.output_tokens = 500
-    async_to_sync(journal.finish)(record)  # then it woke up and finished
+    async_to_sync(ledger.finish)(record)  # then it woke up and finished
 
     [event] = _stored(mode)
     assert (event.status, event.output_tokens) == ("interrupted", 0)
@@ -173,9 +155,8 @@ def test_a_gateway_that_finishes_after_being_reaped_does_not_count_twice(world, 
 
 @pytest.mark.django_db(transaction=True)
 def test_a_request_that_never_reached_an_engine_is_recorded_at_no_cost(world, mode, engine):
-    reservation = _reserve(world.alice.pk, LIMITS, ASK)
-    async_to_sync(journal.open_flight)(_record(world, "req-queued", reservation))  # died waiting for a slot
-    journal._live.clear()
+    async_to_sync(ledger.admit)(_record(world, "req-queued"), LIMITS, ASK)  # died waiting for a slot
+    ledger._live.clear()
     assert _reap(time.time() + 3600) == 1
     [event] = _stored(mode)
     assert (event.status, event.cost) == ("interrupted", 0)
@@ -198,17 +179,18 @@ def test_the_heartbeat_setting_must_leave_room_for_a_missed_beat(monkeypatch):
 def test_the_reaper_leaves_an_entry_whose_heartbeat_came_back_meanwhile(world, engine, settings, own_keys):
     """A gateway frozen past the limit that beats again just as the reaper looks is alive."""
     settings.USAGE_OUTBOX = "redis"
-    flight = _forwarded(_record(world, "req-back", None), engine)
+    flight = _forwarded(_record(world, "req-back"), engine)
     client = redis.Redis.from_url(settings.REDIS_URL)
-    inflight, beats = journal._keys()
+    store = RedisLedger()
+    inflight, beats = store.inflight, store.beats
     judged_stale = client.hget(beats, "req-back").decode()
     flight.produced = 3
-    async_to_sync(journal.journal().beat)([flight])  # it beats again
-    keys, args = journal._finish_call(journal._interrupted(json.loads(client.hget(inflight, "req-back")), {}), True,
+    async_to_sync(ledger.ledger().beat)([flight])  # it beats again
+    keys, args = store._finish_call(interrupted(json.loads(client.hget(inflight, "req-back")), {}), True,
                                       stale_beat=judged_stale)
-    assert client.eval(journal._FINISH, len(keys), *keys, *args) == 0
+    assert client.eval(_FINISH, len(keys), *keys, *args) == 0
     assert client.hexists(inflight, "req-back")  # left to its gateway
-    journal._live.clear()
+    ledger._live.clear()
 
 
 @pytest.mark.django_db(transaction=True)
@@ -216,8 +198,8 @@ def test_an_entry_that_cannot_be_recorded_does_not_stop_the_reaper(world, engine
     settings.USAGE_OUTBOX = "database"
 
     for request_id in ("req-broken", "req-fine"):  # two dead gateways' requests
-        _forwarded(_record(world, request_id, None), engine)
-    journal._live.clear()
+        _forwarded(_record(world, request_id), engine)
+    ledger._live.clear()
     broken = InFlightRequest.objects.get(request_id="req-broken")
     broken.record = {**broken.record, "tier_id": 999_999}  # its tier is gone: it cannot be stored
     broken.save()
@@ -233,18 +215,18 @@ def test_a_live_gateway_whose_beats_look_stale_is_not_reaped(world, engine, sett
     behind), every beat looks stale; a gateway that is alive beats again before the reaper's
     second look."""
     settings.USAGE_OUTBOX = usage
-    record = _record(world, "req-alive", None)
+    record = _record(world, "req-alive")
     flight = _forwarded(record, engine)
     first_look = time.time() + 3600  # its beat is an hour old by then
-    assert journal.journal_reap(now=first_look) == 0
-    async_to_sync(journal.journal().beat)([flight])  # Redis is back: the gateway beats (its clock an hour behind)
+    assert ledger.journal_reap(now=first_look) == 0
+    async_to_sync(ledger.ledger().beat)([flight])  # Redis is back: the gateway beats (its clock an hour behind)
     second_look = first_look + 2 * django_settings.GATEWAY_HEARTBEAT_S + 1
-    assert journal.journal_reap(now=second_look) == 0
+    assert ledger.journal_reap(now=second_look) == 0
     flight.produced = 9
-    async_to_sync(journal.journal().beat)([flight])  # and again, as it does every few seconds
-    assert journal.journal_reap(now=second_look + 2 * django_settings.GATEWAY_HEARTBEAT_S + 1) == 0
+    async_to_sync(ledger.ledger().beat)([flight])  # and again, as it does every few seconds
+    assert ledger.journal_reap(now=second_look + 2 * django_settings.GATEWAY_HEARTBEAT_S + 1) == 0
 
     record.output_tokens = 40
-    async_to_sync(journal.finish)(record)  # and it finishes its request itself
+    async_to_sync(ledger.finish)(record)  # and it finishes its request itself
     [event] = _stored("redis" if usage == "redis" else "embedded")
     assert (event.status, event.output_tokens) == ("ok", 40)

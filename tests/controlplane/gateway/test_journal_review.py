@@ -1,4 +1,4 @@
-"""The in-flight journal at its edges: a client leaving while usage is handed over, and a
+"""The ledger's journal at its edges: a client leaving while usage is handed over, and a
 usage journal that Redis fails to answer."""
 
 from __future__ import annotations
@@ -11,8 +11,7 @@ import pytest
 from asgiref.sync import async_to_sync, sync_to_async
 from django.conf import settings as django_settings
 
-from controlplane.gateway import handlers, journal
-from controlplane.metering.models import UsageEvent
+from controlplane.gateway import handlers, ledger
 from tests.controlplane.gateway.test_journal import (  # noqa: F401 - fixtures
     ASK,
     LIMITS,
@@ -20,7 +19,6 @@ from tests.controlplane.gateway.test_journal import (  # noqa: F401 - fixtures
     _forwarded,
     _reap,
     _record,
-    _reserve,
     _stored,
     engine,
     mode,
@@ -28,17 +26,16 @@ from tests.controlplane.gateway.test_journal import (  # noqa: F401 - fixtures
 
 
 @pytest.mark.django_db(transaction=True)
-@pytest.mark.parametrize("mode", ["embedded", "database-with-redis-quota"], indirect=True)
+@pytest.mark.parametrize("mode", ["embedded", "redis"], indirect=True)
 def test_a_client_leaving_while_its_usage_is_handed_over_still_has_it_recorded_and_settled(world, mode, engine):  # noqa: F811
-    reservation = _reserve(world.alice.pk, LIMITS, ASK)
-    record = _record(world, "req-left", reservation)
+    record = _record(world, "req-left")
     record.stream = False
     busy = threading.Event()
 
     @async_to_sync
     async def answered_then_client_leaves():
-        flight = await journal.open_flight(record)
-        await journal.engine_chosen(flight, engine.pk)
+        flight = await ledger.admit(record, LIMITS, ASK)
+        await ledger.engine_chosen(flight, engine.pk)
         record.output_tokens = 50
         # The database thread is busy with other requests' work when this one finishes...
         other = asyncio.ensure_future(sync_to_async(busy.wait)())
@@ -53,7 +50,7 @@ def test_a_client_leaving_while_its_usage_is_handed_over_still_has_it_recorded_a
             await asyncio.gather(*list(handlers._background), return_exceptions=True)
 
     answered_then_client_leaves()
-    [event] = UsageEvent.objects.all()
+    [event] = _stored(mode)
     assert (event.request_id, event.status, event.output_tokens) == ("req-left", "ok", 50)
     _assert_room(world, 820)  # settled to the 180 tokens used, the large-image slot free again
 
@@ -61,14 +58,13 @@ def test_a_client_leaving_while_its_usage_is_handed_over_still_has_it_recorded_a
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.parametrize("mode", ["redis"], indirect=True)
 def test_a_request_finished_while_the_journal_was_unreachable_is_settled_once(world, mode, engine, settings):  # noqa: F811
-    reservation = _reserve(world.alice.pk, LIMITS, ASK)
-    record = _record(world, "req-outage", reservation)
+    record = _record(world, "req-outage")
 
-    _forwarded(record, engine)
+    _forwarded(record, engine, LIMITS, ASK)
     record.output_tokens = 50
     reachable = settings.REDIS_URL
     settings.REDIS_URL = "redis://127.0.0.1:1/0"  # the journal's Redis does not answer the finish...
-    async_to_sync(journal.finish)(record)
+    async_to_sync(ledger.finish)(record)
     settings.REDIS_URL = reachable  # ...and is back a moment later, the entry still in it
 
     later = time.time() + django_settings.GATEWAY_JOURNAL_STALE_S + 1
@@ -84,13 +80,12 @@ def test_a_request_finished_while_the_journal_was_unreachable_is_settled_once(wo
 def test_quota_counters_started_afresh_count_what_was_settled(world, mode):  # noqa: F811
     import redis
 
-    reservation = _reserve(world.alice.pk, LIMITS, ASK)
-    record = _record(world, "req-gave-up", reservation)
+    record = _record(world, "req-gave-up")
 
     async def gave_up_waiting_for_a_slot():
-        await journal.open_flight(record)
+        await ledger.admit(record, LIMITS, ASK)
         record.status, record.http_status = "aborted", 499
-        await journal.finish(record)
+        await ledger.finish(record)
 
     async_to_sync(gave_up_waiting_for_a_slot)()
     [event] = _stored(mode)
@@ -108,16 +103,15 @@ def test_quota_counters_started_afresh_count_what_was_settled(world, mode):  # n
 def test_a_request_finishing_after_redis_lost_its_counters_does_not_open_the_quota(world, mode, engine):  # noqa: F811
     import redis
 
-    reservation = _reserve(world.alice.pk, LIMITS, ASK)
-    record = _record(world, "req-through-restart", reservation)
+    record = _record(world, "req-through-restart")
 
     async def answered():
-        await journal.engine_chosen(await journal.open_flight(record), engine.pk)
+        await ledger.engine_chosen(await ledger.admit(record, LIMITS, ASK), engine.pk)
         client = redis.Redis.from_url(django_settings.REDIS_URL)  # Redis restarts, its counters lost
         for key in client.scan_iter(f"{django_settings.CACHES['default']['KEY_PREFIX']}:quota:*"):
             client.delete(key)
         record.output_tokens = 50
-        await journal.finish(record)
+        await ledger.finish(record)
 
     async_to_sync(answered)()
     [event] = _stored(mode)

@@ -10,7 +10,7 @@ import redis
 from asgiref.sync import async_to_sync
 from django.conf import settings as django_settings
 
-from controlplane.gateway import journal
+from controlplane.gateway import ledger
 from controlplane.metering import outbox as outbox_module
 from controlplane.metering.models import UsageEvent
 from controlplane.metering.outbox import GROUP, stream_key, usage_ingest
@@ -39,7 +39,7 @@ def _record(world, request_id, **fields):
 
 
 def test_usage_goes_through_the_stream_into_the_database_once(world, stream):
-    put = async_to_sync(journal.finish)  # what the gateway calls as a request ends
+    put = async_to_sync(ledger.finish)  # what the gateway calls as a request ends
     put(_record(world, "req-a"))
     put(_record(world, "req-a"))  # delivered twice
     put(_record(world, "req-b"))
@@ -55,7 +55,7 @@ def test_usage_goes_through_the_stream_into_the_database_once(world, stream):
 
 
 def test_entries_a_crashed_consumer_took_are_reclaimed_and_stored_once(world, stream, monkeypatch):
-    put = async_to_sync(journal.finish)  # what the gateway calls as a request ends
+    put = async_to_sync(ledger.finish)  # what the gateway calls as a request ends
     put(_record(world, "req-crash"))
     usage_ingest(max_batches=0)  # creates the group, takes nothing
     stream.xreadgroup(GROUP, "consumer-that-died", {stream_key(): ">"}, count=10)  # taken, never acknowledged
@@ -66,7 +66,7 @@ def test_entries_a_crashed_consumer_took_are_reclaimed_and_stored_once(world, st
 
 
 def test_an_entry_that_cannot_be_stored_stays_for_a_retry_and_others_pass(world, stream):
-    put = async_to_sync(journal.finish)  # what the gateway calls as a request ends
+    put = async_to_sync(ledger.finish)  # what the gateway calls as a request ends
     broken = _record(world, "req-broken")
     broken.tier_id = 999_999  # no such tier: storing fails
     put(broken)
@@ -79,7 +79,7 @@ def test_an_entry_that_cannot_be_stored_stays_for_a_retry_and_others_pass(world,
 
 
 def test_an_entry_that_keeps_failing_moves_to_the_dead_letter_stream(world, stream, monkeypatch):
-    put = async_to_sync(journal.finish)  # what the gateway calls as a request ends
+    put = async_to_sync(ledger.finish)  # what the gateway calls as a request ends
     broken = _record(world, "req-poison")
     broken.tier_id = 999_999
     put(broken)
@@ -107,7 +107,7 @@ def test_a_batch_stores_each_request_once_priced_at_the_rate_in_effect_then(worl
                              cached_image_discount=Decimal("0.5"))
     before_the_change = timezone.now() - dt.timedelta(days=10)
     usage_record(record=_record(world, "req-direct"))  # stored while the stream was away
-    put = async_to_sync(journal.finish)  # what the gateway calls as a request ends
+    put = async_to_sync(ledger.finish)  # what the gateway calls as a request ends
     for request_id, created_at in (("req-direct", None), ("req-old", before_the_change), ("req-new", None),
                                    ("req-new", None), ("req-unpriced", dt.datetime(2000, 1, 1, tzinfo=dt.UTC))):
         put(_record(world, request_id, **({"created_at": created_at} if created_at else {})))

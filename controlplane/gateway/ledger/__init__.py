@@ -1,0 +1,115 @@
+"""The ledger: every forwarded request billed once and its quota settled once, whatever dies.
+
+A request is admitted against its tenant's quota before it is forwarded: every limit is
+checked and reserved in one atomic step (image tokens, total tokens with the max_tokens
+ceiling, a slot of its minute and, for large images, a concurrency slot), so concurrent
+requests on any number of gateways never overshoot. In the same step the request is
+journaled: what was counted (image and text tokens, the image lines, the reservation), then
+which engine took it and, for a stream, how many tokens it has produced, refreshed by one
+heartbeat per gateway process for all its live requests.
+
+Finishing a request removes its entry, hands its usage over and settles its reservation to
+what was used, in one atomic step. Entries whose heartbeat stopped belong to a dead gateway:
+`journal_reap`, run by the ingest task, records them as interrupted, billed for what the
+journal knew (the prompt, and a stream's output as of its last heartbeat), and settles their
+reservations. The same conditional removal serves both, so a request is finished by its
+gateway or by the reaper, never by both: nothing lost, nothing counted twice.
+
+One store holds it all, so each step is atomic: Redis (redis_store.py: counters, journal
+and the usage stream, one Lua script per step) when USAGE_OUTBOX is redis, the database
+otherwise (database_store.py: one transaction per step).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import weakref
+
+from django.conf import settings
+from django.utils import timezone
+
+from controlplane.gateway.ledger.base import (
+    Ask,
+    Flight,
+    Limits,
+    Refused,
+    Reservation,
+    settlement,
+)
+from controlplane.gateway.ledger.database_store import DatabaseLedger
+from controlplane.gateway.ledger.redis_store import RedisLedger
+from controlplane.metering.services import UsageRecord
+
+__all__ = ("Ask", "DatabaseLedger", "Flight", "Limits", "RedisLedger", "Refused", "Reservation", "admit",
+           "engine_chosen", "finish", "journal_reap", "ledger", "settlement")
+log = logging.getLogger(__name__)
+
+_live: dict[str, Flight] = {}
+_heartbeats: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> its heartbeat task
+
+
+def ledger() -> RedisLedger | DatabaseLedger:
+    return RedisLedger() if settings.USAGE_OUTBOX == "redis" else DatabaseLedger()
+
+
+async def admit(record: UsageRecord, limits: Limits | None = None, ask: Ask | None = None) -> Flight:
+    """Reserve the request against its quota (when it has one) and journal it, in one step.
+    Raises Refused when a limit would be passed.
+
+    Without a quota, a journal that cannot be written does not stop the request: its usage
+    is still recorded when it ends. With one, the reservation cannot be made: it raises."""
+    flight = Flight(record=record)
+    try:
+        await ledger().admit(flight, limits, ask, timezone.now())
+    except Refused:
+        raise
+    except Exception:
+        if limits is not None:
+            raise
+        log.exception("could not journal %s; it is metered when it ends", record.request_id)
+    _live[record.request_id] = flight
+    _ensure_heartbeat()
+    return flight
+
+
+async def engine_chosen(flight: Flight, instance_id: int) -> None:
+    """Say which engine does the work (the reaper bills only work an engine did)."""
+    flight.record.instance_id = instance_id
+    if flight.journaled:
+        try:
+            await ledger().beat([flight])
+        except Exception:
+            log.warning("could not journal the engine of %s", flight.record.request_id)
+
+
+async def finish(record: UsageRecord) -> None:
+    """Hand the usage over and settle the reservation: once, by the gateway or the reaper."""
+    flight = _live.pop(record.request_id, None) or Flight(record=record)
+    await ledger().finish(flight)
+
+
+def _ensure_heartbeat() -> None:
+    loop = asyncio.get_running_loop()
+    task = _heartbeats.get(loop)
+    if task is None or task.done():
+        _heartbeats[loop] = loop.create_task(_heartbeat())
+
+
+async def _heartbeat() -> None:
+    while True:
+        await asyncio.sleep(settings.GATEWAY_HEARTBEAT_S)
+        flights = [flight for flight in list(_live.values()) if flight.journaled]
+        if not flights:
+            continue
+        try:
+            await ledger().beat(flights)
+        except Exception:
+            log.exception("could not refresh the in-flight journal")
+
+
+def journal_reap(*, now: float | None = None) -> int:
+    """Record the requests of dead gateways as interrupted. Returns how many."""
+    now = time.time() if now is None else now
+    return ledger().reap(stale_before=now - settings.GATEWAY_JOURNAL_STALE_S, now=now)

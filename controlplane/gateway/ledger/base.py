@@ -1,0 +1,107 @@
+"""What both ledgers share: a quota's limits, what a request asks of them, its reservation,
+a journaled request (a flight), and what a request holds against its quota once it ends."""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass
+
+from controlplane.metering.periods import seconds_to_period_end
+from controlplane.metering.services import UsageRecord, is_billable, usage_from_json, usage_to_json
+
+LIMITS = ("image_tokens", "total_tokens", "requests_per_minute", "concurrent_large_images")
+NAMES = {"image_tokens": "image tokens", "total_tokens": "total tokens",
+         "requests_per_minute": "requests per minute", "concurrent_large_images": "concurrent large-image requests"}
+
+
+@dataclass(frozen=True)
+class Limits:
+    period: str = "month"  # day or month
+    image_tokens: int | None = None
+    total_tokens: int | None = None
+    requests_per_minute: int | None = None
+    concurrent_large_images: int | None = None
+
+    @property
+    def unlimited(self) -> bool:
+        return all(getattr(self, name) is None for name in LIMITS)
+
+
+@dataclass(frozen=True)
+class Ask:
+    image_tokens: int
+    total_tokens: int
+    large: bool
+
+
+@dataclass(frozen=True)
+class Reservation:
+    tenant_id: int
+    period_window: str
+    ask: Ask
+
+
+def reservation_to_json(reservation: Reservation) -> dict:
+    return {"tenant_id": reservation.tenant_id, "period_window": reservation.period_window,
+            "ask": [reservation.ask.image_tokens, reservation.ask.total_tokens, reservation.ask.large]}
+
+
+def reservation_from_json(data: dict) -> Reservation:
+    image_tokens, total_tokens, large = data["ask"]
+    return Reservation(data["tenant_id"], data["period_window"], Ask(image_tokens, total_tokens, bool(large)))
+
+
+class Refused(Exception):
+    def __init__(self, limit: str, limit_value: int, retry_after: int, period: str):
+        self.limit, self.retry_after = limit, max(1, retry_after)
+        window = {"requests_per_minute": "this minute", "concurrent_large_images": "at once"}.get(
+            limit, f"this {period}")
+        super().__init__(f"quota exceeded: {NAMES[limit]} ({limit_value:,} {window}); retry after "
+                         f"{self.retry_after}s")
+
+
+def refusal(limit: str, limits: Limits, now: dt.datetime) -> Refused:
+    retry = {"requests_per_minute": 60 - now.second, "concurrent_large_images": 2}.get(
+        limit, seconds_to_period_end(limits.period, now))
+    return Refused(limit, getattr(limits, limit), retry, limits.period)
+
+
+@dataclass(eq=False)
+class Flight:
+    """A journaled request, as its gateway process sees it."""
+
+    record: UsageRecord
+    journaled: bool = False
+    produced: int = 0  # output tokens streamed so far
+
+
+def settlement(record: UsageRecord) -> tuple[int, int]:
+    """Image and total tokens a finished request holds against its quota: what it used if
+    it is billed, nothing if it is not."""
+    if not is_billable(record):
+        return 0, 0
+    return record.image_tokens, record.text_tokens + record.image_tokens + record.output_tokens
+
+
+def entry(record: UsageRecord) -> dict:
+    """A request's journal entry: what was counted before forwarding, and its reservation."""
+    data = usage_to_json(record)
+    if record.reservation is not None:
+        data["reservation"] = reservation_to_json(record.reservation)
+    return data
+
+
+def interrupted(data: dict, beat: dict | None) -> UsageRecord:
+    """What a dead gateway's request is recorded as: counted before forwarding (its journal
+    entry), plus what its last heartbeat knew."""
+    record = usage_from_json(data)
+    if data.get("reservation"):
+        record.reservation = reservation_from_json(data["reservation"])
+    beat = beat or {}
+    record.status, record.http_status = "interrupted", 502
+    record.instance_id = beat.get("instance") or record.instance_id
+    record.output_tokens = int(beat.get("produced") or 0)
+    if beat.get("t"):
+        started = record.created_at.timestamp()
+        record.latency_ms = max(0, int((beat["t"] - started) * 1000))
+    return record

@@ -1,0 +1,190 @@
+"""The ledger in the database (embedded mode, or USAGE_OUTBOX=database): quota counters as
+row-locked rows, the in-flight journal as a table, usage written straight to its events.
+Each step is one transaction.
+
+- admit: check and reserve every limit (conditional updates of locked rows) and open the
+  journal entry, in one transaction: both or neither.
+- beat: refresh the live requests' rows.
+- finish: remove the entry, store the usage and settle the reservation, at once; an entry
+  already removed means the reaper recorded it.
+- reap: record the entries of dead gateways as interrupted, with the same finish.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+
+from asgiref.sync import sync_to_async
+from django.conf import settings
+from django.db import IntegrityError, transaction
+from django.db.models import F
+from django.db.models.functions import Greatest
+from django.utils import timezone
+
+from controlplane.gateway.ledger.base import (
+    Ask,
+    Flight,
+    Limits,
+    Reservation,
+    entry,
+    interrupted,
+    refusal,
+    settlement,
+)
+from controlplane.metering.periods import minute_window, period_window
+from controlplane.metering.services import UsageRecord, metered_so_far, usage_record
+
+log = logging.getLogger(__name__)
+
+
+class DatabaseLedger:
+    # -- admit -----------------------------------------------------------------------------
+
+    async def admit(self, flight: Flight, limits: Limits | None, ask: Ask | None, now: dt.datetime) -> None:
+        await sync_to_async(self.admit_sync)(flight, limits, ask, now)
+
+    def admit_sync(self, flight: Flight, limits: Limits | None, ask: Ask | None, now: dt.datetime) -> None:
+        """Reserve `ask` against `limits` (none: no quota) and open the flight's journal entry,
+        in one transaction. Raises Refused, leaving nothing behind."""
+        from controlplane.gateway.models import InFlightRequest
+
+        record = flight.record
+        for _attempt in range(3):
+            try:
+                with transaction.atomic():
+                    if limits is not None:
+                        record.reservation = self._reserve(record.tenant_id, limits, ask, now)
+                    InFlightRequest.objects.create(request_id=record.request_id, record=entry(record),
+                                                   beat_at=timezone.now())
+                flight.journaled = True
+                return
+            except IntegrityError:  # two first requests created the same counter: go again
+                record.reservation = None
+                continue
+            except BaseException:
+                record.reservation = None
+                raise
+        raise RuntimeError("quota counters could not be created")
+
+    def reserve_sync(self, tenant_id: int, limits: Limits, ask: Ask, now: dt.datetime) -> Reservation:
+        """Reserve without journaling (a quota check on its own)."""
+        for _attempt in range(3):
+            try:
+                with transaction.atomic():
+                    return self._reserve(tenant_id, limits, ask, now)
+            except IntegrityError:
+                continue
+        raise RuntimeError("quota counters could not be created")
+
+    async def reserve(self, tenant_id: int, limits: Limits, ask: Ask, now: dt.datetime) -> Reservation:
+        return await sync_to_async(self.reserve_sync)(tenant_id, limits, ask, now)
+
+    def _reserve(self, tenant_id: int, limits: Limits, ask: Ask, now: dt.datetime) -> Reservation:
+        """Inside a transaction: every limit checked and reserved on its locked row, or none."""
+        from controlplane.tenants.models import QuotaCounter
+
+        window = period_window(limits.period, now)
+        plan = [("image_tokens", ask.image_tokens, window), ("total_tokens", ask.total_tokens, window),
+                ("requests_per_minute", 1, minute_window(now))]
+        if ask.large:
+            plan.append(("concurrent_large_images", 1, ""))
+        with transaction.atomic():
+            for name, amount, counter_window in plan:
+                limit = getattr(limits, name)
+                if limit is None:
+                    continue
+                row = QuotaCounter.objects.select_for_update().filter(tenant_id=tenant_id, key=name).first()
+                if row is None:
+                    row = QuotaCounter.objects.create(tenant_id=tenant_id, key=name, window="", used=0)
+                if row.window != counter_window:  # a new period or minute starts from what is metered
+                    row.window = counter_window
+                    row.used = self._start(name, tenant_id, limits.period, now)
+                if row.used + amount > limit:
+                    raise refusal(name, limits, now)
+                row.used += amount
+                row.save(update_fields=["window", "used"])
+        return Reservation(tenant_id, window, ask)
+
+    @staticmethod
+    def _start(name: str, tenant_id: int, period: str, now: dt.datetime) -> int:
+        if name in ("image_tokens", "total_tokens"):
+            image_used, total_used = metered_so_far(tenant_id, period, now)
+            return image_used if name == "image_tokens" else total_used
+        return 0
+
+    def settle_sync(self, reservation: Reservation, *, image_tokens: int, total_tokens: int) -> None:
+        """Correct a reservation to what was used (release it: 0 and 0)."""
+        from controlplane.tenants.models import QuotaCounter
+
+        counters = QuotaCounter.objects.filter(tenant_id=reservation.tenant_id)
+        with transaction.atomic():
+            counters.filter(key="image_tokens", window=reservation.period_window).update(
+                used=F("used") + (image_tokens - reservation.ask.image_tokens))
+            counters.filter(key="total_tokens", window=reservation.period_window).update(
+                used=F("used") + (total_tokens - reservation.ask.total_tokens))
+            if reservation.ask.large:
+                counters.filter(key="concurrent_large_images").update(used=Greatest(F("used") - 1, 0))
+
+    async def settle(self, reservation: Reservation, *, image_tokens: int, total_tokens: int) -> None:
+        await sync_to_async(self.settle_sync)(reservation, image_tokens=image_tokens, total_tokens=total_tokens)
+
+    # -- beat ------------------------------------------------------------------------------
+
+    async def beat(self, flights: list[Flight]) -> None:
+        await sync_to_async(self._beat)(flights)
+
+    def _beat(self, flights: list[Flight]) -> None:
+        from controlplane.gateway.models import InFlightRequest
+
+        now = timezone.now()
+        for flight in flights:
+            InFlightRequest.objects.filter(request_id=flight.record.request_id).update(
+                beat_at=now, produced=flight.produced, instance_id=flight.record.instance_id)
+
+    # -- finish ----------------------------------------------------------------------------
+
+    async def finish(self, flight: Flight) -> None:
+        await sync_to_async(self._finish)(flight.record, flight.journaled)
+
+    def _finish(self, record: UsageRecord, journaled: bool) -> bool:
+        """Store the usage and settle, removing the entry. False when the reaper had already."""
+        from controlplane.gateway.models import InFlightRequest
+
+        with transaction.atomic():
+            held = InFlightRequest.objects.filter(request_id=record.request_id).delete()[0]
+            if journaled and not held:
+                return False  # the reaper finished it already
+            usage_record(record=record)
+            if record.reservation is not None:
+                image_tokens, total_tokens = settlement(record)
+                self.settle_sync(record.reservation, image_tokens=image_tokens, total_tokens=total_tokens)
+        return True
+
+    # -- reap ------------------------------------------------------------------------------
+
+    def reap(self, *, stale_before: float, now: float) -> int:
+        """Two looks, as in Redis (see RedisLedger.reap)."""
+        from controlplane.gateway.models import InFlightRequest
+
+        reaped = 0
+        cutoff = dt.datetime.fromtimestamp(stale_before, tz=dt.UTC)
+        moment = dt.datetime.fromtimestamp(now, tz=dt.UTC)
+        for request_id in InFlightRequest.objects.filter(beat_at__lt=cutoff).values_list("request_id", flat=True):
+            try:
+                with transaction.atomic():
+                    row = InFlightRequest.objects.select_for_update(skip_locked=True).filter(
+                        request_id=request_id, beat_at__lt=cutoff).first()
+                    if row is None:
+                        continue
+                    if row.suspected_beat != row.beat_at:  # the first look
+                        row.suspected_beat, row.suspected_at = row.beat_at, moment
+                        row.save(update_fields=["suspected_beat", "suspected_at"])
+                        continue
+                    if moment - row.suspected_at < dt.timedelta(seconds=2 * settings.GATEWAY_HEARTBEAT_S):
+                        continue
+                    beat = {"t": row.beat_at.timestamp(), "produced": row.produced, "instance": row.instance_id}
+                    reaped += self._finish(interrupted(row.record, beat), True)
+            except Exception:  # one bad entry must not stop the others (nor the ingest after them)
+                log.exception("could not record the interrupted request %s", request_id)
+        return reaped

@@ -1,0 +1,259 @@
+"""The ledger in Redis (shared by every gateway replica): the quota counters, the in-flight
+journal (two hashes: entries and heartbeats) and the usage stream, all beside each other, so
+that each step is one Lua script and atomic.
+
+- admit: check and reserve every limit, and open the journal entry, in one round trip (a
+  second only when a counter must first be started from what is metered).
+- beat: refresh the heartbeats of a gateway process's live requests, one script for all.
+- finish: remove the entry, append the usage to the stream and settle the reservation, at
+  once; an entry already removed means the reaper recorded it.
+- reap: record the entries of dead gateways as interrupted, with the same finish script.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import logging
+import time
+
+from asgiref.sync import sync_to_async
+from django.conf import settings
+
+from controlplane.gateway.ledger.base import (
+    Ask,
+    Flight,
+    Limits,
+    Reservation,
+    entry,
+    interrupted,
+    refusal,
+    settlement,
+)
+from controlplane.metering.periods import minute_window, period_window, seconds_to_period_end
+from controlplane.metering.services import UsageRecord, metered_so_far, usage_record, usage_to_json
+
+log = logging.getLogger(__name__)
+
+# Quota counters: KEYS[1..4] = image tokens, total tokens (of the period), requests (of the
+# minute), large images (at once); ARGV[1..3] = the ask (image, total, large), ARGV[4..7]
+# the limits (-1: none). The journal: KEYS[5..6] = entries, heartbeats; ARGV[8..10] = request
+# id, entry, beat ('' when the request is not journaled here). ARGV[11] = '1' when reserving.
+_ADMIT = """
+local function over(key, ask, limit)
+  if tonumber(limit) < 0 then return false end
+  return tonumber(redis.call('GET', key) or '0') + tonumber(ask) > tonumber(limit)
+end
+if ARGV[11] == '1' then
+  if redis.call('EXISTS', KEYS[1]) == 0 or redis.call('EXISTS', KEYS[2]) == 0 then return -1 end
+  if over(KEYS[1], ARGV[1], ARGV[4]) then return 1 end
+  if over(KEYS[2], ARGV[2], ARGV[5]) then return 2 end
+  if over(KEYS[3], 1, ARGV[6]) then return 3 end
+  if ARGV[3] == '1' and over(KEYS[4], 1, ARGV[7]) then return 4 end
+  redis.call('INCRBY', KEYS[1], ARGV[1])
+  redis.call('INCRBY', KEYS[2], ARGV[2])
+  redis.call('INCR', KEYS[3])
+  redis.call('EXPIRE', KEYS[3], 120)
+  if ARGV[3] == '1' then
+    redis.call('INCR', KEYS[4])
+    redis.call('EXPIRE', KEYS[4], 3600)
+  end
+end
+if ARGV[9] ~= '' then
+  redis.call('HSET', KEYS[5], ARGV[8], ARGV[9])
+  redis.call('HSET', KEYS[6], ARGV[8], ARGV[10])
+end
+return 0
+"""
+# A counter that is gone (Redis lost it) is left to be started again from what is metered,
+# not created from a delta.
+_SETTLE_FUNCTION = """
+local function settle(image_key, total_key, large_key, image_delta, total_delta, large)
+  if redis.call('EXISTS', image_key) == 1 then redis.call('INCRBY', image_key, image_delta) end
+  if redis.call('EXISTS', total_key) == 1 then redis.call('INCRBY', total_key, total_delta) end
+  if large == '1' and tonumber(redis.call('GET', large_key) or '0') > 0 then redis.call('DECR', large_key) end
+end
+"""
+_SETTLE = _SETTLE_FUNCTION + """
+settle(KEYS[1], KEYS[2], KEYS[3], ARGV[1], ARGV[2], ARGV[3])
+return 0
+"""
+# KEYS = entries, heartbeats, the usage stream, then the three counters to settle (or '');
+# ARGV = request id, '1' if journaled, the usage, '1' to settle, its three arguments, and the
+# beat the reaper judged stale ('' from the gateway: a beat refreshed since means it lives).
+_FINISH = _SETTLE_FUNCTION + """
+if ARGV[8] ~= '' and redis.call('HGET', KEYS[2], ARGV[1]) ~= ARGV[8] then return 0 end
+local held = redis.call('HDEL', KEYS[1], ARGV[1])
+redis.call('HDEL', KEYS[2], ARGV[1])
+if held == 0 and ARGV[2] == '1' then return 0 end
+redis.call('XADD', KEYS[3], '*', 'record', ARGV[3])
+if ARGV[4] == '1' then settle(KEYS[4], KEYS[5], KEYS[6], ARGV[5], ARGV[6], ARGV[7]) end
+return 1
+"""
+_BEAT = """
+for i = 1, #ARGV, 2 do
+  if redis.call('HEXISTS', KEYS[1], ARGV[i]) == 1 then redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1]) end
+end
+return 0
+"""
+_ORDER = ("image_tokens", "total_tokens", "requests_per_minute", "concurrent_large_images")
+
+
+def _beat(flight: Flight, now: float) -> str:
+    return json.dumps({"t": now, "produced": flight.produced, "instance": flight.record.instance_id})
+
+
+class RedisLedger:
+    def __init__(self, url: str | None = None, *, prefix: str | None = None):
+        from controlplane.redis_clients import key_prefix
+
+        self.url, self.prefix = url or settings.REDIS_URL, prefix or key_prefix()
+        self.inflight, self.beats = f"{self.prefix}:inflight", f"{self.prefix}:inflight:beat"
+
+    def _client(self):
+        from controlplane.redis_clients import async_redis
+
+        return async_redis(self.url)
+
+    def _quota_keys(self, tenant_id: int, window: str, now: dt.datetime) -> list[str]:
+        base = f"{self.prefix}:quota:{tenant_id}"
+        return [f"{base}:{window}:image_tokens", f"{base}:{window}:total_tokens",
+                f"{base}:rpm:{minute_window(now)}", f"{base}:large"]
+
+    # -- admit -----------------------------------------------------------------------------
+
+    async def admit(self, flight: Flight, limits: Limits | None, ask: Ask | None, now: dt.datetime) -> None:
+        """Reserve `ask` against `limits` (none: no quota) and open the flight's journal entry,
+        in one step: both or neither. Raises Refused, leaving nothing behind."""
+        record = flight.record
+        if limits is not None:
+            record.reservation = Reservation(record.tenant_id, period_window(limits.period, now), ask)
+        try:
+            await self._run(record.tenant_id, limits, ask, now, journal=(
+                record.request_id, json.dumps(entry(record)), _beat(flight, time.time())))
+        except Exception:
+            record.reservation = None
+            raise
+        flight.journaled = True
+
+    async def reserve(self, tenant_id: int, limits: Limits, ask: Ask, now: dt.datetime) -> Reservation:
+        """Reserve without journaling (a quota check on its own)."""
+        await self._run(tenant_id, limits, ask, now)
+        return Reservation(tenant_id, period_window(limits.period, now), ask)
+
+    async def _run(self, tenant_id: int, limits: Limits | None, ask: Ask | None, now: dt.datetime, *,
+                   journal: tuple[str, str, str] = ("", "", "")) -> None:
+        window = period_window(limits.period, now) if limits else ""
+        keys = self._quota_keys(tenant_id, window, now) + [self.inflight, self.beats]
+        quota = [0, 0, 0, -1, -1, -1, -1] if limits is None else [
+            ask.image_tokens, ask.total_tokens, int(ask.large),
+            *(-1 if getattr(limits, name) is None else getattr(limits, name) for name in _ORDER)]
+        client = self._client()
+        for _attempt in range(2):
+            outcome = await client.eval(_ADMIT, 6, *keys, *quota, *journal, "1" if limits else "0")
+            if outcome == -1:  # first request of the period: start from what is already metered
+                image_used, total_used = await sync_to_async(metered_so_far)(tenant_id, limits.period, now)
+                ttl = seconds_to_period_end(limits.period, now) + 2 * 86400
+                await client.set(keys[0], image_used, nx=True, ex=ttl)
+                await client.set(keys[1], total_used, nx=True, ex=ttl)
+                continue
+            if outcome:
+                raise refusal(_ORDER[outcome - 1], limits, now)
+            return
+        raise RuntimeError("quota counters could not be started")
+
+    def _settle_call(self, reservation: Reservation, image_tokens: int, total_tokens: int) -> tuple[list, list]:
+        base = f"{self.prefix}:quota:{reservation.tenant_id}"
+        keys = [f"{base}:{reservation.period_window}:image_tokens", f"{base}:{reservation.period_window}:total_tokens",
+                f"{base}:large"]
+        return keys, [image_tokens - reservation.ask.image_tokens, total_tokens - reservation.ask.total_tokens,
+                      int(reservation.ask.large)]
+
+    async def settle(self, reservation: Reservation, *, image_tokens: int, total_tokens: int) -> None:
+        """Correct a reservation to what was used (release it: 0 and 0)."""
+        keys, args = self._settle_call(reservation, image_tokens, total_tokens)
+        await self._client().eval(_SETTLE, 3, *keys, *args)
+
+    # -- beat ------------------------------------------------------------------------------
+
+    async def beat(self, flights: list[Flight]) -> None:
+        now, args = time.time(), []
+        for flight in flights:
+            args += [flight.record.request_id, _beat(flight, now)]
+        await self._client().eval(_BEAT, 2, self.inflight, self.beats, *args)
+
+    # -- finish ----------------------------------------------------------------------------
+
+    def _finish_call(self, record: UsageRecord, journaled: bool, stale_beat: str = "") -> tuple[list, list]:
+        from controlplane.metering.outbox import stream_key
+
+        keys, args = [self.inflight, self.beats, stream_key()], [
+            record.request_id, "1" if journaled else "0", json.dumps(usage_to_json(record))]
+        if record.reservation is not None:
+            image_tokens, total_tokens = settlement(record)
+            settle_keys, settle_args = self._settle_call(record.reservation, image_tokens, total_tokens)
+            return keys + settle_keys, args + ["1", *settle_args, stale_beat]
+        return keys + ["", "", ""], args + ["0", 0, 0, 0, stale_beat]
+
+    async def finish(self, flight: Flight) -> None:
+        record = flight.record
+        keys, args = self._finish_call(record, flight.journaled)
+        try:
+            await self._client().eval(_FINISH, len(keys), *keys, *args)
+        except Exception:  # Redis unreachable: the database is slower, but nothing is lost
+            log.exception("usage journal unavailable; writing %s to the database", record.request_id)
+            await sync_to_async(usage_record)(record=record)
+            # The reservation is settled by whoever removes the entry: here, or by the reaper
+            # if it is still there (the usage it hands over again is stored once).
+            held = None
+            try:
+                client = self._client()
+                held = await client.hdel(self.inflight, record.request_id)
+                await client.hdel(self.beats, record.request_id)
+            except Exception:
+                log.warning("could not remove %s from the usage journal", record.request_id)
+            if (held or not flight.journaled) and record.reservation is not None:
+                image_tokens, total_tokens = settlement(record)
+                try:
+                    await self.settle(record.reservation, image_tokens=image_tokens, total_tokens=total_tokens)
+                except Exception:
+                    log.exception("could not settle the quota reservation of %s", record.request_id)
+
+    # -- reap ------------------------------------------------------------------------------
+
+    def reap(self, *, stale_before: float, now: float) -> int:
+        """Two looks: an entry is reaped only if its beat is stale and still the same beat a
+        second reaper run later, at least two heartbeats after the first. A live gateway has
+        beaten by then, whatever its clock says and however long Redis was unreachable."""
+        import redis
+
+        client = redis.Redis.from_url(self.url)
+        suspects_key = f"{self.beats}:suspect"
+        all_beats, suspects = client.hgetall(self.beats), client.hgetall(suspects_key)
+        if gone := set(suspects) - set(all_beats):
+            client.hdel(suspects_key, *gone)
+        reaped = 0
+        for request_id, raw in all_beats.items():
+            try:
+                beat = json.loads(raw)
+                if beat["t"] >= stale_before:
+                    if request_id in suspects:
+                        client.hdel(suspects_key, request_id)
+                    continue
+                seen = json.loads(suspects[request_id]) if request_id in suspects else None
+                if seen is None or seen["beat"] != raw.decode():  # the first look
+                    client.hset(suspects_key, request_id, json.dumps({"beat": raw.decode(), "at": now}))
+                    continue
+                if now - seen["at"] < 2 * settings.GATEWAY_HEARTBEAT_S:
+                    continue  # its gateway may not have had its chance to beat yet
+                client.hdel(suspects_key, request_id)
+                data = client.hget(self.inflight, request_id)
+                if data is None:  # finished between the two reads
+                    client.hdel(self.beats, request_id)
+                    continue
+                record = interrupted(json.loads(data), beat)
+                keys, args = self._finish_call(record, True, stale_beat=raw.decode())
+                reaped += client.eval(_FINISH, len(keys), *keys, *args)
+            except Exception:  # one bad entry must not stop the others (nor the ingest after them)
+                log.exception("could not record the interrupted request %s", request_id)
+        return reaped

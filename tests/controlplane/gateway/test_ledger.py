@@ -1,0 +1,77 @@
+"""The ledger admits and journals a request in one step: both or neither, one round trip to
+Redis; and a quota that cannot be checked answers a clear 503, recorded like any request."""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import pytest
+import redis
+import redis.asyncio
+from asgiref.sync import async_to_sync
+from django.conf import settings as django_settings
+
+from controlplane.gateway import ledger
+from controlplane.gateway.ledger import Ask, Limits, RedisLedger, Refused
+from controlplane.gateway.models import InFlightRequest
+from controlplane.metering.models import UsageEvent
+from controlplane.tenants.models import Quota
+from tests.controlplane.gateway.test_journal import MODES, _record, _stored, mode  # noqa: F401 - fixture
+from tests.controlplane.gateway.test_views import image_message, post
+from tests.images import data_url, image_bytes
+
+LIMITS = Limits(total_tokens=1000)
+
+
+def _journaled(mode) -> set[str]:  # noqa: F811
+    if mode == "redis":
+        store = RedisLedger()
+        return {key.decode() for key in redis.Redis.from_url(django_settings.REDIS_URL).hkeys(store.inflight)}
+    return set(InFlightRequest.objects.values_list("request_id", flat=True))
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_refused_request_leaves_no_entry_and_an_admitted_one_holds_both(world, mode):  # noqa: F811
+    admitted = async_to_sync(ledger.admit)(_record(world, "req-in"), LIMITS, Ask(0, 900, False))
+    assert admitted.journaled and admitted.record.reservation is not None
+    refused = _record(world, "req-out")
+    with pytest.raises(Refused):
+        async_to_sync(ledger.admit)(refused, LIMITS, Ask(0, 200, False))
+    assert refused.reservation is None
+    assert _journaled(mode) == {"req-in"}
+    ledger._live.clear()
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("mode", ["redis"], indirect=True)
+def test_admitting_and_journaling_is_one_round_trip_to_redis(world, mode, monkeypatch):  # noqa: F811
+    calls = []
+    original = redis.asyncio.Redis.execute_command
+
+    async def counted(self, *args, **options):
+        calls.append(args[0])
+        return await original(self, *args, **options)
+
+    monkeypatch.setattr(redis.asyncio.Redis, "execute_command", counted)
+    async_to_sync(ledger.admit)(_record(world, "req-first"), LIMITS, Ask(0, 100, False))
+    assert calls.count("EVALSHA") + calls.count("EVAL") >= 2  # the period's first: its counters started
+    calls.clear()
+    async_to_sync(ledger.admit)(_record(world, "req-second"), LIMITS, Ask(0, 100, False))
+    assert [c for c in calls if c != "SCRIPT LOAD"] in (["EVAL"], ["EVALSHA"])
+    ledger._live.clear()
+
+
+@pytest.mark.django_db
+def test_a_quota_that_cannot_be_checked_answers_503_and_is_recorded(client, world, settings):
+    settings.USAGE_OUTBOX = "redis"
+    settings.CACHES = {"default": {**django_settings.CACHES["default"], "KEY_PREFIX": f"q-{uuid.uuid4().hex}"}}
+    Quota.objects.create(tenant=world.alice, period="day", total_tokens=100_000)
+    settings.REDIS_URL = "redis://127.0.0.1:1/0"  # where the quota counters live does not answer
+    response = post(client, world.alice_key, {"model": "vlm-lite",
+                                              "messages": image_message(data_url(image_bytes(64, 64)))})
+    assert response.status_code == 503 and int(response["Retry-After"]) > 0
+    error = json.loads(response.content)["error"]
+    assert error["code"] == "quota_unavailable"
+    event = UsageEvent.objects.get(request_id=response["x-request-id"])  # written to the database instead
+    assert (event.status, event.http_status, event.cost) == ("error", 503, 0)
