@@ -54,6 +54,7 @@ INSTALLED_APPS = [
     "drf_spectacular",
     "drf_spectacular_sidecar",
     "django_celery_beat",
+    "controlplane.audit",
     "controlplane.catalog",
     "controlplane.tenants",
     "controlplane.gateway",

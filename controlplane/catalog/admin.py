@@ -18,9 +18,9 @@ class PricePlanAdmin(admin.ModelAdmin):
         for rate in formset.save(commit=False):
             if rate.pk is None:
                 rate.created_by = request.user.get_username()  # who entered the price
-            rate.save()
+            rate.save(actor=request.user.get_username())
         for rate in formset.deleted_objects:
-            rate.delete()
+            rate.delete(actor=request.user.get_username())
 
 
 @admin.register(ResolutionPolicy)

@@ -79,6 +79,7 @@ class PricePlan(models.Model):
 
 _PRICE = {"max_digits": 12, "decimal_places": 6, "default": Decimal("0"), "validators": [MinValueValidator(0)]}
 _AMOUNTS = ("text_input_per_mtok", "image_per_mtok", "output_per_mtok", "per_image_fee", "cached_image_discount")
+_AUDITED = ("plan_id", "effective_from", *_AMOUNTS)
 
 
 class RateInUse(ValidationError):
@@ -118,14 +119,31 @@ class PriceRate(models.Model):
     def __str__(self):
         return f"{self.plan} from {self.effective_from:%Y-%m-%d}"
 
-    def save(self, *args, **kwargs):
-        self._refuse_a_billed_change()  # also for code that skips clean()
-        super().save(*args, **kwargs)
+    def save(self, *args, actor: str = "", **kwargs):
+        """Saved and recorded in the audit log at once; `actor` is who made the change."""
+        from django.db import transaction
 
-    def delete(self, *args, **kwargs):
+        from controlplane.audit.services import audit_record, field_values
+
+        self._refuse_a_billed_change()  # also for code that skips clean()
+        stored = PriceRate.objects.filter(pk=self.pk).first() if self.pk else None
+        with transaction.atomic():
+            super().save(*args, **kwargs)
+            audit_record(actor=actor or (self.created_by if stored is None else ""),
+                         action="changed" if stored else "created", obj=self,
+                         before=field_values(stored, _AUDITED) if stored else None,
+                         after=field_values(self, _AUDITED))
+
+    def delete(self, *args, actor: str = "", **kwargs):
+        from django.db import transaction
+
+        from controlplane.audit.services import audit_record, field_values
+
         if billed := self.billed_requests():
             raise RateInUse(f"this rate has priced {billed} requests and cannot be deleted")
-        return super().delete(*args, **kwargs)
+        with transaction.atomic():
+            audit_record(actor=actor, action="deleted", obj=self, before=field_values(self, _AUDITED))
+            return super().delete(*args, **kwargs)
 
     def clean(self):
         self._refuse_a_billed_change()

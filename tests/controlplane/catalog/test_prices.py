@@ -15,7 +15,7 @@ from controlplane.catalog.models import PricePlan, PriceRate, RateInUse
 from controlplane.metering.ratebook import RateBook
 from controlplane.metering.services import UsageRecord, usage_record
 
-pytestmark = pytest.mark.django_db
+pytestmark = [pytest.mark.django_db, pytest.mark.accounting]
 
 
 @pytest.mark.parametrize("field, value", [("image_per_mtok", "-0.15"), ("per_image_fee", "-1"),
@@ -50,3 +50,24 @@ def test_an_enabled_tier_needs_a_price_in_effect(world):
     world.vision.price_plan = PricePlan.objects.create(name="empty")
     with pytest.raises(ValidationError, match="needs a price in effect"):
         world.vision.full_clean()
+
+
+def test_every_change_of_a_price_is_recorded_with_who_when_and_what(world, client):
+    from controlplane.audit.models import AuditEntry
+    from controlplane.audit.services import history
+
+    plan = world.vision.price_plan
+    later = timezone.now() + dt.timedelta(days=7)
+    rate = PriceRate.objects.create(plan=plan, effective_from=later, image_per_mtok=Decimal("0.5"), created_by="olivia")
+    rate.image_per_mtok = Decimal("0.45")  # corrected before it took effect
+    rate.save(actor="pat")
+    rate.save(actor="pat")  # saved again unchanged: nothing to record
+    entries = list(history(rate))
+    assert [(e.actor, e.action) for e in entries] == [("pat", "changed"), ("olivia", "created")]
+    assert entries[0].changes == {"image_per_mtok": ["0.5", "0.45"]}
+    assert entries[1].changes["image_per_mtok"] == [None, "0.5"]
+    rate_id = rate.pk
+    rate.delete(actor="pat")
+    gone = AuditEntry.objects.filter(object_id=str(rate_id)).first()
+    assert (gone.actor, gone.action, gone.changes["image_per_mtok"]) == ("pat", "deleted", ["0.45", None])
+
