@@ -48,6 +48,9 @@ engine-cpu: install
 
 test: install-dev browser engine-cpu
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+	@echo "the accounting tests again, in embedded mode (SQLite, no Redis):"
+	DATABASE_URL=sqlite:///var/tests/embedded.sqlite3 REDIS_URL= \
+		$(PY) -m pytest -n $(TEST_WORKERS) -m accounting $(PYTEST_ARGS)
 
 lint: install-dev
 	$(PY) -m ruff check .

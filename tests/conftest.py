@@ -64,3 +64,18 @@ def _fresh_gateway_caches():
     state.clear_caches()
     yield
     state.clear_caches()
+
+
+def skip_without_redis():
+    """In the embedded-mode run (SQLite, no Redis) the Redis side of a test has nothing to run on."""
+    from django.conf import settings
+
+    if not settings.REDIS_URL:
+        pytest.skip("embedded mode: no Redis")
+
+
+def skip_without_postgresql():
+    from django.conf import settings
+
+    if settings.EMBEDDED_DATABASE:
+        pytest.skip("embedded mode: a PostgreSQL property")

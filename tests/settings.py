@@ -18,3 +18,8 @@ PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]  # fast log
 # A prefix per test run: cached keys and quota counters in Redis outlive a run, and tenant ids
 # repeat from one run to the next.
 CACHES["default"]["KEY_PREFIX"] = f"tests-{os.environ.get('PYTEST_XDIST_WORKER', 'main')}-{uuid.uuid4().hex[:8]}"  # noqa: F405
+
+if DATABASES["default"]["ENGINE"].endswith("sqlite3"):  # noqa: F405
+    # The embedded-mode run (`make test` runs the accounting tests again on SQLite): a file,
+    # not memory, so that a test's threads share it; pytest-django names one per worker.
+    DATABASES["default"]["TEST"] = {"NAME": str(Path(VAR_DIR) / "test-embedded.sqlite3")}  # noqa: F405

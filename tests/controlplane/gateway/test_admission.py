@@ -16,11 +16,15 @@ from django.db import connection
 from controlplane.gateway.ledger import Ask, DatabaseLedger, Limits, RedisLedger, Refused
 from controlplane.metering.services import UsageRecord, usage_record
 from controlplane.tenants.models import Quota
+from tests.conftest import skip_without_redis
+
+pytestmark = pytest.mark.accounting  # also run in embedded mode (SQLite, no Redis)
 
 NOW = dt.datetime(2026, 11, 30, 12, 0, 30, tzinfo=dt.UTC)
 
 
 def redis_backend():
+    skip_without_redis()
     return RedisLedger(settings.REDIS_URL, prefix=f"test-{uuid.uuid4().hex}")
 
 

@@ -21,7 +21,10 @@ from controlplane.gateway.models import InFlightRequest
 from controlplane.metering.models import UsageEvent
 from controlplane.metering.outbox import stream_key, usage_ingest
 from controlplane.metering.services import UsageRecord
+from tests.conftest import skip_without_redis
 from tests.images import image_bytes
+
+pytestmark = pytest.mark.accounting  # also run in embedded mode (SQLite, no Redis)
 
 MODES = {"redis": "redis", "embedded": "database"}  # where the ledger lives
 
@@ -35,13 +38,16 @@ def engine(world):
 
 @pytest.fixture(params=list(MODES))
 def mode(request, settings):
+    if MODES[request.param] == "redis":
+        skip_without_redis()
     prefix = f"journal-{uuid.uuid4().hex}"
     settings.USAGE_OUTBOX = MODES[request.param]
     settings.CACHES = {"default": {**django_settings.CACHES["default"], "KEY_PREFIX": prefix}}
     yield request.param
-    client = redis.Redis.from_url(settings.REDIS_URL)
-    for key in client.scan_iter(f"{prefix}:*"):
-        client.delete(key)
+    if settings.REDIS_URL:
+        client = redis.Redis.from_url(settings.REDIS_URL)
+        for key in client.scan_iter(f"{prefix}:*"):
+            client.delete(key)
 
 
 def _forwarded(record, engine, limits=None, ask=None) -> ledger.Flight:
@@ -61,9 +67,10 @@ def own_keys(settings):
     prefix = f"j-{uuid.uuid4().hex}"
     settings.CACHES = {"default": {**django_settings.CACHES["default"], "KEY_PREFIX": prefix}}
     yield
-    client = redis.Redis.from_url(settings.REDIS_URL)
-    for key in client.scan_iter(f"{prefix}:*"):
-        client.delete(key)
+    if settings.REDIS_URL:
+        client = redis.Redis.from_url(settings.REDIS_URL)
+        for key in client.scan_iter(f"{prefix}:*"):
+            client.delete(key)
 
 
 def _reserve(tenant_id, limits, ask):
@@ -178,6 +185,7 @@ def test_the_heartbeat_setting_must_leave_room_for_a_missed_beat(monkeypatch):
 @pytest.mark.django_db(transaction=True)
 def test_the_reaper_leaves_an_entry_whose_heartbeat_came_back_meanwhile(world, engine, settings, own_keys):
     """A gateway frozen past the limit that beats again just as the reaper looks is alive."""
+    skip_without_redis()
     settings.USAGE_OUTBOX = "redis"
     flight = _forwarded(_record(world, "req-back"), engine)
     client = redis.Redis.from_url(settings.REDIS_URL)
@@ -214,6 +222,8 @@ def test_a_live_gateway_whose_beats_look_stale_is_not_reaped(world, engine, sett
     """After an outage of the journal longer than the limit (or with a gateway clock far
     behind), every beat looks stale; a gateway that is alive beats again before the reaper's
     second look."""
+    if usage == "redis":
+        skip_without_redis()
     settings.USAGE_OUTBOX = usage
     record = _record(world, "req-alive")
     flight = _forwarded(record, engine)

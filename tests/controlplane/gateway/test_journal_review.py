@@ -24,6 +24,8 @@ from tests.controlplane.gateway.test_journal import (  # noqa: F401 - fixtures
     mode,
 )
 
+pytestmark = pytest.mark.accounting  # also run in embedded mode (SQLite, no Redis)
+
 
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.parametrize("mode", ["embedded", "redis"], indirect=True)

@@ -21,6 +21,8 @@ from tests.controlplane.gateway.test_journal import MODES, _record, _stored, mod
 from tests.controlplane.gateway.test_views import image_message, post
 from tests.images import data_url, image_bytes
 
+pytestmark = pytest.mark.accounting  # also run in embedded mode (SQLite, no Redis)
+
 LIMITS = Limits(total_tokens=1000)
 
 

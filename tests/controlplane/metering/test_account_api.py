@@ -9,7 +9,7 @@ from controlplane.metering.services import UsageRecord, usage_record
 from controlplane.tenants.models import Quota
 from tests.images import image_bytes
 
-pytestmark = pytest.mark.django_db
+pytestmark = [pytest.mark.django_db, pytest.mark.accounting]
 
 
 def _spend(world, tenant, request_id, image_tokens, status="ok"):

@@ -4,7 +4,7 @@ import pytest
 
 from controlplane.metering.services import UsageRecord, usage_record
 
-pytestmark = pytest.mark.django_db
+pytestmark = [pytest.mark.django_db, pytest.mark.accounting]
 
 
 def _event(world, tenant, request_id):

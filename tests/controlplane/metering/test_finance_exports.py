@@ -30,8 +30,9 @@ from controlplane.metering.rating import MICRO
 from controlplane.metering.services import ImageLine, UsageRecord, rollup_daily, usage_record
 from controlplane.metering.statements import statement
 from controlplane.tenants.models import Tenant
+from tests.conftest import skip_without_postgresql
 
-pytestmark = pytest.mark.django_db
+pytestmark = [pytest.mark.django_db, pytest.mark.accounting]
 
 XLSX_TYPE = "application/vnd.openxmlformats-officedocument.spreadsheetml.sheet"
 PICTURE = ImageLine(source_format="jpeg", source_width=1920, source_height=1080, width=1335, height=751,
@@ -285,6 +286,7 @@ def _open_cursors() -> int:
 
 
 def test_a_large_export_is_streamed_while_the_database_is_read_in_chunks(client, world):
+    skip_without_postgresql()  # it watches PostgreSQL's server-side cursors
     _many_images(world, 5000)
     client.force_login(world.finance)
     response = client.get("/exports/images.csv")

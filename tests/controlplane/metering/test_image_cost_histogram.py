@@ -16,7 +16,7 @@ from controlplane.tenants.models import Tenant
 from tests.factories import VisionTierFactory
 from tests.images import image_bytes
 
-pytestmark = pytest.mark.django_db
+pytestmark = [pytest.mark.django_db, pytest.mark.accounting]
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ from django.test.utils import CaptureQueriesContext
 from controlplane.catalog.models import PricePlan, PriceRate
 from controlplane.metering.ratebook import NoRate, RateBook, priced_plans, rate_changes
 
-pytestmark = pytest.mark.django_db
+pytestmark = [pytest.mark.django_db, pytest.mark.accounting]
 MARCH = dt.datetime(2025, 3, 1, tzinfo=dt.UTC)
 
 

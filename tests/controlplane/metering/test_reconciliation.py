@@ -37,7 +37,7 @@ from controlplane.metering.services import (
 from controlplane.metering.statements import statement
 from controlplane.tenants.models import Tenant
 
-pytestmark = pytest.mark.django_db
+pytestmark = [pytest.mark.django_db, pytest.mark.accounting]
 
 MARCH, APRIL = dt.datetime(2025, 3, 1, tzinfo=dt.UTC), dt.datetime(2025, 4, 1, tzinfo=dt.UTC)
 MID_MARCH = dt.datetime(2025, 3, 16, 12, tzinfo=dt.UTC)

@@ -15,7 +15,7 @@ from controlplane.metering.services import UsageRecord, rollup_daily, usage_reco
 from controlplane.tenants.services import api_key_create
 from tests.images import image_bytes
 
-pytestmark = pytest.mark.django_db
+pytestmark = [pytest.mark.django_db, pytest.mark.accounting]
 
 NEW_PRICES_FROM = timezone.now().replace(microsecond=0) - dt.timedelta(days=5)
 
