@@ -1,9 +1,11 @@
 from __future__ import annotations
 
+import datetime as dt
 from decimal import Decimal
 
 import pytest
 from django.core.files.uploadedfile import SimpleUploadedFile
+from django.utils import timezone
 
 from controlplane.metering.services import UsageRecord, usage_record
 from controlplane.tenants.models import Quota
@@ -53,6 +55,19 @@ def test_an_estimate_from_dimensions_matches_what_the_gateway_would_count(client
     body = response.json()
     assert body["image_tokens"] == 1224 and body["sent_sizes"] == [[1316, 728]]
     assert Decimal(body["cost"]) > 0
+
+
+def test_an_estimate_for_a_tier_without_a_price_in_effect_says_so_with_a_503(client, world):
+    from controlplane.catalog.models import PricePlan, PriceRate
+
+    later = PricePlan.objects.create(name="from-next-week")
+    PriceRate.objects.create(plan=later, effective_from=timezone.now() + dt.timedelta(days=7))
+    world.vision.price_plan = later
+    world.vision.save()
+    response = client.post("/api/v1/estimate/", {"tier": "vlm-lite", "width": 640, "height": 480},
+                           HTTP_AUTHORIZATION=f"Bearer {world.alice_key}")
+    assert response.status_code == 503 and int(response["Retry-After"]) > 0
+    assert "no price in effect" in response.json()["detail"]
 
 
 def test_an_estimate_honours_low_detail_as_the_gateway_does(client, world):
