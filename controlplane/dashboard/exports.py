@@ -100,5 +100,6 @@ def download(request, report: str, filetype: str):
     except ExportError as exc:
         if report not in dict(REPORT_CHOICES) or filetype not in dict(FILETYPE_CHOICES):
             raise Http404(str(exc)) from None
-        return HttpResponseBadRequest(str(exc))
+        # Plain text: the message quotes what was asked for, which must never run as a page.
+        return HttpResponseBadRequest(str(exc), content_type="text/plain; charset=utf-8")
     return export_response(export, asgi=request.META.get("wsgi.version") is None)

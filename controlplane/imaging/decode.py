@@ -93,15 +93,19 @@ def open_image(data: bytes, *, allowed_formats: tuple[str, ...], max_input_pixel
     except (OSError, SyntaxError, ValueError, EOFError, RuntimeError, struct.error, IndexError,
             KeyError, TypeError) as exc:
         raise CorruptImage(f"image header could not be read: {exc}") from None
-    width, height = image.size
+    # For a GIF this is the canvas: a tiny frame on a huge canvas is still a huge image.
+    check_input_size(*image.size, max_input_pixels)
+    return image
+
+
+def check_input_size(width: int, height: int, max_input_pixels: int) -> None:
+    """Refuse a picture with no pixels, or with more than the intake decodes."""
     if width <= 0 or height <= 0:
         raise CorruptImage("image has no pixels")
     if width * height > max_input_pixels:
-        # For a GIF this is the canvas: a tiny frame on a huge canvas is still a huge image.
         raise ImageTooLarge(
             f"image is {width}x{height} ({width * height:,} pixels); at most "
             f"{max_input_pixels:,} pixels are accepted")
-    return image
 
 
 def source_format(image: Image.Image) -> str:

@@ -22,6 +22,7 @@ from PIL import Image
 
 from controlplane.imaging.decode import (
     SUPPORTED_FORMATS,
+    check_input_size,
     open_image,
     orientation,
     source_format,
@@ -161,7 +162,9 @@ def plan_tiles(width: int, height: int, policy: Policy, cap: int) -> TilePlan:
 
 def sent_sizes(width: int, height: int, policy: Policy, detail: str | None = None) -> list[tuple[int, int]]:
     """The size of each image an upright `width` x `height` picture becomes under `policy`
-    (its tiles, for a long one): what `normalise_tiles` sends, without decoding anything."""
+    (its tiles, for a long one): what `normalise_tiles` sends, without decoding anything.
+    Refused as `normalise_tiles` would refuse that picture."""
+    check_input_size(width, height, policy.max_input_pixels)
     plan = plan_tiles(width, height, policy, policy.pixel_cap(detail))
     return [(right - left, bottom - top) for left, top, right, bottom in plan.boxes]
 

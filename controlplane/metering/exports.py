@@ -22,7 +22,7 @@ from django.db.models.functions import TruncMonth
 from django.http import StreamingHttpResponse
 
 from controlplane.metering.models import DailyUsage, UsageImage
-from controlplane.metering.periods import month_bounds
+from controlplane.metering.periods import month_bounds, month_of
 from controlplane.metering.ratebook import RateBook
 from controlplane.metering.rating import money_text
 from controlplane.metering.services import billed
@@ -118,10 +118,9 @@ def period_from(params: Mapping, *, today: dt.date) -> Period:
     month, `to` to today), or nothing: this month so far."""
     if month := params.get("month"):
         try:
-            year, number = (int(part) for part in month.split("-"))
-            start, end = month_bounds(year, number)
-        except (ValueError, OverflowError):
-            raise ExportError("month must be YYYY-MM") from None
+            start, end = month_bounds(*month_of(month))
+        except ValueError as exc:
+            raise ExportError(f"month: {exc}") from None
         return Period(start.date(), end.date() - dt.timedelta(days=1))
     try:
         first = dt.date.fromisoformat(params.get("from") or today.replace(day=1).isoformat())

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import calendar
 import datetime as dt
+import re
 
 
 def period_window(period: str, now: dt.datetime) -> str:
@@ -35,3 +36,15 @@ def month_bounds(year: int, month: int) -> tuple[dt.datetime, dt.datetime]:
     """A calendar month as [start, end) in UTC."""
     start = dt.datetime(year, month, 1, tzinfo=dt.UTC)
     return start, start + dt.timedelta(days=calendar.monthrange(year, month)[1])
+
+
+_MONTH = re.compile(r"([0-9]{4})-([0-9]{2})", re.ASCII)
+
+
+def month_of(text: str) -> tuple[int, int]:
+    """(year, month) of a YYYY-MM a user typed; ValueError saying why not."""
+    found = _MONTH.fullmatch(text or "")
+    year, month = (int(found[1]), int(found[2])) if found else (0, 0)
+    if not found or not 1 <= month <= 12 or not 1 <= year or (year, month) == (9999, 12):
+        raise ValueError("use YYYY-MM, a month from 0001-01 to 9999-11")
+    return year, month

@@ -17,7 +17,7 @@ from controlplane.catalog.services import tier_image_tokens
 from controlplane.imaging.errors import ImageError
 from controlplane.imaging.policy import normalise_tiles, sent_sizes
 from controlplane.metering.models import UsageEvent
-from controlplane.metering.periods import period_start, seconds_to_period_end
+from controlplane.metering.periods import month_of, period_start, seconds_to_period_end
 from controlplane.metering.ratebook import NoRate, RateBook
 from controlplane.metering.rating import Usage, money_text, price
 from controlplane.metering.services import metered_so_far
@@ -114,8 +114,9 @@ class EstimateRequest(serializers.Serializer):
     image = serializers.FileField(required=False)
     detail = serializers.ChoiceField(choices=["low", "high"], required=False,
                                      help_text="As in an image part: the policy's low or high cap")
-    text_tokens = serializers.IntegerField(min_value=0, default=0)
-    output_tokens = serializers.IntegerField(min_value=0, default=0)
+    # Far past any model's context: an estimate of more than this is no estimate.
+    text_tokens = serializers.IntegerField(min_value=0, max_value=100_000_000, default=0)
+    output_tokens = serializers.IntegerField(min_value=0, max_value=100_000_000, default=0)
 
     def validate(self, data):
         if "image" not in data and not ("width" in data and "height" in data):
@@ -202,9 +203,7 @@ class Statement(APIView):
 
         tenant = _tenant(request)
         try:
-            year, month = (int(part) for part in period.split("-"))
-            if not 1 <= month <= 12:
-                raise ValueError
-        except ValueError:
-            raise ValidationError({"period": "use YYYY-MM"}) from None
+            year, month = month_of(period)
+        except ValueError as exc:
+            raise ValidationError({"period": str(exc)}) from None
         return Response(StatementSerializer(statement(tenant=tenant, year=year, month=month)).data)

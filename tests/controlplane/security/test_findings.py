@@ -1,0 +1,34 @@
+"""The findings of the security test of a running system, each reproduced as it was found."""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.django_db
+
+SCRIPT = "<img src=x onerror=alert(document.domain)>"
+
+
+def test_an_unknown_tenant_in_an_export_link_is_not_reflected_as_html(client, world):
+    client.force_login(world.finance)
+    response = client.get("/exports/images.csv", {"tenant": SCRIPT})
+    assert response.status_code == 400
+    assert response["Content-Type"].startswith("text/plain")
+    assert response["X-Content-Type-Options"] == "nosniff"
+
+
+@pytest.mark.parametrize("period", ["0000-01", "10000-01", "9999-12", "2026-13", "2026-1x", "-1-01", "٢٠٢٦-٠١"])
+def test_a_statement_for_a_month_that_cannot_exist_is_a_400(client, world, period):
+    response = client.get(f"/api/v1/statements/{period}/", HTTP_AUTHORIZATION=f"Bearer {world.alice_key}")
+    assert response.status_code == 400, response.content
+    assert "period" in response.json()
+
+
+@pytest.mark.parametrize("fields", [
+    {"width": 100000, "height": 1}, {"width": 100000, "height": 100000}, {"width": 1, "height": 100000},
+    {"width": 640, "height": 480, "text_tokens": "9" * 31}, {"width": 640, "height": 480, "output_tokens": 10**20},
+])
+def test_an_estimate_out_of_any_range_is_a_400(client, world, fields):
+    response = client.post("/api/v1/estimate/", {"tier": "vlm-lite", **fields},
+                           HTTP_AUTHORIZATION=f"Bearer {world.alice_key}")
+    assert response.status_code == 400, response.content
