@@ -226,6 +226,8 @@ METRICS_TOKEN = env_str("METRICS_TOKEN")  # when set, /metrics wants `Authorizat
 # --- gateway --------------------------------------------------------------------------
 GATEWAY_UPSTREAM_TIMEOUT = float(env_int("GATEWAY_UPSTREAM_TIMEOUT_S", 300, minimum=1))
 GATEWAY_MAX_BODY_BYTES = env_int("GATEWAY_MAX_BODY_BYTES", 64 * 1024 * 1024, minimum=1024)
+# A client has this long to send its whole body (a slow sender holds a connection otherwise).
+GATEWAY_BODY_TIMEOUT_S = env_int("GATEWAY_BODY_TIMEOUT_S", 30, minimum=1)
 GATEWAY_KEY_CACHE_SECONDS = env_int("GATEWAY_KEY_CACHE_SECONDS", 5, minimum=0)
 # Free heap a gateway process keeps for the next image instead of returning it (0: glibc's
 # defaults); see controlplane/gateway/memory.py.

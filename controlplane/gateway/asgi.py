@@ -80,11 +80,23 @@ async def _send(send, response: Response) -> None:
 async def app(scope, receive, send) -> None:
     path = scope["path"]
     headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
-    body, gone = await _read_body(receive)
+    handler = ROUTES.get(path)
+    if handler is not None and scope["method"] == "POST":
+        # The key and the declared length are checked before a byte of the body is read:
+        # nobody without a key makes the gateway buffer megabytes.
+        refused = await handlers.refuse_before_body(headers)
+        if refused is not None:
+            await _send(send, refused)
+            return
+    try:
+        body, gone = await asyncio.wait_for(_read_body(receive), settings.GATEWAY_BODY_TIMEOUT_S)
+    except TimeoutError:
+        await _send(send, error_response(408, f"the request body did not arrive within "
+                                              f"{settings.GATEWAY_BODY_TIMEOUT_S}s", code="request_timeout"))
+        return
     if gone:
         return
     await _connection_hygiene()
-    handler = ROUTES.get(path)
     request = Request(method=scope["method"], headers=headers, body=body)
 
     async def respond():
