@@ -110,8 +110,8 @@ class Gateway:
 
     def _serve(self, port: int, env: dict) -> subprocess.Popen:
         process = subprocess.Popen(
-            [sys.executable, "-m", "uvicorn", "controlplane.asgi:application", "--port", str(port),
-             "--workers", "1", "--no-access-log", "--log-level", "warning"],
+            [sys.executable, "-m", "controlplane.serving", "--port", str(port), "--workers", "1",
+             "--log-level", "warning"],
             cwd=ROOT, env=env)
         wait_http(f"http://127.0.0.1:{port}/login/")
         self.others.append(process)

@@ -253,7 +253,7 @@ def test_a_tenant_over_its_quota_gets_a_rate_limit_error_with_retry_after(system
 
 
 def _web_pid(system) -> int:
-    """The uvicorn process runlocal started (and restarts when it dies)."""
+    """The web process (uvicorn) runlocal started (and restarts when it dies)."""
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -264,7 +264,7 @@ def _web_pid(system) -> int:
                 argv = cmdline.read().split(b"\0")
         except OSError:
             continue
-        if parent == system.process.pid and b"uvicorn" in argv:
+        if parent == system.process.pid and b"controlplane.serving" in argv:
             return int(entry)
     raise AssertionError("no web process under runlocal")
 

@@ -33,8 +33,8 @@ class Command(BaseCommand):
         python = sys.executable
         node_queue = Node.queue_for(settings.NODE_NAME)
         commands = {
-            "web": [python, "-m", "uvicorn", "controlplane.asgi:application", "--host", host,
-                    "--port", str(port), "--no-access-log", "--log-level", "warning"],
+            "web": [python, "-m", "controlplane.serving", "--host", host, "--port", str(port),
+                    "--log-level", "warning"],
             "worker": [python, "-m", "celery", "-A", "controlplane", "worker", "-Q",
                        f"default,{node_queue}", "--pool", "threads", "--concurrency", "4",
                        "-n", f"agent@{settings.NODE_NAME}", "--loglevel", "WARNING",
