@@ -229,6 +229,9 @@ GATEWAY_MAX_BODY_BYTES = env_int("GATEWAY_MAX_BODY_BYTES", 64 * 1024 * 1024, min
 # A client has this long to send its whole body (a slow sender holds a connection otherwise).
 GATEWAY_BODY_TIMEOUT_S = env_int("GATEWAY_BODY_TIMEOUT_S", 30, minimum=1)
 GATEWAY_KEY_CACHE_SECONDS = env_int("GATEWAY_KEY_CACHE_SECONDS", 5, minimum=0)
+# While the database does not answer, the gateway serves the keys, tiers and engines it knew,
+# for at most this long (a key revoked meanwhile keeps working until the database is back).
+GATEWAY_STALE_MAX_S = env_int("GATEWAY_STALE_MAX_S", 600, minimum=0)
 # Free heap a gateway process keeps for the next image instead of returning it (0: glibc's
 # defaults); see controlplane/gateway/memory.py.
 GATEWAY_HEAP_KEEP_MB = env_int("GATEWAY_HEAP_KEEP_MB", 256, minimum=0)

@@ -49,6 +49,17 @@ async def _authenticate(request: Request) -> state.KeyInfo:
     return info
 
 
+async def _known(what: str, fetching):
+    """What the gateway reads from the database (through its caches), or a 503 when it can
+    neither read it nor serve what it knew."""
+    try:
+        return await fetching
+    except Exception:
+        log.exception("%s cannot be read", what)
+        raise GatewayError(503, f"{what} cannot be read right now; retry shortly", code="service_unavailable",
+                           headers={"Retry-After": "5"}) from None
+
+
 async def refuse_before_body(headers: dict[str, str]) -> Response | None:
     """What is refused before the body is read: a body declared past the limit, a missing or
     unknown key. None: read the body."""
@@ -72,9 +83,9 @@ async def models(request: Request) -> Response:
         return error_response(405, f"{request.method} is not allowed on /v1/models")
     try:
         key = await _authenticate(request)
+        allowed = _allowed(key, await _known("the models", state.tiers()))
     except GatewayError as exc:
         return exc.response()
-    allowed = _allowed(key, await state.tiers())
     data = [{"id": AUTO, "object": "model", "created": 0, "owned_by": "gateway"}]
     data += [
         {"id": t.name, "object": "model", "created": 0, "owned_by": "gateway",
@@ -135,7 +146,8 @@ async def _chat_completions(request: Request, request_id: str):
             validate_body(body)
         except RequestInvalid as exc:
             raise GatewayError(400, str(exc), code=exc.code, param=exc.param) from None
-        tier = _pick_tier(body["model"], key, await state.tiers(), bool(image_parts(body["messages"])))
+        tier = _pick_tier(body["model"], key, await _known("the models", state.tiers()),
+                          bool(image_parts(body["messages"])))
         if not tier.priced:
             # Serving it would bill nothing, or bill later at a price nobody agreed to.
             log.error("tier %s has no price in effect; refusing its requests", tier.name)
@@ -234,13 +246,17 @@ async def _forward(request_id: str, key: state.KeyInfo, tier: TierSpec, prepared
     payload = orjson.dumps(body)
     slot = None
     try:
-        candidates = await state.instances(tier.id)
+        candidates = await _known("the engines", state.instances(tier.id))
         if large and not routing.has_dedicated_large_pool(candidates):
             # No isolated pool: large requests take turns, so they never fill every batch.
             slot = _Slot(routing.large_slots(tier.id, tier.large_image_concurrency))
             await slot.acquire()
         return await _attempts(request_id, tier, prepared, flight, candidates, payload, started,
                                large=large, fingerprints=fingerprints, slot=slot)
+    except GatewayError as exc:
+        record.status, record.http_status = "error", exc.status
+        await _record(record, started)
+        return exc.response(request_id)
     except asyncio.CancelledError:
         if not record.recorded:  # gone while waiting for a slot: release the quota it reserved
             record.status, record.http_status = "aborted", 499

@@ -45,9 +45,15 @@ class InstanceSpec:
 
 
 class TTLCache:
+    """Entries fresh for `seconds`. An expired entry stays behind: when the database cannot
+    refresh it, it is served stale (for at most GATEWAY_STALE_MAX_S), and the refresh is
+    tried again after RETRY_S rather than on every request."""
+
+    RETRY_S = 1.0
+
     def __init__(self, seconds: float, max_items: int = 10_000):
         self.seconds, self.max_items = seconds, max_items
-        self._items: dict = {}
+        self._items: dict = {}  # key -> [fresh until, value, refresh not before]
 
     def get(self, key):
         item = self._items.get(key)
@@ -60,12 +66,30 @@ class TTLCache:
             # Drop the expired, then the oldest tenth: a flood of random keys must not flush
             # the valid ones (and send every lookup to the database).
             now = time.monotonic()
-            for stale in [k for k, (expiry, _) in self._items.items() if expiry < now]:
+            for stale in [k for k, (expiry, _, _) in self._items.items() if expiry < now]:
                 del self._items[stale]
             for oldest in list(self._items)[: max(1, len(self._items) // 10)]:
                 del self._items[oldest]
         self._items.pop(key, None)
-        self._items[key] = (time.monotonic() + self.seconds, value)
+        self._items[key] = [time.monotonic() + self.seconds, value, 0.0]
+
+    async def fetch(self, key, load):
+        """The entry, loaded with `load` (a function run on the database thread) when not
+        fresh; the stale entry when loading fails, while it is not too old."""
+        now = time.monotonic()
+        item = self._items.get(key)
+        if item is not None and (item[0] >= now or item[2] > now):
+            return item[1]
+        try:
+            value = await sync_to_async(load)()
+        except Exception:
+            if item is None or now - item[0] > settings.GATEWAY_STALE_MAX_S:
+                raise
+            item[2] = now + self.RETRY_S
+            log.warning("the database does not answer; serving what was known %.0fs ago", now - item[0] + self.seconds)
+            return item[1]
+        self.put(key, value)
+        return value
 
     def clear(self):
         self._items.clear()
@@ -116,10 +140,7 @@ def _load_key(secret: str) -> KeyInfo | None:
 
 async def key_info(secret: str) -> KeyInfo | None:
     digest = hashlib.sha256(secret.encode()).digest()
-    cached = _keys.get(digest)
-    if cached is None:
-        cached = await sync_to_async(_load_key)(secret) or _MISSING
-        _keys.put(digest, cached)
+    cached = await _keys.fetch(digest, lambda: _load_key(secret) or _MISSING)
     return None if cached is _MISSING else cached
 
 
@@ -193,11 +214,7 @@ def _load_tiers() -> dict[str, TierSpec]:
 
 
 async def tiers() -> dict[str, TierSpec]:
-    cached = _tiers.get("all")
-    if cached is None:
-        cached = await sync_to_async(_load_tiers)()
-        _tiers.put("all", cached)
-    return cached
+    return await _tiers.fetch("all", _load_tiers)
 
 
 def _load_instances(tier_id: int) -> list[InstanceSpec]:
@@ -211,8 +228,4 @@ def _load_instances(tier_id: int) -> list[InstanceSpec]:
 
 
 async def instances(tier_id: int) -> list[InstanceSpec]:
-    cached = _instances.get(tier_id)
-    if cached is None:
-        cached = await sync_to_async(_load_instances)(tier_id)
-        _instances.put(tier_id, cached)
-    return cached
+    return await _instances.fetch(tier_id, lambda: _load_instances(tier_id))
