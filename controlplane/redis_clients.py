@@ -1,20 +1,46 @@
-"""Async Redis clients, one per event loop (a server has one loop; tests may run several)."""
+"""Redis clients: async ones for the gateway, one per event loop (a server has one loop;
+tests may run several), and sync ones for workers; all bounded the same way.
+
+A process with more requests in flight than connections waits for a free connection (up to
+REDIS_POOL_WAIT_S) instead of failing at once, and a Redis that hangs (paused, overloaded)
+fails a command after REDIS_TIMEOUT_S instead of holding the request: the caller answers a
+503 or falls back, within a bounded time.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import weakref
 
-import redis.asyncio as redis
+import redis
+import redis.asyncio
 
 _clients: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_sync_clients: dict[str, redis.Redis] = {}
 
 
-def async_redis(url: str) -> redis.Redis:
+def _bounds() -> dict:
+    from django.conf import settings
+
+    return {"max_connections": settings.REDIS_POOL_SIZE, "timeout": settings.REDIS_POOL_WAIT_S,
+            "socket_timeout": settings.REDIS_TIMEOUT_S, "socket_connect_timeout": settings.REDIS_TIMEOUT_S,
+            "health_check_interval": 30}
+
+
+def async_redis(url: str) -> redis.asyncio.Redis:
     per_loop = _clients.setdefault(asyncio.get_running_loop(), {})
     client = per_loop.get(url)
     if client is None:
-        client = per_loop[url] = redis.Redis.from_url(url)
+        pool = redis.asyncio.BlockingConnectionPool.from_url(url, **_bounds())
+        client = per_loop[url] = redis.asyncio.Redis(connection_pool=pool)
+    return client
+
+
+def sync_redis(url: str) -> redis.Redis:
+    client = _sync_clients.get(url)
+    if client is None:
+        client = _sync_clients[url] = redis.Redis(connection_pool=redis.BlockingConnectionPool.from_url(
+            url, **_bounds()))
     return client
 
 

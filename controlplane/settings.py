@@ -134,12 +134,18 @@ if REDIS_URL is not None:
     validate_redis_url(REDIS_URL)
 EMBEDDED_BROKER = REDIS_URL is None
 
+# Every Redis client: at most this many connections per process (more requests wait up to
+# REDIS_POOL_WAIT_S for one), and a command that gets no answer in REDIS_TIMEOUT_S fails.
+REDIS_POOL_SIZE = env_int("REDIS_POOL_SIZE", 200, minimum=1)
+REDIS_POOL_WAIT_S = env_int("REDIS_POOL_WAIT_S", 5, minimum=1)
+REDIS_TIMEOUT_S = env_int("REDIS_TIMEOUT_S", 3, minimum=1)
 if REDIS_URL:
     CACHES = {
         "default": {
             "BACKEND": "django.core.cache.backends.redis.RedisCache",
             "LOCATION": REDIS_URL,
             "KEY_PREFIX": env_str("CACHE_KEY_PREFIX", "vlmcp"),
+            "OPTIONS": {"socket_timeout": REDIS_TIMEOUT_S, "socket_connect_timeout": REDIS_TIMEOUT_S},
         }
     }
 else:

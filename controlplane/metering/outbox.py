@@ -21,7 +21,7 @@ from controlplane.metering.services import (
     usage_record,
     usage_record_many,
 )
-from controlplane.redis_clients import key_prefix
+from controlplane.redis_clients import key_prefix, sync_redis
 
 log = logging.getLogger(__name__)
 GROUP = "ingest"
@@ -37,7 +37,7 @@ def usage_ingest(*, batch: int = 500, max_batches: int = 20) -> int:
     """Move usage from the stream into the database. Returns the records stored or confirmed."""
     import redis
 
-    client = redis.Redis.from_url(settings.REDIS_URL)
+    client = sync_redis(settings.REDIS_URL)
     key, consumer = stream_key(), f"{socket.gethostname()}"
     try:
         client.xgroup_create(key, GROUP, id="0", mkstream=True)

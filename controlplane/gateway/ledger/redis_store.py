@@ -225,9 +225,9 @@ class RedisLedger:
         """Two looks: an entry is reaped only if its beat is stale and still the same beat a
         second reaper run later, at least two heartbeats after the first. A live gateway has
         beaten by then, whatever its clock says and however long Redis was unreachable."""
-        import redis
+        from controlplane.redis_clients import sync_redis
 
-        client = redis.Redis.from_url(self.url)
+        client = sync_redis(self.url)
         suspects_key = f"{self.beats}:suspect"
         all_beats, suspects = client.hgetall(self.beats), client.hgetall(suspects_key)
         if gone := set(suspects) - set(all_beats):

@@ -77,3 +77,24 @@ def test_a_quota_that_cannot_be_checked_answers_503_and_is_recorded(client, worl
     assert error["code"] == "quota_unavailable"
     event = UsageEvent.objects.get(request_id=response["x-request-id"])  # written to the database instead
     assert (event.status, event.http_status, event.cost) == ("error", 503, 0)
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("mode", ["redis"], indirect=True)
+def test_500_concurrent_admissions_on_one_process_all_get_an_answer(world, mode):  # noqa: F811
+    """More requests at once than Redis connections in the pool: they wait their turn for a
+    connection (bounded), and each is admitted or refused, none fails."""
+    import asyncio
+
+    limits = Limits(total_tokens=250 * 100)
+
+    async def burst():
+        records = [_record(world, f"req-{n}") for n in range(500)]
+        return await asyncio.gather(*(ledger.admit(r, limits, Ask(0, 100, False)) for r in records),
+                                    return_exceptions=True)
+
+    outcomes = async_to_sync(burst)()
+    failures = [o for o in outcomes if isinstance(o, Exception) and not isinstance(o, Refused)]
+    assert failures == []
+    assert sum(isinstance(o, Refused) for o in outcomes) == 250
+    ledger._live.clear()
