@@ -29,6 +29,7 @@ from controlplane.metering.services import UsageRecord
 
 log = logging.getLogger(__name__)
 AUTO = "auto"
+LARGE_BODY = 1 << 20
 _background: set[asyncio.Task] = set()
 _tier_names: dict[int, str] = {}
 
@@ -137,7 +138,8 @@ async def _chat_completions(request: Request, request_id: str):
             raise GatewayError(413, f"request body exceeds {settings.GATEWAY_MAX_BODY_BYTES} bytes",
                                code="request_too_large")
         try:
-            body = orjson.loads(raw)
+            # A body of megabytes (base64 images) is parsed off the event loop.
+            body = orjson.loads(raw) if len(raw) < LARGE_BODY else await asyncio.to_thread(orjson.loads, raw)
         except (ValueError, UnicodeDecodeError):
             raise GatewayError(400, "the request body is not valid JSON", code="invalid_json") from None
         except RecursionError:

@@ -83,6 +83,58 @@ REQUEST_FIELDS = frozenset({
     "ignore_eos", "min_tokens",
 })
 MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id", "refusal"})
+MAX_MESSAGES, MAX_PARTS = 2048, 1024  # per request, and content parts per message
+_NUMBER = (int, float)
+
+
+def _number(low=None, high=None):
+    def check(value):
+        return isinstance(value, _NUMBER) and not isinstance(value, bool) and \
+            (low is None or value >= low) and (high is None or value <= high)
+    return check
+
+
+def _integer(low=None, high=None):
+    def check(value):
+        return isinstance(value, int) and not isinstance(value, bool) and \
+            (low is None or value >= low) and (high is None or value <= high)
+    return check
+
+
+def _stop(value) -> bool:
+    return isinstance(value, str) or (isinstance(value, list) and len(value) <= 16
+                                      and all(isinstance(item, str) for item in value))
+
+
+def _bias(value) -> bool:
+    return isinstance(value, dict) and len(value) <= 1024 and all(
+        isinstance(k, str) and _number(-100, 100)(v) for k, v in value.items())
+
+
+# OpenAI's types and ranges for the sampling parameters (vLLM's for its own), checked here so
+# that a wrong type is a 400 from the gateway, before anything is reserved.
+PARAMETER_TYPES = {
+    "temperature": (_number(0, 2), "a number from 0 to 2"),
+    "top_p": (_number(0, 1), "a number from 0 to 1"),
+    "presence_penalty": (_number(-2, 2), "a number from -2 to 2"),
+    "frequency_penalty": (_number(-2, 2), "a number from -2 to 2"),
+    "seed": (_integer(-(2**63), 2**64 - 1), "an integer"),
+    "stop": (_stop, "a string or an array of at most 16 strings"),
+    "logprobs": (lambda v: isinstance(v, bool), "a boolean"),
+    "top_logprobs": (_integer(0, 20), "an integer from 0 to 20"),
+    "logit_bias": (_bias, "an object of token ids to numbers from -100 to 100"),
+    "user": (lambda v: isinstance(v, str) and len(v) <= 256, "a string of at most 256 characters"),
+    "response_format": (lambda v: isinstance(v, dict) and isinstance(v.get("type"), str), "an object with a type"),
+    "tools": (lambda v: isinstance(v, list) and len(v) <= 128 and all(isinstance(t, dict) for t in v),
+              "an array of at most 128 objects"),
+    "tool_choice": (lambda v: isinstance(v, str | dict), "a string or an object"),
+    "parallel_tool_calls": (lambda v: isinstance(v, bool), "a boolean"),
+    "top_k": (_integer(-1, 1_000_000), "an integer (-1: no limit)"),
+    "min_p": (_number(0, 1), "a number from 0 to 1"),
+    "repetition_penalty": (_number(0.01, 100), "a positive number"),
+    "metadata": (lambda v: isinstance(v, dict) and len(v) <= 16, "an object of at most 16 entries"),
+    "store": (lambda v: isinstance(v, bool), "a boolean"),
+}
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 IMAGE_TYPES = ("image_url", "input_image")
 
@@ -102,6 +154,9 @@ def _validate_content(index: int, content) -> None:
         return
     if not isinstance(content, list):
         raise RequestInvalid(f"messages[{index}].content must be a string or an array", param="messages")
+    if len(content) > MAX_PARTS:
+        raise RequestInvalid(f"messages[{index}].content has {len(content)} parts; at most {MAX_PARTS}",
+                             param="messages")
     for n, part in enumerate(content):
         where = f"messages[{index}].content[{n}]"
         if not isinstance(part, dict) or not isinstance(part.get("type"), str):
@@ -128,6 +183,11 @@ def validate_body(body) -> None:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise RequestInvalid("messages must be a non-empty array", param="messages")
+    if len(messages) > MAX_MESSAGES:
+        raise RequestInvalid(f"messages has {len(messages)} entries; at most {MAX_MESSAGES}", param="messages")
+    for name, (valid, what) in PARAMETER_TYPES.items():
+        if body.get(name) is not None and not valid(body[name]):
+            raise RequestInvalid(f"{name} must be {what}", param=name, code="invalid_type")
     for index, message in enumerate(messages):
         role = message.get("role") if isinstance(message, dict) else None
         if not isinstance(role, str) or role not in ROLES:

@@ -32,3 +32,28 @@ def test_an_estimate_out_of_any_range_is_a_400(client, world, fields):
     response = client.post("/api/v1/estimate/", {"tier": "vlm-lite", **fields},
                            HTTP_AUTHORIZATION=f"Bearer {world.alice_key}")
     assert response.status_code == 400, response.content
+
+
+@pytest.mark.parametrize("field, value", [
+    ("temperature", "hot"), ("temperature", 9), ("top_p", -1), ("seed", "x"), ("stop", [1, 2]),
+    ("stop", ["a"] * 17), ("logprobs", "yes"), ("top_logprobs", 99), ("logit_bias", {"1": "x"}),
+    ("user", {"id": 1}), ("tools", "all"), ("presence_penalty", True), ("metadata", [1]),
+])
+def test_an_openai_parameter_of_the_wrong_type_is_a_400_naming_it(client, world, field, value):
+    from tests.controlplane.gateway.test_views import post
+
+    response = post(client, world.alice_key, {"model": "text", "messages": [{"role": "user", "content": "hi"}],
+                                              field: value})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert (error["param"], error["code"]) == (field, "invalid_type")
+
+
+def test_a_request_with_too_many_messages_or_parts_is_a_400(client, world):
+    from tests.controlplane.gateway.test_views import post
+
+    many = [{"role": "user", "content": "hi"}] * 2049
+    assert post(client, world.alice_key, {"model": "text", "messages": many}).status_code == 400
+    parts = [{"type": "text", "text": "x"}] * 1025
+    response = post(client, world.alice_key, {"model": "text", "messages": [{"role": "user", "content": parts}]})
+    assert response.status_code == 400 and "at most 1024" in response.json()["error"]["message"]
