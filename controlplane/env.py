@@ -139,6 +139,15 @@ def validate_redis_url(url: str) -> str:
     return url
 
 
+def restrict_to_owner(path: Path) -> None:
+    """Create `path` readable by its owner alone (0600), or make it so: an embedded database
+    holds API key hashes and every tenant's usage."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o600))
+    if path.stat().st_mode & 0o077:
+        path.chmod(0o600)
+
+
 def local_secret_key(path: Path) -> str:
     """A secret generated once and kept under var/ so that sessions survive restarts.
 

@@ -21,13 +21,14 @@ from controlplane.env import (
     env_str,
     local_secret_key,
     parse_database_url,
+    restrict_to_owner,
     validate_redis_url,
 )
 from workers.engines.cpu import install as vllm_cpu
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = Path(env_str("VAR_DIR", str(BASE_DIR / "var"))).resolve()
-VAR_DIR.mkdir(parents=True, exist_ok=True)
+VAR_DIR.mkdir(mode=0o700, parents=True, exist_ok=True)  # the database, secret key, cache and queues
 
 DEBUG = env_bool("DEBUG", False)
 
@@ -98,6 +99,8 @@ TEMPLATES = [
 # --- database -------------------------------------------------------------------------
 _db = parse_database_url(env_str("DATABASE_URL", f"sqlite:///{VAR_DIR / 'controlplane.sqlite3'}"))
 if _db.engine.endswith("sqlite3"):
+    if _db.name != ":memory:":
+        restrict_to_owner(Path(_db.name))
     DATABASES = {
         "default": {
             "ENGINE": _db.engine,

@@ -67,4 +67,7 @@ def metrics(request):
         sent = request.headers.get("Authorization", "")
         if not hmac.compare_digest(sent, f"Bearer {token}"):
             return HttpResponse("unauthorized\n", status=401, content_type="text/plain")
+    elif not settings.DEBUG:
+        # Tenants, tiers and volumes are the operator's business: no token, no metrics.
+        return HttpResponse("set METRICS_TOKEN to scrape /metrics\n", status=403, content_type="text/plain")
     return HttpResponse(render(), content_type="text/plain; version=0.0.4; charset=utf-8")

@@ -82,6 +82,8 @@ def test_the_control_plane_exposes_its_own_prometheus_metrics(client, fleet, set
     from workers.engines.metrics import parse
 
     world, node, running = fleet
+    assert client.get("/metrics").status_code == 403  # outside DEBUG, no token: nothing to see
+    settings.DEBUG = True
     series = parse(client.get("/metrics").content.decode())
     assert ({"tier": "vlm-lite", "state": "running"}, 1.0) in series["vlmcp_engine_instances"]
     assert ({"instance": str(running.pk), "tier": "vlm-lite"}, 0.37) in series["vlmcp_engine_kv_cache_usage"]

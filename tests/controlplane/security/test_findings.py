@@ -57,3 +57,19 @@ def test_a_request_with_too_many_messages_or_parts_is_a_400(client, world):
     parts = [{"type": "text", "text": "x"}] * 1025
     response = post(client, world.alice_key, {"model": "text", "messages": [{"role": "user", "content": parts}]})
     assert response.status_code == 400 and "at most 1024" in response.json()["error"]["message"]
+
+
+def test_the_embedded_database_and_secret_key_are_readable_by_their_owner_alone(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from django.conf import settings
+
+    env = {"PATH": os.environ["PATH"], "DEBUG": "true", "VAR_DIR": str(tmp_path / "var"),
+           "DJANGO_SETTINGS_MODULE": "controlplane.settings"}
+    subprocess.run([sys.executable, "manage.py", "migrate", "--noinput"], env=env, cwd=settings.BASE_DIR,
+                   check=True, capture_output=True)
+    var = tmp_path / "var"
+    for path in (var, var / "controlplane.sqlite3", var / "secret_key"):
+        assert path.stat().st_mode & 0o077 == 0, f"{path} is open to others: {oct(path.stat().st_mode)}"
