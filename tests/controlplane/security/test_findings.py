@@ -73,3 +73,21 @@ def test_the_embedded_database_and_secret_key_are_readable_by_their_owner_alone(
     var = tmp_path / "var"
     for path in (var, var / "controlplane.sqlite3", var / "secret_key"):
         assert path.stat().st_mode & 0o077 == 0, f"{path} is open to others: {oct(path.stat().st_mode)}"
+
+
+def test_logins_are_throttled_after_repeated_failures(client, world, settings):
+    for _attempt in range(settings.AXES_FAILURE_LIMIT - 1):
+        failed = client.post("/login/", {"username": world.operator.username, "password": "guess"})
+        assert failed.status_code == 200  # the form again, with its error
+    last = client.post("/login/", {"username": world.operator.username, "password": "guess"})
+    assert last.status_code == 429  # the limit reached: locked out, told so in a page with a way back
+    assert "Too many failed logins" in last.content.decode() and 'href="/login/"' in last.content.decode()
+    world.operator.set_password("right")
+    world.operator.save()
+    locked = client.post("/login/", {"username": world.operator.username, "password": "right"})
+    assert locked.status_code == 429  # even the right password, until the lockout ends
+    spoofed = client.post("/login/", {"username": world.operator.username, "password": "right"},
+                          HTTP_X_FORWARDED_FOR="203.0.113.9")
+    assert spoofed.status_code == 429  # a forged address is no way around it
+    other = client.post("/login/", {"username": world.finance.username, "password": "guess"})
+    assert other.status_code == 200  # other users are not locked out
