@@ -39,16 +39,18 @@ class Reservation:
     tenant_id: int
     period_window: str
     ask: Ask
+    id: str = ""  # the request's id (Redis keeps the epoch of the counters it was made in)
 
 
 def reservation_to_json(reservation: Reservation) -> dict:
-    return {"tenant_id": reservation.tenant_id, "period_window": reservation.period_window,
+    return {"tenant_id": reservation.tenant_id, "period_window": reservation.period_window, "id": reservation.id,
             "ask": [reservation.ask.image_tokens, reservation.ask.total_tokens, reservation.ask.large]}
 
 
 def reservation_from_json(data: dict) -> Reservation:
     image_tokens, total_tokens, large = data["ask"]
-    return Reservation(data["tenant_id"], data["period_window"], Ask(image_tokens, total_tokens, bool(large)))
+    return Reservation(data["tenant_id"], data["period_window"], Ask(image_tokens, total_tokens, bool(large)),
+                       data.get("id", ""))
 
 
 class Refused(Exception):

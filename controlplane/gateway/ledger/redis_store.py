@@ -16,6 +16,7 @@ import datetime as dt
 import json
 import logging
 import time
+import uuid
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
@@ -36,16 +37,19 @@ from controlplane.metering.services import UsageRecord, metered_so_far, usage_re
 log = logging.getLogger(__name__)
 
 # Quota counters: KEYS[1..4] = image tokens, total tokens (of the period), requests (of the
-# minute), large images (at once); ARGV[1..3] = the ask (image, total, large), ARGV[4..7]
-# the limits (-1: none). The journal: KEYS[5..6] = entries, heartbeats; ARGV[8..10] = request
-# id, entry, beat ('' when the request is not journaled here). ARGV[11] = '1' when reserving.
+# minute), large images (at once), KEYS[5] = the period counters' epoch (set when they were
+# started from what is metered); ARGV[1..3] = the ask (image, total, large), ARGV[4..7] the
+# limits (-1: none). The journal: KEYS[6..8] = entries, heartbeats, and the epoch each
+# reservation was made in; ARGV[8..10] = request id, entry, beat ('' when the request is not
+# journaled here). ARGV[11] = '1' when reserving.
 _ADMIT = """
 local function over(key, ask, limit)
   if tonumber(limit) < 0 then return false end
   return tonumber(redis.call('GET', key) or '0') + tonumber(ask) > tonumber(limit)
 end
 if ARGV[11] == '1' then
-  if redis.call('EXISTS', KEYS[1]) == 0 or redis.call('EXISTS', KEYS[2]) == 0 then return -1 end
+  local epoch = redis.call('GET', KEYS[5])
+  if not epoch then return -1 end
   if over(KEYS[1], ARGV[1], ARGV[4]) then return 1 end
   if over(KEYS[2], ARGV[2], ARGV[5]) then return 2 end
   if over(KEYS[3], 1, ARGV[6]) then return 3 end
@@ -58,36 +62,65 @@ if ARGV[11] == '1' then
     redis.call('INCR', KEYS[4])
     redis.call('EXPIRE', KEYS[4], 3600)
   end
+  redis.call('HSET', KEYS[8], ARGV[8], epoch)
 end
 if ARGV[9] ~= '' then
-  redis.call('HSET', KEYS[5], ARGV[8], ARGV[9])
-  redis.call('HSET', KEYS[6], ARGV[8], ARGV[10])
+  redis.call('HSET', KEYS[6], ARGV[8], ARGV[9])
+  redis.call('HSET', KEYS[7], ARGV[8], ARGV[10])
 end
 return 0
 """
-# A counter that is gone (Redis lost it) is left to be started again from what is metered,
-# not created from a delta.
+# Starting a period's counters from what is metered, once: KEYS = image, total, epoch.
+_SEED = """
+if redis.call('EXISTS', KEYS[3]) == 1 then return 0 end
+redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[4])
+redis.call('SET', KEYS[2], ARGV[2], 'EX', ARGV[4])
+redis.call('SET', KEYS[3], ARGV[3], 'EX', ARGV[4])
+return 1
+"""
+# Settling a reservation to what was used. Made in the counters' epoch: the difference is
+# applied. Made before they were started again (Redis lost them meanwhile, and the new ones,
+# counted from what was metered, do not hold it): what was used is added. No counters: left
+# to be started from what is metered, with this request in it.
 _SETTLE_FUNCTION = """
-local function settle(image_key, total_key, large_key, image_delta, total_delta, large)
-  if redis.call('EXISTS', image_key) == 1 then redis.call('INCRBY', image_key, image_delta) end
-  if redis.call('EXISTS', total_key) == 1 then redis.call('INCRBY', total_key, total_delta) end
-  if large == '1' and tonumber(redis.call('GET', large_key) or '0') > 0 then redis.call('DECR', large_key) end
+local function settle(image_key, total_key, large_key, epoch_key, epochs, id, image_delta, total_delta,
+                      image_used, total_used, large)
+  local reserved = redis.call('HGET', epochs, id)
+  redis.call('HDEL', epochs, id)
+  local current = redis.call('GET', epoch_key)
+  if current then
+    if reserved == current then
+      redis.call('INCRBY', image_key, image_delta)
+      redis.call('INCRBY', total_key, total_delta)
+    else
+      redis.call('INCRBY', image_key, image_used)
+      redis.call('INCRBY', total_key, total_used)
+    end
+  end
+  if large == '1' and reserved and tonumber(redis.call('GET', large_key) or '0') > 0 then
+    redis.call('DECR', large_key)
+  end
 end
 """
 _SETTLE = _SETTLE_FUNCTION + """
-settle(KEYS[1], KEYS[2], KEYS[3], ARGV[1], ARGV[2], ARGV[3])
+settle(KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6])
 return 0
 """
-# KEYS = entries, heartbeats, the usage stream, then the three counters to settle (or '');
-# ARGV = request id, '1' if journaled, the usage, '1' to settle, its three arguments, and the
-# beat the reaper judged stale ('' from the gateway: a beat refreshed since means it lives).
+# KEYS = entries, heartbeats, the usage stream, the request's reaped mark, then the five keys
+# to settle (or ''); ARGV = request id, '1' if journaled, the usage, '1' to settle, its six
+# arguments, and the beat the reaper judged stale ('' from the gateway: a beat refreshed
+# since means its gateway lives). An entry already gone was recorded by the reaper (its mark
+# says so) or went with Redis (a restart): then the usage is handed over still.
 _FINISH = _SETTLE_FUNCTION + """
-if ARGV[8] ~= '' and redis.call('HGET', KEYS[2], ARGV[1]) ~= ARGV[8] then return 0 end
+local reaping = ARGV[11] ~= ''
+if reaping and redis.call('HGET', KEYS[2], ARGV[1]) ~= ARGV[11] then return 0 end
 local held = redis.call('HDEL', KEYS[1], ARGV[1])
 redis.call('HDEL', KEYS[2], ARGV[1])
-if held == 0 and ARGV[2] == '1' then return 0 end
+if held == 0 and ARGV[2] == '1' and (reaping or redis.call('EXISTS', KEYS[4]) == 1) then return 0 end
 redis.call('XADD', KEYS[3], '*', 'record', ARGV[3])
-if ARGV[4] == '1' then settle(KEYS[4], KEYS[5], KEYS[6], ARGV[5], ARGV[6], ARGV[7]) end
+if reaping then redis.call('SET', KEYS[4], '1', 'EX', 86400) end
+if ARGV[4] == '1' then settle(KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[9], ARGV[5], ARGV[6], ARGV[7], ARGV[8],
+                              ARGV[9], ARGV[10]) end
 return 1
 """
 _BEAT = """
@@ -109,6 +142,7 @@ class RedisLedger:
 
         self.url, self.prefix = url or settings.REDIS_URL, prefix or key_prefix()
         self.inflight, self.beats = f"{self.prefix}:inflight", f"{self.prefix}:inflight:beat"
+        self.epochs = f"{self.prefix}:inflight:epoch"
 
     def _client(self):
         from controlplane.redis_clients import async_redis
@@ -118,7 +152,7 @@ class RedisLedger:
     def _quota_keys(self, tenant_id: int, window: str, now: dt.datetime) -> list[str]:
         base = f"{self.prefix}:quota:{tenant_id}"
         return [f"{base}:{window}:image_tokens", f"{base}:{window}:total_tokens",
-                f"{base}:rpm:{minute_window(now)}", f"{base}:large"]
+                f"{base}:rpm:{minute_window(now)}", f"{base}:large", f"{base}:{window}:epoch"]
 
     # -- admit -----------------------------------------------------------------------------
 
@@ -127,7 +161,8 @@ class RedisLedger:
         in one step: both or neither. Raises Refused, leaving nothing behind."""
         record = flight.record
         if limits is not None:
-            record.reservation = Reservation(record.tenant_id, period_window(limits.period, now), ask)
+            record.reservation = Reservation(record.tenant_id, period_window(limits.period, now), ask,
+                                             record.request_id)
         try:
             await self._run(record.tenant_id, limits, ask, now, journal=(
                 record.request_id, json.dumps(entry(record)), _beat(flight, time.time())))
@@ -138,24 +173,24 @@ class RedisLedger:
 
     async def reserve(self, tenant_id: int, limits: Limits, ask: Ask, now: dt.datetime) -> Reservation:
         """Reserve without journaling (a quota check on its own)."""
-        await self._run(tenant_id, limits, ask, now)
-        return Reservation(tenant_id, period_window(limits.period, now), ask)
+        reservation = Reservation(tenant_id, period_window(limits.period, now), ask, f"res_{uuid.uuid4().hex}")
+        await self._run(tenant_id, limits, ask, now, journal=(reservation.id, "", ""))
+        return reservation
 
     async def _run(self, tenant_id: int, limits: Limits | None, ask: Ask | None, now: dt.datetime, *,
                    journal: tuple[str, str, str] = ("", "", "")) -> None:
         window = period_window(limits.period, now) if limits else ""
-        keys = self._quota_keys(tenant_id, window, now) + [self.inflight, self.beats]
+        keys = self._quota_keys(tenant_id, window, now) + [self.inflight, self.beats, self.epochs]
         quota = [0, 0, 0, -1, -1, -1, -1] if limits is None else [
             ask.image_tokens, ask.total_tokens, int(ask.large),
             *(-1 if getattr(limits, name) is None else getattr(limits, name) for name in _ORDER)]
         client = self._client()
         for _attempt in range(2):
-            outcome = await client.eval(_ADMIT, 6, *keys, *quota, *journal, "1" if limits else "0")
-            if outcome == -1:  # first request of the period: start from what is already metered
+            outcome = await client.eval(_ADMIT, 8, *keys, *quota, *journal, "1" if limits else "0")
+            if outcome == -1:  # the period's first request (or Redis lost them): start from what is metered
                 image_used, total_used = await sync_to_async(metered_so_far)(tenant_id, limits.period, now)
                 ttl = seconds_to_period_end(limits.period, now) + 2 * 86400
-                await client.set(keys[0], image_used, nx=True, ex=ttl)
-                await client.set(keys[1], total_used, nx=True, ex=ttl)
+                await client.eval(_SEED, 3, keys[0], keys[1], keys[4], image_used, total_used, uuid.uuid4().hex, ttl)
                 continue
             if outcome:
                 raise refusal(_ORDER[outcome - 1], limits, now)
@@ -163,16 +198,17 @@ class RedisLedger:
         raise RuntimeError("quota counters could not be started")
 
     def _settle_call(self, reservation: Reservation, image_tokens: int, total_tokens: int) -> tuple[list, list]:
-        base = f"{self.prefix}:quota:{reservation.tenant_id}"
-        keys = [f"{base}:{reservation.period_window}:image_tokens", f"{base}:{reservation.period_window}:total_tokens",
-                f"{base}:large"]
-        return keys, [image_tokens - reservation.ask.image_tokens, total_tokens - reservation.ask.total_tokens,
+        base, window = f"{self.prefix}:quota:{reservation.tenant_id}", reservation.period_window
+        keys = [f"{base}:{window}:image_tokens", f"{base}:{window}:total_tokens", f"{base}:large",
+                f"{base}:{window}:epoch", self.epochs]
+        return keys, [reservation.id, image_tokens - reservation.ask.image_tokens,
+                      total_tokens - reservation.ask.total_tokens, image_tokens, total_tokens,
                       int(reservation.ask.large)]
 
     async def settle(self, reservation: Reservation, *, image_tokens: int, total_tokens: int) -> None:
         """Correct a reservation to what was used (release it: 0 and 0)."""
         keys, args = self._settle_call(reservation, image_tokens, total_tokens)
-        await self._client().eval(_SETTLE, 3, *keys, *args)
+        await self._client().eval(_SETTLE, 5, *keys, *args)
 
     # -- beat ------------------------------------------------------------------------------
 
@@ -187,13 +223,13 @@ class RedisLedger:
     def _finish_call(self, record: UsageRecord, journaled: bool, stale_beat: str = "") -> tuple[list, list]:
         from controlplane.metering.outbox import stream_key
 
-        keys, args = [self.inflight, self.beats, stream_key()], [
+        keys, args = [self.inflight, self.beats, stream_key(), f"{self.prefix}:reaped:{record.request_id}"], [
             record.request_id, "1" if journaled else "0", json.dumps(usage_to_json(record))]
         if record.reservation is not None:
             image_tokens, total_tokens = settlement(record)
             settle_keys, settle_args = self._settle_call(record.reservation, image_tokens, total_tokens)
             return keys + settle_keys, args + ["1", *settle_args, stale_beat]
-        return keys + ["", "", ""], args + ["0", 0, 0, 0, stale_beat]
+        return keys + [""] * 5, args + ["0", "", 0, 0, 0, 0, 0, stale_beat]
 
     async def finish(self, flight: Flight) -> None:
         record = flight.record

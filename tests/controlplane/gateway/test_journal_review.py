@@ -12,6 +12,9 @@ from asgiref.sync import async_to_sync, sync_to_async
 from django.conf import settings as django_settings
 
 from controlplane.gateway import handlers, ledger
+from controlplane.gateway.ledger import Ask
+from controlplane.metering.models import UsageEvent
+from controlplane.metering.outbox import usage_ingest
 from tests.controlplane.gateway.test_journal import (  # noqa: F401 - fixtures
     ASK,
     LIMITS,
@@ -119,3 +122,49 @@ def test_a_request_finishing_after_redis_lost_its_counters_does_not_open_the_quo
     [event] = _stored(mode)
     assert event.status == "ok"
     _assert_room(world, 820)  # counted from what is metered: the 180 tokens used, no more room
+
+
+def _redis_restarts_empty():
+    """Redis as it runs here, without persistence: a restart loses every key."""
+    import redis
+
+    client = redis.Redis.from_url(django_settings.REDIS_URL)
+    for key in client.scan_iter(f"{django_settings.CACHES['default']['KEY_PREFIX']}:*"):
+        client.delete(key)
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("mode", ["redis"], indirect=True)
+def test_a_request_in_flight_across_a_redis_restart_is_still_metered(world, mode, engine):  # noqa: F811
+    record = _record(world, "req-across")
+
+    async def answered_across_a_restart():
+        await ledger.engine_chosen(await ledger.admit(record, LIMITS, ASK), engine.pk)
+        _redis_restarts_empty()  # its journal entry is gone with everything else
+        record.output_tokens = 50
+        await ledger.finish(record)
+
+    async_to_sync(answered_across_a_restart)()
+    [event] = _stored(mode)
+    assert (event.request_id, event.status, event.output_tokens) == ("req-across", "ok", 50)
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("mode", ["redis"], indirect=True)
+def test_quota_counters_rebuilt_after_a_restart_equal_metered_usage(world, mode, engine):  # noqa: F811
+    before, after = _record(world, "req-before"), _record(world, "req-after")
+
+    async def two_requests_across_a_restart():
+        await ledger.engine_chosen(await ledger.admit(before, LIMITS, ASK), engine.pk)
+        _redis_restarts_empty()
+        # The counters start again from what is metered (nothing yet): the request in flight
+        # is not in them, so its settling must add what it used, not take back its reservation.
+        await ledger.engine_chosen(await ledger.admit(after, LIMITS, Ask(110, 700, False)), engine.pk)
+        before.output_tokens = after.output_tokens = 50
+        await ledger.finish(before)
+        await ledger.finish(after)
+
+    async_to_sync(two_requests_across_a_restart)()
+    usage_ingest()
+    assert UsageEvent.objects.count() == 2
+    _assert_room(world, 1000 - 2 * 180)
