@@ -84,6 +84,7 @@ AXES_FAILURE_LIMIT = env_int("LOGIN_FAILURE_LIMIT", 5, minimum=1)
 AXES_COOLOFF_TIME = env_int("LOGIN_LOCKOUT_MINUTES", 15, minimum=1) / 60  # hours
 AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
 AXES_RESET_ON_SUCCESS = True
+AXES_VERBOSE = False
 AXES_LOCKOUT_TEMPLATE = "registration/locked_out.html"
 # The address uvicorn saw (with --proxy-headers, the one its trusted proxy forwarded): never a
 # client's own X-Forwarded-For, which would let it pick a fresh address per attempt.
@@ -261,6 +262,9 @@ GATEWAY_HEAP_KEEP_MB = env_int("GATEWAY_HEAP_KEEP_MB", 256, minimum=0)
 # GATEWAY_JOURNAL_STALE_S belongs to a dead gateway and is recorded as interrupted.
 GATEWAY_HEARTBEAT_S = env_int("GATEWAY_HEARTBEAT_S", 5, minimum=1)
 GATEWAY_JOURNAL_STALE_S = env_int("GATEWAY_JOURNAL_STALE_S", 30, minimum=2)
+# A stream's output so far reaches the journal this often (what a gateway killed mid-stream
+# bills): milliseconds, one call per gateway process for all its streams.
+GATEWAY_PROGRESS_S = env_int("GATEWAY_PROGRESS_MS", 500, minimum=50) / 1000
 if GATEWAY_JOURNAL_STALE_S < 2 * GATEWAY_HEARTBEAT_S:
     raise EnvError(f"GATEWAY_JOURNAL_STALE_S={GATEWAY_JOURNAL_STALE_S} must be at least twice "
                    f"GATEWAY_HEARTBEAT_S={GATEWAY_HEARTBEAT_S}, or live requests would be taken for dead")

@@ -98,15 +98,28 @@ def _ensure_heartbeat() -> None:
 
 
 async def _heartbeat() -> None:
+    """Every GATEWAY_HEARTBEAT_S, every live request's entry is refreshed (it is alive); every
+    GATEWAY_PROGRESS_S, those of streams that produced since (what a client received is what
+    its stream is billed if this process dies): one call for all of them either way."""
+    last_full = time.monotonic()
     while True:
-        await asyncio.sleep(settings.GATEWAY_HEARTBEAT_S)
-        flights = [flight for flight in list(_live.values()) if flight.journaled]
+        await asyncio.sleep(min(settings.GATEWAY_PROGRESS_S, settings.GATEWAY_HEARTBEAT_S))
+        now = time.monotonic()
+        full = now - last_full >= settings.GATEWAY_HEARTBEAT_S
+        if full:
+            last_full = now
+        flights = [flight for flight in list(_live.values())
+                   if flight.journaled and (full or flight.produced != flight.beaten)]
         if not flights:
             continue
+        produced = [flight.produced for flight in flights]
         try:
             await ledger().beat(flights)
         except Exception:
             log.exception("could not refresh the in-flight journal")
+            continue
+        for flight, count in zip(flights, produced, strict=True):
+            flight.beaten = count
 
 
 def journal_reap(*, now: float | None = None) -> int:

@@ -75,6 +75,7 @@ class Flight:
     record: UsageRecord
     journaled: bool = False
     produced: int = 0  # output tokens streamed so far
+    beaten: int = 0  # of which the journal knows
 
 
 def settlement(record: UsageRecord) -> tuple[int, int]:

@@ -17,7 +17,7 @@ from controlplane.gateway.ledger import Ask, Limits, RedisLedger, Refused
 from controlplane.gateway.models import InFlightRequest
 from controlplane.metering.models import UsageEvent
 from controlplane.tenants.models import Quota
-from tests.controlplane.gateway.test_journal import MODES, _record, _stored, mode  # noqa: F401 - fixture
+from tests.controlplane.gateway.test_journal import MODES, _record, _stored, engine, mode  # noqa: F401 - fixtures
 from tests.controlplane.gateway.test_views import image_message, post
 from tests.images import data_url, image_bytes
 
@@ -97,4 +97,31 @@ def test_500_concurrent_admissions_on_one_process_all_get_an_answer(world, mode)
     failures = [o for o in outcomes if isinstance(o, Exception) and not isinstance(o, Refused)]
     assert failures == []
     assert sum(isinstance(o, Refused) for o in outcomes) == 250
+    ledger._live.clear()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_streams_output_reaches_the_journal_well_before_the_next_heartbeat(world, mode, engine, settings):  # noqa: F811
+    """What a gateway killed mid-stream bills is what its client had received, give or take
+    the progress interval, not what the last heartbeat (seconds earlier) knew."""
+    import asyncio
+    import json as json_module
+
+    settings.GATEWAY_HEARTBEAT_S, settings.GATEWAY_PROGRESS_S = 60, 0.1
+
+    async def streaming():
+        flight = await ledger.admit(_record(world, "req-streaming"))
+        await ledger.engine_chosen(flight, engine.pk)
+        for _token in range(37):
+            flight.produced += 1
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.5)
+
+    async_to_sync(streaming)()
+    if mode == "redis":
+        beat = redis.Redis.from_url(django_settings.REDIS_URL).hget(RedisLedger().beats, "req-streaming")
+        produced = json_module.loads(beat)["produced"]
+    else:
+        produced = InFlightRequest.objects.get(request_id="req-streaming").produced
+    assert produced == 37
     ledger._live.clear()
