@@ -248,6 +248,10 @@ METRICS_TOKEN = env_str("METRICS_TOKEN")  # when set, /metrics wants `Authorizat
 
 # --- gateway --------------------------------------------------------------------------
 GATEWAY_UPSTREAM_TIMEOUT = float(env_int("GATEWAY_UPSTREAM_TIMEOUT_S", 300, minimum=1))
+# How often a request waiting on an engine checks whether supervision found that engine hung
+# or dead (then it is failed over, or its stream ends with an error, instead of waiting for
+# the upstream timeout).
+GATEWAY_ENGINE_WATCH_S = env_int("GATEWAY_ENGINE_WATCH_MS", 2000, minimum=50) / 1000
 GATEWAY_MAX_BODY_BYTES = env_int("GATEWAY_MAX_BODY_BYTES", 64 * 1024 * 1024, minimum=1024)
 # A client has this long to send its whole body (a slow sender holds a connection otherwise).
 GATEWAY_BODY_TIMEOUT_S = env_int("GATEWAY_BODY_TIMEOUT_S", 30, minimum=1)

@@ -9,6 +9,15 @@ from controlplane.fleet.models import EngineInstance
 HEALTH_FRESH_SECONDS = 30
 
 
+FAILING = ("unhealthy", "stopped", "crashed", "crashloop", "failed")
+
+
+def failing_instance_ids(*, tier_id: int) -> set[int]:
+    """Instances of a tier that supervision found hung, dead or gone: what is still waiting on
+    one of them will get no answer. (A draining engine is not failing: it finishes its work.)"""
+    return set(EngineInstance.objects.filter(tier_id=tier_id, actual_state__in=FAILING).values_list("id", flat=True))
+
+
 def routable_instances(*, tier_id: int):
     """Instances the gateway may send work to: running, healthy, recently checked, not draining."""
     fresh = timezone.now() - dt.timedelta(seconds=HEALTH_FRESH_SECONDS)

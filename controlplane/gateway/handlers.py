@@ -306,7 +306,11 @@ async def _attempts(request_id, tier, prepared, flight, candidates, payload, sta
                          **({"authorization": f"Bearer {instance.api_key}"} if instance.api_key else {})},
             )
             try:
-                response = await upstream.client().send(req, stream=True)
+                response = await _unless_engine_fails(upstream.client().send(req, stream=True), tier.id, instance.id)
+            except EngineFailing:
+                # Hung or dead (supervision says so): it will not answer; another engine may.
+                log.warning("engine %s stopped answering %s; trying another", instance.id, request_id)
+                continue
             except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
                 log.warning("engine %s unreachable for %s: %s", instance.id, request_id, exc)
                 continue
@@ -320,7 +324,7 @@ async def _attempts(request_id, tier, prepared, flight, candidates, payload, sta
                 handed_over = True
                 if slot is not None:
                     slot.handed_over = True
-                return _stream(request_id, tier.family, flight, prepared, response, instance, started, slot)
+                return _stream(request_id, tier, flight, prepared, response, instance, started, slot)
             try:
                 content = await response.aread()
             except httpx.TransportError as exc:
@@ -410,7 +414,7 @@ async def _finish_plain(request_id, tier, record, prepared, status, content, sta
     return json_response(data, headers={"x-request-id": request_id})
 
 
-def _stream(request_id, tier_family, flight, prepared, response, instance, started, slot=None):
+def _stream(request_id, tier, flight, prepared, response, instance, started, slot=None):
     record = flight.record
     client_wants_usage = bool((prepared.body.get("stream_options") or {}).get("include_usage"))
     progress = {"finished": False, "closed": False}
@@ -433,8 +437,9 @@ def _stream(request_id, tier_family, flight, prepared, response, instance, start
             await _record(record, started)  # its hand-over survives this task being cancelled
 
     async def events():
+        lines = _watched_lines(response, tier.id, instance.id)
         try:
-            async for line in response.aiter_lines():
+            async for line in lines:
                 if not line.startswith("data:"):
                     continue
                 data = line[5:].strip()
@@ -447,7 +452,7 @@ def _stream(request_id, tier_family, flight, prepared, response, instance, start
                 except ValueError:
                     continue
                 if chunk.get("usage"):
-                    _apply_usage(record, chunk["usage"], prepared, tier_family)
+                    _apply_usage(record, chunk["usage"], prepared, tier.family)
                     chunk["usage"] = _usage_details(chunk["usage"], prepared)
                     if not chunk.get("choices") and not client_wants_usage:
                         continue
@@ -457,18 +462,87 @@ def _stream(request_id, tier_family, flight, prepared, response, instance, start
                     if (choice.get("delta") or {}).get("content"):
                         flight.produced += 1  # also what the journal bills if this gateway dies
                 yield b"data: " + orjson.dumps(chunk) + b"\n\n"
-        except httpx.HTTPError as exc:
-            # The engine dropped the stream: tell the client in the stream's own terms.
+        except (httpx.HTTPError, EngineFailing) as exc:
+            # The engine dropped the stream, or hung: tell the client in the stream's own terms.
             log.warning("engine %s broke the stream of %s: %s", instance.id, request_id, exc)
             record.status, record.http_status = "error", 502
             error = {"error": {"message": "the engine failed while streaming; retry the request",
                                "type": "server_error", "param": None, "code": "engine_error"}}
             yield b"data: " + orjson.dumps(error) + b"\n\n"
         finally:
+            await lines.aclose()
             await close()
 
     return Response(stream=events(), content_type="text/event-stream", on_close=close,
                     headers={"cache-control": "no-cache", "x-request-id": request_id})
+
+
+class EngineFailing(Exception):
+    """Supervision found the engine a request waits on hung or dead."""
+
+
+async def _engine_fails(tier_id: int, instance_id: int) -> None:
+    """Returns once the engine is among its tier's failing ones (checked every few seconds)."""
+    while True:
+        await asyncio.sleep(settings.GATEWAY_ENGINE_WATCH_S)
+        try:
+            if instance_id in await state.failing(tier_id):
+                return
+        except Exception:  # the database does not answer: no news, keep waiting
+            log.warning("could not check engine %s", instance_id)
+
+
+async def _unless_engine_fails(awaitable, tier_id: int, instance_id: int):
+    """`awaitable`'s result, or EngineFailing once its engine is found hung or dead (what
+    would otherwise wait for the upstream timeout, minutes)."""
+    work = asyncio.ensure_future(awaitable)
+    watch = asyncio.ensure_future(_engine_fails(tier_id, instance_id))
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        work.cancel()
+        raise
+    finally:
+        watch.cancel()
+    if work.done():
+        return work.result()
+    work.cancel()
+    await asyncio.gather(work, return_exceptions=True)
+    raise EngineFailing(instance_id)
+
+
+_END = object()
+
+
+async def _watched_lines(response, tier_id: int, instance_id: int):
+    """The lines of a streamed answer, read by a task of their own, ending in EngineFailing
+    if the engine is found hung or dead meanwhile: one watcher per stream, not one per line."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump():
+        try:
+            async for line in response.aiter_lines():
+                queue.put_nowait(line)
+            queue.put_nowait(_END)
+        except Exception as exc:  # noqa: BLE001 - handed to the reader, which raises it
+            queue.put_nowait(exc)
+
+    async def watch():
+        await _engine_fails(tier_id, instance_id)
+        queue.put_nowait(EngineFailing(instance_id))
+
+    tasks = [asyncio.ensure_future(pump()), asyncio.ensure_future(watch())]
+    try:
+        while True:
+            item = await queue.get()
+            if item is _END:
+                return
+            if isinstance(item, Exception):
+                raise item
+            yield item
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 def _in_background(coroutine) -> asyncio.Task:

@@ -98,11 +98,12 @@ class TTLCache:
 _keys = TTLCache(settings.GATEWAY_KEY_CACHE_SECONDS)
 _tiers = TTLCache(5)
 _instances = TTLCache(2)
+_failing = TTLCache(2)
 _MISSING = object()
 
 
 def clear_caches() -> None:
-    for cache in (_keys, _tiers, _instances):
+    for cache in (_keys, _tiers, _instances, _failing):
         cache.clear()
 
 
@@ -229,3 +230,10 @@ def _load_instances(tier_id: int) -> list[InstanceSpec]:
 
 async def instances(tier_id: int) -> list[InstanceSpec]:
     return await _instances.fetch(tier_id, lambda: _load_instances(tier_id))
+
+
+async def failing(tier_id: int) -> set[int]:
+    """Instances of the tier supervision found hung or dead (see failing_instance_ids)."""
+    from controlplane.fleet.selectors import failing_instance_ids
+
+    return await _failing.fetch(tier_id, lambda: failing_instance_ids(tier_id=tier_id))
