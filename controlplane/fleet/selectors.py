@@ -5,8 +5,12 @@ from django.utils import timezone
 
 from controlplane.fleet.models import EngineInstance
 
-# A health result older than this means the node agent stopped watching: route elsewhere.
+# A health result older than this means the node agent stopped watching: route elsewhere...
 HEALTH_FRESH_SECONDS = 30
+# ...unless no engine anywhere was checked lately: then supervision as a whole has stopped
+# (the broker that reaches the node agents is unreachable), not the engines, and those last
+# found healthy stay routable for this long. (A dead engine then fails fast on connect.)
+SUPERVISION_GRACE_SECONDS = 900
 
 
 FAILING = ("unhealthy", "stopped", "crashed", "crashloop", "failed")
@@ -20,7 +24,11 @@ def failing_instance_ids(*, tier_id: int) -> set[int]:
 
 def routable_instances(*, tier_id: int):
     """Instances the gateway may send work to: running, healthy, recently checked, not draining."""
-    fresh = timezone.now() - dt.timedelta(seconds=HEALTH_FRESH_SECONDS)
+    now = timezone.now()
+    fresh = now - dt.timedelta(seconds=HEALTH_FRESH_SECONDS)
+    latest = EngineInstance.objects.aggregate(latest=models.Max("last_health_at"))["latest"]
+    if latest is not None and latest < fresh:
+        fresh = now - dt.timedelta(seconds=SUPERVISION_GRACE_SECONDS)
     return list(
         EngineInstance.objects.filter(
             tier_id=tier_id,

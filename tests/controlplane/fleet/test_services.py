@@ -78,6 +78,21 @@ def test_only_fresh_healthy_running_instances_are_routable(world):
     assert [i.pk for i in routable_instances(tier_id=world.vision.pk)] == [good.pk]
 
 
+def test_healthy_engines_stay_routable_while_supervision_itself_is_cut_off(world):
+    """The broker down: no node agent reports, every health check goes stale at once. The
+    engines are not the problem, so those last found healthy keep serving."""
+    node = node_register(name="local", address="127.0.0.1", gpus=[])
+    checked = timezone.now() - dt.timedelta(minutes=3)  # the last round before the broker went away
+    fields = {"tier": world.vision, "node": node, "healthy": True, "last_health_at": checked,
+              "actual_state": "running"}
+    healthy = EngineInstance.objects.create(**fields, port=9000)
+    EngineInstance.objects.create(**{**fields, "healthy": False}, port=9001)
+    assert [i.pk for i in routable_instances(tier_id=world.vision.pk)] == [healthy.pk]
+    # One engine checked just now: supervision runs, so the stale one is stale for a reason.
+    EngineInstance.objects.create(**{**fields, "last_health_at": timezone.now(), "tier": world.text}, port=9002)
+    assert routable_instances(tier_id=world.vision.pk) == []
+
+
 def test_a_draining_engine_keeps_its_gpu_until_it_has_stopped(world):
     from controlplane.fleet.services import instance_action
 
