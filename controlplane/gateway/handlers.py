@@ -178,6 +178,12 @@ async def _chat_completions(request: Request, request_id: str):
                                   tier_id=tier.id, status="error", http_status=exc.status,
                                   stream=bool(body.get("stream"))), started)
         return exc.response(request_id)
+    except Exception:
+        # A failure of the gateway itself: the request is in the tenant's usage all the same.
+        await _record(UsageRecord(request_id=request_id, tenant_id=key.tenant_id, api_key_id=key.key_id,
+                                  tier_id=tier.id, status="error", http_status=500,
+                                  stream=bool(body.get("stream"))), started)
+        raise
     return await _forward(request_id, key, tier, prepared, flight)
 
 

@@ -86,3 +86,17 @@ def test_a_stream_whose_engine_is_found_hung_ends_with_an_error_event(world, set
     events = [line[6:] for line in text.decode().split("\n\n") if line.startswith("data: ")]
     assert json.loads(events[0])["choices"][0]["delta"]["content"] == "hel"
     assert json.loads(events[-1])["error"]["code"] == "engine_error"
+
+
+def test_a_request_the_gateway_itself_fails_on_is_still_in_the_usage(client, world, monkeypatch):
+    from controlplane.gateway import handlers as gateway_handlers
+    from tests.controlplane.gateway.test_views import post
+
+    async def broken(*_args, **_kwargs):
+        raise RuntimeError("a bug in preparing the request")
+
+    monkeypatch.setattr(gateway_handlers, "prepare", broken)  # stands in for any bug past the tier
+    response = post(client, world.alice_key, {"model": "text", "messages": [{"role": "user", "content": "hi"}]})
+    assert response.status_code == 500 and response.json()["error"]["code"] == "internal_error"
+    event = UsageEvent.objects.get(request_id=response["x-request-id"])
+    assert (event.status, event.http_status, event.cost) == ("error", 500, 0)
