@@ -160,7 +160,8 @@ async def _chat_completions(request: Request, request_id: str):
     started = time.monotonic()
     try:
         try:
-            prepared = await prepare(body, tier, max_image_bytes=settings.GATEWAY_MAX_BODY_BYTES)
+            prepared = await prepare(body, tier, max_image_bytes=settings.GATEWAY_MAX_BODY_BYTES,
+                                     scope=str(key.tenant_id))
         except RequestInvalid as exc:
             raise GatewayError(400, str(exc), code=exc.code, param=exc.param) from None
         if tier.require_moderation and prepared.images:
@@ -249,7 +250,8 @@ async def _forward(request_id: str, key: state.KeyInfo, tier: TierSpec, prepared
     _tier_names[tier.id] = tier.name
     record = flight.record
     large = prepared.image_tokens > tier.large_image_threshold
-    fingerprints = tuple(p.image.fingerprint for p in prepared.images)
+    # Per tenant: one tenant's requests never steer toward the engine holding another's images.
+    fingerprints = tuple(f"{key.tenant_id}:{p.image.fingerprint}" for p in prepared.images)
     body = _upstream_body(key, tier, prepared, large=large)
     payload = orjson.dumps(body)
     slot = None

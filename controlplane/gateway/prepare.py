@@ -223,13 +223,14 @@ def validate_body(body) -> None:
         raise RequestInvalid(f"min_tokens {least} exceeds max_tokens {most}", param="min_tokens")
 
 
-def _image_tiles(url: str, policy: Policy, detail, fetch: FetchPolicy | None, max_bytes: int):
+def _image_tiles(url: str, policy: Policy, detail, fetch: FetchPolicy | None, max_bytes: int, scope: str):
     """Intake and normalise in one trip to a worker thread (CPU work, off the event loop)."""
     data = image_source_bytes(url, max_bytes=max_bytes, fetch=fetch)
-    return normalise_tiles(data, policy, detail=detail, index=index_of_pictures)
+    return normalise_tiles(data, policy, detail=detail, index=index_of_pictures.scoped(scope))
 
 
-async def prepare(body: dict, tier: TierSpec, *, max_image_bytes: int) -> Prepared:
+async def prepare(body: dict, tier: TierSpec, *, max_image_bytes: int, scope: str = "") -> Prepared:
+    """`scope`: whose request it is (a tenant's pictures are recognised among its own only)."""
     parts = image_parts(body["messages"])
     if parts and tier.kind != "vision":
         raise RequestInvalid(f"model {tier.name} does not accept images", param="messages",
@@ -248,7 +249,7 @@ async def prepare(body: dict, tier: TierSpec, *, max_image_bytes: int) -> Prepar
         )
     prepared = Prepared(body=body)
     if parts:
-        await _prepare_images(prepared, parts, tier, max_image_bytes=max_image_bytes)
+        await _prepare_images(prepared, parts, tier, max_image_bytes=max_image_bytes, scope=scope)
     _lay_out(prepared, tier)
     # Always bounded: without a limit the engine would generate up to the rest of its context.
     room = tier.max_model_len - prepared.text_tokens - prepared.image_tokens
@@ -260,7 +261,8 @@ async def prepare(body: dict, tier: TierSpec, *, max_image_bytes: int) -> Prepar
     return prepared
 
 
-async def _prepare_images(prepared: Prepared, parts: list[dict], tier: TierSpec, *, max_image_bytes: int) -> None:
+async def _prepare_images(prepared: Prepared, parts: list[dict], tier: TierSpec, *, max_image_bytes: int,
+                          scope: str) -> None:
     body = prepared.body
     policy = tier.policy
     if len(parts) > policy.max_images_per_request:
@@ -279,7 +281,8 @@ async def _prepare_images(prepared: Prepared, parts: list[dict], tier: TierSpec,
         if not isinstance(url, str) or not url:
             raise RequestInvalid(f"image {index + 1} has no url", param="messages")
         try:
-            tiles = await asyncio.to_thread(_image_tiles, url, policy, detail, tier.fetch_policy, max_image_bytes)
+            tiles = await asyncio.to_thread(_image_tiles, url, policy, detail, tier.fetch_policy, max_image_bytes,
+                                            scope)
         except ImageError as exc:
             raise RequestInvalid(f"image {index + 1}: {exc}", param="messages", code=exc.code) from None
         total_pixels += tiles[0].source_width * tiles[0].source_height

@@ -76,40 +76,53 @@ class FingerprintIndex:
         self.max_distance = max_distance
         self.bands = max_distance + 1  # two hashes within max_distance share at least one band
         self._band_width = math.ceil(self.BITS / self.bands)
-        self._items: OrderedDict[str, tuple[int, int, int]] = OrderedDict()  # id -> (w, h, bits)
+        self._items: OrderedDict[tuple[str, str], tuple[int, int, int]] = OrderedDict()  # (scope, id) -> (w, h, bits)
         self._buckets: dict[tuple, set[str]] = {}
         self._lock = threading.Lock()  # the gateway normalises images on several threads
 
     def __len__(self) -> int:
         return len(self._items)
 
-    def _keys(self, width: int, height: int, bits: int):
+    def _keys(self, scope: str, width: int, height: int, bits: int):
         mask = (1 << self._band_width) - 1
         for band in range(self.bands):
-            yield (width, height, band, (bits >> (band * self._band_width)) & mask)
+            yield (scope, width, height, band, (bits >> (band * self._band_width)) & mask)
 
-    def canonical(self, image: Image.Image) -> str:
-        return self.lookup(image.width, image.height, perceptual_bits(image))
+    def scoped(self, scope: str) -> ScopedIndex:
+        """The index as one tenant sees it: a picture maps only to pictures that tenant sent
+        (another tenant's re-encoding of it must not reveal that it was sent)."""
+        return ScopedIndex(self, scope)
 
-    def lookup(self, width: int, height: int, bits: int) -> str:
+    def canonical(self, image: Image.Image, *, scope: str = "") -> str:
+        return self.lookup(image.width, image.height, perceptual_bits(image), scope=scope)
+
+    def lookup(self, width: int, height: int, bits: int, *, scope: str = "") -> str:
         with self._lock:
-            return self._lookup(width, height, bits)
+            return self._lookup(scope, width, height, bits)
 
-    def _lookup(self, width: int, height: int, bits: int) -> str:
-        for key in self._keys(width, height, bits):
+    def _lookup(self, scope: str, width: int, height: int, bits: int) -> str:
+        for key in self._keys(scope, width, height, bits):
             for known in self._buckets.get(key, ()):
                 _, _, other = self._items[known]
                 if bin(bits ^ other).count("1") <= self.max_distance:
                     self._items.move_to_end(known)
-                    return known
-        ident = _ident(width, height, bits)
-        self._items[ident] = (width, height, bits)
-        for key in self._keys(width, height, bits):
-            self._buckets.setdefault(key, set()).add(ident)
+                    return known[1]
+        entry = (scope, _ident(width, height, bits))
+        self._items[entry] = (width, height, bits)
+        for key in self._keys(scope, width, height, bits):
+            self._buckets.setdefault(key, set()).add(entry)
         while len(self._items) > self.max_items:
             old, (w, h, b) = self._items.popitem(last=False)
-            for key in self._keys(w, h, b):
+            for key in self._keys(old[0], w, h, b):
                 self._buckets[key].discard(old)
                 if not self._buckets[key]:
                     del self._buckets[key]
-        return ident
+        return entry[1]
+
+
+class ScopedIndex:
+    def __init__(self, index: FingerprintIndex, scope: str):
+        self.index, self.scope = index, scope
+
+    def canonical(self, image: Image.Image) -> str:
+        return self.index.canonical(image, scope=self.scope)

@@ -75,3 +75,14 @@ def test_the_index_forgets_the_least_recently_seen_beyond_its_bound():
         index.canonical(image)
     assert len(index) == 4
     assert index.canonical(CORPUS[0]) == first  # recomputed, and deterministic
+
+
+def test_a_tenant_never_gets_the_fingerprint_of_another_tenants_re_encoding():
+    """Otherwise a re-encoded copy answered with a fingerprint other than its own reveals that
+    somebody else sent the picture."""
+    index = FingerprintIndex()
+    jpeg, png = (encoded(CORPUS[2], fmt, options) for fmt, options in (ENCODINGS[3], ("PNG", {})))
+    theirs = normalise(jpeg, Policy(), index=index.scoped("alice")).fingerprint
+    mine = normalise(png, Policy(), index=index.scoped("bob")).fingerprint
+    assert mine == normalise(png, Policy()).fingerprint != theirs  # its own, as if nobody had sent it
+    assert normalise(png, Policy(), index=index.scoped("alice")).fingerprint == theirs  # alice's copies: one
