@@ -248,6 +248,8 @@ METRICS_TOKEN = env_str("METRICS_TOKEN")  # when set, /metrics wants `Authorizat
 
 # --- gateway --------------------------------------------------------------------------
 GATEWAY_UPSTREAM_TIMEOUT = float(env_int("GATEWAY_UPSTREAM_TIMEOUT_S", 300, minimum=1))
+# How long a large-image request waits for one of its tier's large-image slots (a 429 after).
+GATEWAY_LARGE_IMAGE_WAIT_S = env_int("GATEWAY_LARGE_IMAGE_WAIT_S", 30, minimum=1)
 # How often a request waiting on an engine checks whether supervision found that engine hung
 # or dead (then it is failed over, or its stream ends with an error, instead of waiting for
 # the upstream timeout).

@@ -260,7 +260,11 @@ async def _forward(request_id: str, key: state.KeyInfo, tier: TierSpec, prepared
         if large and not routing.has_dedicated_large_pool(candidates):
             # No isolated pool: large requests take turns, so they never fill every batch.
             slot = _Slot(routing.large_slots(tier.id, tier.large_image_concurrency))
-            await slot.acquire()
+            try:
+                await slot.acquire(key.tenant_id, timeout=settings.GATEWAY_LARGE_IMAGE_WAIT_S)
+            except TimeoutError:
+                raise GatewayError(429, f"too many large-image requests on '{tier.name}' at once; retry shortly",
+                                   code="rate_limit_exceeded", headers={"Retry-After": "2"}) from None
         return await _attempts(request_id, tier, prepared, flight, candidates, payload, started,
                                large=large, fingerprints=fingerprints, slot=slot)
     except GatewayError as exc:
@@ -283,17 +287,17 @@ async def _forward(request_id: str, key: state.KeyInfo, tier: TierSpec, prepared
 
 
 class _Slot:
-    def __init__(self, semaphore: asyncio.Semaphore):
-        self.semaphore, self.held, self.handed_over = semaphore, False, False
+    def __init__(self, slots: routing.FairSlots):
+        self.slots, self.held, self.handed_over = slots, False, False
 
-    async def acquire(self):
-        await self.semaphore.acquire()
+    async def acquire(self, tenant_id: int, *, timeout: float):
+        await self.slots.acquire(tenant_id, timeout=timeout)
         self.held = True
 
     def release(self):
         if self.held:
             self.held = False
-            self.semaphore.release()
+            self.slots.release()
 
 
 async def _attempts(request_id, tier, prepared, flight, candidates, payload, started, *, large, fingerprints, slot):

@@ -3,7 +3,8 @@
 - Isolation: a request whose image tokens exceed the tier's large-image threshold goes to
   the tier's large-image pool when it has one, and other requests never do; without a
   dedicated pool, large requests share the standard engines under a concurrency cap
-  (`large_slots`), so a burst of large images cannot fill every batch.
+  (`large_slots`), so a burst of large images cannot fill every batch; the slots go round
+  the tenants waiting for one, and a request waits for one only so long.
 - Least outstanding work among healthy engines: this process's requests in flight plus the
   engine's own running and waiting requests from its last scrape.
 - Affinity: an engine that recently encoded the same picture has it in its encoder and
@@ -16,7 +17,7 @@ import asyncio
 import random
 import threading
 import weakref
-from collections import OrderedDict, defaultdict
+from collections import OrderedDict, defaultdict, deque
 
 from controlplane.gateway.state import InstanceSpec
 
@@ -61,11 +62,58 @@ def has_dedicated_large_pool(candidates: list[InstanceSpec]) -> bool:
     return any(c.pool == "large" for c in candidates)
 
 
-def large_slots(tier_id: int, size: int) -> asyncio.Semaphore:
+def large_slots(tier_id: int, size: int) -> FairSlots:
     """This process's cap on concurrent large-image requests of a tier without a large pool."""
     loop = asyncio.get_running_loop()
     per_loop = _slots.setdefault(loop, {})
     slots = per_loop.get((tier_id, size))  # a new size (the tier was edited) gets new slots
     if slots is None:
-        slots = per_loop[(tier_id, size)] = asyncio.Semaphore(size)
+        slots = per_loop[(tier_id, size)] = FairSlots(size)
     return slots
+
+
+class FairSlots:
+    """A process's large-image slots for a tier, handed out fairly: when requests wait, a freed
+    slot goes to the tenant that has waited its turn (round robin over the tenants waiting,
+    first come first served within each), so one tenant's burst cannot starve the others."""
+
+    def __init__(self, size: int):
+        self.size, self.held = size, 0
+        self._waiting: OrderedDict[int, deque] = OrderedDict()  # tenant -> its waiters, in order
+
+    async def acquire(self, tenant_id: int, *, timeout: float) -> None:
+        """Take a slot within `timeout` seconds, or raise TimeoutError having taken none."""
+        if self.held < self.size and not self._waiting:
+            self.held += 1
+            return
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiting.setdefault(tenant_id, deque()).append(waiter)
+        try:
+            await asyncio.wait_for(asyncio.shield(waiter), timeout)
+        except (TimeoutError, asyncio.CancelledError):
+            if waiter.done() and not waiter.cancelled():
+                self.release()  # handed a slot just as it gave up: pass it on
+            else:
+                waiter.cancel()
+                self._forget(tenant_id, waiter)
+            raise
+
+    def release(self) -> None:
+        while self._waiting:
+            tenant_id, waiters = next(iter(self._waiting.items()))
+            waiter = waiters.popleft()
+            if waiters:
+                self._waiting.move_to_end(tenant_id)  # this tenant's next waits for the others
+            else:
+                del self._waiting[tenant_id]
+            if not waiter.done():
+                waiter.set_result(None)  # the slot passes straight to it
+                return
+        self.held -= 1
+
+    def _forget(self, tenant_id: int, waiter) -> None:
+        waiters = self._waiting.get(tenant_id)
+        if waiters is not None and waiter in waiters:
+            waiters.remove(waiter)
+            if not waiters:
+                del self._waiting[tenant_id]
