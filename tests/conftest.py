@@ -60,10 +60,13 @@ def vllm_cpu_python():
 @pytest.fixture(autouse=True)
 def _fresh_gateway_caches():
     from controlplane.gateway import state
+    from controlplane.gateway.ledger import redis_store
 
     state.clear_caches()
+    redis_store._handed.clear()  # what earlier tests handed over is theirs
     yield
     state.clear_caches()
+    redis_store._handed.clear()
 
 
 def skip_without_redis():

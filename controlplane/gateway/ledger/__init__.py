@@ -100,7 +100,8 @@ def _ensure_heartbeat() -> None:
 async def _heartbeat() -> None:
     """Every GATEWAY_HEARTBEAT_S, every live request's entry is refreshed (it is alive); every
     GATEWAY_PROGRESS_S, those of streams that produced since (what a client received is what
-    its stream is billed if this process dies): one call for all of them either way."""
+    its stream is billed if this process dies): one call for all of them either way. Each
+    time, too, that what was handed over to a Redis that restarted afresh is kept safe."""
     last_full = time.monotonic()
     while True:
         await asyncio.sleep(min(settings.GATEWAY_PROGRESS_S, settings.GATEWAY_HEARTBEAT_S))
@@ -108,13 +109,19 @@ async def _heartbeat() -> None:
         full = now - last_full >= settings.GATEWAY_HEARTBEAT_S
         if full:
             last_full = now
+        store = ledger()
+        if isinstance(store, RedisLedger):
+            try:
+                await store.keep_safe()
+            except Exception as exc:  # Redis unreachable: looked at again next time
+                log.warning("could not check that the usage handed over is safe: %s", exc)
         flights = [flight for flight in list(_live.values())
                    if flight.journaled and (full or flight.produced != flight.beaten)]
         if not flights:
             continue
         produced = [flight.produced for flight in flights]
         try:
-            await ledger().beat(flights)
+            await store.beat(flights)
         except Exception:
             log.exception("could not refresh the in-flight journal")
             continue

@@ -8,6 +8,10 @@ that each step is one Lua script and atomic.
 - finish: remove the entry, append the usage to the stream and settle the reservation, at
   once; an entry already removed means the reaper recorded it.
 - reap: record the entries of dead gateways as interrupted, with the same finish script.
+- keep_safe: a Redis without persistence that restarts loses the usage stream, records
+  handed over but not yet ingested among it. Each process keeps what it handed over in the
+  last HANDED_KEEP_S and, when it finds Redis started afresh (its marker gone), writes those
+  to the database itself (stored once by request id, whoever gets there first).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import json
 import logging
 import time
 import uuid
+from collections import deque
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
@@ -32,7 +37,13 @@ from controlplane.gateway.ledger.base import (
     settlement,
 )
 from controlplane.metering.periods import minute_window, period_window, seconds_to_period_end
-from controlplane.metering.services import UsageRecord, metered_so_far, usage_record, usage_to_json
+from controlplane.metering.services import (
+    UsageRecord,
+    metered_so_far,
+    usage_record,
+    usage_record_many,
+    usage_to_json,
+)
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +141,28 @@ end
 return 0
 """
 _ORDER = ("image_tokens", "total_tokens", "requests_per_minute", "concurrent_large_images")
+
+
+HANDED_KEEP_S, HANDED_MAX = 120, 200_000  # well past the ingest's interval
+_handed: deque = deque()  # (when, record) this process handed over, oldest first
+
+
+def _remember(record: UsageRecord) -> None:
+    now = time.monotonic()
+    _handed.append((now, record))
+    while _handed and (_handed[0][0] < now - HANDED_KEEP_S or len(_handed) > HANDED_MAX):
+        _handed.popleft()
+
+
+def _store_all(records: list[UsageRecord]) -> None:
+    try:
+        usage_record_many(records=records)
+    except Exception:  # some stored meanwhile (by the ingest): one by one, each once
+        for record in records:
+            try:
+                usage_record(record=record)
+            except Exception:  # as the ingest would: logged loudly, the others still stored
+                log.exception("could not store the usage of %s", record.request_id)
 
 
 def _beat(flight: Flight, now: float) -> str:
@@ -236,6 +269,7 @@ class RedisLedger:
         keys, args = self._finish_call(record, flight.journaled)
         try:
             await self._client().eval(_FINISH, len(keys), *keys, *args)
+            _remember(record)
         except Exception:  # Redis unreachable: the database is slower, but nothing is lost
             log.exception("usage journal unavailable; writing %s to the database", record.request_id)
             await sync_to_async(usage_record)(record=record)
@@ -254,6 +288,23 @@ class RedisLedger:
                     await self.settle(record.reservation, image_tokens=image_tokens, total_tokens=total_tokens)
                 except Exception:
                     log.exception("could not settle the quota reservation of %s", record.request_id)
+
+    # -- keep_safe -------------------------------------------------------------------------
+
+    async def keep_safe(self) -> int:
+        """If Redis started afresh since this process last looked, store what it handed over
+        lately in the database. Returns how many records it wrote."""
+        client = self._client()
+        marker = f"{self.prefix}:alive"
+        if await client.exists(marker):
+            return 0
+        records = [record for _, record in list(_handed)]
+        if records:
+            log.warning("Redis started afresh: writing the %s usage records handed over in the last %ss "
+                        "to the database", len(records), HANDED_KEEP_S)
+            await sync_to_async(_store_all)(records)
+        await client.set(marker, "1")
+        return len(records)
 
     # -- reap ------------------------------------------------------------------------------
 

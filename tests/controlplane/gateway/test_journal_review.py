@@ -168,3 +168,26 @@ def test_quota_counters_rebuilt_after_a_restart_equal_metered_usage(world, mode,
     usage_ingest()
     assert UsageEvent.objects.count() == 2
     _assert_room(world, 1000 - 2 * 180)
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("mode", ["redis"], indirect=True)
+def test_usage_handed_over_just_before_redis_restarts_empty_is_not_lost(world, mode, engine):  # noqa: F811
+    """Answered, handed over to the usage stream, and gone with it before the ingest moved it:
+    the gateway that handed it over writes it to the database itself."""
+    record = _record(world, "req-just-before")
+
+    async def answered_then_redis_restarts():
+        store = ledger.ledger()
+        await store.keep_safe()  # Redis as it was: marked
+        await ledger.engine_chosen(await ledger.admit(record, LIMITS, ASK), engine.pk)
+        record.output_tokens = 50
+        await ledger.finish(record)
+        _redis_restarts_empty()
+        assert await store.keep_safe() == 1
+        assert await store.keep_safe() == 0  # once
+
+    async_to_sync(answered_then_redis_restarts)()
+    usage_ingest()  # finds nothing: the stream went with Redis
+    [event] = UsageEvent.objects.all()
+    assert (event.request_id, event.status, event.output_tokens) == ("req-just-before", "ok", 50)
