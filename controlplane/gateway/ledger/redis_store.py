@@ -36,10 +36,16 @@ from controlplane.gateway.ledger.base import (
     refusal,
     settlement,
 )
-from controlplane.metering.periods import minute_window, period_window, seconds_to_period_end
+from controlplane.metering.periods import (
+    minute_window,
+    period_start,
+    period_window,
+    seconds_to_period_end,
+)
 from controlplane.metering.services import (
     UsageRecord,
     metered_so_far,
+    usage_from_json,
     usage_record,
     usage_record_many,
     usage_to_json,
@@ -145,6 +151,7 @@ _ORDER = ("image_tokens", "total_tokens", "requests_per_minute", "concurrent_lar
 
 HANDED_KEEP_S, HANDED_MAX = 120, 200_000  # well past the ingest's interval
 _handed: deque = deque()  # (when, record) this process handed over, oldest first
+_PROCESS = uuid.uuid4().hex  # each process finds a restart for itself: its own marker
 
 
 def _remember(record: UsageRecord) -> None:
@@ -163,6 +170,18 @@ def _store_all(records: list[UsageRecord]) -> None:
                 usage_record(record=record)
             except Exception:  # as the ingest would: logged loudly, the others still stored
                 log.exception("could not store the usage of %s", record.request_id)
+
+
+def _metered_with(tenant_id: int, period: str, now: dt.datetime, pending: dict) -> tuple[int, int]:
+    from controlplane.metering.models import UsageEvent
+
+    image_used, total_used = metered_so_far(tenant_id, period, now)
+    stored = set(UsageEvent.objects.filter(request_id__in=list(pending)).values_list("request_id", flat=True))
+    for request_id, record in pending.items():
+        if request_id not in stored:
+            image, total = settlement(record)
+            image_used, total_used = image_used + image, total_used + total
+    return image_used, total_used
 
 
 def _beat(flight: Flight, now: float) -> str:
@@ -221,7 +240,8 @@ class RedisLedger:
         for _attempt in range(2):
             outcome = await client.eval(_ADMIT, 8, *keys, *quota, *journal, "1" if limits else "0")
             if outcome == -1:  # the period's first request (or Redis lost them): start from what is metered
-                image_used, total_used = await sync_to_async(metered_so_far)(tenant_id, limits.period, now)
+                await self.keep_safe()  # what Redis lost is in the database first
+                image_used, total_used = await self._used(client, tenant_id, limits.period, now)
                 ttl = seconds_to_period_end(limits.period, now) + 2 * 86400
                 await client.eval(_SEED, 3, keys[0], keys[1], keys[4], image_used, total_used, uuid.uuid4().hex, ttl)
                 continue
@@ -229,6 +249,18 @@ class RedisLedger:
                 raise refusal(_ORDER[outcome - 1], limits, now)
             return
         raise RuntimeError("quota counters could not be started")
+
+    async def _used(self, client, tenant_id: int, period: str, now: dt.datetime) -> tuple[int, int]:
+        """What the tenant has used this period: metered in the database, and handed over to
+        the usage stream but not stored yet (each request once)."""
+        from controlplane.metering.outbox import stream_key
+
+        since, pending = period_start(period, now), {}
+        for _entry_id, fields in await client.xrange(stream_key(), count=500_000):
+            data = json.loads(fields[b"record"])
+            if data["tenant_id"] == tenant_id and dt.datetime.fromisoformat(data["created_at"]) >= since:
+                pending[data["request_id"]] = usage_from_json(data)
+        return await sync_to_async(_metered_with)(tenant_id, period, now, pending)
 
     def _settle_call(self, reservation: Reservation, image_tokens: int, total_tokens: int) -> tuple[list, list]:
         base, window = f"{self.prefix}:quota:{reservation.tenant_id}", reservation.period_window
@@ -295,15 +327,15 @@ class RedisLedger:
         """If Redis started afresh since this process last looked, store what it handed over
         lately in the database. Returns how many records it wrote."""
         client = self._client()
-        marker = f"{self.prefix}:alive"
-        if await client.exists(marker):
+        marker = f"{self.prefix}:alive:{_PROCESS}"
+        if await client.expire(marker, 3600):  # there still (and kept an hour more)
             return 0
         records = [record for _, record in list(_handed)]
         if records:
             log.warning("Redis started afresh: writing the %s usage records handed over in the last %ss "
                         "to the database", len(records), HANDED_KEEP_S)
             await sync_to_async(_store_all)(records)
-        await client.set(marker, "1")
+        await client.set(marker, "1", ex=3600)
         return len(records)
 
     # -- reap ------------------------------------------------------------------------------

@@ -191,3 +191,25 @@ def test_usage_handed_over_just_before_redis_restarts_empty_is_not_lost(world, m
     usage_ingest()  # finds nothing: the stream went with Redis
     [event] = UsageEvent.objects.all()
     assert (event.request_id, event.status, event.output_tokens) == ("req-just-before", "ok", 50)
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("mode", ["redis"], indirect=True)
+def test_counters_started_again_count_usage_still_in_the_stream(world, mode, engine):  # noqa: F811
+    """A request reserved before the restart and finished after it, before any counter was
+    started again: its usage waits in the new stream, and the new counters include it."""
+    before, after = _record(world, "req-pending"), _record(world, "req-next")
+
+    async def scenario():
+        await ledger.engine_chosen(await ledger.admit(before, LIMITS, ASK), engine.pk)
+        _redis_restarts_empty()
+        before.output_tokens = 50
+        await ledger.finish(before)  # into the new stream; no counters to settle yet
+        await ledger.engine_chosen(await ledger.admit(after, LIMITS, Ask(110, 700, False)), engine.pk)
+        after.output_tokens = 50
+        await ledger.finish(after)
+
+    async_to_sync(scenario)()
+    usage_ingest()
+    assert UsageEvent.objects.count() == 2
+    _assert_room(world, 1000 - 2 * 180)
