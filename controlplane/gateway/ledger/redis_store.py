@@ -172,6 +172,20 @@ def _store_all(records: list[UsageRecord]) -> None:
                 log.exception("could not store the usage of %s", record.request_id)
 
 
+def _as_stored(record: UsageRecord) -> UsageRecord:
+    """A journal entry left behind by a gateway that finished its request while Redis did not
+    answer (it wrote the usage to the database instead) is settled to that usage, the truth,
+    not to what the journal knew."""
+    from controlplane.metering.models import UsageEvent
+
+    stored = UsageEvent.objects.filter(request_id=record.request_id).values(
+        "status", "http_status", "instance_id", "image_tokens", "text_tokens", "output_tokens").first()
+    if stored is not None:
+        for name, value in stored.items():
+            setattr(record, name, value)
+    return record
+
+
 def _metered_with(tenant_id: int, period: str, now: dt.datetime, pending: dict) -> tuple[int, int]:
     from controlplane.metering.models import UsageEvent
 
@@ -370,7 +384,7 @@ class RedisLedger:
                 if data is None:  # finished between the two reads
                     client.hdel(self.beats, request_id)
                     continue
-                record = interrupted(json.loads(data), beat)
+                record = _as_stored(interrupted(json.loads(data), beat))
                 keys, args = self._finish_call(record, True, stale_beat=raw.decode())
                 reaped += client.eval(_FINISH, len(keys), *keys, *args)
             except Exception:  # one bad entry must not stop the others (nor the ingest after them)
