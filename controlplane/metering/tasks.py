@@ -9,9 +9,10 @@ from django.conf import settings
 @shared_task(name="metering.ingest", soft_time_limit=60, time_limit=90)
 def metering_ingest() -> int:
     """Record what dead gateways left in flight, then move the usage stream into the database."""
-    from controlplane.gateway.ledger import journal_reap
+    from controlplane.gateway.ledger import drain_spool, journal_reap
     from controlplane.metering.outbox import usage_ingest
 
+    drain_spool()  # first: a spooled finish is the truth the reaper would otherwise guess at
     reaped = journal_reap()
     return reaped + (usage_ingest() if settings.USAGE_OUTBOX == "redis" else 0)
 

@@ -27,9 +27,11 @@ import logging
 import time
 import weakref
 
+from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.utils import timezone
 
+from controlplane.gateway.ledger import spool
 from controlplane.gateway.ledger.base import (
     Ask,
     Flight,
@@ -40,12 +42,13 @@ from controlplane.gateway.ledger.base import (
 )
 from controlplane.gateway.ledger.database_store import DatabaseLedger
 from controlplane.gateway.ledger.redis_store import RedisLedger
-from controlplane.metering.services import UsageRecord
+from controlplane.metering.services import UsageRecord, usage_record
 
 __all__ = ("Ask", "DatabaseLedger", "Flight", "Limits", "RedisLedger", "Refused", "Reservation", "admit",
            "engine_chosen", "finish", "journal_reap", "ledger", "settlement")
 log = logging.getLogger(__name__)
 
+SPOOL_RETRY_S = 2.0
 _live: dict[str, Flight] = {}
 _heartbeats: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> its heartbeat task
 
@@ -90,6 +93,18 @@ async def finish(record: UsageRecord) -> None:
     await ledger().finish(flight)
 
 
+def _apply_spooled(record: UsageRecord, journaled: bool, kind: str) -> None:
+    if kind == "database":
+        DatabaseLedger()._finish(record, journaled)
+    else:
+        usage_record(record=record)
+
+
+def drain_spool() -> int:
+    """Move finished requests' usage that waited on disk into the ledger (see spool.py)."""
+    return spool.drain(_apply_spooled)
+
+
 def _ensure_heartbeat() -> None:
     loop = asyncio.get_running_loop()
     task = _heartbeats.get(loop)
@@ -101,8 +116,9 @@ async def _heartbeat() -> None:
     """Every GATEWAY_HEARTBEAT_S, every live request's entry is refreshed (it is alive); every
     GATEWAY_PROGRESS_S, those of streams that produced since (what a client received is what
     its stream is billed if this process dies): one call for all of them either way. Each
-    time, too, that what was handed over to a Redis that restarted afresh is kept safe."""
-    last_full = time.monotonic()
+    time, too, that what was handed over to a Redis that restarted afresh is kept safe, and
+    (every SPOOL_RETRY_S) that usage spooled to disk moves into the ledger."""
+    last_full, last_drain = time.monotonic(), 0.0
     while True:
         await asyncio.sleep(min(settings.GATEWAY_PROGRESS_S, settings.GATEWAY_HEARTBEAT_S))
         now = time.monotonic()
@@ -110,6 +126,12 @@ async def _heartbeat() -> None:
         if full:
             last_full = now
         store = ledger()
+        if spool.pending() and now - last_drain >= SPOOL_RETRY_S:
+            last_drain = now
+            try:
+                await sync_to_async(drain_spool)()
+            except Exception as exc:
+                log.warning("could not move spooled usage: %s", exc)
         if isinstance(store, RedisLedger):
             try:
                 await store.keep_safe()

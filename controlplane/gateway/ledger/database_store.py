@@ -32,6 +32,7 @@ from controlplane.gateway.ledger.base import (
     refusal,
     settlement,
 )
+from controlplane.gateway.ledger.spool import spool
 from controlplane.metering.periods import minute_window, period_window
 from controlplane.metering.services import UsageRecord, metered_so_far, usage_record
 
@@ -145,7 +146,11 @@ class DatabaseLedger:
     # -- finish ----------------------------------------------------------------------------
 
     async def finish(self, flight: Flight) -> None:
-        await sync_to_async(self._finish)(flight.record, flight.journaled)
+        try:
+            await sync_to_async(self._finish)(flight.record, flight.journaled)
+        except Exception:  # the database does not answer: on disk until it does
+            log.exception("could not record the usage of %s", flight.record.request_id)
+            await sync_to_async(spool)(flight.record, journaled=flight.journaled, ledger="database")
 
     def _finish(self, record: UsageRecord, journaled: bool) -> bool:
         """Store the usage and settle, removing the entry. False when the reaper had already."""

@@ -36,6 +36,7 @@ from controlplane.gateway.ledger.base import (
     refusal,
     settlement,
 )
+from controlplane.gateway.ledger.spool import spool
 from controlplane.metering.periods import (
     minute_window,
     period_start,
@@ -318,7 +319,11 @@ class RedisLedger:
             _remember(record)
         except Exception:  # Redis unreachable: the database is slower, but nothing is lost
             log.exception("usage journal unavailable; writing %s to the database", record.request_id)
-            await sync_to_async(usage_record)(record=record)
+            try:
+                await sync_to_async(usage_record)(record=record)
+            except Exception:  # the database neither: on disk until it answers
+                log.exception("could not record the usage of %s", record.request_id)
+                await sync_to_async(spool)(record, journaled=flight.journaled, ledger="usage")
             # The reservation is settled by whoever removes the entry: here, or by the reaper
             # if it is still there (the usage it hands over again is stored once).
             held = None

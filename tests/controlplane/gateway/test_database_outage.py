@@ -27,9 +27,13 @@ def database_down(monkeypatch):
         monkeypatch.setitem(connection.settings_dict, "NAME", real["NAME"] if connection.vendor != "sqlite"
                             else "/nonexistent/dir/db.sqlite3")
 
+    def start():
+        connection.close()
+        connection.settings_dict.update(real)
+
+    stop.start = start
     yield stop
-    connection.close()
-    connection.settings_dict.update(real)
+    start()
 
 
 def test_known_keys_and_models_are_served_while_the_database_is_down(client, world, monkeypatch, database_down):
@@ -56,3 +60,32 @@ def test_what_was_known_is_not_served_past_its_limit(client, world, monkeypatch,
     assert client.get("/v1/models", HTTP_AUTHORIZATION=f"Bearer {world.alice_key}").status_code == 200
     database_down()
     assert client.get("/v1/models", HTTP_AUTHORIZATION=f"Bearer {world.alice_key}").status_code == 503
+
+
+def test_usage_finished_while_the_database_is_down_waits_on_disk_and_is_not_lost(
+        world, settings, tmp_path, database_down):
+    """The database ledger with the database gone: the finished request's usage and its quota
+    settlement are written to the spool, and moved into the ledger once it answers."""
+    from asgiref.sync import async_to_sync
+
+    from controlplane.gateway import ledger
+    from controlplane.gateway.ledger import Ask, Limits
+    from controlplane.metering.models import UsageEvent
+    from controlplane.tenants.models import QuotaCounter
+    from tests.controlplane.gateway.test_journal import _record
+
+    settings.USAGE_OUTBOX, settings.VAR_DIR = "database", tmp_path
+    record = _record(world, "req-spooled")
+    async_to_sync(ledger.admit)(record, Limits(total_tokens=1000), Ask(110, 900, False))
+    record.output_tokens = 50
+    database_down()
+    async_to_sync(ledger.finish)(record)  # no exception, nothing lost:
+    assert [p.name.endswith(".jsonl") for p in (tmp_path / "spool").iterdir()] == [True]
+    assert ledger.drain_spool() == 0  # still down: kept
+    database_down.start()
+    assert ledger.drain_spool() == 1
+    event = UsageEvent.objects.get(request_id="req-spooled")
+    assert (event.status, event.output_tokens) == ("ok", 50)
+    assert QuotaCounter.objects.get(tenant=world.alice, key="total_tokens").used == 180  # settled once
+    assert ledger.drain_spool() == 0 and not list((tmp_path / "spool").iterdir())
+    ledger._live.clear()
