@@ -7,6 +7,7 @@ import asyncio
 import logging
 import time
 import uuid
+import weakref
 
 import httpx
 import orjson  # request bodies carry megabytes of base64: parsed ~3x faster than json
@@ -493,34 +494,69 @@ class EngineFailing(Exception):
     """Supervision found the engine a request waits on hung or dead."""
 
 
-async def _engine_fails(tier_id: int, instance_id: int) -> None:
-    """Returns once the engine is among its tier's failing ones (checked every few seconds)."""
-    while True:
-        await asyncio.sleep(settings.GATEWAY_ENGINE_WATCH_S)
-        try:
-            if instance_id in await state.failing(tier_id):
-                return
-        except Exception:  # the database does not answer: no news, keep waiting
-            log.warning("could not check engine %s", instance_id)
+class _EngineWatch:
+    """One per event loop: every GATEWAY_ENGINE_WATCH_S, the engines that requests wait on are
+    looked up among their tiers' failing ones, and the requests waiting on those are told.
+    One task for every request in flight, not one per request."""
+
+    def __init__(self):
+        self.waits: dict[object, tuple[int, int, object]] = {}  # token -> (tier, instance, callback)
+        self.task: asyncio.Task | None = None
+
+    def add(self, tier_id: int, instance_id: int, callback) -> object:
+        token = object()
+        self.waits[token] = (tier_id, instance_id, callback)
+        if self.task is None or self.task.done():
+            self.task = asyncio.get_running_loop().create_task(self._run())
+        return token
+
+    def remove(self, token) -> None:
+        self.waits.pop(token, None)
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(settings.GATEWAY_ENGINE_WATCH_S)
+            for tier_id in {tier for tier, _, _ in self.waits.values()}:
+                try:
+                    failing = await state.failing(tier_id)
+                except Exception:  # the database does not answer: no news, keep waiting
+                    log.warning("could not check the engines of tier %s", tier_id)
+                    continue
+                for token, (tier, instance_id, callback) in list(self.waits.items()):
+                    if tier == tier_id and instance_id in failing:
+                        self.waits.pop(token, None)
+                        callback()
+
+
+_watches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> its _EngineWatch
+
+
+def _watch() -> _EngineWatch:
+    loop = asyncio.get_running_loop()
+    watch = _watches.get(loop)
+    if watch is None:
+        watch = _watches[loop] = _EngineWatch()
+    return watch
 
 
 async def _unless_engine_fails(awaitable, tier_id: int, instance_id: int):
     """`awaitable`'s result, or EngineFailing once its engine is found hung or dead (what
     would otherwise wait for the upstream timeout, minutes)."""
-    work = asyncio.ensure_future(awaitable)
-    watch = asyncio.ensure_future(_engine_fails(tier_id, instance_id))
+    task, failed = asyncio.current_task(), []
+
+    def engine_failed():
+        failed.append(True)
+        task.cancel()
+
+    token = _watch().add(tier_id, instance_id, engine_failed)
     try:
-        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        return await awaitable
     except asyncio.CancelledError:
-        work.cancel()
+        if failed and task.uncancel() == 0:  # only the watch cancelled it, not the client leaving
+            raise EngineFailing(instance_id) from None
         raise
     finally:
-        watch.cancel()
-    if work.done():
-        return work.result()
-    work.cancel()
-    await asyncio.gather(work, return_exceptions=True)
-    raise EngineFailing(instance_id)
+        _watch().remove(token)
 
 
 _END = object()
@@ -528,7 +564,7 @@ _END = object()
 
 async def _watched_lines(response, tier_id: int, instance_id: int):
     """The lines of a streamed answer, read by a task of their own, ending in EngineFailing
-    if the engine is found hung or dead meanwhile: one watcher per stream, not one per line."""
+    if the engine is found hung or dead meanwhile."""
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump():
@@ -539,11 +575,8 @@ async def _watched_lines(response, tier_id: int, instance_id: int):
         except Exception as exc:  # noqa: BLE001 - handed to the reader, which raises it
             queue.put_nowait(exc)
 
-    async def watch():
-        await _engine_fails(tier_id, instance_id)
-        queue.put_nowait(EngineFailing(instance_id))
-
-    tasks = [asyncio.ensure_future(pump()), asyncio.ensure_future(watch())]
+    pumping = asyncio.ensure_future(pump())
+    token = _watch().add(tier_id, instance_id, lambda: queue.put_nowait(EngineFailing(instance_id)))
     try:
         while True:
             item = await queue.get()
@@ -553,8 +586,8 @@ async def _watched_lines(response, tier_id: int, instance_id: int):
                 raise item
             yield item
     finally:
-        for task in tasks:
-            task.cancel()
+        _watch().remove(token)
+        pumping.cancel()
 
 
 def _in_background(coroutine) -> asyncio.Task:
