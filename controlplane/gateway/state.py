@@ -44,6 +44,19 @@ class InstanceSpec:
     queued: float = 0.0  # the engine's own running + waiting requests, from its last scrape
 
 
+def _loaded(load):
+    """`load()` on the database thread; a connection that failed is closed, so that the next
+    try connects afresh (a database that restarted broke every connection open to it)."""
+    from django.db import connection
+
+    try:
+        return load()
+    except Exception:
+        if not connection.in_atomic_block:
+            connection.close()
+        raise
+
+
 class TTLCache:
     """Entries fresh for `seconds`. An expired entry stays behind: when the database cannot
     refresh it, it is served stale (for at most GATEWAY_STALE_MAX_S), and the refresh is
@@ -81,7 +94,7 @@ class TTLCache:
         if item is not None and (item[0] >= now or item[2] > now):
             return item[1]
         try:
-            value = await sync_to_async(load)()
+            value = await sync_to_async(_loaded)(load)
         except Exception:
             if item is None or now - item[0] > settings.GATEWAY_STALE_MAX_S:
                 raise

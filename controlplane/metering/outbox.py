@@ -36,7 +36,11 @@ def stream_key() -> str:
 def usage_ingest(*, batch: int = 500, max_batches: int = 20) -> int:
     """Move usage from the stream into the database. Returns the records stored or confirmed."""
     import redis
+    from django.db import connection
 
+    # A database that does not answer: nothing is taken from the stream (taken and not stored,
+    # entries would wait RECLAIM_IDLE_MS to be taken again); the next run tries again.
+    connection.ensure_connection()
     client = sync_redis(settings.REDIS_URL)
     key, consumer = stream_key(), f"{socket.gethostname()}"
     try:

@@ -124,3 +124,21 @@ def test_a_batch_stores_each_request_once_priced_at_the_rate_in_effect_then(worl
     assert events["req-old"].cost == Decimal("0.001024")
     assert (events["req-unpriced"].rated, events["req-unpriced"].cost) == (False, Decimal("0"))
     assert [(i.position, i.tokens, i.cached) for i in events["req-new"].images.all()] == [(0, 110, True)]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_ingest_takes_nothing_from_the_stream_while_the_database_is_down(world, stream, monkeypatch):
+    """Taken and not stored, entries would wait a minute to be taken again: they are left."""
+    from django.db import OperationalError, connection
+
+    async_to_sync(ledger.finish)(_record(world, "req-waits"))
+    real = dict(connection.settings_dict)
+    connection.close()
+    monkeypatch.setitem(connection.settings_dict, "PORT", "1")
+    with pytest.raises(OperationalError):
+        usage_ingest()
+    connection.settings_dict.update(real)
+    connection.close()
+    assert stream.xlen(stream_key()) == 1
+    assert usage_ingest() == 1  # the database back: stored at once, not a minute later
+    assert UsageEvent.objects.filter(request_id="req-waits").exists()
