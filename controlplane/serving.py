@@ -13,15 +13,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-HEADER_TIMEOUT_S = float(os.environ.get("HTTP_HEADER_TIMEOUT_S") or 10)
-
 
 class HeaderTimeoutProtocol(HttpToolsProtocol):
-    header_timeout_s = HEADER_TIMEOUT_S
+    header_timeout_s: float | None = None  # None: HTTP_HEADER_TIMEOUT_S from the settings
 
     def connection_made(self, transport: asyncio.Transport) -> None:
         super().connection_made(transport)
@@ -42,7 +39,10 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
 
     def _arm_headers_deadline(self) -> None:
         if self._headers_deadline is None:
-            self._headers_deadline = self.loop.call_later(self.header_timeout_s, self._headers_too_slow)
+            from django.conf import settings  # loaded with the application, before any connection
+
+            timeout = self.header_timeout_s or settings.HTTP_HEADER_TIMEOUT_S
+            self._headers_deadline = self.loop.call_later(timeout, self._headers_too_slow)
 
     def _disarm_headers_deadline(self) -> None:
         if getattr(self, "_headers_deadline", None) is not None:

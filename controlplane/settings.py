@@ -275,6 +275,8 @@ if GATEWAY_JOURNAL_STALE_S < 2 * GATEWAY_HEARTBEAT_S:
     raise EnvError(f"GATEWAY_JOURNAL_STALE_S={GATEWAY_JOURNAL_STALE_S} must be at least twice "
                    f"GATEWAY_HEARTBEAT_S={GATEWAY_HEARTBEAT_S}, or live requests would be taken for dead")
 DATA_UPLOAD_MAX_MEMORY_SIZE = GATEWAY_MAX_BODY_BYTES
+# A client has this long to send its request headers (controlplane/serving.py closes it after).
+HTTP_HEADER_TIMEOUT_S = env_int("HTTP_HEADER_TIMEOUT_S", 10, minimum=1)
 # Everything but /v1 (pages, forms, the metering API's image uploads for estimates).
 WEB_MAX_BODY_BYTES = env_int("WEB_MAX_BODY_BYTES", 25 * 1024 * 1024, minimum=1024)
 GATEWAY_IMAGE_FETCH_TIMEOUT_S = float(env_int("GATEWAY_IMAGE_FETCH_TIMEOUT_S", 10, minimum=1))

@@ -80,13 +80,13 @@ async def _send(send, response: Response) -> None:
 async def app(scope, receive, send) -> None:
     path = scope["path"]
     headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
-    handler = ROUTES.get(path)
+    handler, key = ROUTES.get(path), None
     if handler is not None and scope["method"] == "POST":
         # The key and the declared length are checked before a byte of the body is read:
         # nobody without a key makes the gateway buffer megabytes.
-        refused = await handlers.refuse_before_body(headers)
-        if refused is not None:
-            await _send(send, refused)
+        key = await handlers.check_before_body(headers)
+        if isinstance(key, Response):
+            await _send(send, key)
             return
     try:
         body, gone = await asyncio.wait_for(_read_body(receive), settings.GATEWAY_BODY_TIMEOUT_S)
@@ -97,7 +97,7 @@ async def app(scope, receive, send) -> None:
     if gone:
         return
     await _connection_hygiene()
-    request = Request(method=scope["method"], headers=headers, body=body)
+    request = Request(method=scope["method"], headers=headers, body=body, key=key)
 
     async def respond():
         if handler is None:

@@ -40,12 +40,9 @@ async def _authenticate(request: Request) -> state.KeyInfo:
     if not header.lower().startswith("bearer ") or not header[7:].strip():
         raise GatewayError(401, "missing API key: send 'Authorization: Bearer <key>'",
                            code="invalid_api_key")
-    try:
-        info = await state.key_info(header[7:].strip())
-    except Exception:  # the key store does not answer, and this key is not in the cache
-        log.exception("API keys cannot be checked")
-        raise GatewayError(503, "API keys cannot be checked right now; retry shortly", code="service_unavailable",
-                           headers={"Retry-After": "5"}) from None
+    if request.key is not None:
+        return request.key
+    info = await _known("API keys", state.key_info(header[7:].strip()))
     if info is None:
         raise GatewayError(401, "incorrect, expired or revoked API key", code="invalid_api_key")
     return info
@@ -62,18 +59,17 @@ async def _known(what: str, fetching):
                            headers={"Retry-After": "5"}) from None
 
 
-async def refuse_before_body(headers: dict[str, str]) -> Response | None:
-    """What is refused before the body is read: a body declared past the limit, a missing or
-    unknown key. None: read the body."""
+async def check_before_body(headers: dict[str, str]) -> Response | state.KeyInfo:
+    """What is checked before the body is read: a body declared past the limit and a missing or
+    unknown key are refused (the response); otherwise the caller's key, to read the body for."""
     declared = headers.get("content-length", "")
     if declared.isdigit() and int(declared) > settings.GATEWAY_MAX_BODY_BYTES:
         return error_response(413, f"request body exceeds {settings.GATEWAY_MAX_BODY_BYTES} bytes",
                               code="request_too_large")
     try:
-        await _authenticate(Request(method="POST", headers=headers, body=b""))
+        return await _authenticate(Request(method="POST", headers=headers, body=b""))
     except GatewayError as exc:
         return exc.response()
-    return None
 
 
 def _allowed(key: state.KeyInfo, tiers: dict[str, TierSpec]) -> list[TierSpec]:

@@ -14,6 +14,7 @@ class Request:
     method: str
     headers: dict[str, str]  # lower-case names
     body: bytes | None  # None: larger than GATEWAY_MAX_BODY_BYTES
+    key: object = None  # the caller's KeyInfo, once checked (the ASGI front checks it before the body)
 
 
 @dataclass
