@@ -14,6 +14,10 @@ from tests.images import data_url, image_bytes
 pytestmark = [pytest.mark.system, pytest.mark.xdist_group("system")]
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+# The other xdist worker runs the chaos suite (its own system, under load) on these 2 cores, so a
+# page can take longer than Playwright's default 5 s to appear; waiting longer changes no outcome.
+expect.set_options(timeout=30_000)
+
 ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
         "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 
