@@ -1,19 +1,26 @@
-"""Chaos: a system of its own, on a Redis of its own that the tests kill, restart empty (it
-keeps nothing on disk, as on these machines) and pause, under steady load from a tenant with a
-quota. Each compares what the clients got with what was metered: every request metered once,
-no answer a 500, and the quota counters equal to metered usage afterwards."""
+"""Chaos: a system of its own, on a Redis and a PostgreSQL of its own, under steady load from a
+tenant with a quota, while the tests kill Redis and restart it empty (it keeps nothing on disk,
+as on these machines), pause Redis, stop PostgreSQL, pause an engine, and kill -9 the gateway,
+the worker and beat. Each compares what the clients got with what was metered: every request
+metered once, no answer a 500, every answer within a bound, and the quota counters equal to
+metered usage afterwards."""
 
 from __future__ import annotations
 
 import datetime as dt
+import glob
 import json
 import os
+import pwd
 import random
+import shutil
 import signal
 import subprocess
+import tempfile
 import threading
 import time
-import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
 import psycopg
@@ -23,7 +30,9 @@ import redis
 from tests.system.harness import System, free_port, system_env, wait_for
 
 pytestmark = [pytest.mark.system, pytest.mark.xdist_group("chaos")]
-PG = {"host": "127.0.0.1", "port": 5432, "user": "postgres", "dbname": "test"}
+# In flight on an engine that stops making progress: failed over or answered within this bound
+# (the hang detection of workers/supervision/liveness.py), and no request waits longer.
+HANG_BOUND_S = 30
 
 
 class RedisServer:
@@ -53,16 +62,60 @@ class RedisServer:
         self.process.send_signal(signal.SIGCONT)
 
 
+class PostgresServer:
+    """A PostgreSQL cluster of the test's own, so that stopping it touches no other test. Made
+    with the server's own initdb and pg_ctl, run as the postgres user when the tests run as root
+    (the server refuses to run as root); in a folder of /tmp that user can reach."""
+
+    def __init__(self):
+        found = sorted(glob.glob("/usr/lib/postgresql/*/bin/pg_ctl")) or [shutil.which("pg_ctl")]
+        if not found[-1]:
+            pytest.fail("the chaos suite needs PostgreSQL's server programs (initdb, pg_ctl)")
+        self.bin = Path(found[-1]).parent
+        self.port = free_port()
+        self.dir = Path(tempfile.mkdtemp(prefix="chaos-pg-"))
+        self.data = self.dir / "data"
+        self.as_user = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
+        if self.as_user:
+            os.chown(self.dir, pwd.getpwnam("postgres").pw_uid, -1)
+
+    @property
+    def connection(self) -> dict:
+        return {"host": "127.0.0.1", "port": self.port, "user": "postgres", "dbname": "chaos"}
+
+    def _run(self, *argv: str) -> None:
+        subprocess.run([*self.as_user, *argv], check=True, capture_output=True, timeout=120)
+
+    def create(self) -> None:
+        self._run(str(self.bin / "initdb"), "-D", str(self.data), "-U", "postgres", "--auth=trust",
+                  "-E", "UTF8", "--no-sync")
+        self.start()
+        with psycopg.connect(**{**self.connection, "dbname": "postgres"}, autocommit=True) as conn:
+            conn.execute('CREATE DATABASE "chaos"')
+
+    def start(self) -> None:
+        options = f"-p {self.port} -k {self.dir} -c listen_addresses=127.0.0.1 -c fsync=off"
+        self._run(str(self.bin / "pg_ctl"), "-D", str(self.data), "-l", str(self.dir / "log"), "-o", options,
+                  "-w", "start")
+
+    def stop(self) -> None:
+        """As an operator's `systemctl stop postgresql` does: sessions ended, connections refused."""
+        self._run(str(self.bin / "pg_ctl"), "-D", str(self.data), "-m", "fast", "-w", "stop")
+
+    def remove(self) -> None:
+        subprocess.run([*self.as_user, str(self.bin / "pg_ctl"), "-D", str(self.data), "-m", "immediate", "stop"],
+                       capture_output=True, timeout=60)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
 @pytest.fixture(scope="module")
 def chaos(tmp_path_factory):
-    server = RedisServer()
+    server, database = RedisServer(), PostgresServer()
     server.start()
-    name = f"chaos_{uuid.uuid4().hex[:10]}"
-    with psycopg.connect(**PG, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
+    database.create()
     var_dir = tmp_path_factory.mktemp("chaos")
     env = system_env(var_dir=var_dir, extra={
-        "DATABASE_URL": f"postgres://postgres@127.0.0.1:5432/{name}",
+        "DATABASE_URL": f"postgres://postgres@127.0.0.1:{database.port}/chaos",
         "REDIS_URL": server.url,
         "NODE_NAME": f"chaos-{os.getpid()}",
         "ENGINE_PORT_BASE": str(random.randrange(30000, 40000, 100)),
@@ -78,13 +131,34 @@ def chaos(tmp_path_factory):
                        "t, _ = Tenant.objects.get_or_create(name='chaos'); "
                        "Quota.objects.update_or_create(tenant=t, defaults={'period': 'day', 'total_tokens': 10**9})")
         running.secret = running.manage("create_api_key", "--tenant", "chaos").stdout.strip()
-        running.redis, running.database = server, name
+        running.redis, running.database = server, database
         yield running
     finally:
         running.stop()
         server.process.kill()
-        with psycopg.connect(**PG, autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        database.remove()
+
+
+@dataclass
+class Answer:
+    """What one client got: the status (None if the connection failed before one), the request
+    id, and for a stream when each piece of content arrived; `error` if the connection broke."""
+
+    stream: bool
+    started: float
+    ended: float = 0.0
+    status: int | None = None
+    request_id: str | None = None
+    body: str = ""
+    content_at: list[float] = field(default_factory=list)
+    error: str = ""
+    longest_wait: float = 0.0  # the longest the client waited for anything (a byte, or the end)
+    last_heard: float = 0.0
+
+    def heard(self) -> None:
+        now = time.monotonic()
+        self.longest_wait = max(self.longest_wait, now - (self.last_heard or self.started))
+        self.last_heard = now
 
 
 class Load:
@@ -92,21 +166,33 @@ class Load:
 
     def __init__(self, system, clients: int = 4):
         self.system, self.answers, self.stopping = system, [], threading.Event()
+        self.current: dict[int, Answer] = {}  # what each client is receiving now
         self.threads = [threading.Thread(target=self._client, args=(n,)) for n in range(clients)]
 
     def _client(self, n: int) -> None:
-        with httpx.Client(base_url=self.system.base_url, timeout=60,
+        with httpx.Client(base_url=self.system.base_url, timeout=120,
                           headers={"Authorization": f"Bearer {self.system.secret}"}) as client:
             while not self.stopping.is_set():
                 stream = n == 0  # one client streams long answers, which span each outage
-                body = {"model": "text", "max_tokens": 300 if stream else 4, "ignore_eos": stream,
+                body = {"model": "text", "max_tokens": 1000 if stream else 4, "ignore_eos": stream,
                         "stream": stream, "messages": [{"role": "user", "content": f"hello {n}"}]}
+                answer = self.current[n] = Answer(stream=stream, started=time.monotonic())
                 try:
                     with client.stream("POST", "/v1/chat/completions", json=body) as response:
-                        text = response.read().decode()
-                    self.answers.append((response.status_code, response.headers.get("x-request-id"), stream, text))
+                        answer.status, answer.request_id = response.status_code, response.headers.get("x-request-id")
+                        answer.heard()
+                        for line in response.iter_lines():
+                            answer.heard()
+                            answer.body += line + "\n"
+                            if stream and line.startswith("data: {") and _content(line):
+                                answer.content_at.append(time.monotonic())
                 except httpx.HTTPError as exc:
-                    self.answers.append((type(exc).__name__, None, stream, ""))
+                    answer.error = type(exc).__name__
+                answer.heard()
+                answer.ended = time.monotonic()
+                self.answers.append(answer)
+                if answer.status in (None, 429, 503):
+                    time.sleep(0.2)  # refused, or nothing listening (a gateway restarting): as clients back off
 
     def __enter__(self):
         for thread in self.threads:
@@ -116,39 +202,66 @@ class Load:
     def __exit__(self, *_exc):
         self.stopping.set()
         for thread in self.threads:
-            thread.join(120)
+            thread.join(180)
 
 
-def _metered_as_answered(system, answers) -> None:
-    """Every answer with a request id is metered once, as the client got it; the quota
+def _content(line: str) -> bool:
+    return any((choice.get("delta") or {}).get("content") for choice in json.loads(line[6:]).get("choices") or ())
+
+
+def _metered_as_answered(system, answers, *, bound_s: float = HANG_BOUND_S, cut: float | None = None) -> None:
+    """Every answer the gateway began is metered once, as the client got it, and came within
+    `bound_s` (no client waits longer for its answer's next byte); a stream the gateway's death cut (at `cut`) is billed at most what its client
+    received and at least what it had received one progress interval before; the quota
     counters equal what is metered."""
-    statuses = [status for status, *_ in answers]
-    assert 500 not in statuses and all(isinstance(s, int) for s in statuses), \
-        {s: statuses.count(s) for s in set(statuses)}
-    ids = [request_id for _, request_id, _, _ in answers if request_id]
-    assert len(ids) == len(set(ids)) == len(answers)
+    assert any(answer.status == 200 and not answer.error for answer in answers)
+    statuses = [answer.status for answer in answers]
+    assert 500 not in statuses, {s: statuses.count(s) for s in set(statuses)}
+    slowest = max(answer.longest_wait for answer in answers)
+    assert slowest < bound_s, f"a client waited {slowest:.1f}s"
+    begun = [answer for answer in answers if answer.status is not None]
+    unanswered = [answer for answer in answers if answer.status is None]
+    assert cut is not None or not unanswered, [answer.error for answer in unanswered]
+    if cut is None:
+        assert not [answer.error for answer in begun if answer.error]
+    ids = [answer.request_id for answer in begun]
+    assert None not in ids and len(ids) == len(set(ids))
 
     def metered():
-        with psycopg.connect(**{**PG, "dbname": system.database}) as conn:
-            rows = conn.execute("SELECT request_id, status, http_status, output_tokens, image_tokens + text_tokens "
-                                "+ output_tokens FROM metering_usageevent WHERE request_id = ANY(%s)",
-                                (ids,)).fetchall()
+        with psycopg.connect(**system.database.connection) as conn:
+            rows = conn.execute("SELECT request_id, status, http_status, output_tokens FROM metering_usageevent "
+                                "WHERE request_id = ANY(%s)", (ids,)).fetchall()
         return {row[0]: row[1:] for row in rows} if len(rows) == len(ids) else None
 
-    events = wait_for(metered, timeout=60, interval=1, what="every answered request metered")
-    for status, request_id, stream, text in answers:
-        recorded_status, http_status, output, _ = events[request_id]
-        if status == 200 and not stream:
-            assert (recorded_status, output) == ("ok", json.loads(text)["usage"]["completion_tokens"])
-        elif status != 200:
-            assert (recorded_status, http_status) == ("error", status)
+    events = wait_for(metered, timeout=90, interval=1, what="every answered request metered")
+    for answer in begun:
+        status, http_status, output = events[answer.request_id]
+        if answer.error:  # cut by the gateway's death: billed for what the client received
+            assert cut is not None and answer.stream and status == "interrupted", (answer, status)
+            received = len(answer.content_at)
+            progress_s = int(system.env.get("GATEWAY_PROGRESS_MS", "500")) / 1000
+            before = sum(1 for at in answer.content_at if at < cut - 2 * progress_s)
+            assert before <= output <= received, (answer.request_id, before, output, received)
+        elif answer.status == 200 and not answer.stream:
+            assert (status, output) == ("ok", json.loads(answer.body)["usage"]["completion_tokens"])
+        elif answer.status == 200 and "engine_error" not in answer.body:
+            assert (status, output) == ("ok", len(answer.content_at))
+        elif answer.status == 200:  # the engine failed mid-stream: billed for what was relayed
+            assert (status, http_status, output) == ("error", 502, len(answer.content_at))
+        else:
+            assert (status, http_status) == ("error", answer.status)
     client = redis.Redis.from_url(system.redis.url)
 
     def settled():
         return client.hlen("vlmcp:inflight") == 0 and client.xlen("vlmcp:usage") == 0
 
-    wait_for(settled, timeout=30, interval=0.5, what="nothing left in flight or in the usage stream")
-    with psycopg.connect(**{**PG, "dbname": system.database}) as conn:
+    try:
+        wait_for(settled, timeout=60, interval=0.5, what="nothing left in flight or in the usage stream")
+    except TimeoutError:
+        complaints = [line for line in system.log_path.read_text().splitlines() if "WARNING" in line or "ERROR" in line]
+        pytest.fail(f"still in flight: {client.hgetall('vlmcp:inflight')}; {client.xlen('vlmcp:usage')} entries "
+                    f"in the usage stream; the system's last complaints: {complaints[-20:]}")
+    with psycopg.connect(**system.database.connection) as conn:
         tenant = conn.execute("SELECT id FROM tenants_tenant WHERE name = 'chaos'").fetchone()[0]
         used = conn.execute(
             "SELECT coalesce(sum(image_tokens + text_tokens + output_tokens), 0) FROM metering_usageevent "
@@ -159,6 +272,31 @@ def _metered_as_answered(system, answers) -> None:
     assert counter is not None and int(counter) == used
 
 
+def _children(system) -> dict[str, int]:
+    """The pids of the system's web, worker and beat processes (runlocal's children)."""
+    found = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            argv = (stat.parent / "cmdline").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid != system.process.pid:
+            continue
+        words = [word.decode() for word in argv]
+        name = "web" if "controlplane.serving" in words else next((w for w in ("worker", "beat") if w in words), None)
+        if name:
+            found[name] = int(stat.parent.name)
+    return found
+
+
+def _engine_pid(system, tier: str) -> int:
+    with psycopg.connect(**system.database.connection) as conn:
+        row = conn.execute("SELECT i.pid FROM fleet_engineinstance i JOIN catalog_modeltier t ON t.id = i.tier_id "
+                           "WHERE t.name = %s AND i.actual_state = 'running' AND i.pid IS NOT NULL", (tier,)).fetchone()
+    return row[0]
+
+
 def test_redis_killed_and_restarted_empty_loses_no_usage_and_no_quota(chaos):
     with Load(chaos) as load:
         time.sleep(3)
@@ -166,7 +304,6 @@ def test_redis_killed_and_restarted_empty_loses_no_usage_and_no_quota(chaos):
         time.sleep(3)
         chaos.redis.start()  # empty: no persistence
         time.sleep(6)
-    assert any(status == 200 for status, *_ in load.answers)
     _metered_as_answered(chaos, load.answers)
 
 
@@ -177,5 +314,59 @@ def test_redis_paused_answers_within_bounds_and_loses_no_usage_and_no_quota(chao
         time.sleep(4)
         chaos.redis.resume()
         time.sleep(5)
-    assert any(status == 200 for status, *_ in load.answers)
+    _metered_as_answered(chaos, load.answers)
+
+
+def test_postgres_stopped_keeps_answering_from_what_it_knows_and_loses_no_usage(chaos):
+    with Load(chaos) as load:
+        time.sleep(3)
+        chaos.database.stop()
+        stopped = len(load.answers)
+        time.sleep(6)
+        served_while_stopped = [a for a in load.answers[stopped:] if a.status == 200 and not a.error]
+        chaos.database.start()
+        time.sleep(5)
+    # Keys, tiers and engines it had cached: tenants are still served while the database is away.
+    assert served_while_stopped
+    _metered_as_answered(chaos, load.answers)
+
+
+def test_an_engine_paused_is_answered_within_the_hang_bound_and_billed_for_what_it_gave(chaos):
+    pid = _engine_pid(chaos, "text")
+    with Load(chaos) as load:
+        time.sleep(3)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            time.sleep(HANG_BOUND_S)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        chaos.wait_for_engines(tiers=("text",), timeout=120)  # restarted or back in rotation
+        time.sleep(3)
+    _metered_as_answered(chaos, load.answers)
+
+
+def test_the_gateway_killed_under_load_loses_no_usage_and_bills_cut_streams_as_received(chaos):
+    def streaming_for_a_while():  # a stream cut after it has received for over a second
+        answer = load.current.get(0)
+        return answer and answer.content_at and time.monotonic() - answer.content_at[0] > 2
+
+    with Load(chaos) as load:
+        wait_for(streaming_for_a_while, timeout=60, what="a stream under way")
+        os.kill(_children(chaos)["web"], signal.SIGKILL)
+        cut = time.monotonic()
+        wait_for(lambda: "web" in _children(chaos) and httpx.get(f"{chaos.base_url}/login/", timeout=2).is_success,
+                 timeout=60, what="runlocal to restart the gateway")
+        time.sleep(4)
+    cut_streams = [answer for answer in load.answers if answer.error and answer.request_id]
+    assert cut_streams and all(answer.content_at for answer in cut_streams)
+    _metered_as_answered(chaos, load.answers, cut=cut)
+
+
+def test_the_worker_and_beat_killed_under_load_lose_no_usage(chaos):
+    with Load(chaos) as load:
+        time.sleep(3)
+        children = _children(chaos)
+        os.kill(children["worker"], signal.SIGKILL)
+        os.kill(children["beat"], signal.SIGKILL)
+        time.sleep(6)
     _metered_as_answered(chaos, load.answers)
