@@ -51,12 +51,12 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def _engine(tier: ModelTier, settings_: dict):
+def _engine(tier: ModelTier):
     port = _free_port()
     policy = tier.resolution_policy
     argv, env = build_command(LaunchSpec(
         engine_kind="simulator", model_id=tier.model_id, served_model_name=tier.name, family=tier.family,
-        host="127.0.0.1", port=port, settings=settings_, images_per_prompt=4,
+        host="127.0.0.1", port=port, settings=tier.settings, images_per_prompt=4,
         processor_kwargs={"min_pixels": policy.min_pixels, "max_pixels": policy.max_pixels}))
     process = subprocess.Popen(argv, cwd=settings.BASE_DIR, env={**os.environ, **env},
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -143,7 +143,7 @@ def run_experiment(*, text_rate: float = 4.0, duration_s: float = 30.0, seed: in
             instances = []
             for tier, pool in ((shared, "standard"), (shared, "standard"), (isolated, "standard"),
                                (isolated, "large")):
-                port = stack.enter_context(_engine(tier, tier.engine_settings))
+                port = stack.enter_context(_engine(tier))
                 instances.append(EngineInstance.objects.create(
                     tier=tier, node=node, port=port, pool=pool, actual_state="running", healthy=True,
                     last_health_at=timezone.now()))

@@ -1,3 +1,4 @@
+import json
 from decimal import Decimal
 
 from django.core.exceptions import ValidationError
@@ -5,6 +6,7 @@ from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
 from django.utils import timezone
 
+from controlplane.catalog.engine_settings import EngineSettings, EngineSettingsError
 from controlplane.imaging.tokens import FAMILIES
 
 
@@ -216,6 +218,11 @@ class ModelTier(models.Model):
     def __str__(self):
         return self.name
 
+    def save(self, *args, **kwargs):
+        # Whatever path saves a tier, its settings are ones the launcher and gateway can use.
+        self.engine_settings = self._checked_settings().stored()
+        super().save(*args, **kwargs)
+
     def image_policy(self):
         """The resolution policy as the imaging library applies it for this tier's model."""
         from controlplane.imaging.tokens import image_grid
@@ -223,11 +230,27 @@ class ModelTier(models.Model):
         return self.resolution_policy.as_policy(grid=image_grid(self.family)) if self.resolution_policy else None
 
     @property
+    def settings(self) -> EngineSettings:
+        """The engine settings, typed (engine_settings.py); EngineSettingsError if the stored
+        ones cannot be used."""
+        key = (self.engine_kind, json.dumps(self.engine_settings, sort_keys=True, default=str))
+        if getattr(self, "_settings_key", None) != key:
+            self._settings, self._settings_key = EngineSettings.parse(self.engine_settings, self.engine_kind), key
+        return self._settings
+
+    @property
     def runs_on_cpu(self) -> bool:
         """A vLLM tier with `device: cpu` runs vLLM's CPU build, on a node without GPUs."""
-        return self.engine_kind == self.EngineKind.VLLM and (self.engine_settings or {}).get("device") == "cpu"
+        return self.engine_kind == self.EngineKind.VLLM and self.settings.runs_on_cpu
+
+    def _checked_settings(self) -> EngineSettings:
+        try:
+            return self.settings
+        except EngineSettingsError as exc:
+            raise ValidationError({"engine_settings": [f"{k}: {m}" for k, m in exc.messages.items()]}) from exc
 
     def clean(self):
+        self._checked_settings()
         if self.kind == self.Kind.VISION and self.resolution_policy_id is None:
             raise ValidationError("a vision tier needs a resolution policy")
         if self.enabled and self.price_plan_id and not PriceRate.objects.filter(

@@ -60,7 +60,7 @@ def tier_replicas_sync() -> int:
     for tier in ModelTier.objects.filter(enabled=True).exclude(engine_kind=ModelTier.EngineKind.EXTERNAL):
         wanted = {"standard": tier.replicas,
                   # an isolated pool for requests past the large-image threshold
-                  "large": int((tier.engine_settings or {}).get("large_pool_replicas", 0))}
+                  "large": tier.settings.large_pool_replicas}
         for pool, replicas in wanted.items():
             for _ in range(replicas - counts.get((tier.pk, pool), 0)):
                 EngineInstance.objects.create(tier=tier, pool=pool)
@@ -121,7 +121,7 @@ def instances_place(now=None) -> int:
         if instance.tier.runs_on_cpu:
             need = 0  # vLLM's CPU build: host memory and cores, no GPU
         elif instance.tier.engine_kind == ModelTier.EngineKind.VLLM:
-            need = max(need, int((instance.tier.engine_settings or {}).get("tensor_parallel_size", 1)))
+            need = max(need, instance.tier.settings.tensor_parallel_size)
         for node in sorted(nodes, key=lambda n: load.get(n.pk, 0)):
             free = [g for g in node.gpus.all() if g.pk not in busy]
             if len(free) < need:

@@ -16,6 +16,7 @@ from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.utils import timezone
 
+from controlplane.catalog.engine_settings import EngineSettingsError
 from controlplane.gateway.ledger import Limits
 from controlplane.gateway.prepare import TierSpec
 from controlplane.imaging.fetch import FetchPolicy
@@ -196,13 +197,17 @@ def _load_tiers() -> dict[str, TierSpec]:
             processor_options(tier.family, min_pixels=policy.min_pixels, max_pixels=policy.max_pixels)
             if policy else {}
         )
-        engine = tier.engine_settings or {}
+        try:
+            engine = tier.settings
+        except EngineSettingsError as exc:  # saved past the model's checks: not served, and said why
+            log.error("tier %s is not served: its engine settings cannot be used: %s", tier.name, exc)
+            continue
         fetch = None
-        if policy is not None and engine.get("fetch_image_urls", True):
+        if policy is not None and engine.fetch_image_urls:
             fetch = FetchPolicy(
                 max_bytes=settings.GATEWAY_IMAGE_FETCH_MAX_BYTES,
                 timeout_s=settings.GATEWAY_IMAGE_FETCH_TIMEOUT_S,
-                allowed_domains=tuple(engine.get("allowed_media_domains") or ()),
+                allowed_domains=engine.allowed_media_domains,
                 trusted_networks=tuple(settings.GATEWAY_TRUSTED_IMAGE_NETWORKS),
             )
         specs[tier.name] = TierSpec(
@@ -213,14 +218,14 @@ def _load_tiers() -> dict[str, TierSpec]:
             policy=policy,
             processor_options=options,
             large_image_threshold=tier.large_image_threshold,
-            max_output_tokens=int(engine.get("max_output_tokens", 4096)),
-            max_model_len=int(engine.get("max_model_len", 32768)),
-            priority_scheduling=engine.get("scheduling_policy") == "priority",
-            require_moderation=bool(engine.get("require_moderation", False)),
-            large_image_concurrency=max(1, int(engine.get("large_image_concurrency", 2))),
+            max_output_tokens=engine.max_output_tokens,
+            max_model_len=engine.max_model_len,
+            priority_scheduling=engine.scheduling_policy == "priority",
+            require_moderation=engine.require_moderation,
+            large_image_concurrency=engine.large_image_concurrency,
             price_plan_id=tier.price_plan_id,
             fetch_policy=fetch,
-            tool_calls=bool(engine.get("tool_call_parser")),
+            tool_calls=bool(engine.tool_call_parser),
             tokenizer=tokenizers.get(tier.pk),
             priced=tier.price_plan_id in priced,
         )

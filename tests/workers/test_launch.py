@@ -5,6 +5,7 @@ import sys
 
 import pytest
 
+from controlplane.catalog.engine_settings import EngineSettings, EngineSettingsError, applicable
 from workers.engines.launch import LaunchSpec, build_command
 from workers.engines.simulator.__main__ import parse_args
 
@@ -39,6 +40,7 @@ def vision_spec(engine_kind="vllm", **changes):
         "max_input_pixels": 50_000_000,
     }
     fields.update(changes)
+    fields["settings"] = EngineSettings.parse(applicable(fields["settings"], engine_kind), engine_kind)
     return LaunchSpec(**fields)
 
 
@@ -104,6 +106,8 @@ def test_unset_settings_emit_no_flags_but_gpu_memory_stays_explicit():
 
 
 def test_vllm_command_never_gets_simulator_cost_flags():
+    with pytest.raises(EngineSettingsError, match="decode_ms_per_token: does not apply to vllm engines"):
+        EngineSettings.parse(ALL_SETTINGS, "vllm")
     argv, _ = build_command(vision_spec())
     assert not any(arg.startswith("--sim-") for arg in argv)
 

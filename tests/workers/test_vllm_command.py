@@ -8,6 +8,7 @@ import json
 import pytest
 
 from controlplane.catalog.demo import seed_demo
+from controlplane.catalog.engine_settings import applicable
 from controlplane.catalog.models import ModelTier
 from controlplane.fleet.models import EngineInstance, Gpu, Node
 from tests.workers.vllm_flags import check
@@ -25,6 +26,7 @@ def gpu_instances():
     found = {}
     for n, tier in enumerate(ModelTier.objects.order_by("name")):
         tier.engine_kind = "vllm"  # the demo runs them on the simulator; GPU hosts run vLLM
+        tier.engine_settings = applicable(tier.engine_settings, "vllm")
         tier.save()
         instance = EngineInstance.objects.create(tier=tier, node=node)
         instance.gpus.add(gpus[n])
@@ -100,8 +102,7 @@ def test_a_tier_with_a_tool_call_parser_gets_vllms_tool_flags(gpu_instances):
 def test_a_cpu_tier_sizes_its_kv_cache_in_host_memory_instead_of_gpu_memory(gpu_instances):
     instance = gpu_instances["vlm-lite"]
     instance.gpus.clear()
-    instance.tier.engine_settings = {"device": "cpu", "cpu_kvcache_space_gb": 2, "cpu_threads_bind": "0-1",
-                                     "gpu_memory_utilization": 0.8}
+    instance.tier.engine_settings = {"device": "cpu", "cpu_kvcache_space_gb": 2, "cpu_threads_bind": "0-1"}
     argv, env = build_command(launch_spec(instance, 8100))
     assert check(argv, env) == []
     assert "--gpu-memory-utilization" not in argv
@@ -120,7 +121,7 @@ def test_a_cpu_tier_gets_a_kv_cache_of_its_own_size_when_it_names_none(gpu_insta
 def test_a_cpu_tier_with_a_fractional_kv_cache_is_refused_before_launch(gpu_instances):
     instance = gpu_instances["vlm-lite"]
     instance.tier.engine_settings = {"device": "cpu", "cpu_kvcache_space_gb": 1.5}
-    with pytest.raises(ValueError, match="cpu_kvcache_space_gb must be a whole number"):
+    with pytest.raises(ValueError, match="cpu_kvcache_space_gb: must be a whole number"):
         build_command(launch_spec(instance, 8100))
 
 

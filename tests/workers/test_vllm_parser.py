@@ -12,6 +12,7 @@ import pytest
 from django.db import transaction
 
 from controlplane.catalog.demo import seed_demo
+from controlplane.catalog.engine_settings import applicable
 from controlplane.catalog.models import ModelTier
 from controlplane.fleet.models import EngineInstance, Gpu, Node
 from workers.engines.cpu import tiny_model
@@ -153,6 +154,7 @@ def _launcher_cases(python) -> dict:
     cases = {}
     for n, tier in enumerate(ModelTier.objects.order_by("name")):
         tier.engine_kind = "vllm"  # the demo runs them on the simulator
+        tier.engine_settings = applicable(tier.engine_settings, "vllm")
         tier.save()
         instance = EngineInstance.objects.create(tier=tier, node=gpu_node)
         instance.gpus.add(Gpu.objects.create(node=gpu_node, index=n, model="H100"))

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+
+from controlplane.catalog.engine_settings import EngineSettings
 
 
 @dataclass(frozen=True)
@@ -18,7 +20,7 @@ class LaunchSpec:
     host: str
     port: int
     gpu_indices: tuple[int, ...] = ()
-    settings: dict = field(default_factory=dict)
+    settings: EngineSettings = field(default_factory=EngineSettings)
     images_per_prompt: int | None = None  # None: a text-only tier
     processor_kwargs: dict = field(default_factory=dict)  # e.g. Qwen's min_pixels/max_pixels
     max_input_pixels: int | None = None
@@ -35,12 +37,14 @@ class LaunchSpec:
         busy while it generates (its worker threads and scheduler spin), so on a CPU node it
         runs below the node agent and gateway, which must stay responsive to supervise and
         route it; GPU engines compute on the GPU and run at normal priority."""
-        return int((self.settings or {}).get("cpu_nice", CPU_NICE_DEFAULT if self.runs_on_cpu else 0))
+        if self.settings.cpu_nice is not None:
+            return self.settings.cpu_nice
+        return CPU_NICE_DEFAULT if self.runs_on_cpu else 0
 
     @property
     def runs_on_cpu(self) -> bool:
         """vLLM's CPU build (engine setting `device: cpu`), as ModelTier.runs_on_cpu says."""
-        return self.engine_kind == "vllm" and (self.settings or {}).get("device") == "cpu"
+        return self.engine_kind == "vllm" and self.settings.runs_on_cpu
 
 
 # engine setting -> vLLM flag, for plain valued settings
@@ -55,6 +59,8 @@ _VALUED = {
     "scheduling_policy": "--scheduling-policy",
     "dtype": "--dtype",
 }
+# Passed even when the operator left it unset (vLLM's own default changed between releases).
+_ALWAYS = ("gpu_memory_utilization",)
 # CPU engines: engine setting -> vLLM environment variable (vllm/envs.py). The KV cache is
 # sized in GiB of host memory instead of as a fraction of GPU memory.
 _CPU_ENVIRONMENT = {
@@ -67,6 +73,11 @@ CPU_NICE_DEFAULT = 10
 # simulator-only cost parameters, passed as --sim-* flags
 _SIMULATOR = ("prefill_us_per_token", "decode_ms_per_token", "encode_us_per_image_token", "step_overhead_ms",
               "kv_cache_tokens")
+
+
+def _text(value) -> str:
+    """A setting as a flag's value: 4, not 4.0."""
+    return str(int(value)) if isinstance(value, float) and value.is_integer() else str(value)
 
 
 def _major(version: str) -> int:
@@ -86,7 +97,7 @@ def processor_flags(processor_kwargs: dict, transformers_version: str) -> dict:
 
 
 def build_command(spec: LaunchSpec) -> tuple[list[str], dict[str, str]]:
-    settings = spec.settings or {}
+    settings = spec.settings
     cpu = spec.runs_on_cpu
     if spec.engine_kind == "vllm":
         # The module behind the `vllm` command, run by the engine environment's Python.
@@ -97,14 +108,14 @@ def build_command(spec: LaunchSpec) -> tuple[list[str], dict[str, str]]:
         raise ValueError(f"engine kind {spec.engine_kind!r} cannot be launched")
     argv += ["--served-model-name", spec.served_model_name, "--host", spec.host, "--port", str(spec.port)]
     if cpu:
-        settings = {k: v for k, v in settings.items() if k != "gpu_memory_utilization"}
-    elif spec.engine_kind == "vllm" and settings.get("gpu_memory_utilization") is None:
+        settings = replace(settings, gpu_memory_utilization=None)
+    elif spec.engine_kind == "vllm" and settings.gpu_memory_utilization is None:
         # Always explicit: vLLM's own default moved from 0.9 to 0.92 in 0.20.
-        settings = {**settings, "gpu_memory_utilization": 0.9}
+        settings = replace(settings, gpu_memory_utilization=0.9)
     for key, flag in _VALUED.items():
-        if settings.get(key) is not None:
-            argv += [flag, str(settings[key])]
-    if settings.get("enable_prefix_caching", True):
+        if getattr(settings, key) is not None and (key in settings.given or key in _ALWAYS):
+            argv += [flag, _text(getattr(settings, key))]
+    if settings.enable_prefix_caching:
         argv.append("--enable-prefix-caching")
     if spec.images_per_prompt is not None:
         # "video": 0 as well: otherwise vLLM sizes its encoder budget for a maximal video,
@@ -120,29 +131,25 @@ def build_command(spec: LaunchSpec) -> tuple[list[str], dict[str, str]]:
         exact = [d for d in spec.allowed_media_domains if "*" not in d]
         argv += ["--allowed-media-domains", *(exact or ["no-engine-fetching.invalid"])]
     argv.append("--enable-prompt-tokens-details")
-    if settings.get("tool_call_parser"):
+    if settings.tool_call_parser:
         # Without both, vLLM answers every request that carries tools with a 400.
-        argv += ["--enable-auto-tool-choice", "--tool-call-parser", str(settings["tool_call_parser"])]
+        argv += ["--enable-auto-tool-choice", "--tool-call-parser", settings.tool_call_parser]
     if spec.engine_kind == "simulator":
         for key in _SIMULATOR:
-            if settings.get(key) is not None:
-                argv += ["--sim-" + key.replace("_", "-"), str(settings[key])]
+            if getattr(settings, key) is not None:
+                argv += ["--sim-" + key.replace("_", "-"), _text(getattr(settings, key))]
     env = {
         "CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in spec.gpu_indices),
         "VLLM_MEDIA_URL_ALLOW_REDIRECTS": "0",
     }
     if cpu:
         env["VLLM_TARGET_DEVICE"] = "cpu"
-        cpu_settings = {"cpu_kvcache_space_gb": CPU_KVCACHE_DEFAULT_GB, "cpu_threads_bind": "auto",
-                        **{k: v for k, v in settings.items() if v is not None}}
+        defaults = {"cpu_kvcache_space_gb": CPU_KVCACHE_DEFAULT_GB, "cpu_threads_bind": "auto"}
         for key, variable in _CPU_ENVIRONMENT.items():
-            value = cpu_settings.get(key)
-            if value is None:
-                continue
-            if key != "cpu_threads_bind" and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-                # vLLM reads these with int() and would fail to start minutes later.
-                raise ValueError(f"{key} must be a whole number, not {value!r}")
-            env[variable] = str(value)
+            value = getattr(settings, key)
+            value = defaults.get(key) if value is None else value
+            if value is not None:  # whole numbers where vLLM reads them with int(): checked when set
+                env[variable] = str(value)
     if spec.max_input_pixels:
         env["VLLM_MAX_IMAGE_PIXELS"] = str(spec.max_input_pixels)
     if spec.api_key:

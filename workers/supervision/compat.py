@@ -64,8 +64,7 @@ def launch_refusal(tier, node) -> str | None:
     if installed < version_tuple(minimum):
         return (f"{architecture} ({tier.family}) needs vLLM {minimum} or newer; node {node.name} "
                 f"has {node.vllm_version}")
-    settings = tier.engine_settings or {}
-    uses = {"--mm-processor-cache-gb": settings.get("mm_processor_cache_gb") is not None,
+    uses = {"--mm-processor-cache-gb": tier.settings.mm_processor_cache_gb is not None,
             "--allowed-media-domains": tier.kind == "vision"}  # always passed to vision engines
     for flag, needed in uses.items():
         if needed and installed < version_tuple(FLAGS[flag]):

@@ -57,7 +57,7 @@ def launch_spec(instance: EngineInstance, port: int) -> LaunchSpec:
     tier = instance.tier
     policy = tier.resolution_policy
     vision = tier.kind == tier.Kind.VISION and policy is not None
-    engine = tier.engine_settings or {}
+    engine = tier.settings
     return LaunchSpec(
         engine_kind=tier.engine_kind,
         model_id=tier.model_id,
@@ -71,7 +71,7 @@ def launch_spec(instance: EngineInstance, port: int) -> LaunchSpec:
         processor_kwargs=processor_options(tier.family, min_pixels=policy.min_pixels,
                                            max_pixels=policy.max_pixels) if vision else {},
         max_input_pixels=policy.max_input_pixels if vision else None,
-        allowed_media_domains=tuple(engine.get("allowed_media_domains", ())),
+        allowed_media_domains=engine.allowed_media_domains,
         api_key=instance.api_key,
         vllm_python=settings.VLLM_PYTHON,
         transformers_version=instance.node.transformers_version if instance.node else "",
