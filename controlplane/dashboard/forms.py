@@ -38,3 +38,94 @@ class CapacityForm(forms.Form):
     output_tokens = forms.IntegerField(min_value=1, initial=256)
     target_concurrency = forms.IntegerField(min_value=1, initial=64)
     del DTYPE_BYTES
+
+
+class TierForm(forms.ModelForm):
+    """A tier, with the engine settings of one engine kind as typed fields (their bounds and
+    the rules between them are engine_settings.py's, so the form and the model agree)."""
+
+    class Meta:
+        from controlplane.catalog.models import ModelTier
+
+        model = ModelTier
+        fields = ["name", "display_name", "kind", "family", "model_id", "resolution_policy", "price_plan",
+                  "large_image_threshold", "replicas", "gpus_per_replica", "enabled"]
+        labels = {"model_id": "Model (weights)", "large_image_threshold": "Large-image threshold (tokens)",
+                  "gpus_per_replica": "GPUs per replica", "enabled": "Enabled (served to tenants)"}
+        del ModelTier
+
+    def __init__(self, *args, engine_kind: str, **kwargs):
+        from controlplane.catalog.engine_settings import SETTINGS, applicable
+
+        super().__init__(*args, **kwargs)
+        self.engine_kind = engine_kind
+        current = applicable(self.instance.engine_settings, engine_kind)
+        self.settings_fields = []
+        for setting in SETTINGS:
+            if engine_kind in setting.engines:
+                name = f"setting_{setting.key}"
+                self.fields[name] = _setting_field(setting, current.get(setting.key))
+                self.settings_fields.append((setting, name))
+        self.fields["resolution_policy"].help_text = "Vision tiers: how far images may grow (the cost gate)"
+
+    def setting_groups(self):
+        """The settings fields, grouped as the page shows them."""
+        titles = {"engine": "Engine", "cpu": "vLLM CPU build", "gateway": "Gateway", "simulator": "Simulator"}
+        groups = {}
+        for setting, name in self.settings_fields:
+            groups.setdefault(titles[setting.group], []).append(self[name])
+        return groups.items()
+
+    def clean(self):
+        from controlplane.catalog.engine_settings import EngineSettings, EngineSettingsError
+
+        data = super().clean()
+        raw = {}
+        for setting, name in self.settings_fields:
+            value = data.get(name)
+            if value in (None, "") or (setting.kind is list and not value):
+                continue
+            raw[setting.key] = value
+        self.instance.engine_kind = self.engine_kind
+        try:
+            EngineSettings.parse(raw, self.engine_kind)
+            self.instance.engine_settings = raw
+        except EngineSettingsError as exc:
+            for key, message in exc.messages.items():
+                self.add_error(f"setting_{key}", message)
+            self.instance.engine_settings = {}  # the errors are on the fields already
+        return data
+
+
+def _setting_field(setting, value):
+    """A form field for one engine setting, showing its default when left blank."""
+    options = {"required": False, "label": setting.label, "initial": value,
+               "help_text": " ".join(part for part in (setting.help, f"vLLM flag {setting.flag}." if setting.flag
+                                                       else "") if part)}
+    if setting.kind is bool:
+        default = "on" if setting.default else "off"
+        return forms.TypedChoiceField(choices=[("", f"default ({default})"), (True, "on"), (False, "off")],
+                                      coerce=lambda v: v in (True, "True", "true"), empty_value=None, **options)
+    if setting.choices:
+        default = f"default ({setting.default})" if setting.default else "default (the engine's own)"
+        return forms.ChoiceField(choices=[("", default), *[(c, c) for c in setting.choices]], **options)
+    bounds = {"min_value": setting.minimum, "max_value": setting.maximum}
+    placeholder = {"placeholder": f"{setting.default:,}" if isinstance(setting.default, int | float)
+                   and not isinstance(setting.default, bool) else "engine default"}
+    if setting.kind is int:
+        return forms.IntegerField(widget=forms.NumberInput(attrs=placeholder), **bounds, **options)
+    if setting.kind is float:
+        return forms.FloatField(widget=forms.NumberInput(attrs={**placeholder, "step": "any"}), **bounds, **options)
+    if setting.kind is list:
+        return HostListField(**options)
+    return forms.CharField(max_length=200, **options)
+
+
+class HostListField(forms.CharField):
+    """Host names, separated by commas or spaces."""
+
+    def prepare_value(self, value):
+        return ", ".join(value) if isinstance(value, list | tuple) else value
+
+    def to_python(self, value):
+        return [part for part in (value or "").replace(",", " ").split() if part]

@@ -1,6 +1,6 @@
 from django.urls import path
 
-from controlplane.dashboard import exports, views
+from controlplane.dashboard import exports, tiers, views
 
 app_name = "dashboard"
 urlpatterns = [
@@ -11,6 +11,11 @@ urlpatterns = [
     path("fleet/external/", views.fleet_register_external, name="fleet-external"),
     path("fleet/<int:pk>/", views.fleet_instance, name="fleet-instance"),
     path("fleet/<int:pk>/<str:action>/", views.fleet_action, name="fleet-action"),
+    path("tiers/", tiers.tier_list, name="tiers"),
+    path("tiers/new/", tiers.tier_new, name="tier-new"),
+    path("tiers/<slug:name>/", tiers.tier_edit, name="tier-edit"),
+    path("tiers/<slug:name>/enable/", tiers.tier_enable, {"enabled": True}, name="tier-enable"),
+    path("tiers/<slug:name>/disable/", tiers.tier_enable, {"enabled": False}, name="tier-disable"),
     path("policies/", views.policies, name="policies"),
     path("capacity/", views.capacity, name="capacity"),
     path("exports/", exports.exports, name="exports"),

@@ -8,6 +8,7 @@ import logging
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from django.conf import settings
 from django.db import connection
@@ -21,6 +22,9 @@ from workers.engines import process
 from workers.engines.launch import LaunchSpec, build_command
 from workers.supervision import compat
 from workers.supervision.liveness import assess, observe
+
+if TYPE_CHECKING:
+    from controlplane.catalog.models import ModelTier
 
 log = logging.getLogger(__name__)
 A = EngineInstance.Actual
@@ -54,7 +58,14 @@ def engine_marker(instance: EngineInstance) -> str:
 
 
 def launch_spec(instance: EngineInstance, port: int) -> LaunchSpec:
-    tier = instance.tier
+    return tier_launch_spec(
+        instance.tier, port=port, gpu_indices=tuple(instance.gpus.values_list("index", flat=True)),
+        api_key=instance.api_key, transformers_version=instance.node.transformers_version if instance.node else "")
+
+
+def tier_launch_spec(tier: ModelTier, *, port: int, gpu_indices: tuple[int, ...] = (), api_key: str | None = None,
+                     transformers_version: str = "") -> LaunchSpec:
+    """How an engine of `tier` is started (also what the tier page previews, before saving)."""
     policy = tier.resolution_policy
     vision = tier.kind == tier.Kind.VISION and policy is not None
     engine = tier.settings
@@ -65,16 +76,16 @@ def launch_spec(instance: EngineInstance, port: int) -> LaunchSpec:
         family=tier.family,
         host="0.0.0.0" if settings.NODE_ADDRESS not in ("127.0.0.1", "localhost") else "127.0.0.1",
         port=port,
-        gpu_indices=tuple(instance.gpus.values_list("index", flat=True)),
+        gpu_indices=gpu_indices,
         settings=engine,
         images_per_prompt=policy.max_images_per_request if vision else None,
         processor_kwargs=processor_options(tier.family, min_pixels=policy.min_pixels,
                                            max_pixels=policy.max_pixels) if vision else {},
         max_input_pixels=policy.max_input_pixels if vision else None,
         allowed_media_domains=engine.allowed_media_domains,
-        api_key=instance.api_key,
+        api_key=api_key,
         vllm_python=settings.VLLM_PYTHON,
-        transformers_version=instance.node.transformers_version if instance.node else "",
+        transformers_version=transformers_version,
     )
 
 

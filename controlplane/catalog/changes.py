@@ -1,0 +1,37 @@
+"""Changes to tiers made by people, each recorded with who made it."""
+
+from __future__ import annotations
+
+from django.db import transaction
+
+from controlplane.audit.models import AuditEntry
+from controlplane.audit.services import audit_record, field_values
+from controlplane.catalog.models import ModelTier
+
+AUDITED = ("name", "display_name", "kind", "family", "model_id", "engine_kind", "engine_settings",
+           "resolution_policy_id", "price_plan_id", "large_image_threshold", "replicas", "gpus_per_replica",
+           "enabled")
+
+
+def _before(tier: ModelTier) -> dict:
+    if tier.pk is None:
+        return {}
+    return field_values(ModelTier.objects.get(pk=tier.pk), AUDITED)
+
+
+@transaction.atomic
+def tier_save(*, tier: ModelTier, actor: str) -> ModelTier:
+    """Save a tier that passed its checks (full_clean), recording what changed."""
+    created, before = tier.pk is None, _before(tier)
+    tier.save()
+    audit_record(actor=actor, action=AuditEntry.Action.CREATED if created else AuditEntry.Action.CHANGED,
+                 obj=tier, before=before, after=field_values(tier, AUDITED))
+    return tier
+
+
+@transaction.atomic
+def tier_set_enabled(*, tier: ModelTier, enabled: bool, actor: str) -> ModelTier:
+    """Enable a tier (refused, as ValidationError, without a price in effect) or disable it."""
+    tier.enabled = enabled
+    tier.full_clean()
+    return tier_save(tier=tier, actor=actor)

@@ -1,0 +1,137 @@
+"""Operators create, edit, enable and disable tiers in product pages: one form per engine kind
+with typed settings, refused with a message where the old JSON box took anything, and a
+preview of the engine's command line, what sample images cost, and whether it fits the GPUs."""
+
+from __future__ import annotations
+
+import html
+import shlex
+
+import pytest
+
+from controlplane.audit.models import AuditEntry
+from controlplane.catalog.models import ModelTier, PricePlan
+from controlplane.fleet.models import Gpu, Node
+from tests.factories import PricePlanFactory, ResolutionPolicyFactory
+
+pytestmark = pytest.mark.django_db
+
+
+def _form(world, **changes):
+    data = {
+        "engine_kind": "vllm", "name": "vlm-7b", "display_name": "Qwen2.5-VL 7B", "kind": "vision",
+        "family": "qwen2_5_vl", "model_id": "Qwen/Qwen2.5-VL-7B-Instruct",
+        "resolution_policy": ResolutionPolicyFactory().pk, "price_plan": world.vision.price_plan_id,
+        "large_image_threshold": 4096, "replicas": 1, "gpus_per_replica": 1, "enabled": "on",
+        "setting_max_model_len": 16384, "setting_max_output_tokens": 2048,
+    }
+    data.update(changes)
+    return {k: v for k, v in data.items() if v is not None}
+
+
+def _errors(page: str) -> list[str]:
+    return [html.unescape(part.split("</p>")[0]) for part in page.split('<p class="error">')[1:]]
+
+
+@pytest.mark.parametrize(("typo", "message"), [
+    ({"setting_max_model_len": -5}, "Ensure this value is greater than or equal to 256."),
+    ({"setting_gpu_memory_utilization": 1.5}, "Ensure this value is less than or equal to 0.99."),
+    ({"setting_max_output_tokens": 20000}, "must be below the context length (16,384 tokens)"),
+    ({"setting_kv_cache_dtype": "int3"}, "Select a valid choice. int3 is not one of the available choices."),
+])
+def test_out_of_range_settings_are_refused_with_a_message_and_nothing_is_saved(client, world, typo, message):
+    client.force_login(world.operator)
+    response = client.post("/tiers/new/", _form(world, save="1", **typo))
+    assert response.status_code == 200
+    assert message in _errors(response.content.decode())
+    assert not ModelTier.objects.filter(name="vlm-7b").exists()
+
+
+def test_a_tier_is_created_with_typed_settings_and_the_change_recorded(client, world):
+    client.force_login(world.operator)
+    response = client.post("/tiers/new/", _form(world, save="1", setting_scheduling_policy="priority",
+                                                setting_allowed_media_domains="images.example.com, cdn.example.com"))
+    assert response.status_code == 302 and response["Location"] == "/tiers/vlm-7b/"
+    tier = ModelTier.objects.get(name="vlm-7b")
+    assert tier.engine_kind == "vllm" and tier.enabled
+    assert tier.engine_settings == {"max_model_len": 16384, "scheduling_policy": "priority",
+                                    "max_output_tokens": 2048,
+                                    "allowed_media_domains": ["images.example.com", "cdn.example.com"]}
+    entry = AuditEntry.objects.get(object_type="model tier", object_id=str(tier.pk))
+    assert (entry.actor, entry.action) == (world.operator.username, "created")
+    page = client.get("/tiers/vlm-7b/").content.decode()
+    assert "Tier vlm-7b created." in page and world.operator.username in page.split("Changes")[1]
+
+
+def test_the_preview_shows_the_vllm_command_sample_costs_and_the_gpu_fit_without_saving(client, world):
+    node = Node.objects.create(name="gpu-a", queue="node.gpu-a")
+    Gpu.objects.create(node=node, index=0, model="NVIDIA L4")
+    client.force_login(world.operator)
+    page = client.post("/tiers/new/", _form(world, preview="1", setting_max_model_len=32768)).content.decode()
+    assert not ModelTier.objects.filter(name="vlm-7b").exists()
+    command = shlex.split(html.unescape(page.split('id="tier-command">')[1].split("</pre>")[0]))
+    assert command[command.index("serve") + 1] == "Qwen/Qwen2.5-VL-7B-Instruct"
+    assert command[command.index("--max-model-len") + 1] == "32768"
+    assert '"max_pixels": 1003520' in command[command.index("--mm-processor-kwargs") + 1]
+    samples = page.split('id="tier-samples"')[1].split("</table>")[0]
+    # A 12 MP photo is sent at the size Qwen2.5-VL's processor would resize it to under the
+    # standard policy's 1,003,520-pixel cap (1148 x 840: 41 x 30 merged patches of 28 pixels, and the
+    # image's start and end markers: 1,232 prompt positions).
+    row = samples.split("4032 × 3024")[1].split("</tr>")[0]
+    assert "1148 × 840" in row and "1,232" in row
+    fit = page.split('id="tier-fit"')[1].split("</table>")[0]
+    # 7B in bf16 (16.6 GB) on a 24 GB L4 leaves room for a context of 32,768 tokens.
+    assert "1 x L4" in fit and "yes" in fit and "requests at once with 4 images" in fit
+
+
+def test_a_model_too_large_for_the_gpus_is_shown_not_to_fit(client, world):
+    node = Node.objects.create(name="gpu-a", queue="node.gpu-a")
+    Gpu.objects.create(node=node, index=0, model="NVIDIA L4")
+    client.force_login(world.operator)
+    page = client.post("/tiers/new/", _form(world, preview="1", model_id="Qwen/Qwen2.5-VL-72B-Instruct",
+                                            setting_tensor_parallel_size=2)).content.decode()
+    fit = page.split('id="tier-fit"')[1].split("</table>")[0]
+    assert "2 x L4" in fit and "leave no memory for the KV cache" in fit
+
+
+def test_a_tier_cannot_be_enabled_without_a_price_in_effect(client, world):
+    client.force_login(world.operator)
+    unpriced = PricePlan.objects.create(name="unpriced")
+    response = client.post("/tiers/new/", _form(world, save="1", price_plan=unpriced.pk))
+    assert "an enabled tier needs a price in effect" in response.content.decode()
+    client.post("/tiers/new/", _form(world, save="1", price_plan=unpriced.pk, enabled=None))
+    tier = ModelTier.objects.get(name="vlm-7b")
+    assert not tier.enabled
+    page = client.post("/tiers/vlm-7b/enable/", follow=True).content.decode()
+    assert "was not enabled: an enabled tier needs a price in effect" in html.unescape(page)
+    tier.refresh_from_db()
+    assert not tier.enabled
+    tier.price_plan = PricePlanFactory()
+    tier.save()
+    client.post("/tiers/vlm-7b/enable/")
+    tier.refresh_from_db()
+    assert tier.enabled
+
+
+def test_editing_keeps_what_the_form_does_not_show_and_switching_engine_kind_keeps_what_applies(client, world):
+    client.force_login(world.operator)
+    tier = world.vision
+    tier.engine_settings = {"max_model_len": 8192, "decode_ms_per_token": 2}
+    tier.save()
+    page = client.get(f"/tiers/{tier.name}/").content.decode()
+    assert 'name="setting_decode_ms_per_token"' in page and 'value="2.0"' in page or 'value="2"' in page
+    form = _form(world, save="1", engine_kind="vllm", name=tier.name, setting_max_model_len=8192,
+                 setting_max_output_tokens=None, price_plan=tier.price_plan_id)
+    assert client.post(f"/tiers/{tier.name}/?engine=vllm", form).status_code == 302
+    tier.refresh_from_db()
+    assert tier.engine_kind == "vllm" and tier.engine_settings == {"max_model_len": 8192}
+
+
+def test_only_operators_reach_the_tier_pages(client, world):
+    for user in (world.finance, world.alice_admin):
+        client.force_login(user)
+        assert client.get("/tiers/").status_code == 403
+        assert client.post("/tiers/new/", _form(world, save="1")).status_code == 403
+    client.force_login(world.operator)
+    page = client.get("/tiers/").content.decode()
+    assert world.vision.name in page and world.text.name in page
