@@ -34,7 +34,7 @@ class World:
 
 @pytest.fixture
 def world(db):
-    vision, text = VisionTierFactory(), TextTierFactory()
+    vision, text = VisionTierFactory(default_for_images=True), TextTierFactory(default_for_text=True)
     alice, bob, charlie = (TenantFactory(name=n) for n in ("alice", "bob", "charlie"))
     return World(
         alice=alice, bob=bob, charlie=charlie,

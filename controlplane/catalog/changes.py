@@ -10,7 +10,7 @@ from controlplane.catalog.models import ModelTier
 
 AUDITED = ("name", "display_name", "kind", "family", "model_id", "engine_kind", "engine_settings",
            "resolution_policy_id", "price_plan_id", "large_image_threshold", "replicas", "gpus_per_replica",
-           "enabled")
+           "enabled", "default_for_text", "default_for_images")
 
 
 def _before(tier: ModelTier) -> dict:
@@ -21,8 +21,17 @@ def _before(tier: ModelTier) -> dict:
 
 @transaction.atomic
 def tier_save(*, tier: ModelTier, actor: str) -> ModelTier:
-    """Save a tier that passed its checks (full_clean), recording what changed."""
+    """Save a tier that passed its checks (full_clean), recording what changed. Marking it the
+    default for text or images takes the mark from the tier that had it (recorded too)."""
     created, before = tier.pk is None, _before(tier)
+    for flag in ("default_for_text", "default_for_images"):
+        if getattr(tier, flag):
+            for previous in ModelTier.objects.select_for_update().filter(**{flag: True}).exclude(pk=tier.pk):
+                was = field_values(previous, AUDITED)
+                setattr(previous, flag, False)
+                previous.save(update_fields=[flag])
+                audit_record(actor=actor, action=AuditEntry.Action.CHANGED, obj=previous, before=was,
+                             after=field_values(previous, AUDITED))
     tier.save()
     audit_record(actor=actor, action=AuditEntry.Action.CREATED if created else AuditEntry.Action.CHANGED,
                  obj=tier, before=before, after=field_values(tier, AUDITED))

@@ -49,11 +49,11 @@ def seed_demo() -> Tenant:
     sim = {"max_model_len": 32768, "max_num_seqs": 32, "max_output_tokens": 2048}
     _tier("text", display_name="Text (Qwen2.5 7B)", family="qwen2", kind="text",
           model_id="Qwen/Qwen2.5-7B-Instruct", engine_kind="simulator", engine_settings=sim,
-          price_plan=_plan("text", "0.20", "0", "0.60"))
+          price_plan=_plan("text", "0.20", "0", "0.60"), default_for_text=True)
     _tier("vlm-lite", display_name="Lite VLM (Qwen2.5-VL 3B)", family="qwen2_5_vl", kind="vision",
           model_id="Qwen/Qwen2.5-VL-3B-Instruct", engine_kind="simulator", engine_settings=sim,
           resolution_policy=standard, large_image_threshold=1300,
-          price_plan=_plan("vlm-lite", "0.15", "0.15", "0.45"))
+          price_plan=_plan("vlm-lite", "0.15", "0.15", "0.45"), default_for_images=True)
     _tier("vlm-flagship", display_name="Flagship VLM (Qwen2.5-VL 72B)", family="qwen2_5_vl",
           kind="vision", model_id="Qwen/Qwen2.5-VL-72B-Instruct", engine_kind="simulator",
           engine_settings={**sim, "decode_ms_per_token": 2}, resolution_policy=detailed,

@@ -211,9 +211,18 @@ class ModelTier(models.Model):
     replicas = models.PositiveSmallIntegerField(default=1)
     gpus_per_replica = models.PositiveSmallIntegerField(default=0)
     enabled = models.BooleanField(default=True)
+    # What the model name `auto` resolves to (routing.py), unless a tenant names its own.
+    default_for_text = models.BooleanField(default=False, help_text="`auto` sends text requests here")
+    default_for_images = models.BooleanField(default=False, help_text="`auto` sends requests with images here")
 
     class Meta:
         ordering = ["name"]
+        constraints = [
+            models.UniqueConstraint(fields=["default_for_text"], condition=models.Q(default_for_text=True),
+                                    name="one_default_text_tier"),
+            models.UniqueConstraint(fields=["default_for_images"], condition=models.Q(default_for_images=True),
+                                    name="one_default_image_tier"),
+        ]
 
     def __str__(self):
         return self.name
@@ -253,6 +262,11 @@ class ModelTier(models.Model):
         self._checked_settings()
         if self.kind == self.Kind.VISION and self.resolution_policy_id is None:
             raise ValidationError("a vision tier needs a resolution policy")
+        if self.default_for_images and self.kind != self.Kind.VISION:
+            raise ValidationError({"default_for_images": "only a vision tier can be the default for images"})
+        if not self.enabled and (self.default_for_text or self.default_for_images):
+            raise ValidationError(f"{self.name} is where `auto` sends requests: make another tier the default "
+                                  "before disabling it")
         if self.enabled and self.price_plan_id and not PriceRate.objects.filter(
                 plan_id=self.price_plan_id, effective_from__lte=timezone.now()).exists():
             raise ValidationError("an enabled tier needs a price in effect: add a rate to its plan first")

@@ -49,9 +49,11 @@ class TierForm(forms.ModelForm):
 
         model = ModelTier
         fields = ["name", "display_name", "kind", "family", "model_id", "resolution_policy", "price_plan",
-                  "large_image_threshold", "replicas", "gpus_per_replica", "enabled"]
+                  "large_image_threshold", "replicas", "gpus_per_replica", "enabled", "default_for_text",
+                  "default_for_images"]
         labels = {"model_id": "Model (weights)", "large_image_threshold": "Large-image threshold (tokens)",
-                  "gpus_per_replica": "GPUs per replica", "enabled": "Enabled (served to tenants)"}
+                  "gpus_per_replica": "GPUs per replica", "enabled": "Enabled (served to tenants)",
+                  "default_for_text": "Default for text (`auto`)", "default_for_images": "Default for images (`auto`)"}
         del ModelTier
 
     def __init__(self, *args, engine_kind: str, **kwargs):
@@ -67,6 +69,11 @@ class TierForm(forms.ModelForm):
                 self.fields[name] = _setting_field(setting, current.get(setting.key))
                 self.settings_fields.append((setting, name))
         self.fields["resolution_policy"].help_text = "Vision tiers: how far images may grow (the cost gate)"
+
+    def _get_validation_exclusions(self):
+        # Marking this tier a default takes the mark from another one when it is saved
+        # (catalog/changes.tier_save), so the one-default constraints are not the form's to refuse.
+        return {*super()._get_validation_exclusions(), "default_for_text", "default_for_images"}
 
     def setting_groups(self):
         """The settings fields, grouped as the page shows them."""

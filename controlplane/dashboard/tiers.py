@@ -15,6 +15,7 @@ from controlplane.audit.services import history
 from controlplane.catalog.changes import tier_save, tier_set_enabled
 from controlplane.catalog.models import ModelTier
 from controlplane.catalog.preview import tier_plan
+from controlplane.catalog.routing import resolve_auto
 from controlplane.dashboard.forms import TierForm
 from controlplane.tenants import roles
 
@@ -31,7 +32,10 @@ def tier_list(request):
     _operator(request)
     tiers = ModelTier.objects.select_related("resolution_policy", "price_plan").annotate(
         running=Count("instances", filter=Q(instances__actual_state="running"))).order_by("name")
-    return render(request, "dashboard/tiers.html", {"tiers": tiers, "engine_kinds": ENGINE_KINDS})
+    enabled = [tier for tier in tiers if tier.enabled]
+    return render(request, "dashboard/tiers.html", {
+        "tiers": tiers, "engine_kinds": ENGINE_KINDS,
+        "auto_text": resolve_auto(enabled, has_images=False), "auto_images": resolve_auto(enabled, has_images=True)})
 
 
 @login_required
@@ -61,8 +65,15 @@ def _tier_form(request, tier: ModelTier, engine_kind: str):
     plan = None
     if request.method == "POST" and form.is_valid():
         if "save" in request.POST:
+            took = {flag: ModelTier.objects.filter(**{flag: True}).exclude(pk=tier.pk).first()
+                    for flag in ("default_for_text", "default_for_images") if form.cleaned_data.get(flag)}
             tier = tier_save(tier=form.save(commit=False), actor=request.user.get_username())
             messages.success(request, f"Tier {tier.name} {'created' if creating else 'saved'}.")
+            for flag, previous in took.items():
+                if previous is not None:
+                    kind = "text" if flag == "default_for_text" else "images"
+                    messages.info(request, f"`auto` now sends {kind} requests to {tier.name} instead of "
+                                           f"{previous.name}.")
             return redirect("dashboard:tier-edit", name=tier.name)
         plan = tier_plan(form.instance)
     elif request.method == "GET" and not creating:

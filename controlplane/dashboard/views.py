@@ -99,9 +99,16 @@ def keys(request):
         # server-side session only until the next page view, which removes it.
         request.session["issued_key"] = result.secret
         return redirect("dashboard:keys")
+    from controlplane.catalog.routing import tenant_auto
+
+    keys = list(ApiKey.objects.select_related("tenant").order_by("tenant__name", "-created_at"))
+    routes = {}
+    for key in keys:
+        if key.tenant_id not in routes:
+            routes[key.tenant_id] = tenant_auto(key.tenant)
+        key.auto = routes[key.tenant_id]
     return render(request, "dashboard/keys.html", {
-        "form": form, "issued": request.session.pop("issued_key", None),
-        "keys": ApiKey.objects.select_related("tenant").order_by("tenant__name", "-created_at"),
+        "form": form, "issued": request.session.pop("issued_key", None), "keys": keys,
     })
 
 

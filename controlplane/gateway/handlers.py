@@ -13,6 +13,7 @@ import httpx
 import orjson  # request bodies carry megabytes of base64: parsed ~3x faster than json
 from django.conf import settings
 
+from controlplane.catalog.routing import resolve_auto
 from controlplane.gateway import counters, ledger, moderation, routing, state, upstream
 from controlplane.gateway.errors import GatewayError, error_response
 from controlplane.gateway.http import Request, Response, json_response
@@ -84,7 +85,9 @@ async def models(request: Request) -> Response:
         allowed = _allowed(key, await _known("the models", state.tiers()))
     except GatewayError as exc:
         return exc.response()
-    data = [{"id": AUTO, "object": "model", "created": 0, "owned_by": "gateway"}]
+    auto = {"id": AUTO, "object": "model", "created": 0, "owned_by": "gateway", "resolves_to": {
+        kind: getattr(_auto(key, allowed, has_images=kind == "images"), "name", None) for kind in ("text", "images")}}
+    data = [auto]
     data += [
         {"id": t.name, "object": "model", "created": 0, "owned_by": "gateway",
          "modality": "text+image" if t.kind == "vision" else "text"}
@@ -93,17 +96,21 @@ async def models(request: Request) -> Response:
     return json_response({"object": "list", "data": data})
 
 
+def _auto(key: state.KeyInfo, allowed: list[TierSpec], *, has_images: bool) -> TierSpec | None:
+    return resolve_auto(allowed, has_images=has_images, tenant_text_tier_id=key.default_text_tier_id,
+                        tenant_image_tier_id=key.default_image_tier_id)
+
+
 def _pick_tier(model: str, key: state.KeyInfo, tiers: dict[str, TierSpec], has_images: bool) -> TierSpec:
     allowed = _allowed(key, tiers)
     if model == AUTO:
-        kind = "vision" if has_images else "text"
-        choices = sorted((t for t in allowed if t.kind == kind), key=lambda t: t.name)
-        if not choices and not has_images:  # a text request can go to a vision tier
-            choices = sorted((t for t in allowed if t.kind == "vision"), key=lambda t: t.name)
-        if not choices:
-            raise GatewayError(404, f"no {kind} model is available to this key", code="model_not_found",
-                               param="model")
-        return choices[0]
+        tier = _auto(key, allowed, has_images=has_images)
+        if tier is None:
+            kind = "image" if has_images else "text"
+            raise GatewayError(404, f"no default {kind} model is set for this key, so 'auto' means nothing: "
+                               "ask for a model by name (GET /v1/models lists them)",
+                               code="model_not_found", param="model")
+        return tier
     tier = tiers.get(model)
     if tier is None:
         raise GatewayError(404, f"the model '{model}' does not exist", code="model_not_found",

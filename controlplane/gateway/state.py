@@ -33,6 +33,8 @@ class KeyInfo:
     cache_salt: str | None
     allowed_tier_ids: frozenset[int] | None  # None: every enabled tier
     limits: Limits | None = None  # None: no quota
+    default_text_tier_id: int | None = None  # the tenant's own `auto` (catalog/routing.py)
+    default_image_tier_id: int | None = None
 
 
 @dataclass(frozen=True)
@@ -150,6 +152,8 @@ def _load_key(secret: str) -> KeyInfo | None:
         cache_salt=_salt(tenant.name) if tenant.isolate_prefix_cache else None,
         allowed_tier_ids=allowed or None,
         limits=None if limits is None or limits.unlimited else limits,
+        default_text_tier_id=tenant.default_text_tier_id,
+        default_image_tier_id=tenant.default_image_tier_id,
     )
 
 
@@ -228,6 +232,8 @@ def _load_tiers() -> dict[str, TierSpec]:
             tool_calls=bool(engine.tool_call_parser),
             tokenizer=tokenizers.get(tier.pk),
             priced=tier.price_plan_id in priced,
+            default_for_text=tier.default_for_text,
+            default_for_images=tier.default_for_images,
         )
     return specs
 

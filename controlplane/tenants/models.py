@@ -1,4 +1,5 @@
 from django.conf import settings
+from django.core.exceptions import ValidationError
 from django.db import models
 from django.utils import timezone
 
@@ -10,6 +11,11 @@ class Tenant(models.Model):
         "catalog.ModelTier", blank=True, related_name="tenants",
         help_text="Empty means every enabled tier",
     )
+    # Where `auto` sends this tenant's requests, in place of the tiers marked as the defaults.
+    default_text_tier = models.ForeignKey("catalog.ModelTier", null=True, blank=True, on_delete=models.SET_NULL,
+                                          related_name="+", help_text="`auto` for text requests")
+    default_image_tier = models.ForeignKey("catalog.ModelTier", null=True, blank=True, on_delete=models.SET_NULL,
+                                           related_name="+", help_text="`auto` for requests with images")
     isolate_prefix_cache = models.BooleanField(
         default=True, help_text="Send a per-tenant cache_salt so tenants never share KV blocks"
     )
@@ -21,6 +27,10 @@ class Tenant(models.Model):
 
     def __str__(self):
         return self.name
+
+    def clean(self):
+        if self.default_image_tier_id and self.default_image_tier.kind != "vision":
+            raise ValidationError({"default_image_tier": "only a vision tier can take requests with images"})
 
 
 class ApiKey(models.Model):

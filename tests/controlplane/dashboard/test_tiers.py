@@ -135,3 +135,33 @@ def test_only_operators_reach_the_tier_pages(client, world):
     client.force_login(world.operator)
     page = client.get("/tiers/").content.decode()
     assert world.vision.name in page and world.text.name in page
+
+
+def test_marking_a_tier_the_default_for_images_takes_the_mark_from_the_previous_one_on_purpose(client, world):
+    client.force_login(world.operator)
+    page = client.get("/tiers/").content.decode()
+    assert "requests with images to <strong>vlm-lite</strong>" in page
+    response = client.post("/tiers/new/", _form(world, save="1", default_for_images="on"), follow=True)
+    assert "`auto` now sends images requests to vlm-7b instead of vlm-lite." in html.unescape(
+        response.content.decode())
+    world.vision.refresh_from_db()
+    assert not world.vision.default_for_images and ModelTier.objects.get(name="vlm-7b").default_for_images
+    moved = AuditEntry.objects.get(object_type="model tier", object_id=str(world.vision.pk))
+    assert moved.changes == {"default_for_images": [True, False]} and moved.actor == world.operator.username
+
+
+def test_the_tier_auto_sends_to_cannot_be_disabled_until_another_is_the_default(client, world):
+    client.force_login(world.operator)
+    page = client.post(f"/tiers/{world.vision.name}/disable/", follow=True).content.decode()
+    assert "make another tier the default before disabling it" in html.unescape(page)
+    world.vision.refresh_from_db()
+    assert world.vision.enabled
+
+
+def test_the_keys_page_shows_where_auto_sends_each_tenants_requests(client, world):
+    world.bob.allowed_tiers.set([world.text])
+    client.force_login(world.operator)
+    page = client.get("/keys/").content.decode()
+    rows = {row.split("<td>")[1].split("</td>")[0]: row for row in page.split("<tr>")[2:]}
+    assert "text → text<br>images → vlm-lite" in rows["alice"]
+    assert "text → text<br>images → refused" in rows["bob"]

@@ -10,10 +10,13 @@ from asgiref.sync import async_to_sync
 from django.test import AsyncClient
 from django.utils import timezone
 
+from controlplane.catalog.models import ModelTier
 from controlplane.fleet.models import EngineInstance, Node
+from controlplane.gateway import state
 from controlplane.metering.models import UsageEvent
 from controlplane.tenants.services import api_key_revoke
 from tests.engines import simulator
+from tests.factories import VisionTierFactory
 from tests.images import data_url, image_bytes, serve_files
 
 
@@ -133,6 +136,41 @@ def test_a_stream_ends_with_done_and_is_metered(client, routed):
 def test_auto_routes_text_to_the_text_tier(client, routed):
     response = post(client, routed.alice_key, {"model": "auto", "messages": [{"role": "user", "content": "hi"}]})
     assert response.json()["model"] == "text"
+
+
+def _auto(client, key):
+    return client.get("/v1/models", HTTP_AUTHORIZATION=f"Bearer {key}").json()["data"][0]["resolves_to"]
+
+
+@pytest.mark.django_db
+def test_a_new_tier_whose_name_sorts_first_does_not_take_autos_traffic(client, routed):
+    VisionTierFactory(name="aaa-vlm")  # enabled and priced: before, `auto` picked it by name
+    assert _auto(client, routed.alice_key) == {"text": "text", "images": "vlm-lite"}
+    response = post(client, routed.alice_key, {"model": "auto", "max_tokens": 2,
+                                               "messages": image_message(data_url(image_bytes(64, 64)))})
+    assert response.status_code == 200 and response.json()["model"] == "vlm-lite"
+
+
+@pytest.mark.django_db
+def test_auto_follows_the_tenants_own_default_before_the_marked_tier(client, world):
+    big = VisionTierFactory(name="vlm-big")
+    world.alice.default_image_tier = big
+    world.alice.save()
+    assert _auto(client, world.alice_key) == {"text": "text", "images": "vlm-big"}
+    assert _auto(client, world.bob_key) == {"text": "text", "images": "vlm-lite"}
+    world.alice.allowed_tiers.set([world.text, world.vision])  # its default is no longer its to use
+    state.clear_caches()
+    assert _auto(client, world.alice_key) == {"text": "text", "images": "vlm-lite"}
+
+
+@pytest.mark.django_db
+def test_with_no_default_set_auto_is_refused_with_a_message_saying_so(client, world):
+    ModelTier.objects.update(default_for_text=False, default_for_images=False)
+    response = post(client, world.alice_key, {"model": "auto", "messages": [{"role": "user", "content": "hi"}]})
+    assert response.status_code == 404
+    assert error_of(response)["code"] == "model_not_found"
+    assert "no default text model is set for this key" in error_of(response)["message"]
+    assert _auto(client, world.alice_key) == {"text": None, "images": None}
 
 
 @pytest.mark.django_db
