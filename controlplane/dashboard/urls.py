@@ -9,6 +9,7 @@ urlpatterns = [
     path("keys/<int:pk>/revoke/", views.key_revoke, name="key-revoke"),
     path("fleet/", views.fleet, name="fleet"),
     path("fleet/external/", views.fleet_register_external, name="fleet-external"),
+    path("fleet/tiers/<slug:name>/replicas/", views.fleet_replicas, name="fleet-replicas"),
     path("fleet/<int:pk>/", views.fleet_instance, name="fleet-instance"),
     path("fleet/<int:pk>/<str:action>/", views.fleet_action, name="fleet-action"),
     path("tiers/", tiers.tier_list, name="tiers"),

@@ -128,11 +128,17 @@ def fleet(request):
     from controlplane.catalog.models import ModelTier
     from controlplane.fleet.models import Node
 
-    instances = EngineInstance.objects.select_related("tier", "node").prefetch_related("gpus").order_by(
-        "tier__name", "id")
+    instances = list(EngineInstance.objects.select_related("tier", "node").prefetch_related("gpus").order_by(
+        "tier__name", "id"))
+    tiers = list(ModelTier.objects.exclude(engine_kind=ModelTier.EngineKind.EXTERNAL).order_by("name"))
+    for tier in tiers:
+        tier.wanted_running = sum(1 for i in instances if i.tier_id == tier.pk and i.pool == "standard"
+                                  and i.desired_state == "running")
+        tier.serving = sum(1 for i in instances if i.tier_id == tier.pk and i.pool == "standard"
+                           and i.actual_state == "running" and i.healthy)
     return render(request, "dashboard/fleet.html", {
         "nodes": Node.objects.prefetch_related("gpus__instances").order_by("name"),
-        "instances": instances,
+        "instances": instances, "tiers": tiers,
         "events": EngineEvent.objects.select_related("instance__tier")[:40],
         "external_tiers": ModelTier.objects.filter(engine_kind=ModelTier.EngineKind.EXTERNAL),
         "disagreements": image_count_disagreements(since=timezone.now() - dt.timedelta(hours=24)),
@@ -159,15 +165,55 @@ def fleet_action(request, pk: int, action: str):
     _require(roles.is_operator, request.user)
     from django.db import transaction
 
-    from controlplane.fleet.services import instance_action
+    from controlplane.fleet.services import FleetActionRefused, instance_action
     from controlplane.fleet.tasks import fleet_reconcile
 
     instance = get_object_or_404(EngineInstance.objects.select_related("tier"), pk=pk)
     if action not in ("launch", "stop", "drain"):
         raise PermissionDenied
-    instance_action(instance=instance, action=action, user=request.user)
-    transaction.on_commit(fleet_reconcile.delay)  # act now rather than at the next beat tick
-    messages.success(request, f"{action.capitalize()} requested for {instance}.")
+    try:
+        done = instance_action(instance=instance, action=action, user=request.user,
+                               replace=request.POST.get("replace") == "1")
+    except FleetActionRefused as exc:
+        messages.error(request, str(exc))
+    else:
+        transaction.on_commit(_reconcile_soon(fleet_reconcile))  # act now rather than at the next beat tick
+        messages.success(request, done)
+    return redirect("dashboard:fleet")
+
+
+def _reconcile_soon(task):
+    def send():
+        try:
+            task.delay()
+        except Exception:  # noqa: BLE001 - the broker is away: the next beat tick does it
+            pass
+    return send
+
+
+@login_required
+@require_POST
+def fleet_replicas(request, name: str):
+    """Set how many replicas a tier wants: the control of the fleet."""
+    _require(roles.is_operator, request.user)
+    from django.db import transaction
+
+    from controlplane.catalog.models import ModelTier
+    from controlplane.fleet.services import tier_replicas_set
+    from controlplane.fleet.tasks import fleet_reconcile
+
+    tier = get_object_or_404(ModelTier, name=name)
+    try:
+        replicas = int(request.POST.get("replicas", ""))
+        if not 0 <= replicas <= 64:
+            raise ValueError
+    except ValueError:
+        messages.error(request, "Replicas must be a whole number from 0 to 64.")
+        return redirect("dashboard:fleet")
+    tier_replicas_set(tier=tier, replicas=replicas, actor=request.user.get_username())
+    transaction.on_commit(_reconcile_soon(fleet_reconcile))
+    messages.success(request, f"{tier.name} now wants {replicas} replica{'s' * (replicas != 1)}"
+                              + ("" if tier.enabled else " (it is disabled: none run until it is enabled)") + ".")
     return redirect("dashboard:fleet")
 
 

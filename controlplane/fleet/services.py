@@ -7,6 +7,7 @@ from django.db import transaction
 from django.db.models import Count, Q
 from django.utils import timezone
 
+from controlplane.catalog.engine_settings import EngineSettingsError
 from controlplane.catalog.models import ModelTier
 from controlplane.fleet.models import EngineEvent, EngineInstance, EngineMetricSample, Gpu, Node
 
@@ -48,24 +49,75 @@ def live_nodes(now=None):
     return Node.objects.filter(last_seen_at__gte=now - dt.timedelta(seconds=NODE_LIVE_SECONDS))
 
 
+def _wanted(tier: ModelTier) -> dict[str, int]:
+    """Replicas `tier` wants per pool: none when disabled (its engines drain and stop)."""
+    if not tier.enabled:
+        return {"standard": 0, "large": 0}
+    try:
+        large = tier.settings.large_pool_replicas  # an isolated pool for requests past the large-image threshold
+    except EngineSettingsError:
+        large = 0
+    return {"standard": tier.replicas, "large": large}
+
+
 def tier_replicas_sync() -> int:
-    """Create instance rows until every enabled tier has its replicas. Returns rows created."""
-    created = 0
-    counts = {
-        (tier_id, pool): n for tier_id, pool, n in
-        EngineInstance.objects.filter(desired_state=EngineInstance.Desired.RUNNING)
-        .values_list("tier_id", "pool").annotate(n=Count("id"))
-    }
-    # External engines are registered by URL, one row each, by an operator: never created here.
-    for tier in ModelTier.objects.filter(enabled=True).exclude(engine_kind=ModelTier.EngineKind.EXTERNAL):
-        wanted = {"standard": tier.replicas,
-                  # an isolated pool for requests past the large-image threshold
-                  "large": tier.settings.large_pool_replicas}
-        for pool, replicas in wanted.items():
-            for _ in range(replicas - counts.get((tier.pk, pool), 0)):
+    """Make each tier's engines what its desired replicas say: the control is the count on the
+    tier. Missing replicas of an enabled tier are launched (a fully stopped instance of the
+    tier is launched again before a new one is made); the surplus (a count lowered, a tier
+    disabled) is drained, least useful first. Returns how many instances changed."""
+    changed = 0
+    # External engines are registered by URL, one row each, by an operator: never made or drained here.
+    for tier_id in ModelTier.objects.exclude(engine_kind=ModelTier.EngineKind.EXTERNAL).values_list("pk", flat=True):
+        with transaction.atomic():
+            # Under the tier's lock, as an operator's action changes its count and its instances
+            # together (instance_action): never the count before the action and the instances after.
+            tier = ModelTier.objects.select_for_update().filter(pk=tier_id).first()
+            if tier is not None:
+                changed += _tier_sync(tier)
+    return changed
+
+
+def _tier_sync(tier: ModelTier) -> int:
+    changed = 0
+    A = EngineInstance.Actual
+    wanted_running = EngineInstance.Desired.RUNNING
+    instances = list(tier.instances.all())
+    for pool, replicas in _wanted(tier).items():
+        mine = [i for i in instances if i.pool == pool]
+        running = [i for i in mine if i.desired_state == wanted_running]
+        spare = sorted((i for i in mine if i.desired_state != wanted_running and i.pid is None
+                        and i.actual_state in (A.STOPPED, A.FAILED)), key=lambda i: i.pk)
+        for _ in range(replicas - len(running)):
+            if spare:
+                instance = spare.pop(0)
+                _relaunch(instance, reason=f"{tier.name} wants {replicas} {pool} replica(s)")
+            else:
                 EngineInstance.objects.create(tier=tier, pool=pool)
-                created += 1
-    return created
+            changed += 1
+        # Least useful first: not serving, then unhealthy, then the newest.
+        surplus = sorted(running, key=lambda i: (i.actual_state == A.RUNNING, i.healthy, -i.pk))
+        for instance in surplus[: max(0, len(running) - replicas)]:
+            instance.drain = True
+            instance.save(update_fields=["drain"])
+            why = "tier disabled" if not tier.enabled else f"{tier.name} wants {replicas} {pool} replica(s)"
+            instance_set_desired(instance=instance, desired=EngineInstance.Desired.STOPPED,
+                                 reason=f"drain: {why}")
+            changed += 1
+    return changed
+
+
+def _relaunch(instance: EngineInstance, *, reason: str) -> None:
+    """Launch `instance` again from scratch: no backoff, and placed afresh when no process of it
+    holds its GPUs (which may have gone to another engine meanwhile)."""
+    fields = {"restart_count": 0, "next_start_at": None, "drain": False, "drain_started_at": None}
+    if instance.actual_state == EngineInstance.Actual.FAILED:
+        fields["actual_state"] = EngineInstance.Actual.PENDING
+    if instance.pid is None:
+        instance.gpus.clear()
+        fields.update(node=None, port=None)
+    EngineInstance.objects.filter(pk=instance.pk).update(**fields)
+    instance.refresh_from_db()
+    instance_set_desired(instance=instance, desired=EngineInstance.Desired.RUNNING, reason=reason)
 
 
 NODE_LOST_SECONDS = 120
@@ -156,30 +208,76 @@ def samples_prune(now=None) -> int:
     return deleted
 
 
-def instance_action(*, instance: EngineInstance, action: str, user) -> None:
-    """What an operator asks of an instance from the fleet page: launch, stop or drain."""
-    who = getattr(user, "username", "system")
+@transaction.atomic
+def tier_replicas_set(*, tier: ModelTier, pool: str = "standard", replicas: int, actor: str) -> None:
+    """Set how many replicas `tier` wants in `pool` (the sync launches or drains to match),
+    recorded with who set it."""
+    from controlplane.audit.models import AuditEntry
+    from controlplane.audit.services import audit_record
+
+    tier = ModelTier.objects.select_for_update().get(pk=tier.pk)
+    before = {"replicas": tier.replicas, "large_pool_replicas": tier.settings.large_pool_replicas}
+    if pool == "large":
+        tier.engine_settings = {**tier.engine_settings, "large_pool_replicas": replicas}
+    else:
+        tier.replicas = replicas
+    tier.save()
+    audit_record(actor=actor, action=AuditEntry.Action.CHANGED, obj=tier, before=before,
+                 after={"replicas": tier.replicas, "large_pool_replicas": tier.settings.large_pool_replicas})
+
+
+class FleetActionRefused(Exception):
+    """An action that cannot be done as asked; the message says why."""
+
+
+@transaction.atomic
+def instance_action(*, instance: EngineInstance, action: str, user, replace: bool = False) -> str:
+    """What an operator asks of an instance from the fleet page, done exactly as said, and what
+    it did (for the page to show):
+
+    - drain: no new work, stopped once its requests finish; stop: stopped now. Either lowers the
+      tier's desired replicas by one, unless `replace`, when a replacement is launched instead;
+    - launch: a stopped instance runs again, raising the desired replicas by one; a failed one
+      that is still wanted starts again at once, without its backoff.
+    """
+    who = getattr(user, "username", "") or "system"
+    tier = instance.tier
+    external = tier.engine_kind == ModelTier.EngineKind.EXTERNAL
+    wanted = instance.desired_state == EngineInstance.Desired.RUNNING
     if action == "launch":
-        if instance.tier.engine_kind == ModelTier.EngineKind.EXTERNAL:
+        if not tier.enabled:
+            raise FleetActionRefused(f"{tier.name} is disabled: enable the tier first")
+        if external:
             instance_set_desired(instance=instance, desired=EngineInstance.Desired.RUNNING,
                                  reason=f"back in rotation, by {who}")
-            return
-        EngineInstance.objects.filter(pk=instance.pk).update(
-            restart_count=0, next_start_at=None, drain=False, drain_started_at=None,
-            actual_state=EngineInstance.Actual.PENDING
-            if instance.actual_state == EngineInstance.Actual.FAILED else instance.actual_state)
-        instance.refresh_from_db()
-        if instance.pid is None:
-            # No live process holds its GPUs, which may have gone to another engine
-            # meanwhile: place it afresh.
-            instance.gpus.clear()
-            EngineInstance.objects.filter(pk=instance.pk).update(node=None, port=None)
-            instance.refresh_from_db()
-        instance_set_desired(instance=instance, desired=EngineInstance.Desired.RUNNING, reason=f"launched by {who}")
-    elif action in ("stop", "drain"):
+            return f"{instance} is back in rotation."
+        if not wanted:
+            _count_change(tier, instance.pool, +1, who)
+        _relaunch(instance, reason=f"launched by {who}")
+        return f"{instance} launched; {_wants(tier, instance.pool)}."
+    if action in ("stop", "drain"):
+        if not wanted:
+            raise FleetActionRefused(f"{instance} is already stopping or stopped")
         instance.drain = action == "drain"
         instance.save(update_fields=["drain"])
+        if not external and not replace:
+            _count_change(tier, instance.pool, -1, who)
         instance_set_desired(instance=instance, desired=EngineInstance.Desired.STOPPED,
-                             reason=f"{'drain' if instance.drain else 'stop'} requested by {who}")
-    else:
-        raise ValueError(f"unknown action {action!r}")
+                             reason=f"{action} requested by {who}" + (", with a replacement" if replace else ""))
+        if external:
+            return f"{instance} is out of rotation."
+        done = "draining" if action == "drain" else "stopping"
+        return f"{instance} is {done}; " + ("a replacement is launched." if replace else f"{_wants(tier, instance.pool)}.")
+    raise ValueError(f"unknown action {action!r}")
+
+
+def _count_change(tier: ModelTier, pool: str, by: int, who: str) -> None:
+    tier.refresh_from_db()
+    current = tier.settings.large_pool_replicas if pool == "large" else tier.replicas
+    tier_replicas_set(tier=tier, pool=pool, replicas=max(0, current + by), actor=who)
+    tier.refresh_from_db()
+
+
+def _wants(tier: ModelTier, pool: str) -> str:
+    count = tier.settings.large_pool_replicas if pool == "large" else tier.replicas
+    return f"{tier.name} now wants {count} {'large-image ' if pool == 'large' else ''}replica{'s' * (count != 1)}"

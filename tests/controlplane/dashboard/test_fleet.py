@@ -3,8 +3,11 @@ from __future__ import annotations
 import pytest
 from django.utils import timezone
 
+from controlplane.audit.models import AuditEntry
 from controlplane.catalog.models import ModelTier
 from controlplane.fleet.models import EngineEvent, EngineInstance, Gpu, Node
+from controlplane.fleet.services import tier_replicas_sync
+from tests.factories import VisionTierFactory
 
 pytestmark = pytest.mark.django_db
 
@@ -40,8 +43,95 @@ def test_drain_stop_and_launch_move_the_desired_state_and_are_logged(client, fle
     running.refresh_from_db()
     assert running.desired_state == "running" and not running.drain
     reasons = list(EngineEvent.objects.filter(instance=running).values_list("reason", flat=True))
-    assert any("drain requested by olivia" in r for r in reasons)
-    assert any("launched by olivia" in r for r in reasons)
+    assert any(f"drain requested by {world.operator.username}" in r for r in reasons)
+    assert any(f"launched by {world.operator.username}" in r for r in reasons)
+
+
+def _wanted_running(tier):
+    return list(tier.instances.filter(desired_state="running").order_by("pk"))
+
+
+def test_a_drain_lowers_the_tiers_replicas_instead_of_spawning_a_hidden_replacement(client, fleet):
+    world, node, running = fleet
+    client.force_login(world.operator)
+    page = client.post(f"/fleet/{running.pk}/drain/", follow=True).content.decode()
+    assert "vlm-lite now wants 0 replicas" in page
+    tier_replicas_sync()
+    world.vision.refresh_from_db()
+    assert world.vision.replicas == 0 and _wanted_running(world.vision) == []
+    entry = AuditEntry.objects.get(object_type="model tier", object_id=str(world.vision.pk))
+    assert entry.changes["replicas"] == [1, 0] and entry.actor == world.operator.username
+
+
+def test_replace_drains_the_instance_and_launches_another_in_its_place(client, fleet):
+    world, node, running = fleet
+    client.force_login(world.operator)
+    page = client.post(f"/fleet/{running.pk}/drain/", {"replace": "1"}, follow=True).content.decode()
+    assert "a replacement is launched" in page
+    tier_replicas_sync()
+    world.vision.refresh_from_db()
+    replacement = _wanted_running(world.vision)
+    assert world.vision.replicas == 1 and len(replacement) == 1 and replacement[0].pk != running.pk
+
+
+def test_launching_a_stopped_instance_again_leaves_one_instance_per_replica(client, fleet):
+    world, node, running = fleet
+    client.force_login(world.operator)
+    client.post(f"/fleet/{running.pk}/stop/")
+    tier_replicas_sync()
+    client.post(f"/fleet/{running.pk}/launch/")
+    tier_replicas_sync()
+    world.vision.refresh_from_db()
+    assert world.vision.replicas == 1 and _wanted_running(world.vision) == [running]
+
+
+def test_disabling_a_tier_drains_its_engines_and_enabling_it_launches_them_again(client, fleet):
+    world, node, running = fleet
+    other = VisionTierFactory(name="vlm-other", default_for_images=False)
+    world.vision.default_for_images = False
+    world.vision.save()
+    other.default_for_images = True
+    other.save()
+    client.force_login(world.operator)
+    client.post(f"/tiers/{world.vision.name}/disable/")
+    tier_replicas_sync()
+    running.refresh_from_db()
+    assert running.desired_state == "stopped" and running.drain
+    assert EngineEvent.objects.filter(instance=running, reason__contains="tier disabled").exists()
+    assert client.post(f"/fleet/{running.pk}/launch/", follow=True).content.decode().count(
+        "is disabled: enable the tier first") == 1
+    EngineInstance.objects.filter(pk=running.pk).update(actual_state="stopped", pid=None)  # it has drained
+    client.post(f"/tiers/{world.vision.name}/enable/")
+    tier_replicas_sync()
+    assert _wanted_running(world.vision) == [running]  # launched again, not a new row beside it
+
+
+def test_lowering_the_replicas_drains_the_least_useful_engines_first(client, fleet):
+    world, node, running = fleet
+    crashed = EngineInstance.objects.create(tier=world.vision, node=node, actual_state="failed")
+    healthy_new = EngineInstance.objects.create(tier=world.vision, node=node, actual_state="running", healthy=True)
+    world.vision.replicas = 3
+    world.vision.save()
+    client.force_login(world.operator)
+    client.post(f"/fleet/tiers/{world.vision.name}/replicas/", {"replicas": 1})
+    tier_replicas_sync()
+    assert _wanted_running(world.vision) == [running]  # the crashed one first, then the newest
+    crashed.refresh_from_db()
+    healthy_new.refresh_from_db()
+    assert crashed.desired_state == healthy_new.desired_state == "stopped"
+    assert "Replicas must be a whole number" in client.post(
+        f"/fleet/tiers/{world.vision.name}/replicas/", {"replicas": "-1"}, follow=True).content.decode()
+
+
+def test_destructive_actions_ask_for_confirmation_and_the_page_updates_in_place(client, fleet):
+    world, node, running = fleet
+    client.force_login(world.operator)
+    page = client.get("/fleet/").content.decode()
+    assert 'http-equiv="refresh"' not in page and 'data-live="5"' in page
+    row = page.split(f'data-instance="{running.pk}"')[1].split("</tr>")[0]
+    for action in ("drain", "stop"):
+        form = row.split(f'action="/fleet/{running.pk}/{action}/"')[1].split(">")[0]
+        assert "data-confirm=" in form
 
 
 def test_only_operators_act_on_the_fleet(client, fleet):

@@ -102,7 +102,7 @@ def test_a_draining_engine_keeps_its_gpu_until_it_has_stopped(world):
     instances_place()
     serving = tier.instances.get()
     EngineInstance.objects.filter(pk=serving.pk).update(actual_state="running", pid=4242)  # alive
-    instance_action(instance=EngineInstance.objects.get(pk=serving.pk), action="drain", user=None)
+    instance_action(instance=EngineInstance.objects.get(pk=serving.pk), action="drain", user=None, replace=True)
     tier_replicas_sync()  # a replacement is wanted at once
     instances_place()
     replacement = tier.instances.exclude(pk=serving.pk).get()
@@ -121,7 +121,7 @@ def test_relaunching_an_instance_that_lost_its_gpu_places_it_afresh(world):
     tier_replicas_sync()
     instances_place()
     first = tier.instances.get()
-    instance_action(instance=first, action="stop", user=None)
+    instance_action(instance=first, action="stop", user=None, replace=True)
     tier_replicas_sync()
     instances_place()  # the replacement takes GPU 0
     instance_action(instance=EngineInstance.objects.get(pk=first.pk), action="launch", user=None)
