@@ -136,3 +136,95 @@ class HostListField(forms.CharField):
 
     def to_python(self, value):
         return [part for part in (value or "").replace(",", " ").split() if part]
+
+
+QUOTA_LIMITS = ("image_tokens", "total_tokens", "requests_per_minute", "concurrent_large_images")
+
+
+class TenantForm(forms.ModelForm):
+    """A tenant with the tiers it may use and its quota, each an explicit choice: a new tenant
+    starts from the operator's default quota, and "every tier" or "unlimited" is chosen on
+    purpose, never by leaving something empty."""
+
+    tier_access = forms.ChoiceField(widget=forms.RadioSelect, label="Tiers it may use", choices=[
+        ("every", "Every enabled tier, present and future"), ("chosen", "Only the tiers chosen here")])
+    tiers = forms.ModelMultipleChoiceField(queryset=None, required=False, widget=forms.CheckboxSelectMultiple,
+                                           label="Chosen tiers")
+    quota_mode = forms.ChoiceField(widget=forms.RadioSelect, label="Quota", choices=[
+        ("limits", "These limits"), ("unlimited", "Unlimited: no quota at all")])
+    period = forms.ChoiceField(choices=[("day", "per day"), ("month", "per month")], label="Period")
+    image_tokens = forms.IntegerField(min_value=1, max_value=10**15, required=False, label="Image tokens")
+    total_tokens = forms.IntegerField(min_value=1, max_value=10**15, required=False, label="Total tokens")
+    requests_per_minute = forms.IntegerField(min_value=1, max_value=10**7, required=False,
+                                             label="Requests per minute")
+    concurrent_large_images = forms.IntegerField(min_value=1, max_value=10**5, required=False,
+                                                 label="Large-image requests at once")
+
+    class Meta:
+        from controlplane.tenants.models import Tenant
+
+        model = Tenant
+        fields = ["name", "display_name", "active", "isolate_prefix_cache", "default_text_tier",
+                  "default_image_tier"]
+        labels = {"isolate_prefix_cache": "Own prefix cache (never shares KV blocks with other tenants)",
+                  "default_text_tier": "`auto` for text", "default_image_tier": "`auto` for images"}
+        del Tenant
+
+    def __init__(self, *args, **kwargs):
+        from controlplane.catalog.models import ModelTier
+        from controlplane.tenants.models import Quota, QuotaDefault
+
+        super().__init__(*args, **kwargs)
+        tiers = ModelTier.objects.order_by("name")
+        self.fields["tiers"].queryset = tiers
+        self.fields["default_text_tier"].queryset = tiers
+        self.fields["default_image_tier"].queryset = tiers.filter(kind=ModelTier.Kind.VISION)
+        for name in ("default_text_tier", "default_image_tier"):
+            self.fields[name].empty_label = "the tier marked as the default"
+        creating = self.instance.pk is None
+        quota = None if creating else Quota.objects.filter(tenant=self.instance).first()
+        start = QuotaDefault.current() if creating else quota
+        if not creating:
+            chosen = list(self.instance.allowed_tiers.all())
+            self.initial.update(tier_access="chosen" if chosen else "every", tiers=chosen)
+            unlimited = quota is None or all(getattr(quota, n) is None for n in QUOTA_LIMITS)
+            self.initial["quota_mode"] = "unlimited" if unlimited else "limits"
+        elif not start.unlimited:
+            self.initial["quota_mode"] = "limits"  # the operator's default quota, filled in below
+        if start is not None:
+            self.initial.update({name: getattr(start, name) for name in ("period", *QUOTA_LIMITS)})
+
+    def clean(self):
+        data = super().clean()
+        if data.get("tier_access") == "chosen" and not data.get("tiers"):
+            self.add_error("tiers", "choose at least one tier, or let it use every tier")
+        if data.get("quota_mode") == "limits" and all(data.get(name) is None for name in QUOTA_LIMITS):
+            self.add_error("quota_mode", "set at least one limit, or choose unlimited")
+        usable = set(data.get("tiers") or []) if data.get("tier_access") == "chosen" else None
+        for name in ("default_text_tier", "default_image_tier"):
+            tier = data.get(name)
+            if tier is not None and usable is not None and tier not in usable:
+                self.add_error(name, f"{tier.name} is not among the tiers it may use")
+        return data
+
+    def chosen_tiers(self) -> list | None:
+        """The tiers it may use; None: every tier."""
+        return list(self.cleaned_data["tiers"]) if self.cleaned_data["tier_access"] == "chosen" else None
+
+    def quota(self) -> dict | None:
+        """Its quota; None: unlimited."""
+        if self.cleaned_data["quota_mode"] == "unlimited":
+            return None
+        return {name: self.cleaned_data.get(name) for name in ("period", *QUOTA_LIMITS)}
+
+
+class QuotaDefaultForm(forms.ModelForm):
+    class Meta:
+        from controlplane.tenants.models import QuotaDefault
+
+        model = QuotaDefault
+        fields = ["period", *QUOTA_LIMITS]
+        labels = {"image_tokens": "Image tokens", "total_tokens": "Total tokens",
+                  "requests_per_minute": "Requests per minute",
+                  "concurrent_large_images": "Large-image requests at once"}
+        del QuotaDefault

@@ -1,6 +1,6 @@
 from django.urls import path
 
-from controlplane.dashboard import exports, tiers, views
+from controlplane.dashboard import exports, tenants, tiers, views
 
 app_name = "dashboard"
 urlpatterns = [
@@ -12,6 +12,9 @@ urlpatterns = [
     path("fleet/tiers/<slug:name>/replicas/", views.fleet_replicas, name="fleet-replicas"),
     path("fleet/<int:pk>/", views.fleet_instance, name="fleet-instance"),
     path("fleet/<int:pk>/<str:action>/", views.fleet_action, name="fleet-action"),
+    path("tenants/", tenants.tenant_list, name="tenants"),
+    path("tenants/new/", tenants.tenant_new, name="tenant-new"),
+    path("tenants/<slug:name>/", tenants.tenant_edit, name="tenant-edit"),
     path("tiers/", tiers.tier_list, name="tiers"),
     path("tiers/new/", tiers.tier_new, name="tier-new"),
     path("tiers/<slug:name>/", tiers.tier_edit, name="tier-edit"),

@@ -1,3 +1,5 @@
+from __future__ import annotations
+
 from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.db import models
@@ -75,6 +77,30 @@ class Quota(models.Model):
 
     def __str__(self):
         return f"quota for {self.tenant}"
+
+
+class QuotaDefault(models.Model):
+    """The quota a new tenant starts with, as the operator set it (one row). No limit set at
+    all means new tenants start unlimited, which the tenant form then says in so many words."""
+
+    period = models.CharField(max_length=8, choices=Quota.Period.choices, default=Quota.Period.MONTH)
+    image_tokens = models.PositiveBigIntegerField(null=True, blank=True, help_text="Empty: no limit")
+    total_tokens = models.PositiveBigIntegerField(null=True, blank=True, help_text="Empty: no limit")
+    requests_per_minute = models.PositiveIntegerField(null=True, blank=True)
+    concurrent_large_images = models.PositiveIntegerField(null=True, blank=True)
+
+    LIMITS = ("image_tokens", "total_tokens", "requests_per_minute", "concurrent_large_images")
+
+    def __str__(self):
+        return "quota of new tenants"
+
+    @classmethod
+    def current(cls) -> QuotaDefault:
+        return cls.objects.order_by("pk").first() or cls()
+
+    @property
+    def unlimited(self) -> bool:
+        return all(getattr(self, name) is None for name in self.LIMITS)
 
 
 class Membership(models.Model):

@@ -64,3 +64,63 @@ def api_key_lookup(secret: str) -> ApiKey | None:
     if api_key is None or not hmac.compare_digest(api_key.key_hash, digest):
         return None
     return api_key if api_key.is_usable() else None
+
+
+TENANT_AUDITED = ("name", "display_name", "active", "isolate_prefix_cache", "default_text_tier_id",
+                  "default_image_tier_id")
+QUOTA_AUDITED = ("period", "image_tokens", "total_tokens", "requests_per_minute", "concurrent_large_images")
+
+
+@transaction.atomic
+def tenant_save(*, tenant: Tenant, tiers: list | None, quota: dict | None, actor: str) -> Tenant:
+    """Save a tenant (checked by its form) with the tiers it may use (None: every tier, present
+    and future) and its quota (None: unlimited), recording each change with who made it."""
+    from controlplane.audit.models import AuditEntry
+    from controlplane.audit.services import audit_record, field_values
+    from controlplane.tenants.models import Quota
+
+    created = tenant.pk is None
+    before = {} if created else {**field_values(Tenant.objects.get(pk=tenant.pk), TENANT_AUDITED),
+                                 "tiers": _tier_names(tenant)}
+    tenant.save()
+    tenant.allowed_tiers.set(tiers or [])
+    after = {**field_values(tenant, TENANT_AUDITED), "tiers": _tier_names(tenant)}
+    audit_record(actor=actor, action=AuditEntry.Action.CREATED if created else AuditEntry.Action.CHANGED,
+                 obj=tenant, before=before, after=after)
+    existing = Quota.objects.filter(tenant=tenant).first()
+    was = field_values(existing, QUOTA_AUDITED) if existing else {}
+    if quota is None:
+        if existing is not None:
+            existing.delete()
+            audit_record(actor=actor, action=AuditEntry.Action.DELETED, obj=existing, before=was)
+        return tenant
+    row = existing or Quota(tenant=tenant)
+    for name in QUOTA_AUDITED:
+        setattr(row, name, quota.get(name))
+    row.save()
+    audit_record(actor=actor, action=AuditEntry.Action.CHANGED if existing else AuditEntry.Action.CREATED,
+                 obj=row, before=was, after=field_values(row, QUOTA_AUDITED))
+    return tenant
+
+
+def _tier_names(tenant: Tenant) -> str:
+    names = sorted(tenant.allowed_tiers.values_list("name", flat=True))
+    return ", ".join(names) if names else "every tier"
+
+
+@transaction.atomic
+def quota_default_set(*, values: dict, actor: str):
+    """Set the quota new tenants start with."""
+    from controlplane.audit.models import AuditEntry
+    from controlplane.audit.services import audit_record, field_values
+    from controlplane.tenants.models import QuotaDefault
+
+    row = QuotaDefault.objects.select_for_update().order_by("pk").first()
+    was = field_values(row, QUOTA_AUDITED) if row else {}
+    row = row or QuotaDefault()
+    for name in QUOTA_AUDITED:
+        setattr(row, name, values.get(name))
+    row.save()
+    audit_record(actor=actor, action=AuditEntry.Action.CHANGED if was else AuditEntry.Action.CREATED, obj=row,
+                 before=was, after=field_values(row, QUOTA_AUDITED))
+    return row
