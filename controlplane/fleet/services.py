@@ -241,6 +241,18 @@ def instance_action(*, instance: EngineInstance, action: str, user, replace: boo
       that is still wanted starts again at once, without its backoff.
     """
     who = getattr(user, "username", "") or "system"
+    before = {"desired_state": instance.desired_state, "drain": instance.drain}
+    done = _instance_action(instance, action, who, replace)
+    from controlplane.audit.models import AuditEntry
+    from controlplane.audit.services import audit_record
+
+    instance.refresh_from_db()
+    audit_record(actor=who, action=AuditEntry.Action.CHANGED, obj=instance, before=before,
+                 after={"desired_state": instance.desired_state, "drain": instance.drain})
+    return done
+
+
+def _instance_action(instance: EngineInstance, action: str, who: str, replace: bool) -> str:
     tier = instance.tier
     external = tier.engine_kind == ModelTier.EngineKind.EXTERNAL
     wanted = instance.desired_state == EngineInstance.Desired.RUNNING

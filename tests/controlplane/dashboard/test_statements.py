@@ -1,0 +1,60 @@
+"""Finance has a statements page per tenant and month, with the figures the API gives the
+tenant, reachable from the usage page; a tenant admin sees its own tenant's only."""
+
+from __future__ import annotations
+
+from decimal import Decimal
+
+import pytest
+from django.utils import timezone
+
+from controlplane.metering.services import UsageRecord, usage_record
+
+pytestmark = pytest.mark.django_db
+
+
+def _spend(world):
+    now = timezone.now()
+    for n in range(1, 6):
+        usage_record(record=UsageRecord(request_id=f"s{n}", tenant_id=world.alice.pk, api_key_id=None,
+                                        tier_id=(world.vision if n % 2 else world.text).pk, image_tokens=333 * n,
+                                        text_tokens=71 * n, output_tokens=13 * n, created_at=now))
+    usage_record(record=UsageRecord(request_id="b1", tenant_id=world.bob.pk, api_key_id=None,
+                                    tier_id=world.text.pk, text_tokens=5000, created_at=now))
+    return f"{now:%Y-%m}"
+
+
+def _total(page: str) -> str:
+    return page.split('id="statement-total">')[1].split("<")[0]
+
+
+def test_finance_sees_the_same_statement_as_the_api(client, world):
+    month = _spend(world)
+    api = client.get(f"/api/v1/statements/{month}/", HTTP_AUTHORIZATION=f"Bearer {world.alice_key}").json()
+    client.force_login(world.finance)
+    assert 'id="to-statements"' in client.get("/").content.decode()  # reachable from the usage page
+    page = client.get(f"/statements/?tenant=alice&month={month}").content.decode()
+    assert Decimal(_total(page)) == Decimal(api["total"]) and Decimal(api["total"]) > 0
+    table = page.split('id="statement"')[1].split("</tbody>")[0]
+    for line in api["lines"]:
+        row = table.split(f"<td>{line['tier']}</td>")[1].split("</tr>")[0]
+        assert f"{line['requests']:,}" in row and f"{Decimal(line['cost']):.6f}" in row
+    assert f"tenant=alice&amp;from={month}-01" in page  # its per-image rows, to reconcile
+
+
+def test_a_tenant_admin_sees_only_its_own_tenants_statement(client, world):
+    month = _spend(world)
+    client.force_login(world.alice_admin)
+    mine = client.get(f"/statements/?month={month}").content.decode()
+    bobs = client.get(f"/statements/?tenant=bob&month={month}").content.decode()
+    assert "Statement of alice" in mine and "Statement of alice" in bobs  # ?tenant= is not theirs to choose
+    assert _total(mine) == _total(bobs)
+    client.force_login(world.charlie_admin)
+    assert Decimal(_total(client.get(f"/statements/?month={month}").content.decode())) == 0
+
+
+def test_a_month_that_is_not_one_is_a_message_not_an_error(client, world):
+    client.force_login(world.finance)
+    for month in ("2026-13", "0000-01", "x" * 500):
+        response = client.get(f"/statements/?tenant=alice&month={month}")
+        assert response.status_code == 200 and "use YYYY-MM" in response.content.decode()
