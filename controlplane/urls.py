@@ -3,6 +3,7 @@ from django.contrib.auth import views as auth_views
 from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
+from controlplane.dashboard.users import Invitation
 from controlplane.fleet.prometheus import metrics
 
 urlpatterns = [
@@ -16,6 +17,7 @@ urlpatterns = [
     path("admin/", admin.site.urls),
     path("login/", auth_views.LoginView.as_view(), name="login"),
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
+    path("invitation/<uidb64>/<token>/", Invitation.as_view(), name="invitation"),
     path("benchmarks/", include("controlplane.benchmarks.urls")),
     path("", include("controlplane.dashboard.urls")),
 ]

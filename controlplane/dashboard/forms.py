@@ -228,3 +228,53 @@ class QuotaDefaultForm(forms.ModelForm):
                   "requests_per_minute": "Requests per minute",
                   "concurrent_large_images": "Large-image requests at once"}
         del QuotaDefault
+
+
+class RoleField(forms.ChoiceField):
+    """operator, finance, or tenant:<id> (the admin of that tenant)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(choices=self._choices, **kwargs)
+
+    @staticmethod
+    def _choices():
+        from controlplane.tenants.models import Tenant
+
+        return [("", "choose a role"), ("operator", "Operator: everything"),
+                ("finance", "Finance: usage, statements, exports, read only"),
+                *[(f"tenant:{t.pk}", f"Tenant admin of {t.name}") for t in Tenant.objects.filter(active=True)]]
+
+    def clean(self, value):
+        from controlplane.tenants.models import Tenant
+        from controlplane.tenants.users import TENANT_ADMIN, Role
+
+        value = super().clean(value)
+        if value.startswith("tenant:"):
+            return Role(TENANT_ADMIN, Tenant.objects.get(pk=int(value.split(":", 1)[1])))
+        return Role(value)
+
+
+def role_value(role) -> str:
+    if role is None:
+        return ""
+    return f"tenant:{role.tenant.pk}" if role.tenant is not None else role.name
+
+
+class UserInviteForm(forms.Form):
+    username = forms.RegexField(regex=r"^[\w.@+-]+\Z", max_length=150,
+                                error_messages={"invalid": "letters, digits and @ . + - _ only"})
+    email = forms.EmailField(required=False)
+    role = RoleField()
+
+    def clean_username(self):
+        from django.contrib.auth import get_user_model
+
+        name = self.cleaned_data["username"]
+        if get_user_model().objects.filter(username__iexact=name).exists():
+            raise forms.ValidationError("a user with that name exists")
+        return name
+
+
+class UserChangeForm(forms.Form):
+    role = RoleField()
+    active = forms.BooleanField(required=False, label="Active (may log in)")

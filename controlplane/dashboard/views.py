@@ -117,7 +117,7 @@ def keys(request):
 def key_revoke(request, pk: int):
     _require(roles.is_operator, request.user)
     api_key = get_object_or_404(ApiKey, pk=pk)
-    api_key_revoke(api_key=api_key)
+    api_key_revoke(api_key=api_key, actor=request.user)
     messages.success(request, f"Key {api_key.prefix}… revoked.")
     return redirect("dashboard:keys")
 

@@ -45,14 +45,30 @@ def api_key_create(
             if attempt == 4:
                 raise
             continue
+        _key_audit(api_key, created_by, created=True)
         return IssuedKey(api_key=api_key, secret=secret)
     raise AssertionError("unreachable")
 
 
-def api_key_revoke(*, api_key: ApiKey) -> None:
+def api_key_revoke(*, api_key: ApiKey, actor=None) -> None:
     if api_key.revoked_at is None:
         api_key.revoked_at = timezone.now()
         api_key.save(update_fields=["revoked_at"])
+        _key_audit(api_key, actor, created=False)
+
+
+def _key_audit(api_key: ApiKey, user, *, created: bool) -> None:
+    from controlplane.audit.models import AuditEntry
+    from controlplane.audit.services import audit_record
+
+    who = getattr(user, "username", None) or (user if isinstance(user, str) else "")
+    if created:
+        audit_record(actor=who, action=AuditEntry.Action.CREATED, obj=api_key,
+                     after={"tenant": api_key.tenant.name, "name": api_key.name, "prefix": api_key.prefix,
+                            "expires_at": api_key.expires_at.isoformat() if api_key.expires_at else None})
+    else:
+        audit_record(actor=who, action=AuditEntry.Action.CHANGED, obj=api_key, before={"revoked_at": None},
+                     after={"revoked_at": api_key.revoked_at.isoformat()})
 
 
 def api_key_lookup(secret: str) -> ApiKey | None:
