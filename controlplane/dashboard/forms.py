@@ -7,6 +7,15 @@ class ApiKeyForm(forms.Form):
     tenant = forms.ModelChoiceField(queryset=Tenant.objects.filter(active=True))
     name = forms.CharField(max_length=64, required=False)
     expires_at = forms.DateTimeField(required=False, help_text="Optional, UTC")
+    tiers = forms.ModelMultipleChoiceField(queryset=None, required=False, widget=forms.CheckboxSelectMultiple,
+                                           label="Models it may use",
+                                           help_text="None ticked: every model its tenant may use")
+
+    def __init__(self, *args, **kwargs):
+        from controlplane.catalog.models import ModelTier
+
+        super().__init__(*args, **kwargs)
+        self.fields["tiers"].queryset = ModelTier.objects.order_by("name")
 
 
 class PolicyPreviewForm(forms.Form):

@@ -40,7 +40,8 @@ def quota_use(tenant: Tenant, quota: Quota | None, now=None) -> list[dict]:
         limit = getattr(quota, name)
         value = used.get(name)
         rows.append({"name": name, "label": name.replace("_", " ").capitalize(), "limit": limit, "used": value,
-                     "share": round(100 * value / limit) if limit and value is not None else None})
+                     "share": round(100 * value / limit) if limit and value is not None else None,
+                     "left": max(0, limit - value) if limit and value is not None else None})
     return rows
 
 

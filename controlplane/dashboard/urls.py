@@ -1,6 +1,6 @@
 from django.urls import path
 
-from controlplane.dashboard import audit, exports, statements, tenants, tiers, users, views
+from controlplane.dashboard import account, audit, exports, statements, tenants, tiers, users, views
 
 app_name = "dashboard"
 urlpatterns = [
@@ -12,6 +12,8 @@ urlpatterns = [
     path("fleet/tiers/<slug:name>/replicas/", views.fleet_replicas, name="fleet-replicas"),
     path("fleet/<int:pk>/", views.fleet_instance, name="fleet-instance"),
     path("fleet/<int:pk>/<str:action>/", views.fleet_action, name="fleet-action"),
+    path("account/", account.account, name="account"),
+    path("account/keys/<int:pk>/revoke/", account.account_key_revoke, name="account-key-revoke"),
     path("audit/", audit.audit_log, name="audit"),
     path("users/", users.user_list, name="users"),
     path("users/<int:pk>/", users.user_edit, name="user-edit"),

@@ -94,7 +94,8 @@ def keys(request):
     form = ApiKeyForm(request.POST or None)
     if request.method == "POST" and form.is_valid():
         result = api_key_create(tenant=form.cleaned_data["tenant"], name=form.cleaned_data["name"],
-                                created_by=request.user, expires_at=form.cleaned_data["expires_at"])
+                                created_by=request.user, expires_at=form.cleaned_data["expires_at"],
+                                tiers=list(form.cleaned_data["tiers"]))
         # Post/redirect/get: a reload must not mint a second key. The secret rides in the
         # server-side session only until the next page view, which removes it.
         request.session["issued_key"] = result.secret

@@ -128,13 +128,13 @@ def _salt(tenant_name: str) -> str:
 
 
 def _load_key(secret: str) -> KeyInfo | None:
-    from controlplane.tenants.services import api_key_lookup
+    from controlplane.tenants.services import api_key_lookup, usable_tier_ids
 
     api_key = api_key_lookup(secret)
     if api_key is None:
         return None
     tenant = api_key.tenant
-    allowed = frozenset(tenant.allowed_tiers.values_list("id", flat=True))
+    allowed = usable_tier_ids(api_key)
     # Mark use at most once a minute per key: a write per request would put the DB on the hot path.
     now = timezone.now()
     if api_key.last_used_at is None or (now - api_key.last_used_at).total_seconds() > 60:

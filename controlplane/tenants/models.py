@@ -49,6 +49,9 @@ class ApiKey(models.Model):
     expires_at = models.DateTimeField(null=True, blank=True)
     revoked_at = models.DateTimeField(null=True, blank=True)
     last_used_at = models.DateTimeField(null=True, blank=True)
+    allowed_tiers = models.ManyToManyField(
+        "catalog.ModelTier", blank=True, related_name="+",
+        help_text="Empty: every tier its tenant may use; else only these (and only those its tenant may use)")
 
     class Meta:
         ordering = ["-created_at"]

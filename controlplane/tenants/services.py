@@ -26,8 +26,9 @@ def key_hash(secret: str) -> str:
 
 
 def api_key_create(
-    *, tenant: Tenant, name: str = "", created_by=None, expires_at: datetime | None = None
+    *, tenant: Tenant, name: str = "", created_by=None, expires_at: datetime | None = None, tiers=None
 ) -> IssuedKey:
+    """A new key of `tenant`; `tiers`, when given, scopes it to those models."""
     for attempt in range(5):
         prefix = secrets.token_hex(4)  # 32 bits: collisions are rare, not impossible
         secret = f"{KEY_PREFIX}{prefix}-{secrets.token_urlsafe(32)}"
@@ -45,9 +46,22 @@ def api_key_create(
             if attempt == 4:
                 raise
             continue
+        if tiers:
+            api_key.allowed_tiers.set(tiers)
         _key_audit(api_key, created_by, created=True)
         return IssuedKey(api_key=api_key, secret=secret)
     raise AssertionError("unreachable")
+
+
+def usable_tier_ids(api_key: ApiKey) -> frozenset[int] | None:
+    """The tiers `api_key` may use: its tenant's (None: every enabled tier), narrowed to the
+    key's own scope when it has one."""
+    allowed = frozenset(api_key.tenant.allowed_tiers.values_list("id", flat=True))
+    scoped = frozenset(api_key.allowed_tiers.values_list("id", flat=True))
+    if scoped:
+        allowed = (allowed & scoped) if allowed else scoped
+        return allowed or frozenset({-1})  # none left: no tier, rather than every tier
+    return allowed or None
 
 
 def api_key_revoke(*, api_key: ApiKey, actor=None) -> None:
@@ -65,6 +79,8 @@ def _key_audit(api_key: ApiKey, user, *, created: bool) -> None:
     if created:
         audit_record(actor=who, action=AuditEntry.Action.CREATED, obj=api_key,
                      after={"tenant": api_key.tenant.name, "name": api_key.name, "prefix": api_key.prefix,
+                            "models": ", ".join(sorted(api_key.allowed_tiers.values_list("name", flat=True)))
+                            or "every model of its tenant",
                             "expires_at": api_key.expires_at.isoformat() if api_key.expires_at else None})
     else:
         audit_record(actor=who, action=AuditEntry.Action.CHANGED, obj=api_key, before={"revoked_at": None},

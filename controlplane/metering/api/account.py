@@ -22,6 +22,7 @@ from controlplane.metering.ratebook import NoRate, RateBook
 from controlplane.metering.rating import Usage, money_text, price
 from controlplane.metering.services import metered_so_far
 from controlplane.tenants.api_auth import TenantPrincipal
+from controlplane.tenants.services import usable_tier_ids
 
 
 class NotPriced(APIException):
@@ -137,14 +138,14 @@ class Estimate(APIView):
 
     @extend_schema(request=EstimateRequest, responses=EstimateSerializer)
     def post(self, request):
-        tenant = _tenant(request)
+        _tenant(request)  # a tenant key, or a 403
         ask = EstimateRequest(data=request.data)
         ask.is_valid(raise_exception=True)
         data = ask.validated_data
         tier = ModelTier.objects.filter(name=data["tier"], enabled=True).select_related(
             "resolution_policy", "price_plan").first()
-        allowed = tenant.allowed_tiers.all()
-        if tier is None or (allowed.exists() and tier not in allowed):
+        allowed = usable_tier_ids(request.auth)
+        if tier is None or (allowed is not None and tier.pk not in allowed):
             raise NotFound(f"no model named {data['tier']!r} is available to this key")
         sizes = []
         if tier.kind == ModelTier.Kind.VISION:

@@ -1,0 +1,81 @@
+"""A tenant admin's own page: its keys (create with a model scope, revoke, last used, spend
+this month), what is left of its quota, and its statements."""
+
+from __future__ import annotations
+
+from django import forms
+from django.contrib import messages
+from django.contrib.auth.decorators import login_required
+from django.core.exceptions import PermissionDenied
+from django.db.models import Sum
+from django.shortcuts import get_object_or_404, redirect, render
+from django.utils import timezone
+from django.views.decorators.http import require_POST
+
+from controlplane.catalog.models import ModelTier
+from controlplane.catalog.routing import tenant_auto
+from controlplane.dashboard.tenants import quota_use
+from controlplane.metering.models import UsageEvent
+from controlplane.metering.periods import period_start
+from controlplane.tenants import roles
+from controlplane.tenants.models import ApiKey, Quota
+from controlplane.tenants.services import api_key_create, api_key_revoke
+
+
+class OwnKeyForm(forms.Form):
+    name = forms.CharField(max_length=64, required=False, help_text="What it is for, e.g. the app that uses it")
+    tiers = forms.ModelMultipleChoiceField(queryset=None, required=False, widget=forms.CheckboxSelectMultiple,
+                                           label="Models it may use", help_text="None ticked: every model of yours")
+    expires_at = forms.DateTimeField(required=False, label="Expires", help_text="Optional, e.g. 2027-06-30 00:00")
+
+    def __init__(self, *args, tenant, **kwargs):
+        super().__init__(*args, **kwargs)
+        allowed = tenant.allowed_tiers.all()
+        self.fields["tiers"].queryset = (allowed if allowed.exists() else ModelTier.objects.filter(enabled=True)
+                                         ).order_by("name")
+
+    def clean_expires_at(self):
+        when = self.cleaned_data["expires_at"]
+        if when is not None and when <= timezone.now():
+            raise forms.ValidationError("that moment has passed")
+        return when
+
+
+def _tenant(request):
+    tenant = roles.member_tenant(request.user)
+    if tenant is None:
+        raise PermissionDenied
+    return tenant
+
+
+@login_required
+def account(request):
+    tenant = _tenant(request)
+    form = OwnKeyForm(request.POST or None, tenant=tenant)
+    if request.method == "POST" and form.is_valid():
+        issued = api_key_create(tenant=tenant, name=form.cleaned_data["name"], created_by=request.user,
+                                expires_at=form.cleaned_data["expires_at"], tiers=list(form.cleaned_data["tiers"]))
+        request.session["issued_key"] = issued.secret
+        return redirect("dashboard:account")
+    now = timezone.now()
+    month = period_start("month", now)
+    spend = dict(UsageEvent.objects.filter(tenant=tenant, created_at__gte=month).values("api_key_id")
+                 .annotate(cost=Sum("cost")).values_list("api_key_id", "cost"))
+    keys = list(ApiKey.objects.filter(tenant=tenant).prefetch_related("allowed_tiers").order_by("-created_at"))
+    for key in keys:
+        key.spend = spend.get(key.pk) or 0
+    quota = Quota.objects.filter(tenant=tenant).first()
+    return render(request, "dashboard/account.html", {
+        "tenant": tenant, "form": form, "keys": keys, "issued": request.session.pop("issued_key", None),
+        "quota": quota, "use": quota_use(tenant, quota, now), "auto": tenant_auto(tenant), "month": f"{now:%Y-%m}", "now": now,
+    })
+
+
+@login_required
+@require_POST
+def account_key_revoke(request, pk: int):
+    tenant = _tenant(request)
+    api_key = get_object_or_404(ApiKey, pk=pk, tenant=tenant)  # another tenant's key is not found
+    api_key_revoke(api_key=api_key, actor=request.user)
+    messages.success(request, f"Key {api_key.prefix}… revoked: requests with it are refused from now on.")
+    return redirect("dashboard:account")
