@@ -287,3 +287,60 @@ class UserInviteForm(forms.Form):
 class UserChangeForm(forms.Form):
     role = RoleField()
     active = forms.BooleanField(required=False, label="Active (may log in)")
+
+
+CURRENCIES = ("USD", "EUR", "GBP", "JPY", "CNY", "CHF", "CAD", "AUD", "INR", "SGD", "KRW", "BRL", "SEK")
+
+
+class PricePlanForm(forms.ModelForm):
+    currency = forms.ChoiceField(choices=[(c, c) for c in CURRENCIES], initial="USD")
+
+    class Meta:
+        from controlplane.catalog.models import PricePlan
+
+        model = PricePlan
+        fields = ["name", "currency"]
+        del PricePlan
+
+    def clean_currency(self):
+        currency = self.cleaned_data["currency"]
+        if self.instance.pk and currency != self.instance.currency and self.instance.rates.exists():
+            raise forms.ValidationError("a plan with rates keeps its currency: make a new plan instead")
+        return currency
+
+
+class PriceRateForm(forms.ModelForm):
+    """A new rate of a plan, from a moment on: amounts not negative (the model's validators and
+    the database's constraints say so too), the cached discount a percentage, never back-dated."""
+
+    cached_image_discount = forms.DecimalField(min_value=0, max_value=100, decimal_places=1, initial=0,
+                                               label="Cached image discount (%)",
+                                               help_text="Share of the image price waived for cached image tokens")
+
+    class Meta:
+        from controlplane.catalog.models import PriceRate
+
+        model = PriceRate
+        fields = ["effective_from", "text_input_per_mtok", "image_per_mtok", "output_per_mtok", "per_image_fee",
+                  "cached_image_discount"]
+        labels = {"effective_from": "Effective from", "text_input_per_mtok": "Text input per million tokens",
+                  "image_per_mtok": "Image tokens per million", "output_per_mtok": "Output per million tokens",
+                  "per_image_fee": "Fee per image"}
+        del PriceRate
+
+    def clean_effective_from(self):
+        from django.utils import timezone
+
+        when = self.cleaned_data["effective_from"]
+        if when < timezone.now() - timezone.timedelta(minutes=1):
+            raise forms.ValidationError("a new rate starts now or later: requests already made keep the "
+                                        "price they were billed at")
+        if self.instance.plan_id and type(self.instance).objects.filter(plan_id=self.instance.plan_id,
+                                                                         effective_from=when).exists():
+            raise forms.ValidationError("the plan has a rate from that moment already")
+        return when
+
+    def clean_cached_image_discount(self):
+        from decimal import Decimal
+
+        return self.cleaned_data["cached_image_discount"] / Decimal(100)

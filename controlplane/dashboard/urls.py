@@ -1,6 +1,16 @@
 from django.urls import path
 
-from controlplane.dashboard import account, audit, exports, statements, tenants, tiers, users, views
+from controlplane.dashboard import (
+    account,
+    audit,
+    exports,
+    prices,
+    statements,
+    tenants,
+    tiers,
+    users,
+    views,
+)
 
 app_name = "dashboard"
 urlpatterns = [
@@ -15,6 +25,8 @@ urlpatterns = [
     path("account/", account.account, name="account"),
     path("account/keys/<int:pk>/revoke/", account.account_key_revoke, name="account-key-revoke"),
     path("audit/", audit.audit_log, name="audit"),
+    path("prices/", prices.plan_list, name="prices"),
+    path("prices/<slug:name>/", prices.plan_detail, name="price-plan"),
     path("users/", users.user_list, name="users"),
     path("users/<int:pk>/", users.user_edit, name="user-edit"),
     path("statements/", statements.statements, name="statements"),
