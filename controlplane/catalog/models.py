@@ -45,10 +45,35 @@ class ResolutionPolicy(models.Model):
         return self.name
 
     def clean(self):
+        from controlplane.imaging.decode import SUPPORTED_FORMATS
+
+        errors = {}
+        patch = 28 * 28  # the smallest image a ViT-based VLM's processor makes (one merged patch)
+        if self.min_pixels < patch:
+            errors["min_pixels"] = f"at least {patch:,} pixels (28 x 28)"
         if self.min_pixels > self.max_pixels:
-            raise ValidationError("min_pixels must not exceed max_pixels")
+            errors["max_pixels"] = "must not be below min_pixels"
         if self.low_detail_max_pixels > self.max_pixels:
-            raise ValidationError("low_detail_max_pixels must not exceed max_pixels")
+            errors["low_detail_max_pixels"] = "must not exceed max_pixels"
+        if self.low_detail_max_pixels < self.min_pixels:
+            errors["low_detail_max_pixels"] = "must not be below min_pixels"
+        if self.max_total_pixels < self.max_pixels:
+            errors["max_total_pixels"] = "must allow at least one image at max_pixels"
+        if self.max_input_pixels < self.max_pixels:
+            errors["max_input_pixels"] = "must allow an image of max_pixels in"
+        if not 28 <= self.max_long_edge <= 65535:
+            errors["max_long_edge"] = "from 28 to 65,535 pixels"
+        if not 1 <= self.max_images_per_request <= 64:
+            errors["max_images_per_request"] = "from 1 to 64"
+        if not 1 <= self.output_quality <= 100:
+            errors["output_quality"] = "from 1 to 100"
+        if self.max_aspect_ratio > 200:
+            errors["max_aspect_ratio"] = "at most 200"
+        unknown = [f for f in self.allowed_formats or () if str(f).upper() not in SUPPORTED_FORMATS]
+        if unknown:
+            errors["allowed_formats"] = f"unknown formats {', '.join(map(str, unknown))}: use {', '.join(SUPPORTED_FORMATS)}"
+        if errors:
+            raise ValidationError(errors)
 
     def as_policy(self, *, grid: int = 0):
         from controlplane.imaging.policy import Policy

@@ -76,7 +76,7 @@ def tier_plan(tier: ModelTier) -> TierPlan:
         except ValueError as exc:
             plan.problems.append(f"cannot launch: {exc}")
     if tier.kind == ModelTier.Kind.VISION and tier.resolution_policy is not None:
-        plan.samples = _samples(tier)
+        plan.samples = samples(tier)
     if tier.price_plan_id and not _priced(tier):
         plan.problems.append("its price plan has no rate in effect: the tier cannot be enabled until it has one")
     plan.fits = _fits(tier)
@@ -91,7 +91,7 @@ def _priced(tier: ModelTier) -> bool:
     return True
 
 
-def _samples(tier: ModelTier) -> list[ImageSample]:
+def samples(tier: ModelTier) -> list[ImageSample]:
     policy = tier.image_policy()
     try:
         rates = RateBook().rates_at(tier.price_plan_id, timezone.now()) if tier.price_plan_id else None

@@ -344,3 +344,31 @@ class PriceRateForm(forms.ModelForm):
         from decimal import Decimal
 
         return self.cleaned_data["cached_image_discount"] / Decimal(100)
+
+
+class PolicyForm(forms.ModelForm):
+    """A resolution policy, checked by the model (bounds and the rules between them)."""
+
+    allowed_formats = forms.MultipleChoiceField(required=False, widget=forms.CheckboxSelectMultiple,
+                                                label="Formats accepted", help_text="None ticked: every format")
+
+    class Meta:
+        from controlplane.catalog.models import ResolutionPolicy
+
+        model = ResolutionPolicy
+        fields = ["name", "max_pixels", "low_detail_max_pixels", "min_pixels", "default_detail", "max_long_edge",
+                  "max_aspect_ratio", "tile_long_images", "max_images_per_request", "max_total_pixels",
+                  "max_input_pixels", "allowed_formats", "output_format", "output_quality"]
+        labels = {"max_pixels": "Pixel cap ('high' detail)", "low_detail_max_pixels": "Pixel cap ('low' detail)",
+                  "min_pixels": "Smallest size (pixels)", "max_long_edge": "Longest edge (pixels)",
+                  "max_aspect_ratio": "Most elongated (long : short)", "tile_long_images": "Tile long images",
+                  "max_images_per_request": "Images per request", "max_total_pixels": "Pixels per request",
+                  "max_input_pixels": "Largest upload (pixels, refused before decoding)",
+                  "output_quality": "Re-encoding quality"}
+        del ResolutionPolicy
+
+    def __init__(self, *args, **kwargs):
+        from controlplane.imaging.decode import SUPPORTED_FORMATS
+
+        super().__init__(*args, **kwargs)
+        self.fields["allowed_formats"].choices = [(f, f) for f in SUPPORTED_FORMATS]

@@ -244,6 +244,7 @@ def fleet_register_external(request):
 def policies(request):
     """Drop in a sample image: what each vision tier makes of it, and what it would cost."""
     _require(lambda u: roles.is_operator(u) or roles.is_finance(u), request.user)
+    from controlplane.catalog.models import ResolutionPolicy
     from controlplane.catalog.services import policy_preview, resolution_curve, vision_tiers
     from controlplane.dashboard.charts import resolution_curves_chart
     from controlplane.dashboard.forms import PolicyPreviewForm
@@ -261,7 +262,7 @@ def policies(request):
     tiers = list(vision_tiers())
     return render(request, "dashboard/policies.html", {
         "form": form, "preview": preview, "source": source, "commercial": commercial, "error": error,
-        "tiers": tiers,
+        "tiers": tiers, "policies": ResolutionPolicy.objects.order_by("name"),
         "chart": resolution_curves_chart({t.name: resolution_curve(t) for t in tiers}) if tiers else "",
     })
 

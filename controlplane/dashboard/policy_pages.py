@@ -1,0 +1,68 @@
+"""Resolution policy editor for operators: every bound checked by the model, and a preview of
+what sample photos become under the policy (sizes, tokens and cost on each vision tier, as if
+that tier used it) before saving."""
+
+from __future__ import annotations
+
+import copy
+
+from django.contrib import messages
+from django.contrib.auth.decorators import login_required
+from django.core.exceptions import PermissionDenied
+from django.shortcuts import get_object_or_404, redirect, render
+
+from controlplane.audit.models import AuditEntry
+from controlplane.audit.services import audit_record, field_values, history
+from controlplane.catalog.models import ModelTier, ResolutionPolicy
+from controlplane.catalog.preview import samples
+from controlplane.dashboard.forms import PolicyForm
+from controlplane.tenants import roles
+
+
+def _operator(request) -> None:
+    if not roles.is_operator(request.user):
+        raise PermissionDenied
+
+
+@login_required
+def policy_new(request):
+    _operator(request)
+    return _policy_form(request, ResolutionPolicy())
+
+
+@login_required
+def policy_edit(request, name):
+    _operator(request)
+    return _policy_form(request, get_object_or_404(ResolutionPolicy, name=name))
+
+
+def _policy_form(request, policy: ResolutionPolicy):
+    creating = policy.pk is None
+    before = {} if creating else field_values(ResolutionPolicy.objects.get(pk=policy.pk), PolicyForm.Meta.fields)
+    form = PolicyForm(request.POST or None, instance=policy)
+    preview = None
+    if request.method == "POST" and form.is_valid():
+        if "save" in request.POST:
+            policy = form.save()
+            audit_record(actor=request.user.get_username(),
+                         action=AuditEntry.Action.CREATED if creating else AuditEntry.Action.CHANGED,
+                         obj=policy, before=before, after=field_values(policy, PolicyForm.Meta.fields))
+            messages.success(request, f"Policy {policy.name} {'created' if creating else 'saved'}.")
+            return redirect("dashboard:policy-edit", name=policy.name)
+        preview = _preview(form.instance)
+    elif not creating:
+        preview = _preview(policy)
+    return render(request, "dashboard/policy_form.html", {
+        "form": form, "policy": policy, "creating": creating, "preview": preview,
+        "used_by": [] if creating else list(policy.tiers.order_by("name")),
+        "history": [] if creating else history(policy)[:20]})
+
+
+def _preview(policy: ResolutionPolicy) -> list[dict]:
+    """For each vision tier, what sample photos cost under `policy` (unsaved as it may be)."""
+    found = []
+    for tier in ModelTier.objects.filter(kind=ModelTier.Kind.VISION).select_related("price_plan").order_by("name"):
+        trial = copy.copy(tier)
+        trial.resolution_policy = policy
+        found.append({"tier": tier, "samples": samples(trial), "currency": tier.price_plan.currency})
+    return found
