@@ -7,6 +7,19 @@ import plotly.graph_objects as go
 import plotly.io as pio
 
 _MARGIN = {"l": 60, "r": 20, "t": 50, "b": 50}
+# A tier (or tenant) keeps its colour on every chart: chosen from its name, not from its
+# place in a chart's legend, which differs from chart to chart.
+PALETTE = ("#2f6fde", "#e8710a", "#1b9e77", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
+           "#bcbd22", "#17becf", "#1f3f8f", "#a15c00", "#0b6e4f", "#8c1d18", "#5b3f8c", "#b85c9e")
+
+
+def colour_of(name: str) -> str:
+    """The colour of a series named `name` ("others" grey), the same on every chart and page."""
+    import zlib
+
+    if name == "others":
+        return "#b0b7c3"
+    return PALETTE[zlib.crc32(name.encode()) % len(PALETTE)]
 
 
 def _html(figure: go.Figure, div_id: str) -> str:
@@ -27,7 +40,7 @@ def _stacked_bars(slots: list, series: dict[str, list], *, title: str, axis: str
     x = _slot_labels(slots)
     figure = go.Figure()
     for name, values in series.items():
-        figure.add_bar(name=name, x=x, y=[float(v) for v in values])
+        figure.add_bar(name=name, x=x, y=[float(v) for v in values], marker_color=colour_of(name))
     figure.update_layout(
         barmode="stack", title=title, xaxis_title=f"{unit} (UTC)", yaxis_title=axis,
         margin=_MARGIN, height=380, xaxis={"type": "category"},
@@ -57,7 +70,7 @@ def cache_savings_chart(slots: list, savings: dict[str, list[Decimal]], cached_t
     x = _slot_labels(slots)
     figure = go.Figure()
     for name, values in savings.items():
-        figure.add_bar(name=f"{name} saved", x=x, y=[float(v) for v in values])
+        figure.add_bar(name=f"{name} saved", x=x, y=[float(v) for v in values], marker_color=colour_of(name))
     if cached_tokens:
         tokens = [sum(values) for values in zip(*cached_tokens.values(), strict=True)]
         figure.add_scatter(name="cached image tokens", x=x, y=tokens, mode="lines+markers", yaxis="y2")
@@ -80,6 +93,7 @@ def cost_per_image_chart(distribution, *, since: dt.date | None = None) -> str:
     for tier in tiers:
         figure.add_bar(
             name=tier, x=x, y=[bucket.images.get(tier, 0) for bucket in distribution.buckets],
+            marker_color=colour_of(tier),
             customdata=[float(bucket.cost.get(tier, 0)) for bucket in distribution.buckets],
             hovertemplate="%{x}: %{y} images, %{customdata:.6f} USD in all",
         )
@@ -103,7 +117,8 @@ def usd(amount) -> str:
 def resolution_curves_chart(curves: dict[str, list[tuple[float, int]]], *, div_id: str = "resolution-curves") -> str:
     figure = go.Figure()
     for tier, points in curves.items():
-        figure.add_scatter(name=tier, x=[mp for mp, _ in points], y=[t for _, t in points], mode="lines+markers")
+        figure.add_scatter(name=tier, x=[mp for mp, _ in points], y=[t for _, t in points], mode="lines+markers",
+                           line_color=colour_of(tier))
     figure.update_layout(
         title="Image tokens by source resolution (4:3 photo)", xaxis_title="source megapixels",
         yaxis_title="image tokens", margin=_MARGIN, height=340,

@@ -155,3 +155,34 @@ def test_an_operator_points_a_benchmark_at_the_gateway_runs_it_and_sees_its_late
     rows = page.locator("#results tr[data-class='text']")
     expect(rows.first).to_be_visible()
     expect(page.locator("#latency-chart .main-svg").first).to_be_visible()  # drawn by Plotly
+
+
+def test_an_operator_is_asked_before_stopping_an_engine_and_the_fleet_page_updates_in_place(system, page):
+    _login(page, system.base_url, "operator", "operator")
+    page.get_by_role("link", name="Fleet").click()
+    page.evaluate("window.notReloaded = true")
+    row = page.locator("#instances tbody tr", has=page.get_by_role("button", name="Stop")).first
+    instance = row.get_attribute("data-instance")
+    asked = []
+    page.on("dialog", lambda dialog: (asked.append(dialog.message), dialog.dismiss()))
+    row.get_by_role("button", name="Stop").click()
+    assert asked and asked[0].startswith(f"Stop #{instance} now?")
+    expect(page.locator(f'#instances tr[data-instance="{instance}"] td').nth(3)).to_have_text("running")
+    # The live part of the page is fetched again and swapped in, with no reload of the page.
+    page.evaluate("document.querySelector('[data-live] #events').dataset.seen = 'yes'")
+    page.wait_for_function("!document.querySelector('[data-live] #events').dataset.seen", timeout=30_000)
+    assert page.evaluate("window.notReloaded") is True
+
+
+def test_a_tenant_admin_makes_a_key_for_one_model_that_the_gateway_holds_to_it(system, page):
+    _login(page, system.base_url, "demo-admin", "demo-admin")
+    page.get_by_role("link", name="Keys and quota").click()
+    page.get_by_label("Name").fill("vision only")
+    page.get_by_label("vlm-lite").check()
+    page.get_by_role("button", name="Create key").click()
+    secret = page.locator("#issued-key").inner_text().strip()
+    client = openai.OpenAI(base_url=f"{system.base_url}/v1", api_key=secret, max_retries=0)
+    assert [m.id for m in client.models.list().data] == ["auto", "vlm-lite"]
+    with pytest.raises(openai.PermissionDeniedError):
+        client.chat.completions.create(model="text", max_tokens=2, messages=[{"role": "user", "content": "hi"}])
+    expect(page.locator("#keys tr", has_text="vision only")).to_contain_text("vlm-lite")
