@@ -27,6 +27,8 @@ class OwnKeyForm(forms.Form):
     tiers = forms.ModelMultipleChoiceField(queryset=None, required=False, widget=forms.CheckboxSelectMultiple,
                                            label="Models it may use", help_text="None ticked: every model of yours")
     expires_at = forms.DateTimeField(required=False, label="Expires", help_text="Optional, e.g. 2027-06-30 00:00")
+    requests_per_minute = forms.IntegerField(min_value=1, max_value=10**6, required=False,
+                                             label="Requests per minute", help_text="Optional: this key's own limit")
 
     def __init__(self, *args, tenant, **kwargs):
         super().__init__(*args, **kwargs)
@@ -54,7 +56,8 @@ def account(request):
     form = OwnKeyForm(request.POST or None, tenant=tenant)
     if request.method == "POST" and form.is_valid():
         issued = api_key_create(tenant=tenant, name=form.cleaned_data["name"], created_by=request.user,
-                                expires_at=form.cleaned_data["expires_at"], tiers=list(form.cleaned_data["tiers"]))
+                                expires_at=form.cleaned_data["expires_at"], tiers=list(form.cleaned_data["tiers"]),
+                                requests_per_minute=form.cleaned_data["requests_per_minute"])
         request.session["issued_key"] = issued.secret
         return redirect("dashboard:account")
     now = timezone.now()

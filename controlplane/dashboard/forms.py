@@ -10,6 +10,8 @@ class ApiKeyForm(forms.Form):
     tiers = forms.ModelMultipleChoiceField(queryset=None, required=False, widget=forms.CheckboxSelectMultiple,
                                            label="Models it may use",
                                            help_text="None ticked: every model its tenant may use")
+    requests_per_minute = forms.IntegerField(min_value=1, max_value=10**6, required=False,
+                                             label="Requests per minute", help_text="Optional: this key's own limit")
 
     def __init__(self, *args, **kwargs):
         from controlplane.catalog.models import ModelTier

@@ -95,7 +95,8 @@ def keys(request):
     if request.method == "POST" and form.is_valid():
         result = api_key_create(tenant=form.cleaned_data["tenant"], name=form.cleaned_data["name"],
                                 created_by=request.user, expires_at=form.cleaned_data["expires_at"],
-                                tiers=list(form.cleaned_data["tiers"]))
+                                tiers=list(form.cleaned_data["tiers"]),
+                                requests_per_minute=form.cleaned_data["requests_per_minute"])
         # Post/redirect/get: a reload must not mint a second key. The secret rides in the
         # server-side session only until the next page view, which removes it.
         request.session["issued_key"] = result.secret

@@ -12,6 +12,7 @@ import weakref
 import httpx
 import orjson  # request bodies carry megabytes of base64: parsed ~3x faster than json
 from django.conf import settings
+from django.utils import timezone
 
 from controlplane.catalog.routing import resolve_auto
 from controlplane.gateway import counters, ledger, moderation, routing, state, upstream
@@ -206,6 +207,18 @@ async def _admit(request_id: str, key: state.KeyInfo, tier: TierSpec, prepared: 
         image_tokens=prepared.image_tokens,
         total_tokens=prepared.text_tokens + prepared.image_tokens + prepared.body["max_tokens"],
         large=prepared.image_tokens > tier.large_image_threshold)
+    if key.key_requests_per_minute is not None:
+        try:
+            counted = await ledger.key_rate(key.key_id, key.key_requests_per_minute)
+        except Exception:
+            log.exception("could not check the rate of key %s for %s", key.key_id, request_id)
+            raise GatewayError(503, "the quota service is unavailable; retry shortly", code="quota_unavailable",
+                               headers={"Retry-After": "5"}) from None
+        if not counted:
+            retry = 60 - timezone.now().second
+            raise GatewayError(429, f"this API key's limit exceeded: {key.key_requests_per_minute:,} requests "
+                               f"per minute; retry after {retry}s", code="rate_limit_exceeded",
+                               headers={"Retry-After": str(retry)})
     admitting = asyncio.ensure_future(ledger.admit(record, key.limits, ask))
     try:
         # Shielded: a request admitted just as the client leaves must still be released.

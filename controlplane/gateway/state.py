@@ -35,6 +35,7 @@ class KeyInfo:
     limits: Limits | None = None  # None: no quota
     default_text_tier_id: int | None = None  # the tenant's own `auto` (catalog/routing.py)
     default_image_tier_id: int | None = None
+    key_requests_per_minute: int | None = None  # the key's own limit, within the tenant's quota
 
 
 @dataclass(frozen=True)
@@ -154,6 +155,7 @@ def _load_key(secret: str) -> KeyInfo | None:
         limits=None if limits is None or limits.unlimited else limits,
         default_text_tier_id=tenant.default_text_tier_id,
         default_image_tier_id=tenant.default_image_tier_id,
+        key_requests_per_minute=api_key.requests_per_minute,
     )
 
 

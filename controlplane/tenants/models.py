@@ -52,6 +52,8 @@ class ApiKey(models.Model):
     allowed_tiers = models.ManyToManyField(
         "catalog.ModelTier", blank=True, related_name="+",
         help_text="Empty: every tier its tenant may use; else only these (and only those its tenant may use)")
+    requests_per_minute = models.PositiveIntegerField(
+        null=True, blank=True, help_text="This key's own limit, within its tenant's quota; empty: none")
 
     class Meta:
         ordering = ["-created_at"]

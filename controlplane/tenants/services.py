@@ -26,7 +26,8 @@ def key_hash(secret: str) -> str:
 
 
 def api_key_create(
-    *, tenant: Tenant, name: str = "", created_by=None, expires_at: datetime | None = None, tiers=None
+    *, tenant: Tenant, name: str = "", created_by=None, expires_at: datetime | None = None, tiers=None,
+    requests_per_minute: int | None = None,
 ) -> IssuedKey:
     """A new key of `tenant`; `tiers`, when given, scopes it to those models."""
     for attempt in range(5):
@@ -41,6 +42,7 @@ def api_key_create(
                     key_hash=key_hash(secret),
                     created_by=created_by,
                     expires_at=expires_at,
+                    requests_per_minute=requests_per_minute,
                 )
         except IntegrityError:
             if attempt == 4:
@@ -80,7 +82,7 @@ def _key_audit(api_key: ApiKey, user, *, created: bool) -> None:
         audit_record(actor=who, action=AuditEntry.Action.CREATED, obj=api_key,
                      after={"tenant": api_key.tenant.name, "name": api_key.name, "prefix": api_key.prefix,
                             "models": ", ".join(sorted(api_key.allowed_tiers.values_list("name", flat=True)))
-                            or "every model of its tenant",
+                            or "every model of its tenant", "requests_per_minute": api_key.requests_per_minute,
                             "expires_at": api_key.expires_at.isoformat() if api_key.expires_at else None})
     else:
         audit_record(actor=who, action=AuditEntry.Action.CHANGED, obj=api_key, before={"revoked_at": None},

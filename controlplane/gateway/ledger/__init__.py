@@ -77,6 +77,12 @@ async def admit(record: UsageRecord, limits: Limits | None = None, ask: Ask | No
     return flight
 
 
+async def key_rate(key_id: int, limit: int) -> bool:
+    """One more request of an API key with a limit of its own this minute (False: refused)."""
+    now = timezone.now()
+    return await ledger().key_rate(key_id, limit, now)
+
+
 async def engine_chosen(flight: Flight, instance_id: int) -> None:
     """Say which engine does the work (the reaper bills only work an engine did)."""
     flight.record.instance_id = instance_id

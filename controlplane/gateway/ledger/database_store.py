@@ -81,6 +81,29 @@ class DatabaseLedger:
     async def reserve(self, tenant_id: int, limits: Limits, ask: Ask, now: dt.datetime) -> Reservation:
         return await sync_to_async(self.reserve_sync)(tenant_id, limits, ask, now)
 
+    async def key_rate(self, key_id: int, limit: int, now: dt.datetime) -> bool:
+        return await sync_to_async(self.key_rate_sync)(key_id, limit, now)
+
+    def key_rate_sync(self, key_id: int, limit: int, now: dt.datetime) -> bool:
+        """Count one request of API key `key_id` this minute on its locked counter row,
+        unless it has had `limit` already."""
+        from controlplane.tenants.models import ApiKey, QuotaCounter
+
+        name, window = f"key{key_id}:rpm", minute_window(now)
+        with transaction.atomic():
+            row = QuotaCounter.objects.select_for_update().filter(key=name).first()
+            if row is None:
+                tenant_id = ApiKey.objects.values_list("tenant_id", flat=True).get(pk=key_id)
+                QuotaCounter.objects.get_or_create(tenant_id=tenant_id, key=name, defaults={"window": "", "used": 0})
+                row = QuotaCounter.objects.select_for_update().get(key=name)
+            if row.window != window:
+                row.window, row.used = window, 0
+            if row.used >= limit:
+                return False
+            row.used += 1
+            row.save(update_fields=["window", "used"])
+        return True
+
     def _reserve(self, tenant_id: int, limits: Limits, ask: Ask, now: dt.datetime) -> Reservation:
         """Inside a transaction: every limit checked and reserved on its locked row, or none."""
         from controlplane.tenants.models import QuotaCounter

@@ -203,6 +203,17 @@ def _beat(flight: Flight, now: float) -> str:
     return json.dumps({"t": now, "produced": flight.produced, "instance": flight.record.instance_id})
 
 
+# One request of a key this minute, if it is under its limit: KEYS[1] the minute's counter,
+# ARGV[1] the limit. Returns 1 when counted, 0 when refused.
+_KEY_RATE = """
+local used = tonumber(redis.call('GET', KEYS[1]) or '0')
+if used >= tonumber(ARGV[1]) then return 0 end
+redis.call('INCR', KEYS[1])
+redis.call('EXPIRE', KEYS[1], 120)
+return 1
+"""
+
+
 class RedisLedger:
     def __init__(self, url: str | None = None, *, prefix: str | None = None):
         from controlplane.redis_clients import key_prefix
@@ -220,6 +231,14 @@ class RedisLedger:
         base = f"{self.prefix}:quota:{tenant_id}"
         return [f"{base}:{window}:image_tokens", f"{base}:{window}:total_tokens",
                 f"{base}:rpm:{minute_window(now)}", f"{base}:large", f"{base}:{window}:epoch"]
+
+    # -- a key's own rate ------------------------------------------------------------------
+
+    async def key_rate(self, key_id: int, limit: int, now: dt.datetime) -> bool:
+        """Count one request of API key `key_id` this minute, unless it has had `limit`
+        already (then False, counting nothing)."""
+        counter = f"{self.prefix}:keyrpm:{key_id}:{minute_window(now)}"
+        return bool(await self._client().eval(_KEY_RATE, 1, counter, limit))
 
     # -- admit -----------------------------------------------------------------------------
 

@@ -21,10 +21,11 @@ def _chat(client, secret, model):
 
 def test_a_tenant_admin_creates_a_key_scoped_to_one_model_and_the_gateway_holds_it_to_that(client, world):
     client.force_login(world.alice_admin)
-    page = client.post("/account/", {"name": "ocr app", "tiers": [world.vision.pk]}, follow=True).content.decode()
+    page = client.post("/account/", {"name": "ocr app", "tiers": [world.vision.pk], "requests_per_minute": 30},
+                       follow=True).content.decode()
     secret = page.split('id="issued-key">')[1].split("<")[0]
     key = ApiKey.objects.get(tenant=world.alice, name="ocr app")
-    assert list(key.allowed_tiers.all()) == [world.vision]
+    assert list(key.allowed_tiers.all()) == [world.vision] and key.requests_per_minute == 30
     refused = _chat(client, secret, world.text.name)
     assert refused.status_code == 403 and refused.json()["error"]["code"] == "model_not_allowed"
     models = client.get("/v1/models", HTTP_AUTHORIZATION=f"Bearer {secret}").json()
