@@ -5,13 +5,12 @@ from __future__ import annotations
 import datetime as dt
 
 from django.contrib.auth.decorators import login_required
-from django.core.exceptions import PermissionDenied
 from django.core.paginator import Paginator
 from django.shortcuts import render
 from django.utils import timezone
 
 from controlplane.audit.models import AuditEntry
-from controlplane.tenants import roles
+from controlplane.dashboard.access import staff_only
 
 PAGE_SIZE = 50
 
@@ -26,8 +25,7 @@ def _day(text: str | None) -> dt.date | None:
 @login_required
 def audit_log(request):
     """?type=, ?actor=, ?q= (in the object's name), ?from= and ?to= (days, inclusive), ?page=."""
-    if not (roles.is_operator(request.user) or roles.is_finance(request.user)):
-        raise PermissionDenied
+    staff_only(request)
     entries = AuditEntry.objects.all()
     chosen = {name: (request.GET.get(name) or "").strip()[:150] for name in ("type", "actor", "q", "from", "to")}
     if chosen["type"]:

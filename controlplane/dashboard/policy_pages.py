@@ -8,31 +8,25 @@ import copy
 
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
-from django.core.exceptions import PermissionDenied
 from django.shortcuts import get_object_or_404, redirect, render
 
 from controlplane.audit.models import AuditEntry
 from controlplane.audit.services import audit_record, field_values, history
 from controlplane.catalog.models import ModelTier, ResolutionPolicy
 from controlplane.catalog.preview import samples
+from controlplane.dashboard.access import operators_only
 from controlplane.dashboard.forms import PolicyForm
-from controlplane.tenants import roles
-
-
-def _operator(request) -> None:
-    if not roles.is_operator(request.user):
-        raise PermissionDenied
 
 
 @login_required
 def policy_new(request):
-    _operator(request)
+    operators_only(request)
     return _policy_form(request, ResolutionPolicy())
 
 
 @login_required
 def policy_edit(request, name):
-    _operator(request)
+    operators_only(request)
     return _policy_form(request, get_object_or_404(ResolutionPolicy, name=name))
 
 

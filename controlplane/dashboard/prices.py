@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
-from django.core.exceptions import PermissionDenied
 from django.shortcuts import get_object_or_404, redirect, render
 from django.utils import timezone
 
@@ -14,22 +13,17 @@ from controlplane.audit.services import history
 from controlplane.catalog.models import PricePlan, PriceRate
 from controlplane.catalog.preview import SAMPLE_SIZES
 from controlplane.catalog.services import tier_image_tokens
+from controlplane.dashboard.access import staff_only
 from controlplane.dashboard.forms import PricePlanForm, PriceRateForm
 from controlplane.imaging.errors import ImageError
 from controlplane.imaging.policy import sent_sizes
 from controlplane.metering.ratebook import NoRate, RateBook
 from controlplane.metering.rating import Usage, price
-from controlplane.tenants import roles
-
-
-def _staff(request, *, change: bool) -> None:
-    if not (roles.is_operator(request.user) or (not change and roles.is_finance(request.user))):
-        raise PermissionDenied
 
 
 @login_required
 def plan_list(request):
-    _staff(request, change=request.method == "POST")
+    staff_only(request, change=request.method == "POST")
     form = PricePlanForm(request.POST or None)
     if request.method == "POST" and form.is_valid():
         plan = form.save()
@@ -47,7 +41,7 @@ def plan_list(request):
 
 @login_required
 def plan_detail(request, name):
-    _staff(request, change=request.method == "POST")
+    staff_only(request, change=request.method == "POST")
     plan = get_object_or_404(PricePlan, name=name)
     form = PriceRateForm(request.POST or None, initial={"effective_from": timezone.now()},
                          instance=PriceRate(plan=plan, created_by=request.user.get_username()))

@@ -8,22 +8,16 @@ import datetime as dt
 
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
-from django.core.exceptions import PermissionDenied
 from django.shortcuts import get_object_or_404, redirect, render
 from django.utils import timezone
 
 from controlplane.audit.services import history
+from controlplane.dashboard.access import operators_only
 from controlplane.dashboard.forms import QUOTA_LIMITS, QuotaDefaultForm, TenantForm
 from controlplane.metering.models import UsageEvent
 from controlplane.metering.services import metered_so_far
-from controlplane.tenants import roles
 from controlplane.tenants.models import Quota, QuotaDefault, Tenant
 from controlplane.tenants.services import quota_default_set, tenant_save
-
-
-def _operator(request) -> None:
-    if not roles.is_operator(request.user):
-        raise PermissionDenied
 
 
 def quota_use(tenant: Tenant, quota: Quota | None, now=None) -> list[dict]:
@@ -47,7 +41,7 @@ def quota_use(tenant: Tenant, quota: Quota | None, now=None) -> list[dict]:
 
 @login_required
 def tenant_list(request):
-    _operator(request)
+    operators_only(request)
     tenants = list(Tenant.objects.prefetch_related("allowed_tiers").select_related("quota").order_by("name"))
     now = timezone.now()
     for tenant in tenants:
@@ -64,13 +58,13 @@ def tenant_list(request):
 
 @login_required
 def tenant_new(request):
-    _operator(request)
+    operators_only(request)
     return _tenant_form(request, Tenant())
 
 
 @login_required
 def tenant_edit(request, name):
-    _operator(request)
+    operators_only(request)
     return _tenant_form(request, get_object_or_404(Tenant, name=name))
 
 

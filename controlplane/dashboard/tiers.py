@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
-from django.core.exceptions import PermissionDenied, ValidationError
+from django.core.exceptions import ValidationError
 from django.db.models import Count, Q
 from django.http import Http404
 from django.shortcuts import get_object_or_404, redirect, render
@@ -16,20 +16,16 @@ from controlplane.catalog.changes import tier_save, tier_set_enabled
 from controlplane.catalog.models import ModelTier
 from controlplane.catalog.preview import tier_plan
 from controlplane.catalog.routing import resolve_auto
+from controlplane.dashboard.access import operators_only
 from controlplane.dashboard.forms import TierForm
-from controlplane.tenants import roles
 
 ENGINE_KINDS = dict(ModelTier.EngineKind.choices)
 
 
-def _operator(request) -> None:
-    if not roles.is_operator(request.user):
-        raise PermissionDenied
-
 
 @login_required
 def tier_list(request):
-    _operator(request)
+    operators_only(request)
     tiers = ModelTier.objects.select_related("resolution_policy", "price_plan").annotate(
         running=Count("instances", filter=Q(instances__actual_state="running"))).order_by("name")
     enabled = [tier for tier in tiers if tier.enabled]
@@ -40,7 +36,7 @@ def tier_list(request):
 
 @login_required
 def tier_new(request):
-    _operator(request)
+    operators_only(request)
     engine_kind = request.GET.get("engine") or request.POST.get("engine_kind") or ModelTier.EngineKind.VLLM
     if engine_kind not in ENGINE_KINDS:
         raise Http404("no such engine kind")
@@ -49,7 +45,7 @@ def tier_new(request):
 
 @login_required
 def tier_edit(request, name):
-    _operator(request)
+    operators_only(request)
     tier = get_object_or_404(ModelTier.objects.select_related("resolution_policy", "price_plan"), name=name)
     engine_kind = request.GET.get("engine") or request.POST.get("engine_kind") or tier.engine_kind
     if engine_kind not in ENGINE_KINDS:
@@ -88,7 +84,7 @@ def _tier_form(request, tier: ModelTier, engine_kind: str):
 @login_required
 @require_POST
 def tier_enable(request, name, enabled: bool):
-    _operator(request)
+    operators_only(request)
     tier = get_object_or_404(ModelTier, name=name)
     try:
         tier_set_enabled(tier=tier, enabled=enabled, actor=request.user.get_username())

@@ -8,24 +8,19 @@ from django.contrib import messages
 from django.contrib.auth import get_user_model
 from django.contrib.auth import views as auth_views
 from django.contrib.auth.decorators import login_required
-from django.core.exceptions import PermissionDenied
 from django.shortcuts import get_object_or_404, redirect, render
 from django.urls import reverse_lazy
 
 from controlplane.audit.services import history
+from controlplane.dashboard.access import operators_only
 from controlplane.dashboard.forms import UserChangeForm, UserInviteForm, role_value
 from controlplane.tenants import roles
 from controlplane.tenants.users import Role, invitation_path, user_change, user_invite
 
 
-def _operator(request) -> None:
-    if not roles.is_operator(request.user):
-        raise PermissionDenied
-
-
 @login_required
 def user_list(request):
-    _operator(request)
+    operators_only(request)
     form = UserInviteForm(request.POST or None)
     if request.method == "POST" and form.is_valid():
         user = user_invite(username=form.cleaned_data["username"], email=form.cleaned_data["email"],
@@ -42,7 +37,7 @@ def user_list(request):
 
 @login_required
 def user_edit(request, pk: int):
-    _operator(request)
+    operators_only(request)
     person = get_object_or_404(get_user_model(), pk=pk)
     initial = {"role": role_value(Role.of(person)), "active": person.is_active}
     form = UserChangeForm(request.POST or None, initial=initial)
