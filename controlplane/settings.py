@@ -255,6 +255,9 @@ GATEWAY_LARGE_IMAGE_WAIT_S = env_int("GATEWAY_LARGE_IMAGE_WAIT_S", 30, minimum=1
 # or dead (then it is failed over, or its stream ends with an error, instead of waiting for
 # the upstream timeout).
 GATEWAY_ENGINE_WATCH_S = env_int("GATEWAY_ENGINE_WATCH_MS", 2000, minimum=50) / 1000
+# Where this control plane's gateway is reached (what a benchmark profile without a URL of its
+# own load-tests); `runlocal` sets it to the address it serves on.
+GATEWAY_PUBLIC_URL = env_str("GATEWAY_PUBLIC_URL", f"http://127.0.0.1:{env_int('PORT', 8000, minimum=1)}")
 GATEWAY_MAX_BODY_BYTES = env_int("GATEWAY_MAX_BODY_BYTES", 64 * 1024 * 1024, minimum=1024)
 # A client has this long to send its whole body (a slow sender holds a connection otherwise).
 GATEWAY_BODY_TIMEOUT_S = env_int("GATEWAY_BODY_TIMEOUT_S", 30, minimum=1)

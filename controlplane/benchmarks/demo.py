@@ -7,7 +7,7 @@ from controlplane.catalog.models import ModelTier
 
 # The demo tier whose policy lets images reach past 4,000 tokens.
 TIER = "vlm-flagship"
-COMMON = {"target": BenchmarkProfile.Target.GATEWAY, "gateway_url": "http://127.0.0.1:8000",
+COMMON = {"target": BenchmarkProfile.Target.GATEWAY, "gateway_url": "",  # this server's own gateway
           "arrival": BenchmarkProfile.Arrival.OPEN, "stage_duration_s": 20.0, "seed": 1,
           "prompt_tokens_min": 64, "prompt_tokens_max": 160, "output_tokens_min": 32, "output_tokens_max": 64,
           "ttft_slo_ms": 250, "tpot_slo_ms": 50,

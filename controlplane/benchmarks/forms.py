@@ -11,7 +11,7 @@ from controlplane.fleet.models import EngineInstance
 
 class ProfileForm(forms.ModelForm):
     gateway_url = forms.URLField(
-        assume_scheme="http", initial="http://127.0.0.1:8000",
+        assume_scheme="http", required=False,
         help_text=BenchmarkProfile._meta.get_field("gateway_url").help_text)
 
     class Meta:
@@ -26,6 +26,9 @@ class ProfileForm(forms.ModelForm):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        from django.conf import settings
+
+        self.fields["gateway_url"].widget.attrs["placeholder"] = f"this server's gateway: {settings.GATEWAY_PUBLIC_URL}"
         self.fields["instance"].queryset = EngineInstance.objects.select_related("tier", "node")
 
 

@@ -46,7 +46,9 @@ class BenchmarkProfile(models.Model):
     tier = models.ForeignKey("catalog.ModelTier", on_delete=models.CASCADE, related_name="benchmarks")
     target = models.CharField(max_length=16, choices=Target.choices, default=Target.GATEWAY)
     gateway_url = models.URLField(
-        default="http://127.0.0.1:8000", help_text="Where the gateway serves /v1 (a load balancer in front of replicas)")
+        blank=True, default="",
+        help_text="Where the gateway serves /v1 (a load balancer in front of replicas); empty: this control "
+                  "plane's own gateway, at the address it is served on (GATEWAY_PUBLIC_URL)")
     instance = models.ForeignKey(
         "fleet.EngineInstance", null=True, blank=True, on_delete=models.SET_NULL, related_name="benchmarks",
         help_text="For an instance target; empty picks a healthy instance of the tier at run time")
@@ -95,6 +97,13 @@ class BenchmarkProfile(models.Model):
 
     def __str__(self):
         return self.name
+
+    @property
+    def gateway_base(self) -> str:
+        """The gateway a run sends to: the profile's own URL, else this server's."""
+        from django.conf import settings
+
+        return (self.gateway_url or settings.GATEWAY_PUBLIC_URL).rstrip("/")
 
     def clean(self):
         from controlplane.benchmarks.schedules import parse_cron

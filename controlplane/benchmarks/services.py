@@ -184,9 +184,9 @@ def _target(run: BenchmarkRun, planned_s: float):
         "display_name": "Benchmark runs", "isolate_prefix_cache": True})
     issued = api_key_create(tenant=tenant, name=f"benchmark run {run.pk}",
                             expires_at=timezone.now() + dt.timedelta(seconds=planned_s + 3600))
-    target = loadgen.Target(url=f"{profile.gateway_url.rstrip('/')}/v1/chat/completions",
+    target = loadgen.Target(url=f"{profile.gateway_base}/v1/chat/completions",
                             model=profile.tier.name, api_key=issued.secret)
-    return target, f"{profile.tier.name} through the gateway at {profile.gateway_url}", \
+    return target, f"{profile.tier.name} through the gateway at {profile.gateway_base}", \
         lambda: api_key_revoke(api_key=issued.api_key)
 
 

@@ -65,6 +65,18 @@ def test_a_run_through_the_gateway_uses_a_benchmark_key_meters_it_and_revokes_it
     assert UsageEvent.objects.filter(api_key=key).count() == stage["requests"]
 
 
+@pytest.mark.django_db(transaction=True)
+def test_a_profile_without_a_url_load_tests_the_server_it_is_run_from(world, instance, gateway_url, settings):
+    settings.GATEWAY_PUBLIC_URL = gateway_url  # as runlocal sets it: not 127.0.0.1:8000, another process
+    profile = make_profile(world.vision, target="gateway", gateway_url="", sweep=[2])
+    run = BenchmarkRun.objects.create(profile=profile)
+    benchmark_execute(run_id=run.pk)
+    run.refresh_from_db()
+    assert run.state == "succeeded", run.log
+    assert f"through the gateway at {gateway_url}" in run.log
+    assert run.results["stages"][0]["errors"] == 0
+
+
 @pytest.mark.django_db
 def test_a_run_with_no_engine_fails_with_the_reason(world):
     run = BenchmarkRun.objects.create(profile=make_profile(world.vision))

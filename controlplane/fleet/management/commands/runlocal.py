@@ -32,6 +32,9 @@ class Command(BaseCommand):
             os.makedirs(queue_dir, exist_ok=True)
         python = sys.executable
         node_queue = Node.queue_for(settings.NODE_NAME)
+        # What benchmark profiles without a URL of their own load-test: this very server.
+        reachable = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+        os.environ["GATEWAY_PUBLIC_URL"] = f"http://{reachable}:{port}"
         commands = {
             "web": [python, "-m", "controlplane.serving", "--host", host, "--port", str(port),
                     "--log-level", "warning"],
