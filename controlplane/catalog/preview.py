@@ -75,28 +75,26 @@ def tier_plan(tier: ModelTier) -> TierPlan:
             plan.environment = env
         except ValueError as exc:
             plan.problems.append(f"cannot launch: {exc}")
+    rates = rates_now(tier)
     if tier.kind == ModelTier.Kind.VISION and tier.resolution_policy is not None:
-        plan.samples = samples(tier)
-    if tier.price_plan_id and not _priced(tier):
+        plan.samples = samples(tier, rates)
+    if tier.price_plan_id and rates is None:
         plan.problems.append("its price plan has no rate in effect: the tier cannot be enabled until it has one")
     plan.fits = _fits(tier)
     return plan
 
 
-def _priced(tier: ModelTier) -> bool:
+def rates_now(tier: ModelTier):
+    """The rates of the tier's plan in effect now, or None."""
     try:
-        RateBook().rates_at(tier.price_plan_id, timezone.now())
+        return RateBook().rates_at(tier.price_plan_id, timezone.now()) if tier.price_plan_id else None
     except NoRate:
-        return False
-    return True
+        return None
 
 
-def samples(tier: ModelTier) -> list[ImageSample]:
+def samples(tier: ModelTier, rates) -> list[ImageSample]:
+    """What the sample photos become on `tier`, priced at `rates` (None: no rate in effect)."""
     policy = tier.image_policy()
-    try:
-        rates = RateBook().rates_at(tier.price_plan_id, timezone.now()) if tier.price_plan_id else None
-    except NoRate:
-        rates = None
     samples = []
     for width, height in SAMPLE_SIZES:
         try:

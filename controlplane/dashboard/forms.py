@@ -1,6 +1,6 @@
 from django import forms
 
-from controlplane.tenants.models import Tenant
+from controlplane.tenants.models import QuotaLimits, Tenant
 
 
 class ApiKeyForm(forms.Form):
@@ -149,7 +149,7 @@ class HostListField(forms.CharField):
         return [part for part in (value or "").replace(",", " ").split() if part]
 
 
-QUOTA_LIMITS = ("image_tokens", "total_tokens", "requests_per_minute", "concurrent_large_images")
+QUOTA_LIMITS = QuotaLimits.LIMITS
 
 
 class TenantForm(forms.ModelForm):
@@ -198,7 +198,7 @@ class TenantForm(forms.ModelForm):
         if not creating:
             chosen = list(self.instance.allowed_tiers.all())
             self.initial.update(tier_access="chosen" if chosen else "every", tiers=chosen)
-            unlimited = quota is None or all(getattr(quota, n) is None for n in QUOTA_LIMITS)
+            unlimited = quota is None or quota.unlimited
             self.initial["quota_mode"] = "unlimited" if unlimited else "limits"
         elif not start.unlimited:
             self.initial["quota_mode"] = "limits"  # the operator's default quota, filled in below

@@ -13,7 +13,7 @@ from django.shortcuts import get_object_or_404, redirect, render
 from controlplane.audit.models import AuditEntry
 from controlplane.audit.services import audit_record, field_values, history
 from controlplane.catalog.models import ModelTier, ResolutionPolicy
-from controlplane.catalog.preview import samples
+from controlplane.catalog.preview import rates_now, samples
 from controlplane.dashboard.access import operators_only
 from controlplane.dashboard.forms import PolicyForm
 
@@ -58,5 +58,5 @@ def _preview(policy: ResolutionPolicy) -> list[dict]:
     for tier in ModelTier.objects.filter(kind=ModelTier.Kind.VISION).select_related("price_plan").order_by("name"):
         trial = copy.copy(tier)
         trial.resolution_policy = policy
-        found.append({"tier": tier, "samples": samples(trial), "currency": tier.price_plan.currency})
+        found.append({"tier": tier, "samples": samples(trial, rates_now(tier)), "currency": tier.price_plan.currency})
     return found

@@ -212,8 +212,7 @@ async def _admit(request_id: str, key: state.KeyInfo, tier: TierSpec, prepared: 
             counted = await ledger.key_rate(key.key_id, key.key_requests_per_minute)
         except Exception:
             log.exception("could not check the rate of key %s for %s", key.key_id, request_id)
-            raise GatewayError(503, "the quota service is unavailable; retry shortly", code="quota_unavailable",
-                               headers={"Retry-After": "5"}) from None
+            raise _quota_unavailable() from None
         if not counted:
             retry = 60 - timezone.now().second
             raise GatewayError(429, f"this API key's limit exceeded: {key.key_requests_per_minute:,} requests "
@@ -233,8 +232,12 @@ async def _admit(request_id: str, key: state.KeyInfo, tier: TierSpec, prepared: 
     except Exception:
         # The quota cannot be checked (its store does not answer): nothing is forwarded unchecked.
         log.exception("could not admit %s against its quota", request_id)
-        raise GatewayError(503, "the quota service is unavailable; retry shortly", code="quota_unavailable",
-                           headers={"Retry-After": "5"}) from None
+        raise _quota_unavailable() from None
+
+
+def _quota_unavailable() -> GatewayError:
+    return GatewayError(503, "the quota service is unavailable; retry shortly", code="quota_unavailable",
+                        headers={"Retry-After": "5"})
 
 
 def _release_if_admitted(done: asyncio.Future, started: float) -> None:

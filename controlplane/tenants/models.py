@@ -68,33 +68,39 @@ class ApiKey(models.Model):
         return self.expires_at is None or self.expires_at > now
 
 
-class Quota(models.Model):
+class QuotaLimits(models.Model):
+    """A quota's limits: a tenant's own (Quota), or what new tenants start with (QuotaDefault)."""
+
     class Period(models.TextChoices):
         DAY = "day", "day"
         MONTH = "month", "month"
 
-    tenant = models.OneToOneField(Tenant, on_delete=models.CASCADE, related_name="quota")
+    LIMITS = ("image_tokens", "total_tokens", "requests_per_minute", "concurrent_large_images")
+
     period = models.CharField(max_length=8, choices=Period.choices, default=Period.MONTH)
     image_tokens = models.PositiveBigIntegerField(null=True, blank=True, help_text="Empty: no limit")
     total_tokens = models.PositiveBigIntegerField(null=True, blank=True, help_text="Empty: no limit")
     requests_per_minute = models.PositiveIntegerField(null=True, blank=True)
     concurrent_large_images = models.PositiveIntegerField(null=True, blank=True)
 
+    class Meta:
+        abstract = True
+
+    @property
+    def unlimited(self) -> bool:
+        return all(getattr(self, name) is None for name in self.LIMITS)
+
+
+class Quota(QuotaLimits):
+    tenant = models.OneToOneField(Tenant, on_delete=models.CASCADE, related_name="quota")
+
     def __str__(self):
         return f"quota for {self.tenant}"
 
 
-class QuotaDefault(models.Model):
+class QuotaDefault(QuotaLimits):
     """The quota a new tenant starts with, as the operator set it (one row). No limit set at
     all means new tenants start unlimited, which the tenant form then says in so many words."""
-
-    period = models.CharField(max_length=8, choices=Quota.Period.choices, default=Quota.Period.MONTH)
-    image_tokens = models.PositiveBigIntegerField(null=True, blank=True, help_text="Empty: no limit")
-    total_tokens = models.PositiveBigIntegerField(null=True, blank=True, help_text="Empty: no limit")
-    requests_per_minute = models.PositiveIntegerField(null=True, blank=True)
-    concurrent_large_images = models.PositiveIntegerField(null=True, blank=True)
-
-    LIMITS = ("image_tokens", "total_tokens", "requests_per_minute", "concurrent_large_images")
 
     def __str__(self):
         return "quota of new tenants"
@@ -102,10 +108,6 @@ class QuotaDefault(models.Model):
     @classmethod
     def current(cls) -> QuotaDefault:
         return cls.objects.order_by("pk").first() or cls()
-
-    @property
-    def unlimited(self) -> bool:
-        return all(getattr(self, name) is None for name in self.LIMITS)
 
 
 class Membership(models.Model):

@@ -9,7 +9,7 @@ from datetime import datetime
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
-from controlplane.tenants.models import ApiKey, Tenant
+from controlplane.tenants.models import ApiKey, QuotaLimits, Tenant
 
 KEY_PREFIX = "vlm-"
 
@@ -102,7 +102,7 @@ def api_key_lookup(secret: str) -> ApiKey | None:
 
 TENANT_AUDITED = ("name", "display_name", "active", "isolate_prefix_cache", "default_text_tier_id",
                   "default_image_tier_id")
-QUOTA_AUDITED = ("period", "image_tokens", "total_tokens", "requests_per_minute", "concurrent_large_images")
+QUOTA_AUDITED = ("period", *QuotaLimits.LIMITS)
 
 
 @transaction.atomic

@@ -3,12 +3,11 @@ refused with a message, and a preview shows what sample photos become on each vi
 
 from __future__ import annotations
 
-import html
-
 import pytest
 
 from controlplane.audit.models import AuditEntry
 from controlplane.catalog.models import ResolutionPolicy
+from tests.pages import field_errors
 
 pytestmark = pytest.mark.django_db
 
@@ -22,9 +21,6 @@ def _policy(**changes):
     return data
 
 
-def _errors(page: str) -> list[str]:
-    return [html.unescape(part.split("</p>")[0]) for part in page.split('<p class="error">')[1:]]
-
 
 @pytest.mark.parametrize(("typed", "message"), [
     ({"min_pixels": 10}, "at least 784 pixels (28 x 28)"),
@@ -37,7 +33,7 @@ def _errors(page: str) -> list[str]:
 def test_bounds_that_cannot_work_are_refused_with_a_message(client, world, typed, message):
     client.force_login(world.operator)
     page = client.post("/policies/new/", {**_policy(**typed), "save": "1"}).content.decode()
-    assert message in _errors(page)
+    assert message in field_errors(page)
     assert not ResolutionPolicy.objects.filter(name="thrifty").exists()
 
 

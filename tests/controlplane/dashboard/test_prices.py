@@ -13,6 +13,7 @@ from django.utils import timezone
 
 from controlplane.audit.models import AuditEntry
 from controlplane.catalog.models import PricePlan, PriceRate
+from tests.pages import field_errors
 
 pytestmark = pytest.mark.django_db
 
@@ -24,9 +25,6 @@ def _rate(**changes):
     data.update(changes)
     return data
 
-
-def _errors(page: str) -> list[str]:
-    return [html.unescape(part.split("</p>")[0]) for part in page.split('<p class="error">')[1:]]
 
 
 @pytest.mark.parametrize(("typed", "message"), [
@@ -40,7 +38,7 @@ def test_a_price_that_cannot_be_billed_is_refused_where_it_is_typed(client, worl
     before = plan.rates.count()
     client.force_login(world.operator)
     page = client.post(f"/prices/{plan.name}/", {**_rate(**typed), "save": "1"}).content.decode()
-    assert any(message in error for error in _errors(page))
+    assert any(message in error for error in field_errors(page))
     assert plan.rates.count() == before
 
 

@@ -4,13 +4,12 @@ chosen, or every tier when that is chosen; the quota editor shows what the tenan
 
 from __future__ import annotations
 
-import html
-
 import pytest
 
 from controlplane.audit.models import AuditEntry
 from controlplane.metering.services import UsageRecord, usage_record
 from controlplane.tenants.models import Quota, QuotaDefault, Tenant
+from tests.pages import field_errors
 
 pytestmark = pytest.mark.django_db
 
@@ -22,9 +21,6 @@ def _new(world, **changes):
     data.update(changes)
     return {k: v for k, v in data.items() if v is not None}
 
-
-def _errors(page: str) -> list[str]:
-    return [html.unescape(part.split("</p>")[0]) for part in page.split('<p class="error">')[1:]]
 
 
 def test_a_new_tenants_form_starts_from_the_default_quota_the_operator_set(client, world):
@@ -42,12 +38,12 @@ def test_a_new_tenants_form_starts_from_the_default_quota_the_operator_set(clien
 def test_a_tenant_is_unlimited_or_on_every_tier_only_when_that_is_chosen(client, world):
     client.force_login(world.operator)
     page = client.post("/tenants/new/", _new(world, tier_access=None, quota_mode=None)).content.decode()
-    errors = _errors(page)
+    errors = field_errors(page)
     assert errors.count("This field is required.") == 2  # neither choice is made by leaving it empty
     assert not Tenant.objects.filter(name="acme").exists()
     page = client.post("/tenants/new/", _new(world, tiers=[], image_tokens=None, total_tokens=None)).content.decode()
-    assert "choose at least one tier, or let it use every tier" in _errors(page)
-    assert "set at least one limit, or choose unlimited" in _errors(page)
+    assert "choose at least one tier, or let it use every tier" in field_errors(page)
+    assert "set at least one limit, or choose unlimited" in field_errors(page)
     client.post("/tenants/new/", _new(world, tier_access="every", quota_mode="unlimited"))
     acme = Tenant.objects.get(name="acme")
     assert not acme.allowed_tiers.exists() and not Quota.objects.filter(tenant=acme).exists()
@@ -65,7 +61,7 @@ def test_a_new_tenant_gets_only_the_tiers_chosen_and_its_quota_and_the_change_is
     created = AuditEntry.objects.get(object_type="tenant", object_id=str(acme.pk))
     assert created.actor == world.operator.username and created.changes["tiers"] == [None, world.vision.name]
     page = client.post("/tenants/new/", _new(world, name="acme2", default_text_tier=world.text.pk)).content.decode()
-    assert f"{world.text.name} is not among the tiers it may use" in _errors(page)
+    assert f"{world.text.name} is not among the tiers it may use" in field_errors(page)
 
 
 def test_the_quota_editor_shows_what_the_tenant_used_beside_each_limit(client, world):

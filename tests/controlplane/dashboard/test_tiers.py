@@ -13,6 +13,7 @@ from controlplane.audit.models import AuditEntry
 from controlplane.catalog.models import ModelTier, PricePlan
 from controlplane.fleet.models import Gpu, Node
 from tests.factories import PricePlanFactory, ResolutionPolicyFactory
+from tests.pages import field_errors
 
 pytestmark = pytest.mark.django_db
 
@@ -29,9 +30,6 @@ def _form(world, **changes):
     return {k: v for k, v in data.items() if v is not None}
 
 
-def _errors(page: str) -> list[str]:
-    return [html.unescape(part.split("</p>")[0]) for part in page.split('<p class="error">')[1:]]
-
 
 @pytest.mark.parametrize(("typo", "message"), [
     ({"setting_max_model_len": -5}, "Ensure this value is greater than or equal to 256."),
@@ -43,7 +41,7 @@ def test_out_of_range_settings_are_refused_with_a_message_and_nothing_is_saved(c
     client.force_login(world.operator)
     response = client.post("/tiers/new/", _form(world, save="1", **typo))
     assert response.status_code == 200
-    assert message in _errors(response.content.decode())
+    assert message in field_errors(response.content.decode())
     assert not ModelTier.objects.filter(name="vlm-7b").exists()
 
 
@@ -119,7 +117,8 @@ def test_editing_keeps_what_the_form_does_not_show_and_switching_engine_kind_kee
     tier.engine_settings = {"max_model_len": 8192, "decode_ms_per_token": 2}
     tier.save()
     page = client.get(f"/tiers/{tier.name}/").content.decode()
-    assert 'name="setting_decode_ms_per_token"' in page and 'value="2.0"' in page or 'value="2"' in page
+    field = page.split('name="setting_decode_ms_per_token"')[1].split(">")[0]
+    assert 'value="2.0"' in field or 'value="2"' in field
     form = _form(world, save="1", engine_kind="vllm", name=tier.name, setting_max_model_len=8192,
                  setting_max_output_tokens=None, price_plan=tier.price_plan_id)
     assert client.post(f"/tiers/{tier.name}/?engine=vllm", form).status_code == 302
