@@ -190,7 +190,11 @@ async def _chat_completions(request: Request, request_id: str):
                                   tier_id=tier.id, status="error", http_status=500,
                                   stream=bool(body.get("stream"))), started)
         raise
-    return await _forward(request_id, key, tier, prepared, flight)
+    return await _forward(request_id, key, tier, prepared, flight, started)
+
+
+def _ms_since(started: float) -> int:
+    return int((time.monotonic() - started) * 1000)
 
 
 async def _admit(request_id: str, key: state.KeyInfo, tier: TierSpec, prepared: Prepared,
@@ -202,6 +206,7 @@ async def _admit(request_id: str, key: state.KeyInfo, tier: TierSpec, prepared: 
         stream=bool(prepared.body.get("stream")), images=[(p.image, p.tokens, 0) for p in prepared.images],
         image_tokens=prepared.image_tokens, text_tokens=prepared.text_tokens,
         counted_prompt_tokens=prepared.text_tokens + prepared.image_tokens, prompt_estimated=prepared.estimated,
+        prepare_ms=_ms_since(started),  # the images are ready (and moderated) when admission starts
     )
     ask = None if key.limits is None else Ask(
         image_tokens=prepared.image_tokens,
@@ -265,8 +270,8 @@ def _upstream_body(key: state.KeyInfo, tier: TierSpec, prepared: Prepared, *, la
     return body
 
 
-async def _forward(request_id: str, key: state.KeyInfo, tier: TierSpec, prepared: Prepared, flight: ledger.Flight):
-    started = time.monotonic()
+async def _forward(request_id: str, key: state.KeyInfo, tier: TierSpec, prepared: Prepared, flight: ledger.Flight,
+                   started: float):
     _tier_names[tier.id] = tier.name
     record = flight.record
     large = prepared.image_tokens > tier.large_image_threshold
@@ -332,6 +337,8 @@ async def _attempts(request_id, tier, prepared, flight, candidates, payload, sta
         handed_over = False  # to the stream, which then owns the counter and the record
         try:
             await ledger.engine_chosen(flight, instance.id)
+            if record.queue_ms is None:
+                record.queue_ms = max(0, _ms_since(started) - (record.prepare_ms or 0))
             req = upstream.client().build_request(
                 "POST", f"{instance.base_url}/v1/chat/completions", content=payload,
                 headers={"content-type": "application/json", "x-request-id": request_id,
@@ -493,6 +500,8 @@ def _stream(request_id, tier, flight, prepared, response, instance, started, slo
                 for choice in chunk.get("choices") or ():
                     if (choice.get("delta") or {}).get("content"):
                         flight.produced += 1  # also what the journal bills if this gateway dies
+                        if record.ttft_ms is None:
+                            record.ttft_ms = _ms_since(started)
                 yield b"data: " + orjson.dumps(chunk) + b"\n\n"
         except (httpx.HTTPError, EngineFailing) as exc:
             # The engine dropped the stream, or hung: tell the client in the stream's own terms.
@@ -620,7 +629,7 @@ async def _record(record: UsageRecord, started: float) -> None:
     if record.recorded:
         return
     record.recorded = True
-    record.latency_ms = int((time.monotonic() - started) * 1000)
+    record.latency_ms = _ms_since(started)
     counters.count(tier=_tier_names.get(record.tier_id, str(record.tier_id)), status=record.status,
                    images=record.image_tokens, disagree=record.image_tokens_disagree)
     # A client leaving now cancels this task: the hand-over runs in a task of its own that

@@ -17,7 +17,7 @@ class UsageEvent(models.Model):
         INTERRUPTED = "interrupted", "interrupted"
 
     request_id = models.CharField(max_length=64, unique=True)
-    created_at = models.DateTimeField(default=timezone.now, db_index=True)
+    created_at = models.DateTimeField(default=timezone.now)
     recorded_at = models.DateTimeField(auto_now_add=True, db_index=True)
     tenant = models.ForeignKey("tenants.Tenant", on_delete=models.PROTECT, related_name="usage_events")
     api_key = models.ForeignKey(
@@ -30,7 +30,11 @@ class UsageEvent(models.Model):
     status = models.CharField(max_length=16, choices=Status.choices)
     http_status = models.PositiveSmallIntegerField(default=200)
     stream = models.BooleanField(default=False)
-    latency_ms = models.PositiveIntegerField(default=0)
+    latency_ms = models.PositiveIntegerField(default=0, help_text="From arrival to the answer's last byte")
+    prepare_ms = models.PositiveIntegerField(null=True, blank=True, help_text="Preparing the images")
+    queue_ms = models.PositiveIntegerField(null=True, blank=True,
+                                           help_text="Waiting in the gateway before an engine was sent it")
+    ttft_ms = models.PositiveIntegerField(null=True, blank=True, help_text="From arrival to the first token streamed")
     image_count = models.PositiveIntegerField(default=0)
     image_tokens = models.PositiveIntegerField(default=0)
     cached_tokens = models.PositiveIntegerField(default=0)
@@ -57,8 +61,14 @@ class UsageEvent(models.Model):
 
     class Meta:
         ordering = ["-created_at"]
+        # The request log reads newest first, a page at a time from a (created_at, id) key,
+        # over everything or one tenant or tier, or only the requests that did not succeed:
+        # each of those walks one of these indexes and stops after a page.
         indexes = [
-            models.Index(fields=["tenant", "created_at"]),
+            models.Index(fields=["created_at", "id"], name="usage_log"),
+            models.Index(fields=["tenant", "created_at", "id"], name="usage_log_tenant"),
+            models.Index(fields=["tier", "created_at", "id"], name="usage_log_tier"),
+            models.Index(fields=["created_at", "id"], condition=~models.Q(status="ok"), name="usage_log_not_ok"),
             # The rare events whose engine counted other image tokens, shown per tier.
             models.Index(fields=["tier", "created_at"], condition=models.Q(image_tokens_disagree=True),
                          name="usage_image_count_disagree"),
@@ -78,6 +88,9 @@ class UsageImage(models.Model):
     height = models.PositiveIntegerField()
     tokens = models.PositiveIntegerField()
     fingerprint = models.CharField(max_length=32, db_index=True)
+    # A long picture the policy cut into tiles is one row per tile, in reading order.
+    tile = models.PositiveSmallIntegerField(default=0)
+    tiles = models.PositiveSmallIntegerField(default=1)
     cached = models.BooleanField(default=False, help_text="Served from the engine's prefix cache, wholly or in part")
     # Its share of the engine's cached prefix: the positions of the image inside it.
     cached_tokens = models.PositiveIntegerField(default=0)

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import datetime as dt
+from dataclasses import dataclass
 
-from django.db.models import Count, Max
+from django.db.models import Count, Max, Q
 
 from controlplane.metering.models import UsageEvent
 
@@ -16,3 +17,90 @@ def image_count_disagreements(*, since: dt.datetime) -> list[dict]:
         UsageEvent.objects.filter(image_tokens_disagree=True, created_at__gte=since)
         .values("tier__name").annotate(count=Count("id"), latest=Max("created_at")).order_by("tier__name")
     )
+
+
+@dataclass(frozen=True)
+class LogQuery:
+    """What the request log is asked for. Ids are already resolved and within what the
+    reader may see; `statuses` empty means any."""
+
+    tenant_ids: tuple[int, ...] | None = None  # None: every tenant
+    api_key_id: int | None = None
+    tier_id: int | None = None
+    statuses: tuple[str, ...] = ()
+    failed_only: bool = False  # anything but ok
+    latency_min_ms: int | None = None
+    latency_max_ms: int | None = None
+    since: dt.datetime | None = None
+    until: dt.datetime | None = None
+    request_id: str = ""
+
+
+_EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
+_MICROSECOND = dt.timedelta(microseconds=1)
+
+
+@dataclass(frozen=True)
+class LogCursor:
+    """Where a page of the log ends: the (created_at, id) of its last event."""
+
+    created_at: dt.datetime
+    id: int
+
+    def encode(self) -> str:
+        return f"{(self.created_at - _EPOCH) // _MICROSECOND}.{self.id}"  # exact, unlike a float timestamp
+
+    @classmethod
+    def decode(cls, text: str | None) -> LogCursor | None:
+        try:
+            micros, pk = (text or "").split(".")
+            return cls(_EPOCH + int(micros) * _MICROSECOND, int(pk))
+        except (ValueError, OverflowError, OSError):
+            return None
+
+
+def usage_log(query: LogQuery, *, after: LogCursor | None = None, limit: int = 50) -> tuple[list, LogCursor | None]:
+    """A page of events newest first, and the cursor of the next page (None at the end).
+
+    Keyset pagination: a page starts below the last (created_at, id) seen, so page 1,000 costs
+    what page 1 does. The redundant `created_at <= cursor` bound is what lets the database
+    start its index walk at the cursor rather than filter its way down to it."""
+    events = UsageEvent.objects.select_related("tenant", "tier", "api_key")
+    if query.request_id:
+        events = events.filter(request_id=query.request_id)
+    if query.tenant_ids is not None:
+        events = events.filter(tenant_id__in=query.tenant_ids)
+    if query.api_key_id is not None:
+        events = events.filter(api_key_id=query.api_key_id)
+    if query.tier_id is not None:
+        events = events.filter(tier_id=query.tier_id)
+    if query.failed_only:
+        events = events.filter(~Q(status=UsageEvent.Status.OK))
+    if query.statuses:
+        events = events.filter(status__in=query.statuses)
+    if query.latency_min_ms is not None:
+        events = events.filter(latency_ms__gte=query.latency_min_ms)
+    if query.latency_max_ms is not None:
+        events = events.filter(latency_ms__lte=query.latency_max_ms)
+    if query.since is not None:
+        events = events.filter(created_at__gte=query.since)
+    if query.until is not None:
+        events = events.filter(created_at__lt=query.until)
+    if after is not None:
+        events = events.filter(Q(created_at__lte=after.created_at)
+                               & (Q(created_at__lt=after.created_at) | Q(id__lt=after.id)))
+    page = list(events.order_by("-created_at", "-id")[: limit + 1])
+    more = len(page) > limit
+    page = page[:limit]
+    return page, LogCursor(page[-1].created_at, page[-1].id) if more else None
+
+
+def usage_event_detail(*, request_id: str, tenant_ids: tuple[int, ...] | None) -> UsageEvent | None:
+    """One event with its images, engine and key, if the reader may see its tenant."""
+    events = UsageEvent.objects.select_related("tenant", "tier", "api_key", "instance", "instance__node")
+    if tenant_ids is not None:
+        events = events.filter(tenant_id__in=tenant_ids)
+    event = events.filter(request_id=request_id).first()
+    if event is not None:
+        event.image_rows = list(event.images.order_by("position"))
+    return event

@@ -54,7 +54,13 @@ class UsageRecord:
     instance_id: int | None = None
     status: str = "ok"
     http_status: int = 200
-    latency_ms: int = 0
+    latency_ms: int = 0  # from arrival at the gateway to the last byte of the answer
+    # Where the time went: preparing the images (decode, resize, count), waiting in the
+    # gateway (admission, a large-image turn) before an engine was sent the request, and
+    # from arrival to the first token streamed (None when not streamed or never reached).
+    prepare_ms: int | None = None
+    queue_ms: int | None = None
+    ttft_ms: int | None = None
     created_at: dt.datetime = field(default_factory=timezone.now)
     reservation: object = None  # the quota reservation to settle (gateway only)
     recorded: bool = False  # set once the gateway has handed the record over
@@ -62,11 +68,12 @@ class UsageRecord:
 
 _SCALARS = ("request_id", "tenant_id", "api_key_id", "tier_id", "stream", "image_tokens", "text_tokens",
             "output_tokens", "cached_tokens", "cached_image_tokens", "instance_id", "status", "http_status",
-            "latency_ms", "engine_image_tokens", "image_tokens_disagree", "counted_prompt_tokens", "prompt_estimated")
+            "latency_ms", "engine_image_tokens", "image_tokens_disagree", "counted_prompt_tokens", "prompt_estimated",
+            "prepare_ms", "queue_ms", "ttft_ms")
 # Fields newer than some records already in flight (streams and journals outlive a deploy).
 _SCALAR_DEFAULTS = {"engine_image_tokens": None, "image_tokens_disagree": False, "counted_prompt_tokens": None,
-                    "prompt_estimated": True}
-_IMAGE_FIELDS = ("source_format", "source_width", "source_height", "width", "height", "fingerprint")
+                    "prompt_estimated": True, "prepare_ms": None, "queue_ms": None, "ttft_ms": None}
+_IMAGE_FIELDS = ("source_format", "source_width", "source_height", "width", "height", "fingerprint", "tile", "tiles")
 
 
 @dataclass(frozen=True)
@@ -79,6 +86,8 @@ class ImageLine:
     width: int
     height: int
     fingerprint: str
+    tile: int = 0  # its place among the tiles of a long picture cut by the policy
+    tiles: int = 1
 
 
 def usage_to_json(record: UsageRecord) -> dict:
@@ -235,6 +244,9 @@ def _usage_rows(record: UsageRecord, tier: ModelTier, book: RateBook) -> tuple[U
         http_status=record.http_status,
         stream=record.stream,
         latency_ms=record.latency_ms,
+        prepare_ms=record.prepare_ms,
+        queue_ms=record.queue_ms,
+        ttft_ms=record.ttft_ms,
         image_count=len(record.images),
         image_tokens=record.image_tokens,
         cached_tokens=record.cached_tokens,
@@ -260,6 +272,8 @@ def _usage_rows(record: UsageRecord, tier: ModelTier, book: RateBook) -> tuple[U
             height=image.height,
             tokens=tokens,
             fingerprint=image.fingerprint,
+            tile=getattr(image, "tile", 0),
+            tiles=getattr(image, "tiles", 1),
             cached=cached > 0,
             cached_tokens=cached,
         )

@@ -105,6 +105,9 @@ def test_it_forwards_an_image_request_and_records_its_usage(client, routed):
     assert (event.image_count, event.image_tokens, event.output_tokens) == (
         1, 1224, body["usage"]["completion_tokens"])
     assert event.text_tokens == body["usage"]["prompt_tokens"] - 1224
+    # Where its time went, for the request log: not streamed, so no time to first token.
+    assert event.prepare_ms is not None and event.queue_ms is not None and event.ttft_ms is None
+    assert event.prepare_ms + event.queue_ms <= event.latency_ms
 
 
 @pytest.mark.django_db
@@ -130,6 +133,7 @@ def test_a_stream_ends_with_done_and_is_metered(client, routed):
     produced = sum(1 for c in chunks for ch in c["choices"] if ch["delta"].get("content"))
     event = UsageEvent.objects.get(request_id=response["x-request-id"])
     assert event.stream and event.output_tokens == produced == 5
+    assert event.prepare_ms + event.queue_ms <= event.ttft_ms <= event.latency_ms
 
 
 @pytest.mark.django_db
@@ -307,6 +311,7 @@ def test_a_long_image_reaches_the_engine_as_tiles_and_is_metered_per_tile(client
     assert event.image_count == 3
     tiles = list(event.images.order_by("position"))
     assert all(t.height <= 4 * t.width for t in tiles)
+    assert [(t.tile, t.tiles) for t in tiles] == [(0, 3), (1, 3), (2, 3)]  # one picture, cut in three
     # The engine counted three images too: its prompt grew by exactly the tiles' tokens.
     body = response.json()
     assert body["usage"]["prompt_tokens_details"]["image_tokens"] == sum(t.tokens for t in tiles)

@@ -1,0 +1,137 @@
+"""The request log: an operator finds a tenant's failing or slow requests, pages through them
+newest first, and opens one to see its images, tokens, cost, engine and timings."""
+
+from __future__ import annotations
+
+import datetime as dt
+import re
+
+import pytest
+from django.utils import timezone
+
+from controlplane.fleet.models import EngineInstance, Node
+from controlplane.metering.services import ImageLine, UsageRecord, usage_record
+from controlplane.tenants.services import api_key_create
+
+pytestmark = pytest.mark.django_db
+NOW = timezone.now().replace(microsecond=0)
+
+
+def _request(world, request_id, *, tenant=None, at=None, status="ok", latency=100, key=None, images=(),
+             **fields):
+    tenant = tenant or world.alice
+    return usage_record(record=UsageRecord(
+        request_id=request_id, tenant_id=tenant.pk, api_key_id=(key or tenant.api_keys.order_by("pk").first()).pk,
+        tier_id=world.vision.pk, created_at=at or NOW, status=status,
+        http_status=200 if status == "ok" else 502, latency_ms=latency, images=list(images),
+        image_tokens=sum(tokens for _, tokens, _ in images), text_tokens=30, output_tokens=8, **fields))
+
+
+def _listed(page) -> list[str]:
+    return re.findall(r'data-request="([^"]+)"', page.content.decode())
+
+
+def _pages(client, url) -> list[list[str]]:
+    pages = []
+    while url:
+        page = client.get(url)
+        assert page.status_code == 200
+        pages.append(_listed(page))
+        older = re.search(r'id="older" href="([^"]+)"', page.content.decode())
+        url = "/requests/" + older.group(1).replace("&amp;", "&") if older else None
+    return pages
+
+
+def test_it_pages_every_request_once_newest_first_even_when_many_share_a_moment(client, world):
+    # 130 requests in 13 distinct instants: a page boundary falls among requests of one instant.
+    for n in range(130):
+        _request(world, f"r{n:03}", at=NOW - dt.timedelta(seconds=n // 10))
+    client.force_login(world.operator)
+    pages = _pages(client, "/requests/")
+    assert [len(p) for p in pages] == [50, 50, 30]
+    seen = [request for page in pages for request in page]
+    assert len(set(seen)) == 130
+    # Newest first: an instant's ten requests all come before the instant before it.
+    assert [int(r[1:]) // 10 for r in seen] == sorted(int(r[1:]) // 10 for r in seen)
+
+
+def test_an_operator_finds_a_tenants_failing_slow_requests(client, world):
+    batch = api_key_create(tenant=world.alice, name="batch").api_key
+    _request(world, "fast-ok", latency=80)
+    _request(world, "slow-error", status="error", latency=9000)
+    _request(world, "slow-error-batch", status="error", latency=9500, key=batch)
+    _request(world, "slow-aborted", status="aborted", latency=7000)
+    _request(world, "bob-error", tenant=world.bob, status="error", latency=9000)
+    _request(world, "old-error", status="error", latency=9000, at=NOW - dt.timedelta(days=3))
+    client.force_login(world.operator)
+    since = (NOW - dt.timedelta(hours=1)).strftime("%Y-%m-%dT%H:%M")
+    failing = _listed(client.get(f"/requests/?tenant=alice&status=failed&latency_min=5000&since={since}"))
+    assert sorted(failing) == ["slow-aborted", "slow-error", "slow-error-batch"]
+    # Of one instant, the one recorded last comes first.
+    assert _listed(client.get(f"/requests/?tenant=alice&status=error&latency_min=5000&since={since}")) == [
+        "slow-error-batch", "slow-error"]
+    assert _listed(client.get(f"/requests/?key={batch.prefix}")) == ["slow-error-batch"]
+    assert _listed(client.get("/requests/?latency_max=100")) == ["fast-ok"]
+    assert _listed(client.get("/requests/?q=bob-error")) == ["bob-error"]
+    assert "bob-error" in _listed(client.get("/requests/"))  # operators see every tenant
+
+
+def test_bad_filters_are_explained_not_a_server_error(client, world):
+    _request(world, "one")
+    client.force_login(world.operator)
+    page = client.get("/requests/?latency_min=-5&latency_max=abc&since=yesterday&status=lost")
+    assert page.status_code == 200
+    text = page.content.decode()
+    assert "Correct the filter above." in text and _listed(page) == []
+    assert "Ensure this value is greater than or equal to 0" in text
+    backwards = client.get("/requests/?latency_min=900&latency_max=100").content.decode()
+    assert "must not be below the latency it starts from" in backwards
+    # A cursor that means nothing starts from the newest.
+    assert _listed(client.get("/requests/?after=not-a-cursor")) == ["one"]
+
+
+def test_a_tenant_admin_sees_only_their_own_tenants_requests(client, world):
+    _request(world, "alice-1")
+    _request(world, "charlie-1", tenant=world.charlie)
+    client.force_login(world.alice_admin)
+    assert _listed(client.get("/requests/")) == ["alice-1"]
+    assert _listed(client.get("/requests/?q=charlie-1")) == []
+    assert client.get("/requests/charlie-1/").status_code == 404
+    assert client.get("/requests/alice-1/").status_code == 200
+    # Naming another tenant in the address shows nothing of it.
+    assert _listed(client.get("/requests/?tenant=charlie")) == []
+
+
+def test_opening_a_request_shows_its_images_tokens_cost_engine_and_timings(client, world):
+    node = Node.objects.create(name="gpu-a", address="10.0.0.5", queue="node.gpu-a")
+    instance = EngineInstance.objects.create(tier=world.vision, node=node, port=8101, actual_state="running")
+    photo = ImageLine(source_format="jpeg", source_width=4000, source_height=3000, width=1148, height=868,
+                      fingerprint="f" * 32)
+    receipt = [ImageLine(source_format="png", source_width=400, source_height=4000, width=392, height=1568,
+                         fingerprint=f"{n}" * 32, tile=n, tiles=2) for n in range(2)]
+    _request(world, "req_open", images=[(photo, 1276, 1276), (receipt[0], 784, 0), (receipt[1], 784, 0)],
+             instance_id=instance.pk, stream=True, latency=1800, prepare_ms=42, queue_ms=7, ttft_ms=310,
+             cached_tokens=1300)
+    client.force_login(world.operator)
+    page = client.get("/requests/req_open/").content.decode()
+    images = page.split('id="images"')[1]
+    photo_row, receipt_row = re.findall(r'<tr data-image="\d">(.*?)</tr>', images, re.S)
+    assert "4000×3000 jpeg" in photo_row and "1148×868" in photo_row and "1,276" in photo_row
+    assert "(100%)" in photo_row and "f" * 32 in photo_row
+    assert "400×4000 png" in receipt_row and "392×1568, 392×1568" in receipt_row and "2 tiles" in receipt_row
+    assert "1,568" in receipt_row and "(0%)" in receipt_row
+    timings = page.split('id="timings"')[1].split("</section>")[0]
+    for name, value in (("Image preparation", "42 ms"), ("Queue", "7 ms"), ("Time to first token", "310 ms"),
+                        ("Engine", "1,751 ms"), ("Total", "1,800 ms")):
+        assert re.search(rf"{name}</th><td class=\"num\">{value}", timings), name
+    assert f"#{instance.pk} on gpu-a:8101" in page.split('id="engine"')[1]
+    assert "$" in page.split('id="cost"')[1].split("</td>")[0]
+
+
+def test_a_request_refused_before_any_engine_says_so(client, world):
+    _request(world, "req_refused", status="error", latency=3)
+    client.force_login(world.finance)
+    page = client.get("/requests/req_refused/").content.decode()
+    assert "it never reached an engine" in page and "error" in page.split('id="status"')[1]
+    assert "Time to first token</th><td class=\"num\">—" in page
+    assert client.get("/requests/req_nothing/").status_code == 404
