@@ -240,7 +240,8 @@ def generate_events(world: World, first: int, count: int, *, start, end, recorde
 
     columns = ("request_id, created_at, recorded_at, tenant_id, api_key_id, tier_id, instance_id, status, "
                "http_status, stream, latency_ms, image_count, image_tokens, cached_tokens, cached_image_tokens, "
-               "text_tokens, output_tokens, cost, cache_savings, rated")
+               "text_tokens, output_tokens, cost, cache_savings, rated, image_tokens_disagree, prompt_estimated, "
+               "prepare_ms, queue_ms, ttft_ms")
     with connection.cursor() as cursor:
         cursor.execute(f"""
             INSERT INTO {tables['event']} ({columns})
@@ -250,7 +251,8 @@ def generate_events(world: World, first: int, count: int, *, start, end, recorde
                    CASE WHEN status = 'error' THEN 0 ELSE round(((text_tokens * 0.20 + (image_tokens
                        - cached_image * 0.5) * 0.30 + output_tokens * 0.60) / 1e6 + images * 0.001)::numeric, 6) END,
                    CASE WHEN status = 'error' THEN 0 ELSE round((cached_image * 0.5 * 0.30 / 1e6)::numeric, 6) END,
-                   true
+                   true, false, false, images * 12 + mod(i, 5), mod(i, 7),
+                   CASE WHEN mod(i, 3) = 0 THEN 120 + mod(i, 400) END
             FROM (
                 SELECT i, at, tenant, key, tier, status, images, images * (256 + (mod(i, 5)) * 243) AS image_tokens,
                        CASE WHEN images > 0 AND mod(i, 4) = 0 THEN 256 + (mod(i, 5)) * 243 ELSE 0 END AS cached_image,
@@ -275,10 +277,11 @@ def generate_events(world: World, first: int, count: int, *, start, end, recorde
               "tenants": world.tenants, "keys": world.keys, "tiers": world.tiers})
         cursor.execute(f"""
             INSERT INTO {tables['image']} (event_id, position, source_format, source_width, source_height, width,
-                                           height, tokens, fingerprint, cached)
+                                           height, tokens, fingerprint, cached, cached_tokens, tile, tiles)
             SELECT id, position, (ARRAY['JPEG', 'PNG', 'WEBP'])[1 + mod(id + position, 3)],
                    4000 - mod(id, 7) * 320, 3000 - mod(id, 5) * 240, 1148, 868, image_tokens / image_count,
-                   left(md5(id || '-' || position), 16), position = 0 AND cached_image_tokens > 0
+                   left(md5(id || '-' || position), 16), position = 0 AND cached_image_tokens > 0,
+                   CASE WHEN position = 0 THEN cached_image_tokens ELSE 0 END, 0, 1
             FROM {tables['event']}, generate_series(0, image_count - 1) AS position
             WHERE id > %s AND image_count > 0
         """, [after])

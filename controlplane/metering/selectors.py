@@ -60,7 +60,15 @@ class LogCursor:
 
 
 def usage_log(query: LogQuery, *, after: LogCursor | None = None, limit: int = 50) -> tuple[list, LogCursor | None]:
-    """A page of events newest first, and the cursor of the next page (None at the end).
+    """A page of events newest first, and the cursor of the next page (None at the end)."""
+    page = list(usage_log_events(query, after=after)[: limit + 1])
+    more = len(page) > limit
+    page = page[:limit]
+    return page, LogCursor(page[-1].created_at, page[-1].id) if more else None
+
+
+def usage_log_events(query: LogQuery, *, after: LogCursor | None = None):
+    """The events of the log, newest first, from below `after`.
 
     Keyset pagination: a page starts below the last (created_at, id) seen, so page 1,000 costs
     what page 1 does. The redundant `created_at <= cursor` bound is what lets the database
@@ -89,10 +97,7 @@ def usage_log(query: LogQuery, *, after: LogCursor | None = None, limit: int = 5
     if after is not None:
         events = events.filter(Q(created_at__lte=after.created_at)
                                & (Q(created_at__lt=after.created_at) | Q(id__lt=after.id)))
-    page = list(events.order_by("-created_at", "-id")[: limit + 1])
-    more = len(page) > limit
-    page = page[:limit]
-    return page, LogCursor(page[-1].created_at, page[-1].id) if more else None
+    return events.order_by("-created_at", "-id")
 
 
 def usage_event_detail(*, request_id: str, tenant_ids: tuple[int, ...] | None) -> UsageEvent | None:
