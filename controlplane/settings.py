@@ -321,13 +321,15 @@ STATICFILES_FINDERS = [
 STORAGES = {
     "default": {"BACKEND": "django.core.files.storage.FileSystemStorage"},
     "staticfiles": {
-        "BACKEND": "whitenoise.storage.CompressedStaticFilesStorage"
-        if not DEBUG
-        else "django.contrib.staticfiles.storage.StaticFilesStorage"
+        # Hashed, compressed names once collectstatic has run (runlocal runs it), in DEBUG too:
+        # what the demo serves is what production serves.
+        "BACKEND": "controlplane.static_storage.StaticStorage",
     },
 }
-# Serve straight from the finders so a local run needs no collectstatic.
+# What collectstatic has not written (yet) is served straight from the finders.
 WHITENOISE_USE_FINDERS = True
+# Only the hashed names are kept and compressed: a plain name is served from the finders.
+WHITENOISE_KEEP_ONLY_HASHED_FILES = True
 WHITENOISE_AUTOREFRESH = DEBUG
 
 SESSION_COOKIE_SECURE = env_bool("SECURE_COOKIES", False)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 
 import openai
@@ -73,6 +74,24 @@ def test_an_operator_logs_in_and_sees_image_tokens_per_day(system, page):
     expect(page.get_by_role("heading", name="Log in")).to_be_visible()
     page.goto(f"{system.base_url}/")
     expect(page.get_by_role("heading", name="Log in")).to_be_visible()
+
+
+def test_plotly_reaches_the_browser_compressed_under_a_hashed_name_cached_for_good(system, page):
+    scripts = {}
+    page.on("response", lambda r: "plotly" in r.url and scripts.setdefault(r.url, r))
+    _login(page, system.base_url, "operator", "operator")
+    expect(page.get_by_role("heading", name="Usage, last 30 days")).to_be_visible()
+    html = page.content()
+    assert html.count("plotly.min.") == 1  # one script tag, however many charts
+    ((url, response),) = scripts.items()
+    assert re.search(r"/static/vendor/plotly\.min\.[0-9a-f]{12}\.js$", url), url
+    headers = response.all_headers()
+    assert headers["content-encoding"] == "br"  # chromium accepts brotli
+    assert "immutable" in headers["cache-control"] and "max-age=315360000" in headers["cache-control"]
+    assert int(headers["content-length"]) < 1_400_000  # of 4.8 MB
+    # Another page that charts asks for the same file, which the browser already holds.
+    page.goto(f"{system.base_url}/policies/")
+    assert url.removeprefix(system.base_url) in page.content()
 
 
 def test_a_wrong_password_is_refused(system, page):

@@ -3,6 +3,7 @@ host's node agent, and beat. Ctrl-C stops all of it, engines included."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import signal
@@ -12,6 +13,7 @@ import time
 import urllib.request
 
 from django.conf import settings
+from django.core.management import call_command
 from django.core.management.base import BaseCommand
 
 from controlplane.fleet.models import Node
@@ -19,6 +21,13 @@ from controlplane.fleet.models import Node
 
 class Command(BaseCommand):
     help = "Start web, worker (node agent) and beat; stop everything on Ctrl-C."
+
+    def _collect_static(self) -> None:
+        """Hashed, compressed static files for the web process to serve (a second or so when
+        they are already there). Locked: runs started side by side share STATIC_ROOT."""
+        with open(settings.VAR_DIR / "collectstatic.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            call_command("collectstatic", interactive=False, verbosity=0)
 
     def add_arguments(self, parser):
         parser.add_argument("--host", default=os.environ.get("HOST", "127.0.0.1"))
@@ -30,6 +39,7 @@ class Command(BaseCommand):
             queue_dir = settings.CELERY_BROKER_TRANSPORT_OPTIONS["data_folder_in"]
             shutil.rmtree(queue_dir, ignore_errors=True)
             os.makedirs(queue_dir, exist_ok=True)
+        self._collect_static()
         python = sys.executable
         node_queue = Node.queue_for(settings.NODE_NAME)
         # What benchmark profiles without a URL of their own load-test: this very server.
