@@ -22,7 +22,7 @@ def colour_of(name: str) -> str:
     return PALETTE[zlib.crc32(name.encode()) % len(PALETTE)]
 
 
-def _html(figure: go.Figure, div_id: str) -> str:
+def figure_html(figure: go.Figure, div_id: str) -> str:
     return pio.to_html(figure, include_plotlyjs=False, full_html=False, div_id=div_id,
                        config={"displaylogo": False})
 
@@ -45,7 +45,7 @@ def _stacked_bars(slots: list, series: dict[str, list], *, title: str, axis: str
         barmode="stack", title=title, xaxis_title=f"{unit} (UTC)", yaxis_title=axis,
         margin=_MARGIN, height=380, xaxis={"type": "category"},
     )
-    return _html(figure, div_id)
+    return figure_html(figure, div_id)
 
 
 def image_tokens_chart(slots: list, series: dict[str, list[int]], *, by: str = "tier") -> str:
@@ -81,7 +81,7 @@ def cache_savings_chart(slots: list, savings: dict[str, list[Decimal]], cached_t
                 "rangemode": "tozero"},
         margin={**_MARGIN, "r": 70}, height=380, xaxis={"type": "category"},
     )
-    return _html(figure, "cache-savings-chart")
+    return figure_html(figure, "cache-savings-chart")
 
 
 def cost_per_image_chart(distribution, *, since: dt.date | None = None) -> str:
@@ -103,7 +103,7 @@ def cost_per_image_chart(distribution, *, since: dt.date | None = None) -> str:
         xaxis_title="cost of one image (USD)", yaxis_title="images", margin=_MARGIN, height=380,
         xaxis={"type": "category"},
     )
-    return _html(figure, "cost-per-image-chart")
+    return figure_html(figure, "cost-per-image-chart")
 
 
 def usd(amount) -> str:
@@ -123,7 +123,7 @@ def resolution_curves_chart(curves: dict[str, list[tuple[float, int]]], *, div_i
         title="Image tokens by source resolution (4:3 photo)", xaxis_title="source megapixels",
         yaxis_title="image tokens", margin=_MARGIN, height=340,
     )
-    return _html(figure, div_id)
+    return figure_html(figure, div_id)
 
 
 def engine_load_chart(samples) -> str:
@@ -151,4 +151,4 @@ def engine_load_chart(samples) -> str:
         yaxis3={"overlaying": "y", "side": "right", "position": 0.97, "showgrid": False, "title": "TTFT s"},
         xaxis={"domain": [0, 0.9]},
     )
-    return _html(figure, "engine-load")
+    return figure_html(figure, "engine-load")

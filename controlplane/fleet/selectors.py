@@ -1,9 +1,11 @@
 import datetime as dt
+from collections import defaultdict
+from dataclasses import dataclass
 
 from django.db import models
 from django.utils import timezone
 
-from controlplane.fleet.models import EngineInstance
+from controlplane.fleet.models import EngineInstance, EngineMetricSample, Node
 
 # A health result older than this means the node agent stopped watching: route elsewhere...
 HEALTH_FRESH_SECONDS = 30
@@ -41,3 +43,86 @@ def routable_instances(*, tier_id: int):
             models.Q(port__isnull=False, node__isnull=False) | ~models.Q(external_url=""),
         ).select_related("node")
     )
+
+
+# vLLM takes this share of each of its GPUs' memory when the tier does not say.
+VLLM_DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+
+
+@dataclass(frozen=True)
+class EnginePoint:
+    at: dt.datetime  # the bucket's start
+    running: float  # mean over the bucket's scrapes
+    waiting: float  # the queue: requests the engine has accepted but not yet scheduled
+    kv_cache_usage: float  # 0-1
+    tokens_per_s: float | None  # prompt and generated, from the counters' growth
+    ttft_p50: float | None  # seconds, the engine's own histogram over the bucket
+    ttft_p95: float | None
+
+
+def engine_series(*, since: dt.datetime, until: dt.datetime, bucket: dt.timedelta,
+                  tier_ids: list[int] | None = None) -> dict[int, list[EnginePoint]]:
+    """Per engine instance, its scrapes summarised per bucket, oldest first."""
+    from workers.engines.metrics import Histogram
+
+    samples = EngineMetricSample.objects.filter(at__gte=since, at__lt=until).order_by("instance_id", "at").only(
+        "instance_id", "at", "running", "waiting", "kv_cache_usage", "prompt_tokens", "generation_tokens", "ttft")
+    if tier_ids is not None:
+        samples = samples.filter(instance__tier_id__in=tier_ids)
+    grouped: dict[tuple[int, int], list] = defaultdict(list)
+    for sample in samples.iterator():
+        grouped[(sample.instance_id, (sample.at - since) // bucket)].append(sample)
+    series: dict[int, list[EnginePoint]] = defaultdict(list)
+    previous: dict[int, object] = {}
+    for (instance_id, index), rows in sorted(grouped.items(), key=lambda item: item[0]):
+        before = previous.get(instance_id)
+        first, last = before or rows[0], rows[-1]
+        tokens = (last.prompt_tokens + last.generation_tokens) - (first.prompt_tokens + first.generation_tokens)
+        elapsed = (last.at - first.at).total_seconds()
+        # Counters restart with the engine: a fall is a restart, not negative work.
+        rate = tokens / elapsed if elapsed > 0 and tokens >= 0 else None
+        ttft = Histogram.from_json(last.ttft)
+        window = ttft.since(Histogram.from_json(before.ttft) if before else None) if ttft else None
+        series[instance_id].append(EnginePoint(
+            since + index * bucket, _mean(r.running for r in rows), _mean(r.waiting for r in rows),
+            _mean(r.kv_cache_usage for r in rows), rate, _finite(window.quantile(0.5)) if window else None,
+            _finite(window.quantile(0.95)) if window else None))
+        previous[instance_id] = last
+    return dict(series)
+
+
+def _mean(values) -> float:
+    values = list(values)
+    return sum(values) / len(values) if values else 0.0
+
+
+def _finite(value: float | None) -> float | None:
+    return value if value is not None and value != float("inf") else None
+
+
+@dataclass(frozen=True)
+class NodeSummary:
+    node: Node
+    engines: dict[str, int]  # actual state: how many
+    gpus: list[dict]  # index, model, memory_mib, reserved_mib (what its running engines hold)
+
+
+def node_summaries() -> list[NodeSummary]:
+    """Each node's engines by state, and each GPU's memory with the share its engines hold
+    (vLLM reserves its memory fraction of every GPU it runs on when it starts)."""
+    nodes = Node.objects.prefetch_related("gpus", "instances__gpus", "instances__tier").order_by("name")
+    summaries = []
+    for node in nodes:
+        engines: dict[str, int] = defaultdict(int)
+        reserved: dict[int, float] = defaultdict(float)
+        for instance in node.instances.all():
+            engines[instance.actual_state] += 1
+            if instance.actual_state not in ("running", "starting", "draining", "unhealthy"):
+                continue
+            share = instance.tier.settings.gpu_memory_utilization or VLLM_DEFAULT_GPU_MEMORY_UTILIZATION
+            for gpu in instance.gpus.all():
+                reserved[gpu.pk] += share * gpu.memory_mib
+        summaries.append(NodeSummary(node, dict(engines), [
+            {"index": gpu.index, "model": gpu.model, "memory_mib": gpu.memory_mib,
+             "reserved_mib": round(min(reserved[gpu.pk], gpu.memory_mib))} for gpu in node.gpus.all()]))
+    return summaries

@@ -205,3 +205,35 @@ def test_a_tenant_admin_makes_a_key_for_one_model_that_the_gateway_holds_to_it(s
     with pytest.raises(openai.PermissionDeniedError):
         client.chat.completions.create(model="text", max_tokens=2, messages=[{"role": "user", "content": "hi"}])
     expect(page.locator("#keys tr", has_text="vision only")).to_contain_text("vlm-lite")
+
+
+def test_an_operator_tries_a_model_with_an_image_sees_the_estimate_then_the_metered_usage(
+        system, system_db, page, tmp_path):
+    from controlplane.metering.models import UsageEvent
+
+    photo = tmp_path / "photo.jpg"
+    photo.write_bytes(image_bytes(2000, 1500, color=(20, 120, 200)))
+    _login(page, system.base_url, "operator", "operator")
+    page.get_by_role("link", name="Playground").click()
+    page.get_by_label("API key").fill(system.api_key)
+    page.get_by_label("API key").press("Tab")
+    expect(page.get_by_label("Model")).to_be_enabled()
+    page.get_by_label("Model").select_option("vlm-lite")
+    page.locator("#pg-image").set_input_files(str(photo))
+    estimate = page.locator("#pg-estimate-line")
+    expect(estimate).to_contain_text("vlm-lite receives it as")
+    estimated_tokens = int(estimate.get_attribute("data-image-tokens"))
+    assert "2000×1500" not in estimate.inner_text()  # the policy downscales it before the model sees it
+
+    page.get_by_role("button", name="Send").click()
+    expect(page.locator("#pg-usage-cost")).to_contain_text("Cost recorded", timeout=60_000)
+    assert page.locator("#pg-answer").inner_text().strip()
+    request_id = page.locator("#pg-usage-cost a").inner_text().removeprefix("Request ").strip()
+    event = UsageEvent.objects.using(system_db).get(request_id=request_id)
+    assert event.image_tokens == estimated_tokens  # what it showed before sending is what was billed
+    assert f"{event.image_tokens:,} image" in page.locator("#pg-usage-tokens").inner_text()
+    assert f"{event.cost:.6f}" in page.locator("#pg-usage-cost").inner_text()
+    # The link opens the request in the request log.
+    page.locator("#pg-usage-cost a").click()
+    expect(page.get_by_role("heading", name=f"Request {request_id}")).to_be_visible()
+    expect(page.locator("#timings")).to_contain_text("Time to first token")

@@ -1,0 +1,97 @@
+"""The operations page: per tier what clients saw (latency, time to first token, errors, rates),
+per engine what it reports (queue, KV cache, tokens), per node its engines and GPU memory."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import pytest
+from django.utils import timezone
+
+from controlplane.fleet.models import EngineInstance, EngineMetricSample, Gpu, Node
+from controlplane.fleet.selectors import engine_series, node_summaries
+from controlplane.metering.services import UsageRecord, usage_record
+from controlplane.metering.traffic import traffic_by_tier, traffic_in_python
+from tests.factories import VisionTierFactory
+
+pytestmark = pytest.mark.django_db
+MINUTE = dt.timedelta(minutes=1)
+
+
+def _event(world, n, *, at, latency, ttft=None, status="ok", tier=None):
+    usage_record(record=UsageRecord(
+        request_id=f"ops-{n}", tenant_id=world.alice.pk, api_key_id=None, tier_id=(tier or world.vision).pk,
+        created_at=at, status=status, http_status=200 if status == "ok" else 503, latency_ms=latency,
+        ttft_ms=ttft, stream=ttft is not None, text_tokens=100, image_tokens=50, output_tokens=10))
+
+
+def test_traffic_gives_each_minute_its_rates_errors_and_latency_percentiles(world):
+    start = timezone.now().replace(second=0, microsecond=0) - dt.timedelta(minutes=10)
+    # Minute one: latencies 100..1000 ms, one in ten an error; minute three: two streamed requests.
+    for n in range(10):
+        _event(world, n, at=start + dt.timedelta(seconds=n), latency=100 * (n + 1),
+               status="error" if n == 9 else "ok")
+    _event(world, 20, at=start + 2 * MINUTE, latency=400, ttft=120)
+    _event(world, 21, at=start + 2 * MINUTE + dt.timedelta(seconds=5), latency=600, ttft=180)
+    _event(world, 30, at=start, latency=50, tier=world.text)
+    window = {"since": start, "until": start + 5 * MINUTE, "bucket": MINUTE}
+    series = traffic_by_tier(**window)
+    first, third = series[world.vision.pk]
+    assert (first.at, first.requests, first.errors, first.tokens) == (start, 10, 1, 1600)
+    assert first.error_rate == 0.1
+    assert first.latency_p50 == pytest.approx(550) and first.latency_p95 == pytest.approx(955)
+    assert first.ttft_p50 is None  # nothing streamed that minute
+    assert (third.at, third.requests, third.ttft_p50, third.ttft_p95) == (start + 2 * MINUTE, 2, 150, 177)
+    assert [p.requests for p in series[world.text.pk]] == [1]
+    # The database's percentiles are the ones embedded mode computes in Python.
+    assert traffic_in_python(**window) == series
+    assert list(traffic_by_tier(**window, tier_ids=[world.text.pk])) == [world.text.pk]
+
+
+def test_engine_series_averages_the_queue_and_turns_counters_into_rates(world):
+    instance = EngineInstance.objects.create(tier=world.vision, actual_state="running")
+    start = timezone.now().replace(second=0, microsecond=0) - dt.timedelta(minutes=10)
+    for seconds, waiting, kv, tokens in ((0, 2, 0.2, 1000), (30, 4, 0.4, 4000), (60, 0, 0.1, 7000),
+                                         (90, 0, 0.1, 100)):  # the engine restarted: its counters fell
+        EngineMetricSample.objects.create(instance=instance, at=start + dt.timedelta(seconds=seconds),
+                                          waiting=waiting, kv_cache_usage=kv, prompt_tokens=tokens)
+    first, second = engine_series(since=start, until=start + 5 * MINUTE, bucket=MINUTE)[instance.pk]
+    assert (first.waiting, first.kv_cache_usage) == (3, pytest.approx(0.3))
+    assert first.tokens_per_s == 100  # 3,000 tokens in 30 s
+    assert second.tokens_per_s is None  # from 4,000 to 100 across a restart: no rate, not a negative one
+
+
+def test_nodes_show_their_engines_and_the_gpu_memory_those_hold(world):
+    tier = VisionTierFactory(name="vlm-pro", engine_kind="vllm", price_plan=world.vision.price_plan,
+                             engine_settings={"max_model_len": 32768, "gpu_memory_utilization": 0.5})
+    node = Node.objects.create(name="gpu-a", queue="node.gpu-a")
+    gpus = [Gpu.objects.create(node=node, index=i, model="H100", memory_mib=81920) for i in range(2)]
+    running = EngineInstance.objects.create(tier=tier, node=node, actual_state="running")
+    running.gpus.set([gpus[0]])
+    crashed = EngineInstance.objects.create(tier=tier, node=node, actual_state="crashloop")
+    crashed.gpus.set([gpus[1]])  # a crashed engine holds no memory
+    (summary,) = node_summaries()
+    assert summary.engines == {"running": 1, "crashloop": 1}
+    assert [g["reserved_mib"] for g in summary.gpus] == [40960, 0]
+
+
+def test_the_page_draws_every_chart_for_operators_only(client, world):
+    node = Node.objects.create(name="gpu-b", queue="node.gpu-b")
+    Gpu.objects.create(node=node, index=0, model="L4", memory_mib=23034)
+    instance = EngineInstance.objects.create(tier=world.vision, node=node, actual_state="running")
+    now = timezone.now()
+    EngineMetricSample.objects.create(instance=instance, at=now - dt.timedelta(seconds=30), waiting=3)
+    for n in range(4):
+        _event(world, n, at=now - dt.timedelta(seconds=20 + n), latency=200, status="error" if n == 0 else "ok")
+    client.force_login(world.operator)
+    page = client.get("/operations/?window=6h").content.decode()
+    for chart in ("latency-chart", "ttft-chart", "error-rate-chart", "requests-chart", "tokens-chart",
+                  "queue-chart", "kv-chart", "engine-tokens-chart", "engine-ttft-chart"):
+        assert f'data-chart="{chart}"' in page and f'id="{chart}"' in page, chart
+    totals = page.split('id="traffic-totals"')[1].split("</table>")[0]
+    assert 'data-tier="vlm-lite"' in totals and "25.0%" in totals
+    assert f"vlm-lite#{instance.pk} on gpu-b" in page  # the engine's series is named after it
+    assert "0 / 23,034 MiB" in page.split('id="nodes"')[1]  # a simulator holds no GPU memory share
+    assert client.get("/operations/?window=forever&tier=nope").status_code == 200
+    client.force_login(world.finance)
+    assert client.get("/operations/").status_code == 403
