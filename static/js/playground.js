@@ -54,7 +54,7 @@
     const form = new FormData();
     form.append("tier", tier);
     form.append("image", picture.file);
-    form.append("detail", detail.value);
+    if (detail.value !== "auto") form.append("detail", detail.value); // auto: the policy's own choice
     form.append("text_tokens", textTokensGuess());
     form.append("output_tokens", maxTokens.value || 0);
     const response = await fetch("/api/v1/estimate/", {method: "POST", headers: auth(), body: form});
@@ -159,7 +159,8 @@
     cost.append(link);
   }
 
-  key.value = sessionStorage.getItem("playground-key") || "";
+  // A key typed before this script ran is kept; otherwise the tab's last one.
+  key.value = key.value || sessionStorage.getItem("playground-key") || "";
   key.addEventListener("change", loadModels);
   model.addEventListener("change", estimate);
   detail.addEventListener("change", estimate);
