@@ -13,14 +13,22 @@ from dataclasses import dataclass, field
 @dataclass
 class Receiver:
     url: str
-    # What to answer, in turn: (status, headers, body); once used up, 200 "ok" as Slack does.
+    # What to answer, in turn: (status, headers, body, only posts whose text has this); once
+    # used up, 200 "ok" as Slack does.
     answers: list = field(default_factory=list)
     received: list = field(default_factory=list)  # each post's JSON body, in order
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def answer(self, status: int, body: str = "", headers: dict | None = None) -> None:
+    def answer(self, status: int, body: str = "", headers: dict | None = None, *, when: str = "") -> None:
         with self.lock:
-            self.answers.append((status, headers or {}, body))
+            self.answers.append((status, headers or {}, body, when))
+
+    def _next_answer(self, text: str) -> tuple[int, dict, str]:
+        for i, (status, headers, body, when) in enumerate(self.answers):
+            if when in text:
+                del self.answers[i]
+                return status, headers, body
+        return 200, {}, "ok"
 
     def texts(self) -> list[str]:
         with self.lock:
@@ -38,9 +46,10 @@ def webhook_receiver():
         def do_POST(self):
             raw = self.rfile.read(int(self.headers.get("Content-Length", 0)))
             with receiver.lock:
-                receiver.received.append(json.loads(raw) if self.headers.get("Content-Type") == "application/json"
-                                         else {"unexpected content type": self.headers.get("Content-Type")})
-                status, headers, body = receiver.answers.pop(0) if receiver.answers else (200, {}, "ok")
+                received = (json.loads(raw) if self.headers.get("Content-Type") == "application/json"
+                            else {"unexpected content type": self.headers.get("Content-Type")})
+                receiver.received.append(received)
+                status, headers, body = receiver._next_answer(str(received.get("text", "")))
             data = body.encode()
             self.send_response(status)
             for name, value in headers.items():
