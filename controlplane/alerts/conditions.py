@@ -56,9 +56,9 @@ def _quota_use(rule: AlertRule, now: dt.datetime) -> list[Reading]:
         top = max(rows, key=lambda row: row["pct"])
         over = [row for row in rows if row["pct"] >= rule.threshold]
         shown = over or [top]
-        parts = [f"{row['pct']:.0f} % of its {row['label'].lower()} "
-                 f"({row['used']:,} of {row['limit']:,} {'in the last minute' if row['name'] == 'requests_per_minute' else 'this ' + quota.period})"
-                 for row in shown]
+        period = "today" if quota.period == Quota.Period.DAY else "this month"
+        parts = [f"{row['pct']:.0f} % of its {row['label'].lower()} ({row['used']:,} of {row['limit']:,} "
+                 f"{'in the last minute' if row['name'] == 'requests_per_minute' else period})" for row in shown]
         found.append(Reading(subject=f"tenant:{quota.tenant.name}", value=top["pct"], breached=bool(over),
                              message=f"tenant {quota.tenant.name} has used " + "; ".join(parts)))
     return found

@@ -156,6 +156,9 @@ class Webhook(models.Model):
     def takes(self, kind: str) -> bool:
         return not self.kinds or kind in self.kinds
 
+    def kind_labels(self) -> list[str]:
+        return [AlertRule.Kind(kind).label for kind in self.kinds if kind in AlertRule.Kind.values]
+
     def clean(self):
         unknown = sorted(set(self.kinds or []) - set(AlertRule.Kind.values))
         if unknown:

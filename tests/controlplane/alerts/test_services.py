@@ -66,7 +66,7 @@ def test_it_reads_every_limit_of_a_quota_and_names_those_over(world, only_rule, 
     _spend(world.alice, world.vision, 0, image_tokens=950)
     alerts_evaluate(now=now)
     (alert,) = firing()
-    assert alert.message == "tenant alice has used 95 % of its image tokens (950 of 1,000 this day)"
+    assert alert.message == "tenant alice has used 95 % of its image tokens (950 of 1,000 today)"
 
 
 def test_a_rule_for_one_tenant_watches_that_tenant_alone(world, only_rule, now):

@@ -134,3 +134,29 @@ def test_a_rule_with_its_alerts_shows_how_it_fires(client, world):
     rules = _section(client.get("/alerts/").content.decode(), "rules")
     row = [part for part in rules.split("<tr ") if "Errors on lite" in part][0]
     assert "2 percent of requests failing, with 50+ requests" in row and "tier vlm-lite" in row
+
+
+def test_the_page_makes_the_same_few_queries_however_many_alerts_there_are(client, world,
+                                                                             django_assert_max_num_queries):
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    rules = AlertRule.objects.all()
+    WebhookFactory(name="ops")
+    WebhookFactory(name="billing", kinds=["unrated_usage"])
+
+    def alerts(n):
+        for i in range(n):
+            alert = Alert.objects.create(rule=rules[i % len(rules)], subject=f"tenant:t{Alert.objects.count()}",
+                                         value=90, message="…")
+            for webhook in Webhook.objects.all():
+                AlertDelivery.objects.create(alert=alert, webhook=webhook, event="fired", payload={"text": "…"})
+
+    alerts(2)
+    client.force_login(world.operator)
+    with CaptureQueriesContext(connection) as few:
+        assert client.get("/alerts/").status_code == 200
+    alerts(30)
+    with django_assert_max_num_queries(len(few)):
+        page = client.get("/alerts/").content.decode()
+    assert page.count('data-alert="') == 32 and "unrated_usage" not in _section(page, "webhooks").split("<tbody>")[1]
