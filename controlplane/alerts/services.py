@@ -101,7 +101,11 @@ def _deliveries_create(alert: Alert, event: str, now: dt.datetime) -> None:
     by the sweep, should the broker or the worker be away)."""
     payload = slack.alert_message(event=event, rule=alert.rule.name, subject=alert.subject, message=alert.message,
                                   fired_at=alert.fired_at, resolved_at=alert.resolved_at, resolution=alert.resolution)
-    webhooks = [webhook for webhook in Webhook.objects.filter(enabled=True) if webhook.takes(alert.rule.kind)]
+    webhooks = Webhook.objects.filter(enabled=True)
+    if event == AlertDelivery.Event.RESOLVED:
+        # Only where it was told it fired: a lone "resolved" for something never seen is noise.
+        webhooks = webhooks.filter(deliveries__alert=alert, deliveries__event=AlertDelivery.Event.FIRED)
+    webhooks = [webhook for webhook in webhooks if webhook.takes(alert.rule.kind)]
     deliveries = [AlertDelivery.objects.create(alert=alert, webhook=webhook, event=event, payload=payload,
                                                created_at=now, next_attempt_at=now) for webhook in webhooks]
     if deliveries:

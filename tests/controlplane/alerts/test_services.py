@@ -225,6 +225,16 @@ def test_each_change_makes_a_delivery_for_each_enabled_webhook_that_takes_the_ki
     assert billing.deliveries.count() == 2
 
 
+def test_a_resolution_goes_only_where_the_alert_was_sent_when_it_fired(world, only_rule, now):
+    only_rule(kind="unrated_usage", threshold=1)
+    WebhookFactory(name="ops")
+    usage(tenant=world.alice, tier=world.vision, rated=False, at=now)
+    alerts_evaluate(now=now)
+    WebhookFactory(name="added-since")
+    alerts_evaluate(now=later(now, hours=2))
+    assert sorted(AlertDelivery.objects.values_list("webhook__name", "event")) == [("ops", "fired"), ("ops", "resolved")]
+
+
 def test_a_rule_that_cannot_be_evaluated_does_not_silence_the_others(world, only_rule, now, monkeypatch):
     only_rule(kind="unrated_usage", threshold=1)
     AlertRuleFactory(kind="count_disagree", threshold=1)
