@@ -64,6 +64,7 @@ INSTALLED_APPS = [
     "controlplane.fleet",
     "controlplane.metering",
     "controlplane.benchmarks",
+    "controlplane.alerts",
     "controlplane.dashboard",
 ]
 
@@ -202,6 +203,9 @@ CELERY_BEAT_SCHEDULER = "django_celery_beat.schedulers:DatabaseScheduler"
 FLEET_RECONCILE_SECONDS = env_int("FLEET_RECONCILE_SECONDS", 5, minimum=1)
 ROLLUP_SECONDS = env_int("ROLLUP_SECONDS", 60, minimum=1)
 INGEST_SECONDS = env_int("INGEST_SECONDS", 2, minimum=1)
+# How often alert rules are evaluated, and how often deliveries due for another attempt are sent.
+ALERTS_EVALUATE_SECONDS = env_int("ALERTS_EVALUATE_SECONDS", 30, minimum=1)
+ALERTS_DELIVER_SECONDS = env_int("ALERTS_DELIVER_SECONDS", 10, minimum=1)
 # How the gateway hands usage over: through a Redis stream (no database write on the request
 # path), or straight into the database (embedded mode).
 USAGE_OUTBOX = env_str("USAGE_OUTBOX", "redis" if REDIS_URL else "database")
@@ -225,6 +229,16 @@ CELERY_BEAT_SCHEDULE = {
         "task": "metering.rollup_daily",
         "schedule": timedelta(seconds=ROLLUP_SECONDS),
         "options": {"expire_seconds": max(1, int(ROLLUP_SECONDS * 0.9))},
+    },
+    "alerts-evaluate": {
+        "task": "alerts.evaluate",
+        "schedule": timedelta(seconds=ALERTS_EVALUATE_SECONDS),
+        "options": {"expire_seconds": max(1, int(ALERTS_EVALUATE_SECONDS * 0.9))},
+    },
+    "alerts-deliver-due": {
+        "task": "alerts.deliver_due",
+        "schedule": timedelta(seconds=ALERTS_DELIVER_SECONDS),
+        "options": {"expire_seconds": max(1, int(ALERTS_DELIVER_SECONDS * 0.9))},
     },
 }
 

@@ -101,3 +101,20 @@ def make_tenant_admin(tenant, username):
     user = UserFactory(username=username)
     Membership.objects.create(user=user, tenant=tenant)
     return user
+
+
+class AlertRuleFactory(factory.django.DjangoModelFactory):
+    class Meta:
+        model = "alerts.AlertRule"
+
+    name = factory.Sequence(lambda n: f"rule-{n}")
+    kind = "quota_use"
+    threshold = Decimal(80)
+
+
+class WebhookFactory(factory.django.DjangoModelFactory):
+    class Meta:
+        model = "alerts.Webhook"
+
+    name = factory.Sequence(lambda n: f"hook-{n}")
+    url = "http://127.0.0.1:9/hooks/none"

@@ -14,9 +14,9 @@ from django.views.decorators.http import require_POST
 
 from controlplane.catalog.models import ModelTier
 from controlplane.catalog.routing import tenant_auto
-from controlplane.dashboard.tenants import quota_use
 from controlplane.metering.models import UsageEvent
 from controlplane.metering.periods import period_start
+from controlplane.metering.selectors import quota_use
 from controlplane.tenants import roles
 from controlplane.tenants.models import ApiKey, Quota
 from controlplane.tenants.services import api_key_create, api_key_revoke
@@ -70,7 +70,7 @@ def account(request):
     quota = Quota.objects.filter(tenant=tenant).first()
     return render(request, "dashboard/account.html", {
         "tenant": tenant, "form": form, "keys": keys, "issued": request.session.pop("issued_key", None),
-        "quota": quota, "use": quota_use(tenant, quota, now), "auto": tenant_auto(tenant), "month": f"{now:%Y-%m}", "now": now,
+        "quota": quota, "use": quota_use(tenant=tenant, quota=quota, now=now), "auto": tenant_auto(tenant), "month": f"{now:%Y-%m}", "now": now,
     })
 
 

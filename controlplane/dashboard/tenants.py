@@ -4,8 +4,6 @@ tenants start with."""
 
 from __future__ import annotations
 
-import datetime as dt
-
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.shortcuts import get_object_or_404, redirect, render
@@ -14,29 +12,9 @@ from django.utils import timezone
 from controlplane.audit.services import history
 from controlplane.dashboard.access import operators_only
 from controlplane.dashboard.forms import QUOTA_LIMITS, QuotaDefaultForm, TenantForm
-from controlplane.metering.models import UsageEvent
-from controlplane.metering.services import metered_so_far
+from controlplane.metering.selectors import quota_use
 from controlplane.tenants.models import Quota, QuotaDefault, Tenant
 from controlplane.tenants.services import quota_default_set, tenant_save
-
-
-def quota_use(tenant: Tenant, quota: Quota | None, now=None) -> list[dict]:
-    """Each limit of `quota` beside what `tenant` has used against it, as admission counts."""
-    if quota is None:
-        return []
-    now = now or timezone.now()
-    image, total = metered_so_far(tenant.pk, quota.period, now)
-    used = {"image_tokens": image, "total_tokens": total,
-            "requests_per_minute": UsageEvent.objects.filter(
-                tenant=tenant, created_at__gte=now - dt.timedelta(minutes=1)).count()}
-    rows = []
-    for name in QUOTA_LIMITS:
-        limit = getattr(quota, name)
-        value = used.get(name)
-        rows.append({"name": name, "label": name.replace("_", " ").capitalize(), "limit": limit, "used": value,
-                     "share": round(100 * value / limit) if limit and value is not None else None,
-                     "left": max(0, limit - value) if limit and value is not None else None})
-    return rows
 
 
 @login_required
@@ -45,7 +23,7 @@ def tenant_list(request):
     tenants = list(Tenant.objects.prefetch_related("allowed_tiers").select_related("quota").order_by("name"))
     now = timezone.now()
     for tenant in tenants:
-        tenant.use = quota_use(tenant, getattr(tenant, "quota", None), now)
+        tenant.use = quota_use(tenant=tenant, quota=getattr(tenant, "quota", None), now=now)
     defaults = QuotaDefault.current()
     form = QuotaDefaultForm(request.POST or None, instance=defaults)
     if request.method == "POST" and form.is_valid():
@@ -77,7 +55,7 @@ def _tenant_form(request, tenant: Tenant):
         messages.success(request, f"Tenant {tenant.name} {'created' if creating else 'saved'}.")
         return redirect("dashboard:tenant-edit", name=tenant.name)
     quota = None if creating else Quota.objects.filter(tenant=tenant).first()
-    use = {row["name"]: row for row in quota_use(tenant, quota)} if not creating else {}
+    use = {row["name"]: row for row in quota_use(tenant=tenant, quota=quota)} if not creating else {}
     return render(request, "dashboard/tenant_form.html", {
         "form": form, "tenant": tenant, "creating": creating,
         "tenant_fields": [form[name] for name in TenantForm.Meta.fields],

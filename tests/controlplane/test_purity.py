@@ -22,6 +22,7 @@ PURE_MODULES = [
     "controlplane.textcount",
     "controlplane.prompts",
     "controlplane.metering.rating",
+    "controlplane.alerts.slack",
     "controlplane.gateway.prepare",
     "workers.engines.launch",
     "workers.engines.simulator.engine",

@@ -13,7 +13,9 @@ from django.db import connections
 from tests.system.harness import System, free_port, system_env, wait_for
 
 PG = {"host": "127.0.0.1", "port": 5432, "user": "postgres", "dbname": "test"}
-SYSTEM_REDIS_DB = 15
+# Flushed at the start: a database of its own (SYSTEM_REDIS_DB picks another, so that two
+# checkouts can run their system tests on one Redis at once).
+SYSTEM_REDIS_DB = int(os.environ.get("SYSTEM_REDIS_DB", "15"))
 
 
 def _admin(sql: str) -> None:

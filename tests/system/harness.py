@@ -109,6 +109,8 @@ def system_env(*, var_dir: Path, extra: dict) -> dict:
         "ALLOWED_HOSTS": "127.0.0.1,localhost",
         "FLEET_RECONCILE_SECONDS": "2",
         "ROLLUP_SECONDS": "2",
+        "ALERTS_EVALUATE_SECONDS": "2",
+        "ALERTS_DELIVER_SECONDS": "1",
         "GATEWAY_KEY_CACHE_SECONDS": "2",
         "ENGINE_PORT_BASE": str(20000 + (os.getpid() * 7) % 20000),
         "PYTHONUNBUFFERED": "1",

@@ -1,0 +1,163 @@
+"""What each rule kind reads: the subjects it measures now, each with its value and whether it
+crosses the rule's threshold. Reads only; alerts_evaluate turns readings into alerts."""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass
+from decimal import Decimal
+
+from django.db.models import Count, Max, Q
+
+from controlplane.alerts.models import AlertRule
+from controlplane.fleet.models import EngineEvent, EngineInstance
+from controlplane.metering.models import UsageEvent
+from controlplane.metering.selectors import quota_use
+from controlplane.tenants.models import Quota
+
+A = EngineInstance.Actual
+# Out of service, and staying so unless something changes: how long in one of these counts.
+STUCK_STATES = (A.UNHEALTHY, A.CRASHED, A.CRASH_LOOP, A.FAILED)
+CRASH_STATES = (A.CRASHED, A.CRASH_LOOP)
+
+
+@dataclass(frozen=True)
+class Reading:
+    subject: str
+    value: Decimal
+    breached: bool
+    message: str
+
+
+def readings(*, rule: AlertRule, now: dt.datetime) -> dict[str, Reading]:
+    """Every subject `rule` measures now (a subject it does not list reads as clear)."""
+    found = _READERS[rule.kind](rule, now)
+    return {reading.subject: reading for reading in found}
+
+
+def _pct(value) -> Decimal:
+    return Decimal(value).quantize(Decimal("0.01"))
+
+
+def _quota_use(rule: AlertRule, now: dt.datetime) -> list[Reading]:
+    quotas = Quota.objects.select_related("tenant").filter(tenant__active=True).order_by("tenant__name")
+    if rule.tenant_id:
+        quotas = quotas.filter(tenant_id=rule.tenant_id)
+    found = []
+    for quota in quotas:
+        if quota.unlimited:
+            continue
+        rows = [row for row in quota_use(tenant=quota.tenant, quota=quota, now=now)
+                if row["limit"] and row["used"] is not None]
+        if not rows:
+            continue
+        for row in rows:
+            row["pct"] = _pct(100 * row["used"] / row["limit"])
+        top = max(rows, key=lambda row: row["pct"])
+        over = [row for row in rows if row["pct"] >= rule.threshold]
+        shown = over or [top]
+        period = "today" if quota.period == Quota.Period.DAY else "this month"
+        parts = [f"{row['pct']:.0f} % of its {row['label'].lower()} ({row['used']:,} of {row['limit']:,} "
+                 f"{'in the last minute' if row['name'] == 'requests_per_minute' else period})" for row in shown]
+        found.append(Reading(subject=f"tenant:{quota.tenant.name}", value=top["pct"], breached=bool(over),
+                             message=f"tenant {quota.tenant.name} has used " + "; ".join(parts)))
+    return found
+
+
+def _engine_unhealthy(rule: AlertRule, now: dt.datetime) -> list[Reading]:
+    instances = EngineInstance.objects.filter(desired_state=EngineInstance.Desired.RUNNING).select_related(
+        "tier", "node")
+    if rule.tier_id:
+        instances = instances.filter(tier_id=rule.tier_id)
+    instances = list(instances)
+    ids = [instance.pk for instance in instances]
+    since = now - dt.timedelta(minutes=rule.window_minutes)
+    crashes = dict(EngineEvent.objects.filter(instance_id__in=ids, created_at__gte=since, to_state__in=CRASH_STATES)
+                   .values_list("instance_id").annotate(n=Count("id")))
+    stuck = [instance.pk for instance in instances if instance.actual_state in STUCK_STATES]
+    # When each stuck instance last entered the state it is in: the start of its current stint.
+    entered = {(row["instance_id"], row["to_state"]): row["at"] for row in EngineEvent.objects.filter(
+        instance_id__in=stuck, to_state__in=STUCK_STATES).values("instance_id", "to_state").annotate(at=Max("created_at"))}
+    found = []
+    for instance in instances:
+        where = f"{instance.tier.name}#{instance.pk}" + (f" on {instance.node.name}" if instance.node else "")
+        crashed = crashes.get(instance.pk, 0)
+        held = None
+        if instance.actual_state in STUCK_STATES:
+            since_state = entered.get((instance.pk, instance.actual_state)) or instance.started_at
+            held = int((now - since_state).total_seconds()) if since_state else rule.for_seconds
+        looping = crashed >= rule.threshold
+        down = held is not None and held >= rule.for_seconds
+        reason = f": {instance.state_reason}" if instance.state_reason else ""
+        if looping:
+            message = (f"engine {where} crashed {crashed} times in the last {rule.window_minutes} min, "
+                       f"now {instance.get_actual_state_display()}{reason}")
+        elif held is not None:
+            message = f"engine {where} has been {instance.get_actual_state_display()} for {held} s{reason}"
+        else:
+            message = f"engine {where} is {instance.get_actual_state_display()}, {crashed} crashes in the last {rule.window_minutes} min"
+        found.append(Reading(subject=f"instance:{instance.pk}", breached=looping or down, message=message,
+                             value=Decimal(crashed if looping or not down else held)))
+    return found
+
+
+def _usage(rule: AlertRule, now: dt.datetime):
+    events = UsageEvent.objects.filter(created_at__gte=now - dt.timedelta(minutes=rule.window_minutes))
+    if rule.tier_id:
+        events = events.filter(tier_id=rule.tier_id)
+    if rule.tenant_id:
+        events = events.filter(tenant_id=rule.tenant_id)
+    return events
+
+
+def _scope(rule: AlertRule) -> str:
+    return f" from tenant {rule.tenant.name}" if rule.tenant_id else ""
+
+
+def _unrated_usage(rule: AlertRule, now: dt.datetime) -> list[Reading]:
+    rows = (_usage(rule, now).filter(rated=False).values("tier__name", "tier__price_plan__name")
+            .annotate(n=Count("id")).order_by("tier__name"))
+    return [Reading(subject=f"tier:{row['tier__name']}", value=Decimal(row["n"]), breached=row["n"] >= rule.threshold,
+                    message=(f"{row['n']} requests{_scope(rule)} on {row['tier__name']} in the last "
+                             f"{rule.window_minutes} min were stored without a price (no rate of plan "
+                             f"{row['tier__price_plan__name']} in effect): kept unrated, to be priced"))
+            for row in rows]
+
+
+# Failures of the service: the engine or the gateway (5xx). A refusal the client caused (a bad
+# image, a quota's 429) is the client's business, and would page someone for a tenant's typo.
+SERVER_ERROR = Q(status=UsageEvent.Status.ERROR, http_status__gte=500)
+
+
+def _error_rate(rule: AlertRule, now: dt.datetime) -> list[Reading]:
+    rows = (_usage(rule, now).values("tier__name").annotate(total=Count("id"), errors=Count("id", filter=SERVER_ERROR))
+            .order_by("tier__name"))
+    found = []
+    for row in rows:
+        pct = _pct(100 * row["errors"] / row["total"])
+        enough = row["total"] >= rule.min_requests
+        found.append(Reading(
+            subject=f"tier:{row['tier__name']}", value=pct, breached=enough and pct >= rule.threshold,
+            message=(f"{pct:.1f} % of requests{_scope(rule)} on {row['tier__name']} failed in the last "
+                     f"{rule.window_minutes} min ({row['errors']} of {row['total']} answered 5xx)"
+                     + ("" if enough else f"; too few to judge (fewer than {rule.min_requests})"))))
+    return found
+
+
+def _count_disagree(rule: AlertRule, now: dt.datetime) -> list[Reading]:
+    rows = (_usage(rule, now).filter(image_tokens_disagree=True).values("tier__name").annotate(n=Count("id"))
+            .order_by("tier__name"))
+    return [Reading(subject=f"tier:{row['tier__name']}", value=Decimal(row["n"]), breached=row["n"] >= rule.threshold,
+                    message=(f"{row['n']} requests{_scope(rule)} on {row['tier__name']} in the last "
+                             f"{rule.window_minutes} min: the engine counted other image tokens than the "
+                             "gateway (billed at the gateway's count)"))
+            for row in rows]
+
+
+_READERS = {
+    AlertRule.Kind.QUOTA_USE: _quota_use,
+    AlertRule.Kind.ENGINE_UNHEALTHY: _engine_unhealthy,
+    AlertRule.Kind.UNRATED_USAGE: _unrated_usage,
+    AlertRule.Kind.ERROR_RATE: _error_rate,
+    AlertRule.Kind.COUNT_DISAGREE: _count_disagree,
+}
