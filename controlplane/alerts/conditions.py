@@ -7,11 +7,11 @@ import datetime as dt
 from dataclasses import dataclass
 from decimal import Decimal
 
-from django.db.models import Count, Max, Q
+from django.db.models import Count, Max
 
 from controlplane.alerts.models import AlertRule
 from controlplane.fleet.models import EngineEvent, EngineInstance
-from controlplane.metering.models import UsageEvent
+from controlplane.metering.models import SERVER_ERROR, UsageEvent
 from controlplane.metering.selectors import quota_use
 from controlplane.tenants.models import Quota
 
@@ -122,11 +122,6 @@ def _unrated_usage(rule: AlertRule, now: dt.datetime) -> list[Reading]:
                              f"{rule.window_minutes} min were stored without a price (no rate of plan "
                              f"{row['tier__price_plan__name']} in effect): kept unrated, to be priced"))
             for row in rows]
-
-
-# Failures of the service: the engine or the gateway (5xx). A refusal the client caused (a bad
-# image, a quota's 429) is the client's business, and would page someone for a tenant's typo.
-SERVER_ERROR = Q(status=UsageEvent.Status.ERROR, http_status__gte=500)
 
 
 def _error_rate(rule: AlertRule, now: dt.datetime) -> list[Reading]:

@@ -53,7 +53,7 @@ def operations(request):
                lambda p: p.latency_p50, lambda p: p.latency_p95),
         _lines("ttft-chart", "Time to first token, streamed (ms)", "ms", traffic,
                lambda p: p.ttft_p50, lambda p: p.ttft_p95),
-        _lines("error-rate-chart", "Error rate (%)", "%", traffic, lambda p: 100 * p.error_rate),
+        _lines("error-rate-chart", "Error rate, 5xx (%)", "%", traffic, lambda p: 100 * p.error_rate),
         _lines("requests-chart", "Requests per second", "req/s", traffic, lambda p: p.requests / seconds),
         _lines("tokens-chart", "Tokens per second (prompt and output)", "tokens/s", traffic,
                lambda p: p.tokens / seconds),

@@ -78,6 +78,16 @@ class UsageEvent(models.Model):
         return self.request_id
 
 
+# An error rate counts failures of the service: the engine's or the gateway's (a 5xx). A refusal
+# the client caused (a bad image, a quota's 429) is an error to the client, not a failure to
+# page anyone about. The alerts and the operations charts both count these.
+SERVER_ERROR = models.Q(status=UsageEvent.Status.ERROR, http_status__gte=500)
+
+
+def is_server_error(status: str, http_status: int) -> bool:
+    return status == UsageEvent.Status.ERROR and http_status >= 500
+
+
 class UsageImage(models.Model):
     event = models.ForeignKey(UsageEvent, on_delete=models.CASCADE, related_name="images")
     position = models.PositiveSmallIntegerField()

@@ -14,14 +14,14 @@ from dataclasses import dataclass
 
 from django.db import connection
 
-from controlplane.metering.models import UsageEvent
+from controlplane.metering.models import UsageEvent, is_server_error
 
 
 @dataclass(frozen=True)
 class TrafficPoint:
     at: dt.datetime  # the bucket's start
     requests: int
-    errors: int  # status error: refused after the tier was known, or failed
+    errors: int  # failures of the service (5xx: SERVER_ERROR), not refusals the client caused
     tokens: int  # prompt (text and image) and output tokens
     latency_p50: float | None  # ms
     latency_p95: float | None
@@ -46,7 +46,7 @@ def _on_postgresql(since, until, bucket, tier_ids) -> dict[int, list[TrafficPoin
     only_tiers = "AND tier_id = ANY(%(tiers)s)" if tier_ids is not None else ""
     sql = f"""
         SELECT tier_id, date_bin(%(bucket)s, created_at, %(origin)s) AS at, count(*),
-               count(*) FILTER (WHERE status = 'error'),
+               count(*) FILTER (WHERE status = 'error' AND http_status >= 500),  -- SERVER_ERROR
                coalesce(sum(text_tokens + image_tokens + output_tokens), 0),
                percentile_cont(0.5) WITHIN GROUP (ORDER BY latency_ms),
                percentile_cont(0.95) WITHIN GROUP (ORDER BY latency_ms),
@@ -71,14 +71,14 @@ def traffic_in_python(*, since, until, bucket, tier_ids=None) -> dict[int, list[
         events = events.filter(tier_id__in=tier_ids)
     groups: dict[tuple[int, int], list] = defaultdict(list)
     for row in events.values_list("tier_id", "created_at", "status", "text_tokens", "image_tokens",
-                                  "output_tokens", "latency_ms", "ttft_ms").iterator():
+                                  "output_tokens", "latency_ms", "ttft_ms", "http_status").iterator():
         groups[(row[0], (row[1] - since) // bucket)].append(row)
     series: dict[int, list[TrafficPoint]] = defaultdict(list)
     for (tier_id, index), rows in sorted(groups.items()):
         latencies = sorted(r[6] for r in rows)
         ttfts = sorted(r[7] for r in rows if r[7] is not None)
         series[tier_id].append(TrafficPoint(
-            since + index * bucket, len(rows), sum(1 for r in rows if r[2] == "error"),
+            since + index * bucket, len(rows), sum(1 for r in rows if is_server_error(r[2], r[8])),
             sum(r[3] + r[4] + r[5] for r in rows), _percentile(latencies, 0.5), _percentile(latencies, 0.95),
             _percentile(ttfts, 0.5), _percentile(ttfts, 0.95)))
     return dict(series)

@@ -18,10 +18,10 @@ pytestmark = pytest.mark.django_db
 MINUTE = dt.timedelta(minutes=1)
 
 
-def _event(world, n, *, at, latency, ttft=None, status="ok", tier=None):
+def _event(world, n, *, at, latency, ttft=None, status="ok", tier=None, http_status=None):
     usage_record(record=UsageRecord(
         request_id=f"ops-{n}", tenant_id=world.alice.pk, api_key_id=None, tier_id=(tier or world.vision).pk,
-        created_at=at, status=status, http_status=200 if status == "ok" else 503, latency_ms=latency,
+        created_at=at, status=status, http_status=http_status or (200 if status == "ok" else 503), latency_ms=latency,
         ttft_ms=ttft, stream=ttft is not None, text_tokens=100, image_tokens=50, output_tokens=10))
 
 
@@ -30,7 +30,7 @@ def test_traffic_gives_each_minute_its_rates_errors_and_latency_percentiles(worl
     # Minute one: latencies 100..1000 ms, one in ten an error; minute three: two streamed requests.
     for n in range(10):
         _event(world, n, at=start + dt.timedelta(seconds=n), latency=100 * (n + 1),
-               status="error" if n == 9 else "ok")
+               status="error" if n in (8, 9) else "ok", http_status=429 if n == 8 else None)
     _event(world, 20, at=start + 2 * MINUTE, latency=400, ttft=120)
     _event(world, 21, at=start + 2 * MINUTE + dt.timedelta(seconds=5), latency=600, ttft=180)
     _event(world, 30, at=start, latency=50, tier=world.text)
@@ -38,7 +38,7 @@ def test_traffic_gives_each_minute_its_rates_errors_and_latency_percentiles(worl
     series = traffic_by_tier(**window)
     first, third = series[world.vision.pk]
     assert (first.at, first.requests, first.errors, first.tokens) == (start, 10, 1, 1600)
-    assert first.error_rate == 0.1
+    assert first.error_rate == 0.1  # the 503 is a failure of the service; the quota's 429 is not
     assert first.latency_p50 == pytest.approx(550) and first.latency_p95 == pytest.approx(955)
     assert first.ttft_p50 is None  # nothing streamed that minute
     assert (third.at, third.requests, third.ttft_p50, third.ttft_p95) == (start + 2 * MINUTE, 2, 150, 177)
