@@ -65,6 +65,7 @@ bench: $(STAMP_DIR)/.installed-bench
 	$(PY) -m bench.imaging
 	$(PY) -m bench.gateway
 	$(PY) -m bench.metering
+	$(PY) -m bench.request_log
 
 clean:
 	rm -rf var/ .pytest_cache
