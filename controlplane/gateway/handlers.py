@@ -9,7 +9,6 @@ import time
 import uuid
 import weakref
 
-import httpx
 import orjson  # request bodies carry megabytes of base64: parsed ~3x faster than json
 from django.conf import settings
 from django.utils import timezone
@@ -339,21 +338,21 @@ async def _attempts(request_id, tier, prepared, flight, candidates, payload, sta
             await ledger.engine_chosen(flight, instance.id)
             if record.queue_ms is None:
                 record.queue_ms = max(0, _ms_since(started) - (record.prepare_ms or 0))
-            req = upstream.client().build_request(
-                "POST", f"{instance.base_url}/v1/chat/completions", content=payload,
+            sending = upstream.engine_post(
+                f"{instance.base_url}/v1/chat/completions", content=payload,
                 headers={"content-type": "application/json", "x-request-id": request_id,
                          **({"authorization": f"Bearer {instance.api_key}"} if instance.api_key else {})},
             )
             try:
-                response = await _unless_engine_fails(upstream.client().send(req, stream=True), tier.id, instance.id)
+                response = await _unless_engine_fails(sending, tier.id, instance.id)
             except EngineFailing:
                 # Hung or dead (supervision says so): it will not answer; another engine may.
                 log.warning("engine %s stopped answering %s; trying another", instance.id, request_id)
                 continue
-            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+            except upstream.Unreachable as exc:
                 log.warning("engine %s unreachable for %s: %s", instance.id, request_id, exc)
                 continue
-            except httpx.TransportError as exc:
+            except upstream.Broken as exc:
                 # The engine may have started work: do not run the request a second time.
                 log.warning("engine %s failed %s mid-request: %s", instance.id, request_id, exc)
                 return await _engine_failed(record, started)
@@ -365,8 +364,8 @@ async def _attempts(request_id, tier, prepared, flight, candidates, payload, sta
                     slot.handed_over = True
                 return _stream(request_id, tier, flight, prepared, response, instance, started, slot)
             try:
-                content = await response.aread()
-            except httpx.TransportError as exc:
+                content = await response.read()
+            except upstream.Broken as exc:
                 log.warning("engine %s broke its answer to %s: %s", instance.id, request_id, exc)
                 return await _engine_failed(record, started)
             finally:
@@ -503,7 +502,7 @@ def _stream(request_id, tier, flight, prepared, response, instance, started, slo
                         if record.ttft_ms is None:
                             record.ttft_ms = _ms_since(started)
                 yield b"data: " + orjson.dumps(chunk) + b"\n\n"
-        except (httpx.HTTPError, EngineFailing) as exc:
+        except (upstream.Broken, EngineFailing) as exc:
             # The engine dropped the stream, or hung: tell the client in the stream's own terms.
             log.warning("engine %s broke the stream of %s: %s", instance.id, request_id, exc)
             record.status, record.http_status = "error", 502
@@ -597,7 +596,7 @@ async def _watched_lines(response, tier_id: int, instance_id: int):
 
     async def pump():
         try:
-            async for line in response.aiter_lines():
+            async for line in response.lines():
                 queue.put_nowait(line)
             queue.put_nowait(_END)
         except Exception as exc:  # noqa: BLE001 - handed to the reader, which raises it
