@@ -7,6 +7,7 @@ hot path. A revoked key stops working once its cache entry expires
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 import time
@@ -71,6 +72,7 @@ class TTLCache:
     def __init__(self, seconds: float, max_items: int = 10_000):
         self.seconds, self.max_items = seconds, max_items
         self._items: dict = {}  # key -> [fresh until, value, refresh not before]
+        self._loading: dict = {}  # key -> the load under way, which requests arriving meanwhile await
 
     def get(self, key):
         item = self._items.get(key)
@@ -97,8 +99,15 @@ class TTLCache:
         item = self._items.get(key)
         if item is not None and (item[0] >= now or item[2] > now):
             return item[1]
+        # One load per key at a time: the requests that find an entry expired together (32 at
+        # once under load) share one query instead of queueing 32 on the database thread.
+        loading = self._loading.get(key)
+        if loading is None or loading.get_loop() is not asyncio.get_running_loop():
+            loading = self._loading[key] = asyncio.ensure_future(sync_to_async(_loaded)(load))
+            loading.add_done_callback(lambda done: self._loading.pop(key, None) if self._loading.get(key) is done
+                                      else None)
         try:
-            value = await sync_to_async(_loaded)(load)
+            value = await asyncio.shield(loading)
         except Exception:
             if item is None or now - item[0] > settings.GATEWAY_STALE_MAX_S:
                 raise
@@ -110,6 +119,7 @@ class TTLCache:
 
     def clear(self):
         self._items.clear()
+        self._loading.clear()
 
 
 _keys = TTLCache(settings.GATEWAY_KEY_CACHE_SECONDS)
