@@ -17,12 +17,15 @@ that each step is one Lua script and atomic.
 from __future__ import annotations
 
 import datetime as dt
+import functools
+import hashlib
 import json
 import logging
 import time
 import uuid
 from collections import deque
 
+import redis.exceptions
 from asgiref.sync import sync_to_async
 from django.conf import settings
 
@@ -199,6 +202,21 @@ def _metered_with(tenant_id: int, period: str, now: dt.datetime, pending: dict) 
     return image_used, total_used
 
 
+@functools.cache
+def _sha(script: str) -> str:
+    return hashlib.sha1(script.encode()).hexdigest()
+
+
+async def _eval(client, script: str, numkeys: int, *args):
+    """Run a script by its hash (EVALSHA), sending its text only when Redis does not have it
+    (first use, or a Redis that restarted): every request runs two or three of them, and
+    sending each one's text every time was most of the bytes the gateway wrote to Redis."""
+    try:
+        return await client.evalsha(_sha(script), numkeys, *args)
+    except redis.exceptions.NoScriptError:
+        return await client.eval(script, numkeys, *args)  # which also caches it in Redis
+
+
 def _beat(flight: Flight, now: float) -> str:
     return json.dumps({"t": now, "produced": flight.produced, "instance": flight.record.instance_id})
 
@@ -238,7 +256,7 @@ class RedisLedger:
         """Count one request of API key `key_id` this minute, unless it has had `limit`
         already (then False, counting nothing)."""
         counter = f"{self.prefix}:keyrpm:{key_id}:{minute_window(now)}"
-        return bool(await self._client().eval(_KEY_RATE, 1, counter, limit))
+        return bool(await _eval(self._client(), _KEY_RATE, 1, counter, limit))
 
     # -- admit -----------------------------------------------------------------------------
 
@@ -272,12 +290,12 @@ class RedisLedger:
             *(-1 if getattr(limits, name) is None else getattr(limits, name) for name in _ORDER)]
         client = self._client()
         for _attempt in range(2):
-            outcome = await client.eval(_ADMIT, 8, *keys, *quota, *journal, "1" if limits else "0")
+            outcome = await _eval(client, _ADMIT, 8, *keys, *quota, *journal, "1" if limits else "0")
             if outcome == -1:  # the period's first request (or Redis lost them): start from what is metered
                 await self.keep_safe()  # what Redis lost is in the database first
                 image_used, total_used = await self._used(client, tenant_id, limits.period, now)
                 ttl = seconds_to_period_end(limits.period, now) + 2 * 86400
-                await client.eval(_SEED, 3, keys[0], keys[1], keys[4], image_used, total_used, uuid.uuid4().hex, ttl)
+                await _eval(client, _SEED, 3, keys[0], keys[1], keys[4], image_used, total_used, uuid.uuid4().hex, ttl)
                 continue
             if outcome:
                 raise refusal(_ORDER[outcome - 1], limits, now)
@@ -307,7 +325,7 @@ class RedisLedger:
     async def settle(self, reservation: Reservation, *, image_tokens: int, total_tokens: int) -> None:
         """Correct a reservation to what was used (release it: 0 and 0)."""
         keys, args = self._settle_call(reservation, image_tokens, total_tokens)
-        await self._client().eval(_SETTLE, 5, *keys, *args)
+        await _eval(self._client(), _SETTLE, 5, *keys, *args)
 
     # -- beat ------------------------------------------------------------------------------
 
@@ -315,7 +333,7 @@ class RedisLedger:
         now, args = time.time(), []
         for flight in flights:
             args += [flight.record.request_id, _beat(flight, now)]
-        await self._client().eval(_BEAT, 2, self.inflight, self.beats, *args)
+        await _eval(self._client(), _BEAT, 2, self.inflight, self.beats, *args)
 
     # -- finish ----------------------------------------------------------------------------
 
@@ -334,7 +352,7 @@ class RedisLedger:
         record = flight.record
         keys, args = self._finish_call(record, flight.journaled)
         try:
-            await self._client().eval(_FINISH, len(keys), *keys, *args)
+            await _eval(self._client(), _FINISH, len(keys), *keys, *args)
             _remember(record)
         except Exception:  # Redis unreachable: the database is slower, but nothing is lost
             log.exception("usage journal unavailable; writing %s to the database", record.request_id)
