@@ -8,6 +8,7 @@ import logging
 import time
 import uuid
 import weakref
+from dataclasses import dataclass
 
 import orjson  # request bodies carry megabytes of base64: parsed ~3x faster than json
 from django.conf import settings
@@ -176,7 +177,8 @@ async def _chat_completions(request: Request, request_id: str):
             except moderation.Unavailable as unavailable:
                 raise GatewayError(503, f"{unavailable}; retry shortly", code="moderation_unavailable",
                                    headers={"Retry-After": "5"}) from None
-        flight = await _admit(request_id, key, tier, prepared, started)
+        route = await _route(key, tier, prepared)
+        flight = await _admit(request_id, key, tier, prepared, started, engine=route.first)
     except GatewayError as exc:
         # Refused once the tier was known: the tenant sees it in their usage, at no cost.
         await _record(UsageRecord(request_id=request_id, tenant_id=key.tenant_id, api_key_id=key.key_id,
@@ -189,7 +191,27 @@ async def _chat_completions(request: Request, request_id: str):
                                   tier_id=tier.id, status="error", http_status=500,
                                   stream=bool(body.get("stream"))), started)
         raise
-    return await _forward(request_id, key, tier, prepared, flight, started)
+    return await _forward(request_id, key, tier, prepared, flight, started, route)
+
+
+@dataclass(frozen=True)
+class _Route:
+    candidates: list
+    large: bool
+    fingerprints: tuple[str, ...]
+    # The engine chosen before admission, journaled with it: one round trip to the ledger
+    # fewer. None when a large image must wait for its turn first (chosen after the wait).
+    first: object = None
+
+
+async def _route(key: state.KeyInfo, tier: TierSpec, prepared: Prepared) -> _Route:
+    candidates = await _known("the engines", state.instances(tier.id))
+    large = prepared.image_tokens > tier.large_image_threshold
+    # Per tenant: one tenant's requests never steer toward the engine holding another's images.
+    fingerprints = tuple(f"{key.tenant_id}:{p.image.fingerprint}" for p in prepared.images)
+    waits = large and not routing.has_dedicated_large_pool(candidates)
+    first = None if waits else routing.choose(candidates, large=large, fingerprints=fingerprints)
+    return _Route(candidates, large, fingerprints, first)
 
 
 def _ms_since(started: float) -> int:
@@ -197,7 +219,7 @@ def _ms_since(started: float) -> int:
 
 
 async def _admit(request_id: str, key: state.KeyInfo, tier: TierSpec, prepared: Prepared,
-                 started: float) -> ledger.Flight:
+                 started: float, *, engine=None) -> ledger.Flight:
     """Reserve the request against the tenant's quota and journal it, in one step; or refuse
     it with a 429."""
     record = UsageRecord(
@@ -206,6 +228,7 @@ async def _admit(request_id: str, key: state.KeyInfo, tier: TierSpec, prepared: 
         image_tokens=prepared.image_tokens, text_tokens=prepared.text_tokens,
         counted_prompt_tokens=prepared.text_tokens + prepared.image_tokens, prompt_estimated=prepared.estimated,
         prepare_ms=_ms_since(started),  # the images are ready (and moderated) when admission starts
+        instance_id=engine.id if engine is not None else None,
     )
     ask = None if key.limits is None else Ask(
         image_tokens=prepared.image_tokens,
@@ -248,7 +271,8 @@ def _release_if_admitted(done: asyncio.Future, started: float) -> None:
     """The client left while its request was admitted: recorded at no cost, quota released."""
     if not done.cancelled() and done.exception() is None:
         record = done.result().record
-        record.status, record.http_status = "aborted", 499
+        # No engine was sent it: the one chosen beforehand did no work, nothing is billed.
+        record.status, record.http_status, record.instance_id = "aborted", 499, None
         _in_background(_record(record, started))
 
 
@@ -270,17 +294,14 @@ def _upstream_body(key: state.KeyInfo, tier: TierSpec, prepared: Prepared, *, la
 
 
 async def _forward(request_id: str, key: state.KeyInfo, tier: TierSpec, prepared: Prepared, flight: ledger.Flight,
-                   started: float):
+                   started: float, route: _Route):
     _tier_names[tier.id] = tier.name
     record = flight.record
-    large = prepared.image_tokens > tier.large_image_threshold
-    # Per tenant: one tenant's requests never steer toward the engine holding another's images.
-    fingerprints = tuple(f"{key.tenant_id}:{p.image.fingerprint}" for p in prepared.images)
+    large, fingerprints, candidates = route.large, route.fingerprints, route.candidates
     body = _upstream_body(key, tier, prepared, large=large)
     payload = orjson.dumps(body)
     slot = None
     try:
-        candidates = await _known("the engines", state.instances(tier.id))
         if large and not routing.has_dedicated_large_pool(candidates):
             # No isolated pool: large requests take turns, so they never fill every batch.
             slot = _Slot(routing.large_slots(tier.id, tier.large_image_concurrency))
@@ -290,7 +311,7 @@ async def _forward(request_id: str, key: state.KeyInfo, tier: TierSpec, prepared
                 raise GatewayError(429, f"too many large-image requests on '{tier.name}' at once; retry shortly",
                                    code="rate_limit_exceeded", headers={"Retry-After": "2"}) from None
         return await _attempts(request_id, tier, prepared, flight, candidates, payload, started,
-                               large=large, fingerprints=fingerprints, slot=slot)
+                               large=large, fingerprints=fingerprints, slot=slot, first=route.first)
     except GatewayError as exc:
         record.status, record.http_status = "error", exc.status
         await _record(record, started)
@@ -324,11 +345,13 @@ class _Slot:
             self.slots.release()
 
 
-async def _attempts(request_id, tier, prepared, flight, candidates, payload, started, *, large, fingerprints, slot):
+async def _attempts(request_id, tier, prepared, flight, candidates, payload, started, *, large, fingerprints, slot,
+                    first=None):
     record = flight.record
     tried: set[int] = set()
-    for _attempt in range(2):  # a request that never reached an engine is retried once elsewhere
-        instance = routing.choose(candidates, exclude=tried, large=large, fingerprints=fingerprints)
+    for attempt in range(2):  # a request that never reached an engine is retried once elsewhere
+        instance = first if attempt == 0 and first is not None else routing.choose(
+            candidates, exclude=tried, large=large, fingerprints=fingerprints)
         if instance is None:
             break
         tried.add(instance.id)

@@ -84,7 +84,10 @@ async def key_rate(key_id: int, limit: int) -> bool:
 
 
 async def engine_chosen(flight: Flight, instance_id: int) -> None:
-    """Say which engine does the work (the reaper bills only work an engine did)."""
+    """Say which engine does the work (the reaper bills only work an engine did): nothing to
+    say when it is the engine the request was journaled with at admission."""
+    if flight.record.instance_id == instance_id:
+        return
     flight.record.instance_id = instance_id
     if flight.journaled:
         try:

@@ -18,7 +18,7 @@ from controlplane.gateway.models import InFlightRequest
 from controlplane.metering.models import UsageEvent
 from controlplane.tenants.models import Quota
 from tests.controlplane.gateway.test_journal import MODES, _record, _stored, engine, mode  # noqa: F401 - fixtures
-from tests.controlplane.gateway.test_views import image_message, post
+from tests.controlplane.gateway.test_views import engines, image_message, post, routed  # noqa: F401 - fixtures
 from tests.images import data_url, image_bytes
 
 pytestmark = pytest.mark.accounting  # also run in embedded mode (SQLite, no Redis)
@@ -69,6 +69,35 @@ def test_admitting_and_journaling_is_one_round_trip_to_redis(world, mode, monkey
     calls.clear()
     async_to_sync(ledger.admit)(_record(world, "req-fourth"), LIMITS, Ask(0, 100, False))
     assert calls == ["EVALSHA"]
+    ledger._live.clear()
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("mode", ["redis"], indirect=True)
+def test_a_request_costs_two_round_trips_to_the_ledger_admitted_with_its_engine_and_finished(
+        client, routed, mode, monkeypatch, settings):  # noqa: F811
+    settings.GATEWAY_HEARTBEAT_S = 600  # no heartbeat in the middle of the count
+    Quota.objects.create(tenant=routed.alice, period="day", total_tokens=10**6)
+    body = {"model": "text", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+    assert post(client, routed.alice_key, body).status_code == 200  # the period's counters started
+    calls = []
+    original = redis.asyncio.Redis.execute_command
+
+    async def counted(self, *args, **options):
+        calls.append(args[0])
+        return await original(self, *args, **options)
+
+    monkeypatch.setattr(redis.asyncio.Redis, "execute_command", counted)
+    response = post(client, routed.alice_key, body)
+    assert response.status_code == 200
+    assert calls == ["EVALSHA", "EVALSHA"]  # admit (with the engine chosen), finish
+    monkeypatch.undo()
+    from controlplane.metering.outbox import usage_ingest
+
+    while usage_ingest():
+        pass
+    event = UsageEvent.objects.get(request_id=response["x-request-id"])
+    assert event.instance_id is not None and event.status == "ok"
     ledger._live.clear()
 
 
