@@ -50,7 +50,7 @@ REDIS = "redis://127.0.0.1:6379/11"
 TIER = "vlm"  # bench/gateway's vision tier; also the name vLLM serves and LiteLLM routes
 SIZES = {"text": None, "1mp": (1155, 866), "12mp": (4000, 3000)}
 CONCURRENCY = (1, 4)
-COUNTS = {("text", 1): 40, ("text", 4): 80, ("1mp", 1): 30, ("1mp", 4): 48, ("12mp", 1): 16, ("12mp", 4): 32}
+COUNTS = {("text", 1): 60, ("text", 4): 120, ("1mp", 1): 40, ("1mp", 4): 64, ("12mp", 1): 20, ("12mp", 4): 40}
 QUICK = {("text", 1): 8, ("text", 4): 8, ("1mp", 1): 4, ("1mp", 4): 8, ("12mp", 1): 3, ("12mp", 4): 4}
 MAX_TOKENS = 2
 ROUNDS = 2
@@ -194,6 +194,11 @@ async def send(url: str, headers: dict, requests: list[bytes], concurrency: int)
         return latencies, time.perf_counter() - started
 
 
+def short(command: str) -> str:
+    """A command line for a glance: paths by their last part, cut at 70 characters."""
+    return " ".join(Path(word).name if "/" in word else word for word in command.split())[:70]
+
+
 def percentile(values: list[float], share: float) -> float:
     ordered = sorted(values)
     return ordered[max(0, math.ceil(share * len(ordered)) - 1)]
@@ -257,7 +262,7 @@ def run(quick: bool) -> None:
         processes = {"gateway": descendants(gateway.process.pid), "litellm": descendants(litellm.pid),
                      "api": [engine.pid], "core": descendants(engine.core)}
         for name, tree in processes.items():
-            print(f"{name}: " + ", ".join(f"{pid} ({command_line(pid)[:60]})" for pid in tree))
+            print(f"{name}: " + ", ".join(f"{pid} ({short(command_line(pid))})" for pid in tree))
         pictures = Pictures()
         for url, headers in paths.values():  # warm each path up, untimed, on pictures of its own
             for size in SIZES:
