@@ -59,11 +59,13 @@ $(STAMP_DIR)/.installed-bench: pyproject.toml $(STAMP_DIR)/.installed-dev
 	$(PY) -m pip install --quiet -e ".[dev,bench]"
 	@touch $@
 
-# Benchmarks print their figures; they assert nothing. The gateway bench uses PostgreSQL and
-# Redis on 127.0.0.1, like the test suite.
-bench: $(STAMP_DIR)/.installed-bench
+# Benchmarks print their figures; they assert nothing. The gateway and engine-path benches use
+# PostgreSQL and Redis on 127.0.0.1, like the test suite; the engine-path bench runs vLLM's
+# CPU build (engine-cpu).
+bench: $(STAMP_DIR)/.installed-bench engine-cpu
 	$(PY) -m bench.imaging
 	$(PY) -m bench.gateway
+	$(PY) -m bench.engine_path
 	$(PY) -m bench.metering
 	$(PY) -m bench.request_log
 

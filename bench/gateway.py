@@ -78,14 +78,16 @@ def messages(image: bytes | None) -> list:
 class Gateway:
     """Our gateway on its own PostgreSQL database and Redis db, seeded for the bench."""
 
-    def __init__(self, upstream_port: int):
-        self.db = f"bench_gateway_{os.getpid()}"
+    def __init__(self, upstream_port: int, *, db: str | None = None, redis_url: str = REDIS,
+                 env: dict | None = None):
+        self.db = db or f"bench_gateway_{os.getpid()}"
+        self.redis_url = redis_url  # flushed at the end: a Redis db of the bench's own
         self.port = free_port()
         self.env = {**{k: v for k, v in os.environ.items() if k not in ("USAGE_OUTBOX", "VAR_DIR")},
-                    "DATABASE_URL": f"{PG}/{self.db}", "REDIS_URL": REDIS, "DEBUG": "false",
+                    "DATABASE_URL": f"{PG}/{self.db}", "REDIS_URL": redis_url, "DEBUG": "false",
                     "SECRET_KEY": "bench-" + "b" * 50, "ALLOWED_HOSTS": "127.0.0.1",
                     "DJANGO_SETTINGS_MODULE": "controlplane.settings", "LOG_LEVEL": "WARNING",
-                    "VAR_DIR": tempfile.mkdtemp(prefix="bench-gateway-")}
+                    "VAR_DIR": tempfile.mkdtemp(prefix="bench-gateway-"), **(env or {})}
         self.upstream = f"http://127.0.0.1:{upstream_port}"
         self.process = self.untuned = None
         self.others: list[subprocess.Popen] = []
@@ -167,7 +169,7 @@ class Gateway:
             process.wait(timeout=20)
         import redis
 
-        redis.Redis.from_url(REDIS).flushdb()
+        redis.Redis.from_url(self.redis_url).flushdb()
         from django.db import connections
 
         connections.close_all()
@@ -178,9 +180,10 @@ class Gateway:
         shutil.rmtree(self.env["VAR_DIR"], ignore_errors=True)
 
 
-def start_litellm(upstream_port: int) -> tuple[subprocess.Popen, int, str]:
+def start_litellm(upstream_port: int, folder: Path | None = None) -> tuple[subprocess.Popen, int, str]:
+    """LiteLLM's proxy, its config written in `folder` (the caller's to remove) or a new temporary one."""
     port = free_port()
-    folder = Path(tempfile.mkdtemp(prefix="bench-litellm-"))
+    folder = folder or Path(tempfile.mkdtemp(prefix="bench-litellm-"))
     config = folder / "config.yaml"
     config.write_text(
         "model_list:\n"

@@ -1,4 +1,7 @@
-"""What the kernel says of a process's memory (Linux /proc), for the benches' peak figures."""
+"""What the kernel says of a process (Linux /proc): its memory, for the benches' peak
+figures, and its CPU time and children, for their CPU per request."""
+
+import os
 
 
 def status_kb(field: str, pid: int | str = "self") -> int:
@@ -8,3 +11,49 @@ def status_kb(field: str, pid: int | str = "self") -> int:
             if line.startswith(field + ":"):
                 return int(line.split()[1])
     raise KeyError(field)
+
+
+def _stat(pid: int | str) -> list[bytes]:
+    """/proc/<pid>/stat after the command name (which may hold spaces and parentheses)."""
+    with open(f"/proc/{pid}/stat", "rb") as stat:
+        return stat.read().rsplit(b")", 1)[1].split()
+
+
+def cpu_seconds(pid: int | str) -> float:
+    """User plus system CPU time of a process, all its threads, so far (0 once it is gone)."""
+    try:
+        fields = _stat(pid)
+    except (FileNotFoundError, ProcessLookupError):
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
+def children(pid: int) -> list[int]:
+    """The live processes whose parent is `pid`."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if int(_stat(entry)[1]) == pid:
+                    found.append(int(entry))
+            except (FileNotFoundError, ProcessLookupError, IndexError):
+                continue
+    return found
+
+
+def descendants(pid: int) -> list[int]:
+    """`pid` and every live process below it."""
+    tree, queue = [], [pid]
+    while queue:
+        tree.append(current := queue.pop())
+        queue += children(current)
+    return tree
+
+
+def command_line(pid: int) -> str:
+    """Its argv joined by spaces, or its title when it set one (vLLM's `VLLM::EngineCore`)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+            return cmdline.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except (FileNotFoundError, ProcessLookupError):
+        return ""

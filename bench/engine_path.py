@@ -1,0 +1,325 @@
+"""The large-image path end to end: our gateway, LiteLLM's proxy and no proxy at all in front
+of one real vLLM CPU engine, with the CPU each process spends per request.
+
+    python -m bench.engine_path            (--quick for a short run; needs the bench extra)
+
+One vLLM CPU engine (workers/engines/cpu) serves the tiny random-weight Qwen2.5-VL, started
+as the fleet starts it: the command line and environment of the tier's launch spec (the
+policy's pixel cap passed to vLLM as --mm-processor-kwargs, --limit-mm-per-prompt, the CPU
+build's niceness), the tier's tokenizer published for the gateway. Our gateway runs as
+bench/gateway runs it (uvicorn, one worker, its own PostgreSQL database and Redis db) with a
+vision tier on a 1,003,520-pixel policy whose engine is that vLLM, registered by URL;
+LiteLLM's proxy (one worker, no database) points at the same vLLM.
+
+For text, a 1 MP and a 12 MP JPEG as base64 data URLs (every request its own picture, made
+before the timing, so neither vLLM's multimodal cache nor its prefix cache can hit), at
+concurrency 1 and 4, max_tokens 2, the paths taking turns (two rounds each, the order
+rotating: the machine may be shared): p50 and p90 end-to-end latency, requests per second,
+and CPU seconds per request (utime + stime from /proc before and after each turn) of the
+gateway, of LiteLLM's proxy, of vLLM's API server (where vLLM decodes and resizes images)
+and of its engine core (with the worker process the CPU build runs the model in). "outside"
+is the CPU spent outside the engine core: the proxy's plus the API server's. Then the ratios
+issue 16 sets targets for, the 1 MP one against the gateway's text overhead in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import shutil
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from bench.gateway import Gateway, free_port, messages, start_litellm
+from bench.proc import children, command_line, cpu_seconds, descendants
+
+ROOT = Path(__file__).resolve().parent.parent
+DATABASE = "bench_engine_path"
+REDIS = "redis://127.0.0.1:6379/11"
+TIER = "vlm"  # bench/gateway's vision tier; also the name vLLM serves and LiteLLM routes
+SIZES = {"text": None, "1mp": (1155, 866), "12mp": (4000, 3000)}
+CONCURRENCY = (1, 4)
+COUNTS = {("text", 1): 60, ("text", 4): 120, ("1mp", 1): 40, ("1mp", 4): 64, ("12mp", 1): 20, ("12mp", 4): 40}
+QUICK = {("text", 1): 8, ("text", 4): 8, ("1mp", 1): 4, ("1mp", 4): 8, ("12mp", 1): 3, ("12mp", 4): 4}
+MAX_TOKENS = 2
+ROUNDS = 2
+# Carried in the engine's environment (as the fleet tags its engines), so that cleanup finds it
+# even when interrupted between its start and the return of its pid.
+MARKER = f"bench-engine-path/{os.getpid()}"
+
+
+class EngineGateway(Gateway):
+    """bench/gateway's world, its vision tier made the tier of a vLLM CPU engine."""
+
+    def __init__(self, engine_port: int, model: Path, vllm_python: Path):
+        super().__init__(engine_port, db=DATABASE, redis_url=REDIS, env={"VLLM_PYTHON": str(vllm_python)})
+        self.model = model
+
+    def _seed(self) -> str:
+        from controlplane.catalog.demo import CPU_ENGINE_SETTINGS
+        from controlplane.catalog.models import ModelTier
+
+        key = super()._seed()
+        ModelTier.objects.filter(name=TIER).update(engine_kind="vllm", model_id=str(self.model),
+                                                   engine_settings=CPU_ENGINE_SETTINGS)
+        ModelTier.objects.exclude(name=TIER).update(enabled=False)
+        return key
+
+
+@dataclass
+class Engine:
+    pid: int  # vLLM's API server, the leader of its own process group
+    log: Path
+    core: int | None = None  # its engine core, found once it serves
+
+
+def engine_start(port: int, log_dir: Path) -> Engine:
+    """vLLM as the fleet launches the tier (workers/supervision/engine.py's engine_launch)."""
+    from controlplane.catalog.models import ModelTier
+    from controlplane.catalog.tokenizers import tier_tokenizer_publish
+    from workers.engines import process
+    from workers.engines.launch import build_command
+    from workers.supervision.engine import tier_launch_spec
+    from workers.supervision.node import detect_engine_packages
+
+    tier = ModelTier.objects.select_related("resolution_policy").get(name=TIER)
+    spec = tier_launch_spec(tier, port=port, transformers_version=detect_engine_packages()["transformers"])
+    argv, env = build_command(spec)
+    tier_tokenizer_publish(tier=tier, source="bench")
+    print("engine:", " ".join(argv[1:]), f"(nice {spec.nice})", flush=True)
+    log = log_dir / "engine.log"
+    return Engine(process.spawn(argv, env, log_path=log, instance_id=MARKER, cwd=str(ROOT), nice=spec.nice), log)
+
+
+def engine_stop() -> None:
+    from workers.engines import process
+
+    process.stop_marked(MARKER)  # its process group: the API server and the engine core
+
+
+def engine_wait(engine: Engine, port: int, timeout: float = 900) -> None:
+    from workers.engines import process
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not process.is_alive(engine.pid):
+            raise RuntimeError(f"vLLM exited while starting:\n{engine.log.read_text()[-4000:]}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                engine.core = engine_core(engine.pid)
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise TimeoutError(f"vLLM did not serve within {timeout:.0f}s; log: {engine.log}")
+
+
+def engine_core(api_server: int) -> int:
+    """The child vLLM names VLLM::EngineCore (its process title)."""
+    for pid in descendants(api_server)[1:]:
+        if "EngineCore" in command_line(pid):
+            return pid
+    raise RuntimeError(f"no engine core under vLLM's API server {api_server}: children {children(api_server)}")
+
+
+class Pictures:
+    """Photo-like JPEGs, each one distinct: bench.imaging's photo, shifted, tinted along a
+    gradient and grained differently per seed (every pixel changes, so every hash does)."""
+
+    def __init__(self):
+        self._bases: dict[tuple[int, int], object] = {}
+        self._seed = 0
+
+    def next(self, width: int, height: int) -> bytes:
+        from PIL import Image, ImageChops
+
+        from bench.imaging import encoded, photo
+
+        if (width, height) not in self._bases:
+            self._bases[width, height] = photo(width, height)
+        self._seed += 1
+        rng = random.Random(self._seed)
+        small = (max(1, width // 8), max(1, height // 8))
+
+        def colour():
+            return tuple(rng.randrange(256) for _ in range(3))
+
+        gradient = Image.linear_gradient("L").rotate(rng.randrange(360)).resize(small)
+        tint = Image.composite(Image.new("RGB", small, colour()), Image.new("RGB", small, colour()), gradient)
+        image = ImageChops.offset(self._bases[width, height], rng.randrange(width), rng.randrange(height))
+        image = Image.blend(image, tint.resize((width, height), Image.Resampling.BILINEAR), 0.25)
+        grain = Image.effect_noise((width // 2, height // 2), 40).resize((width, height))
+        image = Image.blend(image, Image.merge("RGB", (grain, grain, grain)), 0.06)
+        return encoded(image, "JPEG", quality=90)
+
+
+def bodies(pictures: Pictures, size: str, count: int) -> list[bytes]:
+    """Request bodies ready to send (JSON-encoded here, so the client spends little while timed)."""
+    out = []
+    for _ in range(count):
+        chat = messages(None if SIZES[size] is None else pictures.next(*SIZES[size]))
+        out.append(json.dumps({"model": TIER, "max_tokens": MAX_TOKENS, "messages": chat}).encode())
+    return out
+
+
+async def send(url: str, headers: dict, requests: list[bytes], concurrency: int) -> tuple[list[float], float]:
+    """Latencies of `requests` sent `concurrency` at a time, and the seconds all took."""
+    latencies: list[float] = []
+    queue = iter(requests)
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    headers = {**headers, "Content-Type": "application/json"}
+    async with httpx.AsyncClient(timeout=600, limits=limits, headers=headers) as client:
+
+        async def worker():
+            for body in queue:
+                started = time.perf_counter()
+                response = await client.post(url, content=body)
+                if response.status_code != 200:
+                    raise RuntimeError(f"{url}: {response.status_code} {response.text[:300]}")
+                latencies.append(time.perf_counter() - started)
+
+        started = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        return latencies, time.perf_counter() - started
+
+
+def short(command: str) -> str:
+    """A command line for a glance: paths by their last part, cut at 70 characters."""
+    return " ".join(Path(word).name if "/" in word else word for word in command.split())[:70]
+
+
+def percentile(values: list[float], share: float) -> float:
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(share * len(ordered)) - 1)]
+
+
+def cpu_now(pids: dict[str, list[int]]) -> dict[str, float]:
+    return {name: sum(cpu_seconds(pid) for pid in tree) for name, tree in pids.items()}
+
+
+def measure(paths: dict, processes: dict, pictures: Pictures, size: str, concurrency: int, count: int) -> dict:
+    """One case on every path. The paths take turns in ROUNDS rounds, the order rotating, so
+    that load from outside the bench (the machine is shared) falls on each path alike."""
+    seen = {name: {"latencies": [], "elapsed": 0.0, "cpu": dict.fromkeys(processes, 0.0)} for name in paths}
+    names = list(paths)
+    for turn in range(ROUNDS):
+        share = count // ROUNDS + (turn < count % ROUNDS)
+        for name in names[turn % len(names):] + names[:turn % len(names)]:
+            url, headers = paths[name]
+            requests = bodies(pictures, size, share)
+            before = cpu_now(processes)
+            latencies, elapsed = asyncio.run(send(url, headers, requests, concurrency))
+            after = cpu_now(processes)
+            seen[name]["latencies"] += latencies
+            seen[name]["elapsed"] += elapsed
+            for process in processes:
+                seen[name]["cpu"][process] += after[process] - before[process]
+    rows = {}
+    for name, got in seen.items():
+        cpu = {process: spent / count for process, spent in got["cpu"].items()}
+        proxy = cpu[name] if name in ("gateway", "litellm") else 0.0
+        rows[name] = {"p50": statistics.median(got["latencies"]), "p90": percentile(got["latencies"], 0.9),
+                      "rps": count / got["elapsed"], "proxy": proxy, "api": cpu["api"], "core": cpu["core"],
+                      "outside": proxy + cpu["api"]}
+    return rows
+
+
+def run(quick: bool) -> None:
+    from workers.engines.cpu import install, tiny_model
+
+    counts = QUICK if quick else COUNTS
+    python = install.ensure()
+    model = tiny_model.ensure(python)
+    engine_port = free_port()
+    folder = Path(tempfile.mkdtemp(prefix="bench-engine-path-"))
+    gateway = EngineGateway(engine_port, model, python)
+    litellm = None
+    try:
+        key = gateway.start()
+        engine = engine_start(engine_port, folder)
+        litellm, litellm_port, litellm_key = start_litellm(engine_port, folder)
+        engine_wait(engine, engine_port)
+        paths = {
+            "direct": (f"http://127.0.0.1:{engine_port}/v1/chat/completions", {}),
+            "gateway": (f"http://127.0.0.1:{gateway.port}/v1/chat/completions", {"Authorization": f"Bearer {key}"}),
+            "litellm": (f"http://127.0.0.1:{litellm_port}/v1/chat/completions",
+                        {"Authorization": f"Bearer {litellm_key}"}),
+        }
+        # The gateway and LiteLLM as process trees (in case either forks a worker); vLLM's
+        # API server alone; its engine core with the worker it starts on CPU (its
+        # multiprocessing executor), where the model, the vision encoder included, runs.
+        processes = {"gateway": descendants(gateway.process.pid), "litellm": descendants(litellm.pid),
+                     "api": [engine.pid], "core": descendants(engine.core)}
+        for name, tree in processes.items():
+            print(f"{name}: " + ", ".join(f"{pid} ({short(command_line(pid))})" for pid in tree))
+        pictures = Pictures()
+        for url, headers in paths.values():  # warm each path up, untimed, on pictures of its own
+            for size in SIZES:
+                asyncio.run(send(url, headers, bodies(pictures, size, 1), 1))
+        results = {}
+        print(f"\n{'case':5} {'conc':>4} {'path':8} {'n':>4} {'p50 ms':>8} {'p90 ms':>8} {'req/s':>6}  "
+              f"CPU s/req: {'proxy':>6} {'api':>6} {'core':>6} {'outside':>7}", flush=True)
+        for (size, concurrency), count in counts.items():
+            case = measure(paths, processes, pictures, size, concurrency, count)
+            for name, row in case.items():
+                results[size, concurrency, name] = row
+                proxy = f"{row['proxy']:6.3f}" if name != "direct" else f"{'-':>6}"
+                print(f"{size:5} {concurrency:4d} {name:8} {count:4d} {1000 * row['p50']:8.1f} "
+                      f"{1000 * row['p90']:8.1f} {row['rps']:6.2f}             {proxy} {row['api']:6.3f} "
+                      f"{row['core']:6.3f} {row['outside']:7.3f}", flush=True)
+        report(results)
+    finally:
+        for step in (litellm and litellm.terminate, engine_stop, gateway.stop):
+            if step:
+                try:
+                    step()
+                except Exception as exc:  # clean up the rest whatever one step says
+                    print(f"cleanup: {exc!r}", file=sys.stderr)
+        if litellm is not None:
+            litellm.wait(timeout=20)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def report(results: dict) -> None:
+    def verdict(ok: bool) -> str:
+        return "met" if ok else "MISSED"
+
+    print("\nissue 16's targets")
+    for concurrency in CONCURRENCY:
+        gw, lite, direct = (results["12mp", concurrency, name] for name in ("gateway", "litellm", "direct"))
+        share_lite = gw["outside"] / lite["outside"]
+        share_direct = gw["outside"] / direct["outside"]
+        p50 = gw["p50"] / direct["p50"]
+        print(f"12mp c={concurrency}: CPU outside the engine core, gateway {gw['outside']:.3f} s/req: "
+              f"{share_lite:.2f}x LiteLLM's path ({lite['outside']:.3f}; target <= 0.50, {verdict(share_lite <= 0.5)}), "
+              f"{share_direct:.2f}x direct ({direct['outside']:.3f}; target <= 0.67, "
+              f"{verdict(share_direct <= 2 / 3)}); p50 gateway/direct {p50:.2f} (target < 1, {verdict(p50 < 1)})")
+    for concurrency in CONCURRENCY:
+        added = results["1mp", concurrency, "gateway"]["p50"] - results["1mp", concurrency, "direct"]["p50"]
+        text = results["text", concurrency, "gateway"]["p50"] - results["text", concurrency, "direct"]["p50"]
+        print(f"1mp c={concurrency}: gateway p50 - direct p50 = {1000 * added:+.1f} ms; text overhead "
+              f"(the same for text) {1000 * text:+.1f} ms (target: no more, {verdict(added <= max(text, 0.0))})")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a few requests per case (a development run)")
+    args = parser.parse_args(argv)
+    # A SIGTERM unwinds like Ctrl-C does, through run's cleanup.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    run(args.quick)
+
+
+if __name__ == "__main__":
+    main()
