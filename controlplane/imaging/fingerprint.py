@@ -56,11 +56,14 @@ def _ident(width: int, height: int, bits: int) -> str:
     return hashlib.blake2b(key, digest_size=16, person=b"vlm-image").hexdigest()
 
 
-def fingerprint(image: Image.Image, index: FingerprintIndex | None = None) -> str:
-    """32 hex characters identifying the picture at its normalised size."""
+def fingerprint(image: Image.Image, index: FingerprintIndex | None = None, *,
+                size: tuple[int, int] | None = None) -> str:
+    """32 hex characters identifying the picture at its normalised size (`size`, when `image`
+    is a smaller copy of it: the low frequencies the bits keep are the same)."""
     if index is not None:
-        return index.canonical(image)
-    return _ident(image.width, image.height, perceptual_bits(image))
+        return index.canonical(image, size=size)
+    width, height = size or image.size
+    return _ident(width, height, perceptual_bits(image))
 
 
 class FingerprintIndex:
@@ -93,8 +96,9 @@ class FingerprintIndex:
         (another tenant's re-encoding of it must not reveal that it was sent)."""
         return ScopedIndex(self, scope)
 
-    def canonical(self, image: Image.Image, *, scope: str = "") -> str:
-        return self.lookup(image.width, image.height, perceptual_bits(image), scope=scope)
+    def canonical(self, image: Image.Image, *, scope: str = "", size: tuple[int, int] | None = None) -> str:
+        width, height = size or image.size
+        return self.lookup(width, height, perceptual_bits(image), scope=scope)
 
     def lookup(self, width: int, height: int, bits: int, *, scope: str = "") -> str:
         with self._lock:
@@ -124,5 +128,5 @@ class ScopedIndex:
     def __init__(self, index: FingerprintIndex, scope: str):
         self.index, self.scope = index, scope
 
-    def canonical(self, image: Image.Image) -> str:
-        return self.index.canonical(image, scope=self.scope)
+    def canonical(self, image: Image.Image, *, size: tuple[int, int] | None = None) -> str:
+        return self.index.canonical(image, scope=self.scope, size=size)

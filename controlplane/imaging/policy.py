@@ -193,6 +193,8 @@ def normalise_tiles(data: bytes, policy: Policy, *, detail: str | None = None,
     stored_w, stored_h = image.size
     width, height = (stored_h, stored_w) if turn in (5, 6, 7, 8) else (stored_w, stored_h)
     plan = plan_tiles(width, height, policy, cap)
+    if policy.output_format == "jpeg" and _passes_through(image, fmt, turn, plan, (width, height)):
+        return [_as_sent(image, data, index=index)]
     try:
         image.seek(0)  # the first frame of an animation
         pixels = _decode_scaled(image, fmt, turn, (plan.width, plan.height))
@@ -210,6 +212,36 @@ def normalise_tiles(data: bytes, policy: Policy, *, detail: str | None = None,
                 index=index)
         for position, tile in enumerate(tiles)
     ]
+
+
+def _passes_through(image: Image.Image, fmt: str, turn: int, plan: TilePlan, size: tuple[int, int]) -> bool:
+    """A JPEG photo the policy leaves as it is goes to the engine as it came, when the policy
+    sends JPEG: decoding and re-encoding it would only cost time (and a generation of JPEG
+    loss). Upright (the engine
+    does not turn images by their EXIF orientation), RGB or grey (what the engine makes of
+    other modes may differ from ours), one frame, within every bound of the policy."""
+    return (fmt == "JPEG" and image.format == "JPEG" and turn == 1 and image.mode in ("RGB", "L")
+            and len(plan.boxes) == 1 and (plan.width, plan.height) == size)
+
+
+def _as_sent(image: Image.Image, data: bytes, *, index: FingerprintIndex | None) -> NormalisedImage:
+    """The image as it came, checked as the intake checks any other: every scan of the JPEG
+    is decoded (truncated or corrupt data fails here as it would in a full decode), at half
+    its size, which gives its fingerprint the bits of the full decode (at a quarter or an
+    eighth, libjpeg's scaled decode moves them by up to 4 and 10 of 63: another picture)."""
+    width, height = image.size
+    try:
+        image.draft("RGB" if image.mode == "RGB" else "L", (max(1, width // 2), max(1, height // 2)))
+        image.load()
+        small = to_rgb(image)
+    except (OSError, SyntaxError, ValueError, EOFError, Image.DecompressionBombError) as exc:
+        raise CorruptImage(f"image data is truncated or corrupt: {exc}") from None
+    except (RuntimeError, MemoryError, struct.error, IndexError, KeyError, TypeError) as exc:
+        raise CorruptImage(f"image data could not be decoded: {exc}") from None
+    return NormalisedImage(
+        source_format="JPEG", source_width=width, source_height=height, width=width, height=height,
+        data=data, mime="image/jpeg", fingerprint=fingerprint(small, index, size=(width, height)),
+    )
 
 
 def normalise(data: bytes, policy: Policy, *, detail: str | None = None,

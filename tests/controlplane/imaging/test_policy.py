@@ -15,6 +15,7 @@ from controlplane.imaging.errors import (
     PolicyViolation,
     UnsupportedFormat,
 )
+from controlplane.imaging.fingerprint import FingerprintIndex
 from controlplane.imaging.policy import Policy, decode_data_url, normalise
 from tests.images import data_url, image_bytes
 
@@ -326,3 +327,32 @@ def test_a_downscaled_image_lands_on_the_processors_grid_at_the_tokens_of_the_or
 def test_an_image_within_the_cap_is_left_to_the_processor():
     small = normalise(image_bytes(1000, 700), Policy(grid=28))
     assert (small.width, small.height) == (1000, 700)
+
+
+# --- an image the policy leaves as it is ----------------------------------------------------
+
+
+def test_a_jpeg_within_the_policy_reaches_the_engine_as_it_came():
+    photo = image_bytes(1155, 866)  # about 1 MP: within the default 1,003,520-pixel cap
+    sent = normalise(photo, Policy(grid=28))
+    assert sent.data == photo and (sent.width, sent.height, sent.mime) == (1155, 866, "image/jpeg")
+    # Its fingerprint is the one the full decode gives the same picture sent as a PNG.
+    as_png = io.BytesIO()
+    Image.open(io.BytesIO(photo)).save(as_png, "PNG")
+    index = FingerprintIndex()
+    assert normalise(photo, Policy(), index=index).fingerprint == normalise(as_png.getvalue(), Policy(),
+                                                                            index=index).fingerprint
+
+
+def test_a_jpeg_the_policy_changes_or_turns_or_that_is_broken_is_not_passed_through():
+    assert normalise(image_bytes(2000, 1500), Policy()).data != image_bytes(2000, 1500)  # downscaled
+    assert normalise(image_bytes(600, 400), Policy(output_format="webp")).mime == "image/webp"
+    turned = io.BytesIO()
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    Image.new("RGB", (400, 200), (10, 20, 30)).save(turned, "JPEG", exif=exif)
+    upright = normalise(turned.getvalue(), Policy())
+    assert (upright.width, upright.height) == (200, 400) and upright.data != turned.getvalue()
+    truncated = image_bytes(800, 600)[:-2000]
+    with pytest.raises(CorruptImage):
+        normalise(truncated, Policy())
