@@ -5,7 +5,7 @@ import itertools
 import logging
 from dataclasses import dataclass, field
 
-from django.db import IntegrityError, transaction
+from django.db import IntegrityError, connection, transaction
 from django.db.models import Count, Q, Sum
 from django.db.models.functions import TruncDate, TruncHour
 from django.utils import timezone
@@ -184,11 +184,38 @@ def usage_record_many(*, records: list[UsageRecord]) -> int:
         tier = tiers.get(record.tier_id)
         if tier is None:
             raise ModelTier.DoesNotExist(f"no tier {record.tier_id} for {record.request_id}")
-        rows.append(_usage_rows(record, tier, book))
+        rows.append(_usage_values(record, tier, book))
     with transaction.atomic():
-        UsageEvent.objects.bulk_create([event for event, _ in rows])  # sets each event's id
-        UsageImage.objects.bulk_create([image for _, images in rows for image in images])
+        if connection.vendor == "postgresql":
+            _copy_rows(rows)
+        else:
+            events = [UsageEvent(**event) for event, _ in rows]
+            UsageEvent.objects.bulk_create(events)  # sets each event's id
+            UsageImage.objects.bulk_create([UsageImage(event=event, **image) for event, (_, images)
+                                            in zip(events, rows, strict=True) for image in images])
     return len(rows)
+
+
+def _copy_rows(rows: list[tuple[dict, list[dict]]]) -> None:
+    """Events and their images by COPY, the fastest way into PostgreSQL (bulk_create's
+    INSERT spends most of its time building model instances and SQL): the events' ids come
+    from their sequence in one query, so the images can name their event in the same pass."""
+    events, images = UsageEvent._meta.db_table, UsageImage._meta.db_table
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT nextval(pg_get_serial_sequence(%s, 'id')) FROM generate_series(1, %s)",
+                       [events, len(rows)])
+        ids = [pk for (pk,) in cursor.fetchall()]
+        recorded, raw = timezone.now(), cursor.cursor
+        # Every row's values are in the order of its keys, which _usage_values writes alike.
+        with raw.copy(f"COPY {events} (id, recorded_at, {', '.join(rows[0][0])}) FROM STDIN") as copy:
+            for pk, (event, _) in zip(ids, rows, strict=True):
+                copy.write_row((pk, recorded, *event.values()))
+        first_image = next((lines[0] for _, lines in rows if lines), None)
+        if first_image is not None:
+            with raw.copy(f"COPY {images} (event_id, {', '.join(first_image)}) FROM STDIN") as copy:
+                for pk, (_, lines) in zip(ids, rows, strict=True):
+                    for line in lines:
+                        copy.write_row((pk, *line.values()))
 
 
 def _priced_lines(record: UsageRecord) -> tuple[list[tuple[int, int]], tuple[int, int]]:
@@ -214,6 +241,14 @@ def _priced_lines(record: UsageRecord) -> tuple[list[tuple[int, int]], tuple[int
 
 def _usage_rows(record: UsageRecord, tier: ModelTier, book: RateBook) -> tuple[UsageEvent, list[UsageImage]]:
     """The unsaved event and image rows for a record, priced at the rate in effect when it was made."""
+    event_values, image_values = _usage_values(record, tier, book)
+    event = UsageEvent(**event_values)
+    return event, [UsageImage(event=event, **values) for values in image_values]
+
+
+def _usage_values(record: UsageRecord, tier: ModelTier, book: RateBook) -> tuple[dict, list[dict]]:
+    """The columns of a record's event and of each of its images, priced at the rate in effect
+    when it was made: what either way of storing them (one by one, or copied in bulk) writes."""
     record.images = _lines(record.images)
     billable = is_billable(record)
     lines, unlined = _priced_lines(record)
@@ -233,7 +268,7 @@ def _usage_rows(record: UsageRecord, tier: ModelTier, book: RateBook) -> tuple[U
             log.error("no price in effect for tier %s at %s; %s stored unrated",
                       tier.name, record.created_at, record.request_id)
             rated = False
-    event = UsageEvent(
+    event = dict(
         request_id=record.request_id,
         created_at=record.created_at,
         tenant_id=record.tenant_id,
@@ -262,8 +297,7 @@ def _usage_rows(record: UsageRecord, tier: ModelTier, book: RateBook) -> tuple[U
         rated=rated,
     )
     images = [
-        UsageImage(
-            event=event,
+        dict(
             position=position,
             source_format=image.source_format,
             source_width=image.source_width,
