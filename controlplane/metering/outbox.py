@@ -10,10 +10,10 @@ delivered twice (a consumer that crashed before acknowledging) is stored once. W
 
 from __future__ import annotations
 
-import json
 import logging
 import socket
 
+import orjson
 from django.conf import settings
 
 from controlplane.metering.services import (
@@ -33,7 +33,7 @@ def stream_key() -> str:
     return f"{key_prefix()}:usage"
 
 
-def usage_ingest(*, batch: int = 500, max_batches: int = 20) -> int:
+def usage_ingest(*, batch: int = 2000, max_batches: int = 10) -> int:
     """Move usage from the stream into the database. Returns the records stored or confirmed."""
     import redis
     from django.db import connection
@@ -74,7 +74,7 @@ def _store_batch(entries: list) -> list | None:
     """Store a batch in one transaction. Returns the entry ids to acknowledge, or None when
     some entry could not be stored: then each is stored (or kept back) on its own."""
     try:
-        usage_record_many(records=[usage_from_json(json.loads(fields[b"record"])) for _, fields in entries])
+        usage_record_many(records=[usage_from_json(orjson.loads(fields[b"record"])) for _, fields in entries])
     except Exception:
         log.warning("a batch of %s usage entries could not be stored at once; storing one by one",
                     len(entries), exc_info=True)
@@ -88,7 +88,7 @@ def _store_each(client, key: str, entries: list) -> list:
     ids = []
     for entry_id, fields in entries:
         try:
-            usage_record(record=usage_from_json(json.loads(fields[b"record"])))
+            usage_record(record=usage_from_json(orjson.loads(fields[b"record"])))
         except Exception:
             # Left unacknowledged: retried after RECLAIM_IDLE_MS, never silently dropped;
             # after MAX_DELIVERIES it waits in the dead-letter stream for an operator.

@@ -25,6 +25,7 @@ import time
 import uuid
 from collections import deque
 
+import orjson
 import redis.exceptions
 from asgiref.sync import sync_to_async
 from django.conf import settings
@@ -218,7 +219,7 @@ async def _eval(client, script: str, numkeys: int, *args):
 
 
 def _beat(flight: Flight, now: float) -> str:
-    return json.dumps({"t": now, "produced": flight.produced, "instance": flight.record.instance_id})
+    return orjson.dumps({"t": now, "produced": flight.produced, "instance": flight.record.instance_id})
 
 
 # One request of a key this minute, if it is under its limit: KEYS[1] the minute's counter,
@@ -269,7 +270,7 @@ class RedisLedger:
                                              record.request_id)
         try:
             await self._run(record.tenant_id, limits, ask, now, journal=(
-                record.request_id, json.dumps(entry(record)), _beat(flight, time.time())))
+                record.request_id, orjson.dumps(entry(record)), _beat(flight, time.time())))
         except Exception:
             record.reservation = None
             raise
@@ -309,7 +310,7 @@ class RedisLedger:
 
         since, pending = period_start(period, now), {}
         for _entry_id, fields in await client.xrange(stream_key(), count=500_000):
-            data = json.loads(fields[b"record"])
+            data = orjson.loads(fields[b"record"])
             if data["tenant_id"] == tenant_id and dt.datetime.fromisoformat(data["created_at"]) >= since:
                 pending[data["request_id"]] = usage_from_json(data)
         return await sync_to_async(_metered_with)(tenant_id, period, now, pending)
@@ -341,7 +342,7 @@ class RedisLedger:
         from controlplane.metering.outbox import stream_key
 
         keys, args = [self.inflight, self.beats, stream_key(), f"{self.prefix}:reaped:{record.request_id}"], [
-            record.request_id, "1" if journaled else "0", json.dumps(usage_to_json(record))]
+            record.request_id, "1" if journaled else "0", orjson.dumps(usage_to_json(record))]
         if record.reservation is not None:
             image_tokens, total_tokens = settlement(record)
             settle_keys, settle_args = self._settle_call(record.reservation, image_tokens, total_tokens)
