@@ -43,6 +43,11 @@ class StaticStorage(CompressedManifestStaticFilesStorage):
     def create_compressor(self, **kwargs):
         return _Compressor(**kwargs)
 
+    def url(self, name, force=False):
+        # Django names files plainly under DEBUG; the demo (`make run`, DEBUG on) serves what
+        # production serves. A file edited meanwhile is named anew at the next start.
+        return super().url(name, force=True)
+
     def stored_name(self, name):
         try:
             return super().stored_name(name)

@@ -22,7 +22,9 @@ class PlotlyFinder(BaseFinder):
 
     def find(self, path, find_all=False, **kwargs):
         if path != PLOTLY_JS:
-            return [] if find_all else None
+            # Not None: Django's find() collects what each finder returns, and a None among
+            # them would come back as a "path" (WhiteNoise then stats a list).
+            return []
         match = str(_SOURCE_DIR / "plotly.min.js")
         return [match] if find_all else match
 

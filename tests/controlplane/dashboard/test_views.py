@@ -96,3 +96,12 @@ def test_old_days_fall_outside_the_thirty_day_window(client, world):
     _usage(world.alice, world.vision, 999_123, day=timezone.now().date() - dt.timedelta(days=45))
     client.force_login(world.operator)
     assert "999123" not in client.get("/").content.decode()
+
+
+def test_a_static_file_no_finder_has_is_found_nowhere():
+    # Under DEBUG, WhiteNoise asks the finders for every static URL: an answer of [None]
+    # (a finder saying "not here" with None) made it stat a list and answer a 500.
+    from django.contrib.staticfiles import finders
+
+    assert not finders.find("css/no-such-file.css")
+    assert finders.find("vendor/plotly.min.js").endswith("plotly.min.js")
