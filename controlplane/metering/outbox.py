@@ -63,11 +63,34 @@ def usage_ingest(*, batch: int = 2000, max_batches: int = 10) -> int:
         if ids is None:
             ids = _store_each(client, key, entries)
         if ids:
-            client.xack(key, GROUP, *ids)
-            client.xdel(key, *ids)
+            # Both or neither (MULTI/EXEC): an entry acknowledged but left in the stream (Redis
+            # paused between the two, the client timing out) would never be read again, nor
+            # removed; _trim_acknowledged clears any left so by an older version.
+            pipe = client.pipeline(transaction=True)
+            pipe.xack(key, GROUP, *ids)
+            pipe.xdel(key, *ids)
+            pipe.execute()
             done += len(ids)
         entries = []
+    _trim_acknowledged(client, key)
     return done
+
+
+def _trim_acknowledged(client, key: str) -> None:
+    """Remove entries the group has read and acknowledged that are still in the stream: all
+    of them sit below the oldest entry still pending, or, with none pending, at or below the
+    last one delivered."""
+    pending = client.xpending(key, GROUP)
+    if pending["pending"]:
+        floor = pending["min"]
+    else:
+        group = next((g for g in client.xinfo_groups(key) if g["name"] in (GROUP, GROUP.encode())), None)
+        if group is None:
+            return
+        last = group["last-delivered-id"]
+        millis, sequence = (last.decode() if isinstance(last, bytes) else last).split("-")
+        floor = f"{millis}-{int(sequence) + 1}"
+    client.xtrim(key, minid=floor)
 
 
 def _store_batch(entries: list) -> list | None:

@@ -65,6 +65,20 @@ def test_entries_a_crashed_consumer_took_are_reclaimed_and_stored_once(world, st
     assert UsageEvent.objects.filter(request_id="req-crash").count() == 1
 
 
+def test_entries_acknowledged_but_left_in_the_stream_are_cleared_and_unread_ones_kept(world, stream):
+    """Redis paused between acknowledging a batch and deleting it (the client timed out, Redis
+    then ran the acknowledgement): such entries are never read again, and must not stay."""
+    put = async_to_sync(ledger.finish)
+    put(_record(world, "req-stored"))
+    usage_ingest(max_batches=0)  # creates the group, takes nothing
+    (_, taken), = stream.xreadgroup(GROUP, "consumer-cut-short", {stream_key(): ">"}, count=10)
+    stream.xack(stream_key(), GROUP, *[entry_id for entry_id, _ in taken])  # acknowledged, not deleted
+    put(_record(world, "req-later"))  # arrives after: not read by anyone yet
+    assert usage_ingest() == 1
+    assert UsageEvent.objects.filter(request_id="req-later").count() == 1
+    assert stream.xlen(stream_key()) == 0
+
+
 def test_an_entry_that_cannot_be_stored_stays_for_a_retry_and_others_pass(world, stream):
     put = async_to_sync(ledger.finish)  # what the gateway calls as a request ends
     broken = _record(world, "req-broken")
