@@ -4,6 +4,7 @@ host's node agent, and beat. Ctrl-C stops all of it, engines included."""
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import os
 import shutil
 import signal
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 
 from django.conf import settings
 from django.core.management import call_command
@@ -19,15 +21,35 @@ from django.core.management.base import BaseCommand
 from controlplane.fleet.models import Node
 
 
+def _static_sources() -> str:
+    """What the static files are made from: every source file's path, size and time."""
+    from django.contrib.staticfiles.finders import get_finders
+
+    seen = []
+    for finder in get_finders():
+        for path, storage in finder.list(["CVS", ".*", "*~"]):
+            stat = os.stat(storage.path(path))
+            seen.append(f"{path} {stat.st_size} {stat.st_mtime_ns}")
+    return hashlib.sha256("\n".join(sorted(seen)).encode()).hexdigest()
+
+
 class Command(BaseCommand):
     help = "Start web, worker (node agent) and beat; stop everything on Ctrl-C."
 
     def _collect_static(self) -> None:
-        """Hashed, compressed static files for the web process to serve (a second or so when
-        they are already there). Locked: runs started side by side share STATIC_ROOT."""
-        with open(settings.VAR_DIR / "collectstatic.lock", "w") as lock:
+        """Hashed, compressed static files for the web process to serve. Locked, and skipped
+        when the sources have not changed since the last collection: another server on this
+        host may be serving STATIC_ROOT, and collecting rewrites (deletes, then writes) the
+        files it serves."""
+        root = Path(settings.STATIC_ROOT)
+        with open(root / ".collect.lock", "w") as lock:  # beside the files: whoever shares them shares it
             fcntl.flock(lock, fcntl.LOCK_EX)
+            marker = root / ".collected-from"
+            sources = _static_sources()
+            if marker.exists() and marker.read_text() == sources:
+                return
             call_command("collectstatic", interactive=False, verbosity=0)
+            marker.write_text(sources)
 
     def add_arguments(self, parser):
         parser.add_argument("--host", default=os.environ.get("HOST", "127.0.0.1"))
