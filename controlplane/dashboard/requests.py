@@ -5,14 +5,11 @@ Operators and finance see every tenant; a tenant's admin sees their own tenant o
 
 from __future__ import annotations
 
-import datetime as dt
-
 from django import forms
 from django.contrib.auth.decorators import login_required
 from django.core.exceptions import PermissionDenied
 from django.http import Http404
 from django.shortcuts import render
-from django.utils import timezone
 
 from controlplane.catalog.models import ModelTier
 from controlplane.metering.models import UsageEvent
@@ -40,9 +37,8 @@ class LogFilterForm(forms.Form):
         super().__init__(*args, **kwargs)
         self.tenants = {tenant.name: tenant for tenant in tenants}
         self.fields["tenant"].choices = [("", "every tenant"), *((name, name) for name in self.tenants)]
-        self.fields["tier"].choices = [("", "every model"),
-                                       *((name, name) for name in ModelTier.objects.order_by("name")
-                                         .values_list("name", flat=True))]
+        self.tier_ids = dict(ModelTier.objects.order_by("name").values_list("name", "pk"))
+        self.fields["tier"].choices = [("", "every model"), *((name, name) for name in self.tier_ids)]
 
     def clean_q(self):
         return self.cleaned_data["q"].strip()
@@ -67,8 +63,7 @@ class LogFilterForm(forms.Form):
         if data["key"]:
             key = ApiKey.objects.filter(prefix=data["key"].strip(), tenant_id__in=tenant_ids or visible).first()
             key_id = key.pk if key else -1  # a prefix nobody may see matches nothing
-        tier_id = ModelTier.objects.filter(name=data["tier"]).values_list("pk", flat=True).first() \
-            if data["tier"] else None
+        tier_id = self.tier_ids.get(data["tier"] or "")
         status = data["status"] or ""
         return LogQuery(
             tenant_ids=tenant_ids, api_key_id=key_id, tier_id=tier_id,
@@ -84,17 +79,13 @@ def _visible(user) -> list:
     return list(roles.visible_tenants(user).order_by("name"))
 
 
-def _every_tenant(user) -> bool:
-    return roles.is_operator(user) or roles.is_finance(user)
-
-
 @login_required
 def request_log(request):
     tenants = _visible(request.user)
     form = LogFilterForm(request.GET or None, tenants=tenants)
     events, following = [], None
     if not form.is_bound or form.is_valid():
-        events, following = usage_log(form.query(every_tenant=_every_tenant(request.user)),
+        events, following = usage_log(form.query(every_tenant=roles.sees_every_tenant(request.user)),
                                       after=LogCursor.decode(request.GET.get("after")), limit=PAGE_SIZE)
     params = request.GET.copy()
     params.pop("after", None)
@@ -108,13 +99,13 @@ def request_log(request):
 @login_required
 def request_detail(request, request_id: str):
     tenants = _visible(request.user)
-    tenant_ids = None if _every_tenant(request.user) else tuple(t.pk for t in tenants)
+    tenant_ids = None if roles.sees_every_tenant(request.user) else tuple(t.pk for t in tenants)
     event = usage_event_detail(request_id=request_id, tenant_ids=tenant_ids)
     if event is None:
         raise Http404("no such request")
     return render(request, "dashboard/request.html", {
         "event": event, "timings": _timings(event), "pictures": _pictures(event.image_rows),
-        "recorded_after": _recorded_after(event),
+        "recorded_after": event.recorded_at - event.created_at,
     })
 
 
@@ -143,11 +134,4 @@ def _pictures(rows: list) -> list[dict]:
         picture["parts"].append(row)
         picture["tokens"] += row.tokens
         picture["cached_tokens"] += row.cached_tokens
-    for picture in pictures:
-        picture["cached_share"] = picture["cached_tokens"] / picture["tokens"] if picture["tokens"] else 0
     return pictures
-
-
-def _recorded_after(event: UsageEvent) -> dt.timedelta | None:
-    recorded = event.recorded_at
-    return recorded - event.created_at if recorded and timezone.is_aware(recorded) else None

@@ -32,14 +32,18 @@ def member_tenant(user):
     return membership.tenant if membership is not None else None
 
 
+def sees_every_tenant(user) -> bool:
+    return is_operator(user) or is_finance(user)
+
+
 def can_see_usage(user) -> bool:
-    return is_operator(user) or is_finance(user) or member_tenant(user) is not None
+    return sees_every_tenant(user) or member_tenant(user) is not None
 
 
 def visible_tenants(user) -> QuerySet:
     from controlplane.tenants.models import Tenant
 
-    if is_operator(user) or is_finance(user):
+    if sees_every_tenant(user):
         return Tenant.objects.all()
     tenant = member_tenant(user)
     if tenant is None:
