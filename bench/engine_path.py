@@ -41,7 +41,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.gateway import Gateway, free_port, messages, start_litellm
+from bench.gateway import Gateway, free_port, messages, send, start_litellm
 from bench.proc import children, command_line, cpu_seconds, descendants
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -171,27 +171,6 @@ def bodies(pictures: Pictures, size: str, count: int) -> list[bytes]:
         chat = messages(None if SIZES[size] is None else pictures.next(*SIZES[size]))
         out.append(json.dumps({"model": TIER, "max_tokens": MAX_TOKENS, "messages": chat}).encode())
     return out
-
-
-async def send(url: str, headers: dict, requests: list[bytes], concurrency: int) -> tuple[list[float], float]:
-    """Latencies of `requests` sent `concurrency` at a time, and the seconds all took."""
-    latencies: list[float] = []
-    queue = iter(requests)
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    headers = {**headers, "Content-Type": "application/json"}
-    async with httpx.AsyncClient(timeout=600, limits=limits, headers=headers) as client:
-
-        async def worker():
-            for body in queue:
-                started = time.perf_counter()
-                response = await client.post(url, content=body)
-                if response.status_code != 200:
-                    raise RuntimeError(f"{url}: {response.status_code} {response.text[:300]}")
-                latencies.append(time.perf_counter() - started)
-
-        started = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        return latencies, time.perf_counter() - started
 
 
 def short(command: str) -> str:

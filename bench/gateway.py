@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import os
 import shutil
 import statistics
@@ -199,26 +200,33 @@ def start_litellm(upstream_port: int, folder: Path | None = None) -> tuple[subpr
     return process, port, "sk-bench-litellm"
 
 
-async def load(url: str, key: str, model: str, image: bytes | None, concurrency: int, count: int):
-    body = {"model": model, "max_tokens": 8, "messages": messages(image)}
-    headers = {"Authorization": f"Bearer {key}"}
+async def send(url: str, headers: dict, requests: list[bytes], concurrency: int) -> tuple[list[float], float]:
+    """Latencies of `requests` (JSON bodies) sent `concurrency` at a time, closed loop, and
+    the seconds all took."""
     latencies: list[float] = []
-    remaining = iter(range(count))
+    queue = iter(requests)
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(timeout=120, limits=limits, headers=headers) as client:
-        await client.post(url, json=body)  # warm up connections and caches
+    headers = {**headers, "Content-Type": "application/json"}
+    async with httpx.AsyncClient(timeout=600, limits=limits, headers=headers) as client:
 
         async def worker():
-            for _ in remaining:
+            for body in queue:
                 started = time.perf_counter()
-                response = await client.post(url, json=body)
+                response = await client.post(url, content=body)
                 if response.status_code != 200:
                     raise RuntimeError(f"{url}: {response.status_code} {response.text[:300]}")
                 latencies.append(time.perf_counter() - started)
 
         started = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
-        elapsed = time.perf_counter() - started
+        return latencies, time.perf_counter() - started
+
+
+async def load(url: str, key: str, model: str, image: bytes | None, concurrency: int, count: int):
+    body = json.dumps({"model": model, "max_tokens": 8, "messages": messages(image)}).encode()
+    headers = {"Authorization": f"Bearer {key}"}
+    await send(url, headers, [body], 1)  # warm up caches
+    latencies, elapsed = await send(url, headers, [body] * count, concurrency)
     latencies.sort()
     return {"p50": statistics.median(latencies), "p99": latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
             "rps": len(latencies) / elapsed}
