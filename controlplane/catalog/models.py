@@ -96,12 +96,47 @@ class ResolutionPolicy(models.Model):
         )
 
 
+# The currencies a plan may bill in (ISO 4217 codes).
+CURRENCIES = ("USD", "EUR", "GBP", "JPY", "CNY", "CHF", "CAD", "AUD", "INR", "SGD", "KRW", "BRL", "SEK")
+
+
 class PricePlan(models.Model):
+    """Prices over time in one currency: a plan keeps its currency once it has rates, and
+    amounts in different currencies are never added together."""
+
     name = models.SlugField(max_length=64, unique=True)
-    currency = models.CharField(max_length=3, default="USD")
+    currency = models.CharField(max_length=3, default="USD", choices=[(c, c) for c in CURRENCIES])
 
     def __str__(self):
         return self.name
+
+    def save(self, *args, actor: str = "", **kwargs):
+        """Saved and recorded in the audit log at once; `actor` is who made the change."""
+        from django.db import transaction
+
+        from controlplane.audit.services import audit_record, field_values
+
+        if self.currency not in CURRENCIES:
+            raise ValidationError({"currency": f"{self.currency!r} is not a currency plans bill in: "
+                                               f"{', '.join(CURRENCIES)}"})
+        self._refuse_a_currency_change()
+        stored = PricePlan.objects.filter(pk=self.pk).first() if self.pk else None
+        with transaction.atomic():
+            super().save(*args, **kwargs)
+            audit_record(actor=actor, action="changed" if stored else "created", obj=self,
+                         before=field_values(stored, ("name", "currency")) if stored else None,
+                         after=field_values(self, ("name", "currency")))
+
+    def clean(self):
+        self._refuse_a_currency_change()
+
+    def _refuse_a_currency_change(self) -> None:
+        if self.pk is None:
+            return
+        stored = PricePlan.objects.filter(pk=self.pk).values_list("currency", flat=True).first()
+        if stored and stored != self.currency and self.rates.exists():
+            raise ValidationError({"currency": f"a plan with rates keeps its currency ({stored}): make a new "
+                                               "plan instead"})
 
 
 _PRICE = {"max_digits": 12, "decimal_places": 6, "default": Decimal("0"), "validators": [MinValueValidator(0)]}
@@ -113,8 +148,31 @@ class RateInUse(ValidationError):
     pass
 
 
+class PriceRateQuerySet(models.QuerySet):
+    """Writes in bulk go through each rate's own checks and audit, so no path rewrites or
+    removes a rate that billed anything (the database refuses it as well: a trigger on
+    update, the usage events' foreign key on delete)."""
+
+    def update(self, **changes):
+        count = 0
+        for rate in self:
+            for name, value in changes.items():
+                setattr(rate, name, value)
+            rate.save()
+            count += 1
+        return count
+
+    def delete(self):
+        deleted = 0
+        for rate in self:
+            deleted += rate.delete()[0]
+        return deleted, {PriceRate._meta.label: deleted}
+
+
 class PriceRate(models.Model):
-    """One version of a plan's prices. A new price is a new row; old periods keep theirs."""
+    """One version of a plan's prices. A new price is a new row; old periods keep theirs. Each
+    usage event names the rate that priced it, so a rate that billed anything never changes
+    and never goes: a change is a new rate from its own moment, after what was billed."""
 
     plan = models.ForeignKey(PricePlan, on_delete=models.CASCADE, related_name="rates")
     effective_from = models.DateTimeField(default=timezone.now)
@@ -129,6 +187,8 @@ class PriceRate(models.Model):
     )
     created_at = models.DateTimeField(auto_now_add=True, null=True)
     created_by = models.CharField(max_length=150, blank=True, help_text="Who entered this rate")
+
+    objects = PriceRateQuerySet.as_manager()
 
     class Meta:
         ordering = ["plan", "-effective_from"]
@@ -168,6 +228,7 @@ class PriceRate(models.Model):
 
         if billed := self.billed_requests():
             raise RateInUse(f"this rate has priced {billed} requests and cannot be deleted")
+        self._refuse_leaving_live_tiers_unpriced()
         with transaction.atomic():
             audit_record(actor=actor, action="deleted", obj=self, before=field_values(self, _AUDITED))
             return super().delete(*args, **kwargs)
@@ -176,24 +237,41 @@ class PriceRate(models.Model):
         self._refuse_a_billed_change()
 
     def billed_requests(self) -> int:
-        """Requests this rate priced: its plan's, from its start until the next rate's."""
-        from controlplane.metering.models import UsageEvent
-
-        later = PriceRate.objects.filter(plan_id=self.plan_id, effective_from__gt=self.effective_from) \
-            .order_by("effective_from").values_list("effective_from", flat=True).first()
-        events = UsageEvent.objects.filter(tier__price_plan_id=self.plan_id, rated=True,
-                                           created_at__gte=self.effective_from)
-        return (events.filter(created_at__lt=later) if later else events).count()
+        """Requests this rate priced (each usage event names its rate)."""
+        return self.usage_events.count() if self.pk else 0
 
     def _refuse_a_billed_change(self) -> None:
-        if self.pk is None:
-            return
-        stored = PriceRate.objects.filter(pk=self.pk).values(*_AMOUNTS, "effective_from", "plan_id").first()
+        stored = PriceRate.objects.filter(pk=self.pk).values(*_AMOUNTS, "effective_from", "plan_id").first() \
+            if self.pk else None
         changed = stored and any(stored[name] != getattr(self, name) for name in (*_AMOUNTS, "effective_from", "plan_id"))
         if changed and (billed := PriceRate.objects.get(pk=self.pk).billed_requests()):
             # Editing it would rewrite what was billed: a change is a new rate from a date.
             raise RateInUse(f"this rate has priced {billed} requests and cannot change; add a new "
                             "rate with its own effective date")
+        if stored is None or stored["effective_from"] != self.effective_from or stored["plan_id"] != self.plan_id:
+            self._refuse_starting_inside_what_was_billed()
+
+    def _refuse_starting_inside_what_was_billed(self) -> None:
+        """A rate starting before usage its plan already billed would be the rate in effect for
+        requests another rate priced: a new price starts after the last request billed."""
+        from controlplane.metering.models import UsageEvent
+
+        if self.effective_from is None or self.plan_id is None:
+            return
+        last = UsageEvent.objects.filter(rate__plan_id=self.plan_id, created_at__gte=self.effective_from) \
+            .order_by("-created_at").values_list("created_at", flat=True).first()
+        if last is not None:
+            raise RateInUse({"effective_from": f"requests were already billed on this plan up to "
+                                               f"{last:%Y-%m-%d %H:%M:%S %Z}: a new rate starts after that"})
+
+    def _refuse_leaving_live_tiers_unpriced(self) -> None:
+        now = timezone.now()
+        if self.effective_from > now or self.plan.rates.exclude(pk=self.pk).filter(effective_from__lte=now).exists():
+            return
+        live = list(self.plan.tiers.filter(enabled=True).values_list("name", flat=True))
+        if live:
+            raise ValidationError(f"{', '.join(live)} would have no price in effect: add another rate, or "
+                                  "disable the tiers first")
 
     def as_rates(self):
         from controlplane.metering.rating import Rates
@@ -253,8 +331,10 @@ class ModelTier(models.Model):
         return self.name
 
     def save(self, *args, **kwargs):
-        # Whatever path saves a tier, its settings are ones the launcher and gateway can use.
+        # Whatever path saves a tier, its settings are ones the launcher and gateway can use,
+        # and what it billed stays in the currency it was billed in.
         self.engine_settings = self._checked_settings().stored()
+        self._refuse_a_currency_change()
         super().save(*args, **kwargs)
 
     def image_policy(self):
@@ -292,9 +372,25 @@ class ModelTier(models.Model):
         if not self.enabled and (self.default_for_text or self.default_for_images):
             raise ValidationError(f"{self.name} is where `auto` sends requests: make another tier the default "
                                   "before disabling it")
-        if self.enabled and self.price_plan_id and not PriceRate.objects.filter(
-                plan_id=self.price_plan_id, effective_from__lte=timezone.now()).exists():
-            raise ValidationError("an enabled tier needs a price in effect: add a rate to its plan first")
+        if self.enabled and self.price_plan_id:
+            from controlplane.metering.ratebook import priced_plans
+
+            if not priced_plans([self.price_plan_id], timezone.now()):
+                raise ValidationError("an enabled tier needs a price in effect: add a rate to its plan first")
+        self._refuse_a_currency_change()
+
+    def _refuse_a_currency_change(self) -> None:
+        """A tier bills in one currency: once it has billed, its plan changes only to a plan of
+        the same currency (a tenant's usage of it is never summed across currencies)."""
+        if self.pk is None or not self.price_plan_id:
+            return
+        from controlplane.metering.models import UsageEvent
+
+        stored = ModelTier.objects.filter(pk=self.pk).values_list("price_plan__currency", flat=True).first()
+        currency = PricePlan.objects.filter(pk=self.price_plan_id).values_list("currency", flat=True).first()
+        if stored and currency != stored and UsageEvent.objects.filter(tier_id=self.pk).exclude(rate=None).exists():
+            raise ValidationError({"price_plan": f"{self.name} has billed in {stored}: its plan may change only "
+                                                 f"to another plan in that currency, not {currency}"})
 
 
 class TierTokenizer(models.Model):

@@ -18,7 +18,7 @@ from controlplane.imaging import kv
 from controlplane.imaging.errors import ImageError
 from controlplane.imaging.policy import sent_sizes
 from controlplane.metering.ratebook import NoRate, RateBook
-from controlplane.metering.rating import Usage, price
+from controlplane.metering.rating import images_price
 
 # Photos as tenants send them: a small web image, HD, full HD, a 12 MP phone photo.
 SAMPLE_SIZES = ((640, 480), (1280, 720), (1920, 1080), (4032, 3024))
@@ -101,8 +101,8 @@ def samples(tier: ModelTier, rates) -> list[ImageSample]:
             sent = sent_sizes(width, height, policy)
         except ImageError:
             continue  # past the policy's input limit: refused, so nothing to show
-        tokens = sum(tier_image_tokens(tier, w, h) for w, h in sent)
-        cost = price(Usage(image_tokens=tokens, images=len(sent)), rates) if rates else None
+        each = [tier_image_tokens(tier, w, h) for w, h in sent]
+        tokens, cost = sum(each), images_price(each, rates) if rates else None
         samples.append(ImageSample(width, height, sent, tokens, cost))
     return samples
 

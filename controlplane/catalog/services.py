@@ -11,7 +11,7 @@ from controlplane.imaging.errors import ImageError
 from controlplane.imaging.policy import normalise_tiles
 from controlplane.imaging.tokens import count_image_tokens, processor_options
 from controlplane.metering.ratebook import NoRate, RateBook
-from controlplane.metering.rating import Usage, price
+from controlplane.metering.rating import images_price
 
 
 @dataclass(frozen=True)
@@ -45,9 +45,10 @@ def policy_preview(*, data: bytes, detail: str | None = None) -> list[TierPrevie
         except ImageError as exc:
             previews.append(TierPreview(tier, [], 0, None, tier.price_plan.currency, error=str(exc)))
             continue
-        tokens = sum(tier_image_tokens(tier, t.width, t.height) for t in tiles)
+        each = [tier_image_tokens(tier, t.width, t.height) for t in tiles]
+        tokens = sum(each)
         try:
-            cost = price(Usage(image_tokens=tokens, images=len(tiles)), book.rates_at(tier.price_plan_id, now))
+            cost = images_price(each, book.rates_at(tier.price_plan_id, now))
         except NoRate:
             cost = None  # shown as "no price in effect"
         previews.append(TierPreview(tier, [(t.width, t.height) for t in tiles], tokens, cost,

@@ -291,11 +291,8 @@ class UserChangeForm(forms.Form):
     active = forms.BooleanField(required=False, label="Active (may log in)")
 
 
-CURRENCIES = ("USD", "EUR", "GBP", "JPY", "CNY", "CHF", "CAD", "AUD", "INR", "SGD", "KRW", "BRL", "SEK")
-
-
 class PricePlanForm(forms.ModelForm):
-    currency = forms.ChoiceField(choices=[(c, c) for c in CURRENCIES], initial="USD")
+    """A plan and its currency (the model refuses a change of currency once it has rates)."""
 
     class Meta:
         from controlplane.catalog.models import PricePlan
@@ -303,12 +300,6 @@ class PricePlanForm(forms.ModelForm):
         model = PricePlan
         fields = ["name", "currency"]
         del PricePlan
-
-    def clean_currency(self):
-        currency = self.cleaned_data["currency"]
-        if self.instance.pk and currency != self.instance.currency and self.instance.rates.exists():
-            raise forms.ValidationError("a plan with rates keeps its currency: make a new plan instead")
-        return currency
 
 
 class PriceRateForm(forms.ModelForm):

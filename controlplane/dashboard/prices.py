@@ -18,7 +18,7 @@ from controlplane.dashboard.forms import PricePlanForm, PriceRateForm
 from controlplane.imaging.errors import ImageError
 from controlplane.imaging.policy import sent_sizes
 from controlplane.metering.ratebook import NoRate, RateBook
-from controlplane.metering.rating import Usage, price
+from controlplane.metering.rating import Usage, images_price, price
 
 
 @login_required
@@ -26,7 +26,8 @@ def plan_list(request):
     staff_only(request, change=request.method == "POST")
     form = PricePlanForm(request.POST or None)
     if request.method == "POST" and form.is_valid():
-        plan = form.save()
+        plan = form.instance
+        plan.save(actor=request.user.get_username())
         messages.success(request, f"Plan {plan.name} created: add its first rate.")
         return redirect("dashboard:price-plan", name=plan.name)
     now, book = timezone.now(), RateBook()
@@ -82,9 +83,10 @@ def _compare(plan: PricePlan, rate: PriceRate) -> list[dict]:
                 sent = sent_sizes(width, height, policy)
             except ImageError:
                 continue
-            usage = Usage(image_tokens=sum(tier_image_tokens(tier, w, h) for w, h in sent), images=len(sent))
-            rows.append({"what": f"{tier.name}: a {width} × {height} photo ({usage.image_tokens:,} tokens)",
-                         "now": price(usage, current) if current else None, "then": price(usage, proposed)})
+            each = [tier_image_tokens(tier, w, h) for w, h in sent]
+            rows.append({"what": f"{tier.name}: a {width} × {height} photo ({sum(each):,} tokens)",
+                         "now": images_price(each, current) if current else None,
+                         "then": images_price(each, proposed)})
     for row in rows:
         row["change"] = (row["then"] - row["now"]) if row["now"] is not None else None
     return rows

@@ -16,7 +16,7 @@ from controlplane.metering.models import DailyUsage, HourlyUsage, ImageCostHisto
 # Summed per period for the charts over time.
 SERIES_FIELDS = ("image_tokens", "cost", "cached_image_tokens", "cache_savings")
 # Summed per tenant and tier for the totals.
-TOTAL_FIELDS = ("requests", "failed_requests", "images", "image_tokens", "cached_image_tokens", "text_tokens",
+TOTAL_FIELDS = ("requests", "unbilled_requests", "images", "image_tokens", "cached_image_tokens", "text_tokens",
                 "output_tokens", "cost", "cache_savings")
 OTHERS = "others"
 

@@ -28,10 +28,10 @@ from controlplane.metering.rating import money_text
 from controlplane.metering.services import billed
 
 IMAGE_COLUMNS = ["tenant", "request_id", "time", "tier", "source_width", "source_height", "sent_width",
-                 "sent_height", "image_tokens", "cached_image_tokens", "cost_usd"]
+                 "sent_height", "image_tokens", "cached_image_tokens", "cost", "currency"]
 SUMMARY_COUNTERS = ("requests", "images", "image_tokens", "cached_image_tokens", "text_tokens", "output_tokens")
 SUMMARY_AMOUNTS = ("cost", "cache_savings")
-SUMMARY_COLUMNS = ["tenant", "month", "line", "tier", *SUMMARY_COUNTERS, "cost_usd", "cache_savings_usd"]
+SUMMARY_COLUMNS = ["tenant", "month", "line", "tier", *SUMMARY_COUNTERS, *SUMMARY_AMOUNTS, "currency"]
 
 IMAGES, MONTHLY_SUMMARY = "images", "monthly-summary"
 SHEET_TITLES = {IMAGES: "Images", MONTHLY_SUMMARY: "Monthly summary"}
@@ -48,45 +48,49 @@ class ExportError(ValueError):
 # -- the per-image cost report ------------------------------------------------------------
 
 def per_image_rows(*, since: dt.datetime, until: dt.datetime, tenants) -> Iterator[list]:
-    """One row per image sent to an engine: what it was, what it became, what it cost (None
-    when no price was in effect)."""
+    """One row per image sent to an engine: what it was, what it became, what it cost at the
+    rate that priced its request (None when none did), and in which currency."""
     book = RateBook()
     images = (UsageImage.objects.filter(billed("event__"), event__created_at__gte=since, event__created_at__lt=until,
                                         event__tenant__in=tenants)
               .order_by("event__created_at", "event_id", "position")
               .values_list("event__tenant__name", "event__request_id", "event__created_at", "event__tier__name",
                            "source_width", "source_height", "width", "height", "tokens", "cached_tokens",
-                           "event__tier__price_plan_id"))
-    for *row, plan_id in images.iterator(chunk_size=2000):
-        yield [*row, book.image_price(plan_id, row[2], row[8], row[9])]
+                           "event__rate_id", "event__tier__price_plan__currency"))
+    for *row, rate_id, currency in images.iterator(chunk_size=2000):
+        price = book.image_price(rate_id, row[8], row[9])
+        yield [*row, price, book.rate(rate_id).plan.currency if rate_id else currency]
 
 
 # -- the per-tenant monthly summary ---------------------------------------------------------
 
 def monthly_summary_rows(*, first: dt.date, last: dt.date, tenants) -> Iterator[list]:
-    """Per tenant and month from `first` to `last`: a line per tier, then the tenant's total.
+    """Per tenant and month from `first` to `last`: a line per tier, then the tenant's total in
+    each currency its tiers bill in (amounts in two currencies are never added together).
 
     Read from the daily rollups. Costs and savings are sums of each request's recorded cost,
-    so they equal the monthly statement's lines and total to the micro-unit; like a statement,
+    so they equal the monthly statement's lines and totals to the micro-unit; like a statement,
     the counters leave failed requests out (the rollups count them apart).
     """
     sums = {name: Sum(name) for name in SUMMARY_COUNTERS + SUMMARY_AMOUNTS}
-    sums["requests"] = Sum(F("requests") - F("failed_requests"))
+    sums["requests"] = Sum(F("requests") - F("unbilled_requests"))
     lines = (DailyUsage.objects.filter(tenant__in=tenants, day__gte=first, day__lte=last)
              .annotate(month=TruncMonth("day"))
-             .values("tenant__name", "month", "tier__name")
+             .values("tenant__name", "month", "tier__name", "tier__price_plan__currency")
              .annotate(**sums)
              .order_by("tenant__name", "month", "tier__name"))
     for (tenant, month), group in itertools.groupby(lines.iterator(), key=lambda r: (r["tenant__name"], r["month"])):
-        period = f"{month:%Y-%m}"
-        total = dict.fromkeys(SUMMARY_COUNTERS, 0) | dict.fromkeys(SUMMARY_AMOUNTS, Decimal(0))
+        period, totals = f"{month:%Y-%m}", {}
         for line in group:
+            currency = line["tier__price_plan__currency"]
             values = [line[name] or 0 for name in SUMMARY_COUNTERS] + [
                 line[name] or Decimal(0) for name in SUMMARY_AMOUNTS]
-            for name, value in zip(SUMMARY_COUNTERS + SUMMARY_AMOUNTS, values, strict=True):
-                total[name] += value
-            yield [tenant, period, "tier", line["tier__name"], *values]
-        yield [tenant, period, "total", None, *total.values()]
+            total = totals.setdefault(currency, [0] * len(SUMMARY_COUNTERS) + [Decimal(0)] * len(SUMMARY_AMOUNTS))
+            for index, value in enumerate(values):
+                total[index] += value
+            yield [tenant, period, "tier", line["tier__name"], *values, currency]
+        for currency, total in sorted(totals.items()):
+            yield [tenant, period, "total", None, *total, currency]
 
 
 # -- what was asked for ---------------------------------------------------------------------
@@ -231,7 +235,7 @@ def xlsx_file(header: list[str], rows: Iterator[list], *, title: str, rows_per_s
     try:
         workbook = xlsxwriter.Workbook(out, {"constant_memory": True, "remove_timezone": True})
         bold = workbook.add_format({"bold": True})
-        money = workbook.add_format({"num_format": "$#,##0.000000"})
+        money = workbook.add_format({"num_format": "#,##0.000000"})  # its currency in a column
         when = workbook.add_format({"num_format": "yyyy-mm-dd hh:mm:ss"})
 
         def sheet_for(number: int):

@@ -58,6 +58,10 @@ class UsageEvent(models.Model):
     cache_savings = models.DecimalField(max_digits=14, decimal_places=6, default=Decimal("0"))
     # False when no price was in effect: the usage is kept and the cost must be set later.
     rated = models.BooleanField(default=True)
+    # The rate that priced it (none for a request not billed, or unrated): what it cost stays
+    # what it was billed at, whatever later happens to its tier's plan.
+    rate = models.ForeignKey("catalog.PriceRate", null=True, blank=True, on_delete=models.PROTECT,
+                             related_name="usage_events", db_index=False)
 
     class Meta:
         ordering = ["-created_at"]
@@ -72,6 +76,8 @@ class UsageEvent(models.Model):
             # The rare events whose engine counted other image tokens, shown per tier.
             models.Index(fields=["tier", "created_at"], condition=models.Q(image_tokens_disagree=True),
                          name="usage_image_count_disagree"),
+            # What a rate billed, and until when (a new rate of its plan starts after that).
+            models.Index(fields=["rate", "created_at"], name="usage_by_rate"),
         ]
 
     def __str__(self):
@@ -113,12 +119,13 @@ class UsageImage(models.Model):
 
 
 class UsageTotals(models.Model):
-    """The totals a rollup keeps for each period, tenant, key and tier. Failed requests are
-    counted apart and add nothing else (they are not billed), so the token totals and the
-    requests less the failed ones are what a statement shows."""
+    """The totals a rollup keeps for each period, tenant, key and tier. Requests not billed
+    (refused or failed before an engine worked on them: metering.services.billed) are counted
+    apart and add nothing else, so the token totals and the requests less the unbilled ones are
+    what a statement shows."""
 
     requests = models.PositiveIntegerField(default=0)
-    failed_requests = models.PositiveIntegerField(default=0)
+    unbilled_requests = models.PositiveIntegerField(default=0)
     images = models.PositiveIntegerField(default=0)
     image_tokens = models.PositiveBigIntegerField(default=0)
     cached_tokens = models.PositiveBigIntegerField(default=0)

@@ -5,7 +5,9 @@ image), estimates and previews, and the benches.
 
 A book reads a plan's rates once, the first time the plan is asked about (or all the plans
 asked for at once, with `load`), and remembers each image price it computes: a month of
-images has few distinct (rate, tokens, cached tokens) triples. A book is a snapshot: make a
+images has few distinct (rate, tokens, cached tokens) triples. Usage is priced once, when it
+is stored, at the rate in effect then; the event names that rate, and every report after
+prices its images by that rate (`image_price`), never by looking the moment up again. A book is a snapshot: make a
 new one for each unit of work (a request batch, an export, a rollup run), so that a rate
 added meanwhile is seen by the next.
 """
@@ -26,6 +28,7 @@ class NoRate(LookupError):
 class RateBook:
     def __init__(self):
         self._plans: dict[int, list] = {}  # plan id -> its PriceRate rows, latest first
+        self._by_id: dict[int, object] = {}  # PriceRate id -> the row
         self._rates: dict[int, Rates] = {}  # PriceRate id -> its Rates
         self._images: dict[tuple[int, int, int], Decimal] = {}
 
@@ -37,9 +40,25 @@ class RateBook:
         if wanted:
             for plan_id in wanted:
                 self._plans[plan_id] = []
-            for rate in PriceRate.objects.filter(plan_id__in=wanted).order_by("-effective_from"):
+            for rate in PriceRate.objects.filter(plan_id__in=wanted).select_related("plan") \
+                    .order_by("-effective_from"):
                 self._plans[rate.plan_id].append(rate)
+                self._by_id[rate.pk] = rate
         return self
+
+    def rate(self, rate_id: int):
+        """The PriceRate with this id (its plan's rates read with it)."""
+        if rate_id not in self._by_id:
+            from controlplane.catalog.models import PriceRate
+
+            self.load([PriceRate.objects.values_list("plan_id", flat=True).get(pk=rate_id)])
+        return self._by_id[rate_id]
+
+    def rates(self, rate_id: int) -> Rates:
+        """The amounts of the rate with this id."""
+        if rate_id not in self._rates:
+            self._rates[rate_id] = self.rate(rate_id).as_rates()
+        return self._rates[rate_id]
 
     def rate_at(self, plan_id: int, when: dt.datetime):
         """The PriceRate in effect for the plan at `when`; NoRate if there is none."""
@@ -50,10 +69,7 @@ class RateBook:
         raise NoRate(f"price plan {plan_id} has no rate in effect at {when:%Y-%m-%d %H:%M:%S %Z}")
 
     def rates_at(self, plan_id: int, when: dt.datetime) -> Rates:
-        rate = self.rate_at(plan_id, when)
-        if rate.pk not in self._rates:
-            self._rates[rate.pk] = rate.as_rates()
-        return self._rates[rate.pk]
+        return self.rates(self.rate_at(plan_id, when).pk)
 
     def priced(self, plan_id: int, when: dt.datetime) -> bool:
         try:
@@ -62,25 +78,15 @@ class RateBook:
             return False
         return True
 
-    def image_price(self, plan_id: int, when: dt.datetime, tokens: int, cached_tokens: int) -> Decimal | None:
-        """One image's price as the per-image report prints it; None when no rate is in effect."""
-        try:
-            rate = self.rate_at(plan_id, when)
-        except NoRate:
+    def image_price(self, rate_id: int | None, tokens: int, cached_tokens: int) -> Decimal | None:
+        """One image's price at the rate that priced its request, as the per-image report prints
+        it; None for an image no rate priced."""
+        if rate_id is None:
             return None
-        key = (rate.pk, tokens, cached_tokens)
+        key = (rate_id, tokens, cached_tokens)
         if key not in self._images:
-            self._images[key] = image_price(tokens, cached_tokens, self.rates_at(plan_id, when))
+            self._images[key] = image_price(tokens, cached_tokens, self.rates(rate_id))
         return self._images[key]
-
-
-def rate_changes(since: dt.datetime, until: dt.datetime) -> list[dt.datetime]:
-    """The moments strictly inside [since, until) at which some plan's rate changes: a span
-    cut at these has one rate per plan in each piece."""
-    from controlplane.catalog.models import PriceRate
-
-    return sorted(set(PriceRate.objects.filter(effective_from__gt=since, effective_from__lt=until)
-                      .values_list("effective_from", flat=True)))
 
 
 def priced_plans(plan_ids: Iterable[int], when: dt.datetime) -> set[int]:

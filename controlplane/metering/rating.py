@@ -51,6 +51,12 @@ def image_price(tokens: int, cached: int, rates: Rates) -> Decimal:
     return price(Usage(image_tokens=tokens, cached_image_tokens=cached, images=1), rates)
 
 
+def images_price(tokens_each: list[int], rates: Rates) -> Decimal:
+    """What images cost as a request's image parts are billed: each on its own, with its fee
+    (an estimate of a picture cut into tiles is priced tile by tile, as its bill will be)."""
+    return sum((image_price(tokens, 0, rates) for tokens in tokens_each), Decimal(0))
+
+
 def money_text(amount: Decimal) -> str:
     """An amount as reports print it: always to the micro-unit, six places."""
     return f"{amount.quantize(MICRO, rounding=ROUND_HALF_EVEN):f}"

@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import datetime as dt
-import itertools
 import logging
 from dataclasses import dataclass, field
 
@@ -21,7 +20,7 @@ from controlplane.metering.models import (
     UsageImage,
 )
 from controlplane.metering.periods import period_start
-from controlplane.metering.ratebook import NoRate, RateBook, rate_changes
+from controlplane.metering.ratebook import NoRate, RateBook
 from controlplane.metering.rating import price_parts
 
 log = logging.getLogger(__name__)
@@ -254,10 +253,11 @@ def _usage_values(record: UsageRecord, tier: ModelTier, book: RateBook) -> tuple
     lines, unlined = _priced_lines(record)
     cached_image = sum(cached for _, cached in lines) + unlined[1]
     record.images = [(image, tokens, cached) for (image, tokens, _), (_, cached) in zip(record.images, lines, strict=True)]
-    rated, cost, savings = True, 0, 0
+    rated, cost, savings, rate_id = True, 0, 0, None
     if billable:
         try:
-            rates = book.rates_at(tier.price_plan_id, record.created_at)
+            rate_id = book.rate_at(tier.price_plan_id, record.created_at).pk
+            rates = book.rates(rate_id)
             parts = {"text_tokens": record.text_tokens, "output_tokens": record.output_tokens, "rates": rates}
             cost = price_parts(images=lines, unlined=unlined, **parts).total
             if cached_image:
@@ -295,6 +295,7 @@ def _usage_values(record: UsageRecord, tier: ModelTier, book: RateBook) -> tuple
         cost=cost,
         cache_savings=savings,
         rated=rated,
+        rate_id=rate_id,
     )
     images = [
         dict(
@@ -352,7 +353,6 @@ def _rollup(name, model, field, trunc, length, now, also=None) -> int:
     return len(periods)
 
 
-_FAILED = Q(status=UsageEvent.Status.ERROR)
 _SUMMED = (("images", "image_count"), ("image_tokens", "image_tokens"), ("cached_tokens", "cached_tokens"),
            ("cached_image_tokens", "cached_image_tokens"), ("text_tokens", "text_tokens"),
            ("output_tokens", "output_tokens"), ("cost", "cost"), ("cache_savings", "cache_savings"))
@@ -363,8 +363,8 @@ def _rollup_period(model, field, period, length: dt.timedelta) -> None:
     rows = (
         UsageEvent.objects.filter(created_at__gte=start, created_at__lt=start + length)
         .values("tenant_id", "api_key_id", "tier_id")
-        .annotate(requests=Count("id"), failed_requests=Count("id", filter=_FAILED),
-                  **{name: Sum(column, filter=~_FAILED) for name, column in _SUMMED})
+        .annotate(requests=Count("id"), unbilled_requests=Count("id", filter=~billed()),
+                  **{name: Sum(column, filter=billed()) for name, column in _SUMMED})
         .order_by()
     )
     # The period's rows are replaced in two statements rather than upserted one by one (a
@@ -380,31 +380,29 @@ def _rollup_period(model, field, period, length: dt.timedelta) -> None:
 
 def _image_costs_rewrite(day: dt.date) -> None:
     """Rewrite a day's cost-per-image histogram from its images: the images the per-image cost
-    report lists (those of billed requests), each priced as it prices them, at the rate in
-    effect when sent.
+    report lists (those of billed requests), each priced as it prices them, at the rate that
+    priced its request.
 
-    Images are counted in SQL by (tenant, tier, plan, tokens, cached tokens), and each such group is
-    priced once, so the run reads no image row into Python however many there are.
+    Images are counted in SQL by (tenant, tier, rate, tokens, cached tokens), and each such
+    group is priced once, so the run reads no image row into Python however many there are.
     """
     start = dt.datetime.combine(day, dt.time.min, tzinfo=dt.UTC)
-    end = start + dt.timedelta(days=1)
-    # A price change during the day splits it, so that each piece has one rate per plan.
     book, bins = RateBook(), {}
-    for since, until in itertools.pairwise([start, *rate_changes(start, end), end]):
-        groups = (
-            UsageImage.objects.filter(billed("event__"), event__created_at__gte=since, event__created_at__lt=until)
-            .values("event__tenant_id", "event__tier_id", "event__tier__price_plan_id", "tokens", "cached_tokens")
-            .annotate(count=Count("id"))
-            .order_by()
-        )
-        for group in groups:
-            each = book.image_price(group["event__tier__price_plan_id"], since, group["tokens"], group["cached_tokens"])
-            key = (group["event__tenant_id"], group["event__tier_id"], ImageCostHistogram.bucket(each))
-            row = bins.get(key)
-            if row is None:
-                row = bins[key] = ImageCostHistogram(day=day, tenant_id=key[0], tier_id=key[1], cost_from=key[2])
-            row.images += group["count"]
-            row.image_tokens += group["count"] * group["tokens"]
-            row.cost += group["count"] * (each or 0)
+    groups = (
+        UsageImage.objects.filter(billed("event__"), event__created_at__gte=start,
+                                  event__created_at__lt=start + dt.timedelta(days=1))
+        .values("event__tenant_id", "event__tier_id", "event__rate_id", "tokens", "cached_tokens")
+        .annotate(count=Count("id"))
+        .order_by()
+    )
+    for group in groups:
+        each = book.image_price(group["event__rate_id"], group["tokens"], group["cached_tokens"])
+        key = (group["event__tenant_id"], group["event__tier_id"], ImageCostHistogram.bucket(each))
+        row = bins.get(key)
+        if row is None:
+            row = bins[key] = ImageCostHistogram(day=day, tenant_id=key[0], tier_id=key[1], cost_from=key[2])
+        row.images += group["count"]
+        row.image_tokens += group["count"] * group["tokens"]
+        row.cost += group["count"] * (each or 0)
     ImageCostHistogram.objects.filter(day=day).delete()
     ImageCostHistogram.objects.bulk_create(bins.values())

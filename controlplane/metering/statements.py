@@ -1,6 +1,13 @@
 """Monthly statements. Each request's cost was fixed (and rounded) when it was recorded, at
-the price then in effect, so a statement is a sum of recorded costs: it equals its lines
-exactly, and a later price change never rewrites a closed month."""
+the rate then in effect (which the event names), so a statement is a sum of recorded costs: it
+equals its lines exactly, and a later price change never rewrites a closed month.
+
+A statement lists billed requests only (metering.services.billed: completed, or cut short
+after an engine worked on them); requests refused or failed before an engine worked on them
+cost nothing and are counted apart. Amounts in different currencies are never added: there is
+a total per currency, and `total` and `currency` are that total and currency when there is
+just one (no lines: a total of 0 and no currency).
+"""
 
 from __future__ import annotations
 
@@ -10,26 +17,41 @@ from django.db.models import Count, Sum
 
 from controlplane.metering.models import UsageEvent
 from controlplane.metering.periods import month_bounds
+from controlplane.metering.services import billed
 
-LINE_FIELDS = ("requests", "images", "image_tokens", "cached_tokens", "text_tokens", "output_tokens", "cost")
+COUNTS = ("requests", "images", "image_tokens", "cached_image_tokens", "text_tokens", "output_tokens")
+AMOUNTS = ("cost", "cache_savings")
+LINE_FIELDS = (*COUNTS, *AMOUNTS)
 
 
 def statement(*, tenant, year: int, month: int) -> dict:
     start, end = month_bounds(year, month)
+    month_events = UsageEvent.objects.filter(tenant=tenant, created_at__gte=start, created_at__lt=end)
     lines = list(
-        UsageEvent.objects.filter(tenant=tenant, created_at__gte=start, created_at__lt=end)
-        .exclude(status=UsageEvent.Status.ERROR)
-        .values("tier__name").order_by("tier__name")
+        month_events.filter(billed())
+        .values("tier__name", "tier__price_plan__currency").order_by("tier__name")
         .annotate(requests=Count("id"), images=Sum("image_count"), image_tokens=Sum("image_tokens"),
-                  cached_tokens=Sum("cached_tokens"), text_tokens=Sum("text_tokens"),
-                  output_tokens=Sum("output_tokens"), cost=Sum("cost"))
+                  cached_image_tokens=Sum("cached_image_tokens"), text_tokens=Sum("text_tokens"),
+                  output_tokens=Sum("output_tokens"), cost=Sum("cost"), cache_savings=Sum("cache_savings"))
     )
-    rows = [{"tier": line["tier__name"], **{f: line[f] or (Decimal(0) if f == "cost" else 0) for f in LINE_FIELDS}}
+    rows = [{"tier": line["tier__name"], "currency": line["tier__price_plan__currency"],
+             **{f: line[f] or 0 for f in COUNTS}, **{f: Decimal(line[f] or 0) for f in AMOUNTS}}
             for line in lines]
+    totals = {}
+    for row in rows:
+        total = totals.setdefault(row["currency"], {"currency": row["currency"], "total": Decimal(0),
+                                                    "cache_savings": Decimal(0)})
+        total["total"] += row["cost"]
+        total["cache_savings"] += row["cache_savings"]
+    totals = [totals[currency] for currency in sorted(totals)]
+    one = totals[0] if len(totals) == 1 else None
     return {
-        "tenant": tenant.name, "period": f"{year:04d}-{month:02d}", "from": start, "to": end, "currency": "USD",
+        "tenant": tenant.name, "period": f"{year:04d}-{month:02d}", "from": start, "to": end,
+        "currency": one["currency"] if one else None,
         "lines": rows,
-        "total": sum((row["cost"] for row in rows), Decimal(0)),
-        "unrated_requests": UsageEvent.objects.filter(tenant=tenant, created_at__gte=start, created_at__lt=end,
-                                                      rated=False).count(),
+        "totals": totals,
+        "total": one["total"] if one else (Decimal(0) if not totals else None),
+        "cache_savings": one["cache_savings"] if one else (Decimal(0) if not totals else None),
+        "unbilled_requests": month_events.exclude(billed()).count(),
+        "unrated_requests": month_events.filter(rated=False).count(),
     }

@@ -19,8 +19,8 @@ from controlplane.imaging.policy import normalise_tiles, sent_sizes
 from controlplane.metering.models import UsageEvent
 from controlplane.metering.periods import month_of, period_start, seconds_to_period_end
 from controlplane.metering.ratebook import NoRate, RateBook
-from controlplane.metering.rating import Usage, money_text, price
-from controlplane.metering.services import metered_so_far
+from controlplane.metering.rating import price_parts
+from controlplane.metering.services import billed, metered_so_far
 from controlplane.tenants.api_auth import TenantPrincipal
 from controlplane.tenants.services import usable_tier_ids
 
@@ -72,39 +72,60 @@ class QuotaStatus(APIView):
             "limits": limits, "used": used, "remaining": remaining}).data)
 
 
-class CostSerializer(serializers.Serializer):
+class CostLine(serializers.Serializer):
+    tier = serializers.CharField()
     currency = serializers.CharField()
-    since = serializers.DateTimeField()
     requests = serializers.IntegerField()
     images = serializers.IntegerField()
     image_tokens = serializers.IntegerField()
     cost = serializers.DecimalField(max_digits=16, decimal_places=6)
-    by_tier = serializers.ListField(child=serializers.DictField())
+
+
+class CostTotal(serializers.Serializer):
+    currency = serializers.CharField()
+    cost = serializers.DecimalField(max_digits=16, decimal_places=6)
+
+
+class CostSerializer(serializers.Serializer):
+    currency = serializers.CharField(allow_null=True, help_text="The one currency of every tier used; null "
+                                                                "when they bill in several (see totals)")
+    since = serializers.DateTimeField()
+    requests = serializers.IntegerField()
+    images = serializers.IntegerField()
+    image_tokens = serializers.IntegerField()
+    cost = serializers.DecimalField(max_digits=16, decimal_places=6, allow_null=True,
+                                    help_text="The total when every tier used bills in one currency")
+    totals = CostTotal(many=True, help_text="A total per currency: amounts in two are never added")
+    by_tier = CostLine(many=True)
 
 
 class CostToDate(APIView):
-    """What this tenant has spent since the start of the month (UTC), in total and per tier."""
+    """What this tenant has spent since the start of the month (UTC), in total and per tier:
+    billed requests only, as the month's statement will count them."""
 
     @extend_schema(responses=CostSerializer)
     def get(self, request):
         tenant = _tenant(request)
         since = period_start("month", timezone.now())
-        events = UsageEvent.objects.filter(tenant=tenant, created_at__gte=since)
-        by_tier = list(events.values("tier__name", "tier__price_plan__currency").annotate(
-            requests=Count("id"), images=Sum("image_count"), image_tokens=Sum("image_tokens"), cost=Sum("cost"))
-            .order_by("tier__name"))
-        currencies = {row["tier__price_plan__currency"] for row in by_tier}
+        events = UsageEvent.objects.filter(billed(), tenant=tenant, created_at__gte=since)
+        by_tier = [{"tier": row["tier__name"], "currency": row["tier__price_plan__currency"],
+                    "requests": row["requests"], "images": row["images"] or 0,
+                    "image_tokens": row["image_tokens"] or 0, "cost": Decimal(row["cost"] or 0)}
+                   for row in events.values("tier__name", "tier__price_plan__currency").annotate(
+                       requests=Count("id"), images=Sum("image_count"), image_tokens=Sum("image_tokens"),
+                       cost=Sum("cost")).order_by("tier__name")]
+        totals = {}
+        for row in by_tier:
+            totals[row["currency"]] = totals.get(row["currency"], Decimal(0)) + row["cost"]
+        one = next(iter(totals.items())) if len(totals) == 1 else None
         return Response(CostSerializer({
-            "currency": currencies.pop() if len(currencies) == 1 else ("" if currencies else "USD"), "since": since,
+            "currency": one[0] if one else None, "since": since,
             "requests": sum(row["requests"] for row in by_tier),
-            "images": sum(row["images"] or 0 for row in by_tier),
-            "image_tokens": sum(row["image_tokens"] or 0 for row in by_tier),
-            "cost": sum((row["cost"] or Decimal(0) for row in by_tier), Decimal(0)),
-            "by_tier": [{"tier": row["tier__name"], "requests": row["requests"], "images": row["images"] or 0,
-                         "image_tokens": row["image_tokens"] or 0, "currency": row["tier__price_plan__currency"],
-                         # six places, as every amount here (SQLite sums in floats)
-                         "cost": money_text(row["cost"] or Decimal(0))}
-                        for row in by_tier],
+            "images": sum(row["images"] for row in by_tier),
+            "image_tokens": sum(row["image_tokens"] for row in by_tier),
+            "cost": one[1] if one else (Decimal(0) if not totals else None),
+            "totals": [{"currency": currency, "cost": totals[currency]} for currency in sorted(totals)],
+            "by_tier": by_tier,
         }).data)
 
 
@@ -113,8 +134,9 @@ class EstimateRequest(serializers.Serializer):
     width = serializers.IntegerField(min_value=1, max_value=100_000, required=False)
     height = serializers.IntegerField(min_value=1, max_value=100_000, required=False)
     image = serializers.FileField(required=False)
-    detail = serializers.ChoiceField(choices=["low", "high"], required=False,
-                                     help_text="As in an image part: the policy's low or high cap")
+    detail = serializers.ChoiceField(choices=["low", "high", "auto"], required=False,
+                                     help_text="As in an image part: the policy's low or high cap, or its "
+                                               "default (auto, or none given)")
     # Far past any model's context: an estimate of more than this is no estimate.
     text_tokens = serializers.IntegerField(min_value=0, max_value=100_000_000, default=0)
     output_tokens = serializers.IntegerField(min_value=0, max_value=100_000_000, default=0)
@@ -163,34 +185,51 @@ class Estimate(APIView):
                     raise ValidationError({"width": str(exc)}) from None
         elif "image" in data or "width" in data:
             raise ValidationError({"tier": f"{tier.name} does not accept images"})
-        tokens = sum(tier_image_tokens(tier, w, h) for w, h in sizes)
+        each = [tier_image_tokens(tier, w, h) for w, h in sizes]
         try:
             rates = RateBook().rates_at(tier.price_plan_id, timezone.now())
         except NoRate:
             raise NotPriced(tier.name) from None
-        cost = price(Usage(text_tokens=data["text_tokens"], image_tokens=tokens, output_tokens=data["output_tokens"],
-                           images=len(sizes)), rates)
+        # Priced part by part, as the bill will price the request (each image rounded alone).
+        cost = price_parts(images=[(tokens, 0) for tokens in each], text_tokens=data["text_tokens"],
+                           output_tokens=data["output_tokens"], rates=rates).total
+        tokens = sum(each)
         return Response(EstimateSerializer({"tier": tier.name, "sent_sizes": sizes, "image_tokens": tokens,
                                             "cost": cost, "currency": tier.price_plan.currency}).data)
 
 
 class StatementLine(serializers.Serializer):
     tier = serializers.CharField()
+    currency = serializers.CharField()
     requests = serializers.IntegerField()
     images = serializers.IntegerField()
     image_tokens = serializers.IntegerField()
-    cached_tokens = serializers.IntegerField()
+    cached_image_tokens = serializers.IntegerField(help_text="Image tokens served from the engine's prefix cache")
     text_tokens = serializers.IntegerField()
     output_tokens = serializers.IntegerField()
     cost = serializers.DecimalField(max_digits=16, decimal_places=6)
+    cache_savings = serializers.DecimalField(max_digits=16, decimal_places=6,
+                                             help_text="What the cached-image discount took off the cost")
+
+
+class StatementTotal(serializers.Serializer):
+    currency = serializers.CharField()
+    total = serializers.DecimalField(max_digits=16, decimal_places=6)
+    cache_savings = serializers.DecimalField(max_digits=16, decimal_places=6)
 
 
 class StatementSerializer(serializers.Serializer):
     tenant = serializers.CharField()
     period = serializers.CharField()
-    currency = serializers.CharField()
-    lines = StatementLine(many=True)
-    total = serializers.DecimalField(max_digits=16, decimal_places=6)
+    currency = serializers.CharField(allow_null=True, help_text="The currency of every line; null when the "
+                                                                "lines are in several (see totals) or there are none")
+    lines = StatementLine(many=True, help_text="Billed requests, a line per tier")
+    totals = StatementTotal(many=True, help_text="A total per currency: amounts in two are never added")
+    total = serializers.DecimalField(max_digits=16, decimal_places=6, allow_null=True,
+                                     help_text="The total when the lines are in one currency")
+    cache_savings = serializers.DecimalField(max_digits=16, decimal_places=6, allow_null=True)
+    unbilled_requests = serializers.IntegerField(help_text="Requests refused or failed before an engine "
+                                                           "worked on them: not billed, not in the lines")
     unrated_requests = serializers.IntegerField()
 
 

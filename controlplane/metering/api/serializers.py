@@ -48,8 +48,9 @@ class TierUsageSerializer(serializers.Serializer):
 
     tier = serializers.CharField(source="tier__name")
     requests = serializers.IntegerField(source="sum_requests")
-    failed_requests = serializers.IntegerField(source="sum_failed_requests",
-                                               help_text="Of the requests, those that failed (not billed)")
+    unbilled_requests = serializers.IntegerField(
+        source="sum_unbilled_requests",
+        help_text="Of the requests, those refused or failed before an engine worked on them (not billed)")
     images = serializers.IntegerField(source="sum_images")
     image_tokens = serializers.IntegerField(source="sum_image_tokens")
     cached_tokens = serializers.IntegerField(source="sum_cached_tokens")

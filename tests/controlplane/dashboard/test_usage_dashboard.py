@@ -210,7 +210,7 @@ def test_the_totals_table_has_a_line_per_tenant_and_tier_and_their_sum(client, w
            cost=Decimal("0.002551"), cache_savings=Decimal("0.000184"))
     _daily(world.alice, world.vision, days_ago=4, images=1, image_tokens=1224, cost=Decimal("0.001367"))
     _daily(world.bob, world.text, text_tokens=500, output_tokens=50, cost=Decimal("0.00013"))
-    _daily(world.bob, world.text, days_ago=2, requests=2, failed_requests=2)  # failed: counted, nothing more
+    _daily(world.bob, world.text, days_ago=2, requests=2, unbilled_requests=2)  # not billed: counted, nothing more
     _daily(world.bob, world.text, days_ago=40, text_tokens=99_999, cost=Decimal("5"))  # before the period
 
     page = _page(client, world.operator)

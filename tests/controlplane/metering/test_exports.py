@@ -43,8 +43,8 @@ def test_finance_gets_one_row_per_image_priced_like_the_bill(client, world):
         ("alice", "req-1", "1224", "0"), ("alice", "req-1", "1224", "1224"), ("charlie", "req-2", "300", "0")]
     assert (rows[0]["source_width"], rows[0]["sent_width"]) == ("1920", "1335")
     # 0.30 per million image tokens, half off when cached, plus 0.001 per image (the factory plan)
-    assert Decimal(rows[0]["cost_usd"]) == Decimal("0.001367")
-    assert Decimal(rows[1]["cost_usd"]) == Decimal("0.001184")
+    assert Decimal(rows[0]["cost"]) == Decimal("0.001367")
+    assert Decimal(rows[1]["cost"]) == Decimal("0.001184")
 
 
 def test_the_date_range_and_the_roles_are_respected(client, world):
@@ -82,12 +82,12 @@ def test_an_image_partly_inside_the_cached_prefix_is_priced_for_its_share(client
     (row,) = _rows(client.get("/exports/images.csv"))
     assert row["cached_image_tokens"] == "1152"
     # 0.30 per million image tokens, half off the cached 1,152, plus 0.001 per image
-    assert Decimal(row["cost_usd"]) == (Decimal("0.30") * (72 + Decimal(1152) / 2) / 10**6
+    assert Decimal(row["cost"]) == (Decimal("0.30") * (72 + Decimal(1152) / 2) / 10**6
                                         + Decimal("0.001")).quantize(Decimal("0.000001"))
 
 
 def test_money_is_written_with_six_decimals_whatever_the_database_summed():
     from controlplane.metering.exports import csv_lines
 
-    lines = b"".join(csv_lines(["cost_usd"], iter([[Decimal("0.00136700000000000012")], [Decimal("2")]])))
-    assert lines.decode().split() == ["cost_usd", "0.001367", "2.000000"]
+    lines = b"".join(csv_lines(["cost"], iter([[Decimal("0.00136700000000000012")], [Decimal("2")]])))
+    assert lines.decode().split() == ["cost", "0.001367", "2.000000"]

@@ -11,7 +11,7 @@ from django.db import connection
 from django.test.utils import CaptureQueriesContext
 
 from controlplane.catalog.models import PricePlan, PriceRate
-from controlplane.metering.ratebook import NoRate, RateBook, priced_plans, rate_changes
+from controlplane.metering.ratebook import NoRate, RateBook, priced_plans
 
 pytestmark = [pytest.mark.django_db, pytest.mark.accounting]
 MARCH = dt.datetime(2025, 3, 1, tzinfo=dt.UTC)
@@ -33,9 +33,9 @@ def test_the_rate_in_effect_is_the_latest_started_and_none_before_the_first():
     assert book.rates_at(plan.pk, MARCH).image_per_mtok == Decimal("1")
     assert book.rates_at(plan.pk, mid - dt.timedelta(microseconds=1)).image_per_mtok == Decimal("1")
     assert book.rates_at(plan.pk, mid).image_per_mtok == Decimal("2")
-    assert book.image_price(plan.pk, MARCH - dt.timedelta(days=1), 1000, 0) is None
-    assert book.image_price(plan.pk, mid, 1_000_000, 0) == Decimal("2")
-    assert rate_changes(MARCH, MARCH + dt.timedelta(days=31)) == [mid]
+    # An image is priced by the rate its request names; one no rate priced has no price.
+    assert book.image_price(None, 1000, 0) is None
+    assert book.image_price(book.rate_at(plan.pk, mid).pk, 1_000_000, 0) == Decimal("2")
 
 
 def test_a_book_reads_its_plans_once_however_many_prices_it_answers():
@@ -45,7 +45,7 @@ def test_a_book_reads_its_plans_once_however_many_prices_it_answers():
         book.load(p.pk for p in plans)
         for day in range(28):
             for plan in plans:
-                book.image_price(plan.pk, MARCH + dt.timedelta(days=day), 1200 + day, day)
+                book.image_price(book.rate_at(plan.pk, MARCH + dt.timedelta(days=day)).pk, 1200 + day, day)
     assert len(queries) == 1
 
 

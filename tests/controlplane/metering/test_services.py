@@ -133,8 +133,9 @@ def _expected_totals():
     for e in UsageEvent.objects.all():
         row = totals[(e.created_at.astimezone(dt.UTC).date(), e.tenant_id, e.tier_id)]
         row["requests"] += 1
-        row["failed_requests"] += e.status == "error"
-        if e.status == "error":  # counted, and nothing more: a failed request is not billed
+        billed = e.status == "ok" or (e.status in ("aborted", "interrupted") and e.instance_id is not None)
+        row["unbilled_requests"] += not billed
+        if not billed:  # counted, and nothing more: it cost nothing
             continue
         for field, value in (("images", e.image_count), ("image_tokens", e.image_tokens),
                              ("cached_tokens", e.cached_tokens), ("cached_image_tokens", e.cached_image_tokens),
@@ -147,7 +148,7 @@ def _expected_totals():
 def _rolled_up():
     return {
         (r.day, r.tenant_id, r.tier_id): {
-            "requests": r.requests, "failed_requests": r.failed_requests, "images": r.images, "image_tokens": r.image_tokens,
+            "requests": r.requests, "unbilled_requests": r.unbilled_requests, "images": r.images, "image_tokens": r.image_tokens,
             "cached_tokens": r.cached_tokens, "cached_image_tokens": r.cached_image_tokens,
             "text_tokens": r.text_tokens, "output_tokens": r.output_tokens, "cost": r.cost,
             "cache_savings": r.cache_savings,
@@ -190,7 +191,7 @@ def test_rollup_totals_equal_the_sum_of_events_per_day_tenant_and_tier(world):
     assert rolled == _expected_totals()
     assert len(rolled) == 5
     alice_vision_two_days_ago = rolled[(_day(2, 0).date(), world.alice.pk, world.vision.pk)]
-    assert (alice_vision_two_days_ago["requests"], alice_vision_two_days_ago["failed_requests"]) == (3, 1)
+    assert (alice_vision_two_days_ago["requests"], alice_vision_two_days_ago["unbilled_requests"]) == (3, 1)
     assert alice_vision_two_days_ago["image_tokens"] == 1224 + 2448
     assert alice_vision_two_days_ago["images"] == 3
     assert alice_vision_two_days_ago["text_tokens"] == 150

@@ -25,7 +25,7 @@ from controlplane.tenants.services import api_key_create
 pytestmark = pytest.mark.django_db
 
 T0 = dt.datetime(2026, 3, 1, tzinfo=dt.UTC)
-FIGURES = ["requests", "failed_requests", "images", "image_tokens", "cached_tokens", "cached_image_tokens",
+FIGURES = ["requests", "unbilled_requests", "images", "image_tokens", "cached_tokens", "cached_image_tokens",
            "text_tokens", "output_tokens"]
 MONEY = ["cost", "cache_savings"]
 LISTS = ["/api/v1/usage/requests/", "/api/v1/usage/hourly/", "/api/v1/usage/daily/", "/api/v1/usage/by-tier/"]
@@ -91,8 +91,9 @@ def _sums(events, period) -> dict:
     for event in events:
         row = totals[period(event)]
         row["requests"] += 1
-        row["failed_requests"] += event.status == "error"
-        if event.status == "error":  # counted apart, and nothing more: it is not billed
+        billed = event.status == "ok" or (event.status in ("aborted", "interrupted") and event.instance_id is not None)
+        row["unbilled_requests"] += not billed
+        if not billed:  # counted apart, and nothing more: it cost nothing
             continue
         row["images"] += event.image_count
         for name in FIGURES[3:] + MONEY:
