@@ -134,3 +134,37 @@ def test_a_statement_reconciles_with_its_events_and_survives_a_price_change(clie
                              image_per_mtok=Decimal("99"))  # a new price, for later requests only
     assert _get(client, world.alice_key, f"/api/v1/statements/{period}/")["total"] == first["total"]
     assert client.get("/api/v1/statements/2026-13/", HTTP_AUTHORIZATION=f"Bearer {world.alice_key}").status_code == 400
+
+
+def test_an_estimate_is_what_the_bill_will_be(client, world):
+    """Priced as the bill prices the request: each tile on its own, each rounded, then summed
+    (rounding the whole request once gave 0.003059 for three tiles billed 0.003060)."""
+    from controlplane.metering.services import ImageLine
+
+    policy = world.vision.resolution_policy
+    policy.max_aspect_ratio = 4
+    policy.save()
+    estimate = client.post("/api/v1/estimate/", {"tier": "vlm-lite", "width": 300, "height": 3000,
+                                                 "text_tokens": 33, "output_tokens": 7},
+                           HTTP_AUTHORIZATION=f"Bearer {world.alice_key}").json()
+    assert len(estimate["sent_sizes"]) > 1
+    from controlplane.catalog.services import tier_image_tokens
+
+    each = [tier_image_tokens(world.vision, w, h) for w, h in estimate["sent_sizes"]]
+    tile = ImageLine(source_format="png", source_width=300, source_height=3000, width=0, height=0, fingerprint="")
+    bill = usage_record(record=UsageRecord(request_id="as-estimated", tenant_id=world.alice.pk, api_key_id=None,
+                                           tier_id=world.vision.pk, images=[(tile, t, 0) for t in each],
+                                           image_tokens=sum(each), text_tokens=33, output_tokens=7))
+    assert estimate["image_tokens"] == sum(each)
+    assert Decimal(estimate["cost"]) == bill.cost
+
+
+def test_cost_to_date_counts_billed_requests_as_the_statement_will(client, world):
+    billed = _spend(world, world.alice, "ok", 1000)
+    _spend(world, world.alice, "failed", 4000, status="error")
+    cost = _get(client, world.alice_key, "/api/v1/cost/")
+    now = timezone.now()
+    bill = _get(client, world.alice_key, f"/api/v1/statements/{now:%Y-%m}/")
+    assert cost["requests"] == 1 == sum(line["requests"] for line in bill["lines"])
+    assert cost["image_tokens"] == 1000 and Decimal(cost["cost"]) == billed.cost == Decimal(bill["total"])
+    assert bill["unbilled_requests"] == 1
