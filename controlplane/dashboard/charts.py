@@ -55,15 +55,15 @@ def image_tokens_chart(slots: list, series: dict[str, list[int]], *, by: str = "
                          div_id=f"image-tokens{split.replace(' ', '-')}-chart")
 
 
-def cost_chart(slots: list, series: dict[str, list[Decimal]], *, by: str = "tier") -> str:
-    """Cost per hour or day, stacked per tier or per tenant."""
+def cost_chart(slots: list, series: dict[str, list[Decimal]], *, currency: str, by: str = "tier") -> str:
+    """Cost per hour or day, stacked per tier or per tenant, in `currency`."""
     split = "" if by == "tier" else f" by {by}"
-    return _stacked_bars(slots, series, title=f"Cost per {_unit(slots)} (USD){split}", axis="USD",
+    return _stacked_bars(slots, series, title=f"Cost per {_unit(slots)} ({currency}){split}", axis=currency,
                          div_id=f"cost{split.replace(' ', '-')}-chart")
 
 
 def cache_savings_chart(slots: list, savings: dict[str, list[Decimal]], cached_tokens: dict[str, list[int]],
-                        *, total: Decimal) -> str:
+                        *, total: Decimal | None, currency: str) -> str:
     """What the cached-image discount saved per hour or day and tier, with the cached image
     tokens that earned it (summed over tiers) on a second axis."""
     unit = _unit(slots)
@@ -75,8 +75,9 @@ def cache_savings_chart(slots: list, savings: dict[str, list[Decimal]], cached_t
         tokens = [sum(values) for values in zip(*cached_tokens.values(), strict=True)]
         figure.add_scatter(name="cached image tokens", x=x, y=tokens, mode="lines+markers", yaxis="y2")
     figure.update_layout(
-        barmode="stack", title=f"Saved by cached images: {usd(total)} USD in all", xaxis_title=f"{unit} (UTC)",
-        yaxis={"title": f"USD saved per {unit}"},
+        barmode="stack", title="Saved by cached images" + (f": {money(total)} {currency} in all" if total is not None
+                                                           else f" ({currency})"),
+        xaxis_title=f"{unit} (UTC)", yaxis={"title": f"saved per {unit} ({currency})"},
         yaxis2={"title": "cached image tokens", "overlaying": "y", "side": "right", "showgrid": False,
                 "rangemode": "tozero"},
         margin={**_MARGIN, "r": 70}, height=380, xaxis={"type": "category"},
@@ -84,7 +85,7 @@ def cache_savings_chart(slots: list, savings: dict[str, list[Decimal]], cached_t
     return figure_html(figure, "cache-savings-chart")
 
 
-def cost_per_image_chart(distribution, *, since: dt.date | None = None) -> str:
+def cost_per_image_chart(distribution, *, currency: str, since: dt.date | None = None) -> str:
     """How many images cost how much each, stacked per tier (a `CostDistribution`, of the whole
     days from `since` when given)."""
     x = [bucket.label for bucket in distribution.buckets]
@@ -95,23 +96,22 @@ def cost_per_image_chart(distribution, *, since: dt.date | None = None) -> str:
             name=tier, x=x, y=[bucket.images.get(tier, 0) for bucket in distribution.buckets],
             marker_color=colour_of(tier),
             customdata=[float(bucket.cost.get(tier, 0)) for bucket in distribution.buckets],
-            hovertemplate="%{x}: %{y} images, %{customdata:.6f} USD in all",
+            hovertemplate="%{x}: %{y} images, %{customdata:.6f} in all",
         )
-    mean = f", {usd(distribution.mean)} USD each on average" if distribution.mean is not None else ""
+    single = " " not in currency
+    mean = f", {money(distribution.mean)} {currency} each on average" \
+        if distribution.mean is not None and single else ""
     figure.update_layout(
         barmode="stack", title=f"Cost per image{f' since {since}' if since else ''}: {distribution.images} images{mean}",
-        xaxis_title="cost of one image (USD)", yaxis_title="images", margin=_MARGIN, height=380,
+        xaxis_title=f"cost of one image ({currency})", yaxis_title="images", margin=_MARGIN, height=380,
         xaxis={"type": "category"},
     )
     return figure_html(figure, "cost-per-image-chart")
 
 
-def usd(amount) -> str:
-    """Dollars as people read them: cents from a dollar up, every micro-unit below it."""
-    amount = Decimal(amount)
-    if abs(amount) >= 1:
-        return f"{amount:,.2f}"
-    return format(amount.quantize(Decimal("0.000001")).normalize(), "f")
+def money(amount) -> str:
+    """An amount as every report prints it: to the micro-unit, six places, thousands apart."""
+    return f"{Decimal(amount).quantize(Decimal('0.000001')):,f}"
 
 
 def resolution_curves_chart(curves: dict[str, list[tuple[float, int]]], *, div_id: str = "resolution-curves") -> str:

@@ -119,18 +119,45 @@ def usage_over_time(*, scope: UsageScope, by: str) -> TimeSeries:
 
 
 def usage_table(*, scope: UsageScope) -> list[dict]:
-    """The period's totals per tenant and tier."""
+    """The period's totals per tenant and tier, each in its tier's currency."""
     rows, _ = scope.rollups()
     return [
-        {**row, **{f: row[f] or 0 for f in TOTAL_FIELDS}}
-        for row in rows.values("tenant__name", "tier__name").annotate(**{f: Sum(f) for f in TOTAL_FIELDS})
-        .order_by("tenant__name", "tier__name")
+        {**row, "currency": row["tier__price_plan__currency"], **{f: row[f] or 0 for f in TOTAL_FIELDS}}
+        for row in rows.values("tenant__name", "tier__name", "tier__price_plan__currency")
+        .annotate(**{f: Sum(f) for f in TOTAL_FIELDS}).order_by("tenant__name", "tier__name")
     ]
 
 
+MONEY_FIELDS = ("cost", "cache_savings")
+
+
 def usage_totals(table: list[dict]) -> dict:
-    """The totals of a `usage_table`."""
-    return {f: sum((row[f] for row in table), start=0) for f in TOTAL_FIELDS}
+    """The totals of a `usage_table`: counts summed; money summed per currency (`money`, a
+    list of {currency, cost, cache_savings}), and as `cost`, `cache_savings` and `currency`
+    when the table is in one currency (None when in several: they are never added)."""
+    totals = {f: sum((row[f] for row in table), start=0) for f in TOTAL_FIELDS if f not in MONEY_FIELDS}
+    money = {}
+    for row in table:
+        each = money.setdefault(row["currency"], {"currency": row["currency"], "cost": Decimal(0),
+                                                  "cache_savings": Decimal(0)})
+        for f in MONEY_FIELDS:
+            each[f] += row[f]
+    totals["money"] = [money[currency] for currency in sorted(money)]
+    one = totals["money"][0] if len(money) == 1 else None
+    if not money:
+        one = {"currency": None, "cost": Decimal(0), "cache_savings": Decimal(0)}
+    for f in ("currency", *MONEY_FIELDS):
+        totals[f] = one[f] if one else None
+    return totals
+
+
+def currency_label(totals: dict) -> str:
+    """What the amounts of a page are in: its one currency, or each tier's own."""
+    if totals["currency"]:
+        return totals["currency"]
+    if totals["money"]:
+        return "each tier's currency: " + ", ".join(m["currency"] for m in totals["money"])
+    return ""
 
 
 @dataclass
@@ -149,10 +176,13 @@ class CostDistribution:
     buckets: list[CostBucket]
     images: int
     cost: Decimal
+    priced_images: int = 0  # the images a rate priced (the unpriced ones cost no known amount)
 
     @property
     def mean(self) -> Decimal | None:
-        return (self.cost / self.images).quantize(Decimal("0.000001")) if self.images else None
+        """What a priced image cost on average (images without a price left out, not counted
+        as free)."""
+        return (self.cost / self.priced_images).quantize(Decimal("0.000001")) if self.priced_images else None
 
 
 def image_cost_distribution(*, scope: UsageScope) -> CostDistribution:
@@ -178,6 +208,7 @@ def image_cost_distribution(*, scope: UsageScope) -> CostDistribution:
     return CostDistribution(
         buckets=buckets,
         images=sum(sum(b.images.values()) for b in buckets),
+        priced_images=sum(sum(b.images.values()) for b in buckets if b.cost_from is not None),
         cost=sum((sum(b.cost.values(), start=Decimal(0)) for b in buckets), start=Decimal(0)),
     )
 

@@ -23,6 +23,7 @@ from controlplane.dashboard.selectors import (
     UsageScope,
     image_cost_distribution,
     resolution_curves,
+    currency_label,
     usage_over_time,
     usage_table,
     usage_totals,
@@ -66,6 +67,7 @@ def index(request):
     by_tenant = usage_over_time(scope=scope, by="tenant") if staff and tenant is None else None
     table = usage_table(scope=scope)
     totals = usage_totals(table)
+    currency = currency_label(totals)
     distribution = image_cost_distribution(scope=scope)
     curves = resolution_curves(tier=tier)
     return render(request, "dashboard/index.html", {
@@ -73,15 +75,18 @@ def index(request):
         "tenants": tenants, "tiers": tiers,
         "has_data": bool(table),
         "chart": image_tokens_chart(scope.slots, by_tier.of("image_tokens")),
-        "cost_chart": cost_chart(scope.slots, by_tier.of("cost")),
+        "cost_chart": cost_chart(scope.slots, by_tier.of("cost"), currency=currency),
         "tenant_charts": [
             image_tokens_chart(scope.slots, by_tenant.of("image_tokens", top=TOP_TENANTS), by="tenant"),
-            cost_chart(scope.slots, by_tenant.of("cost", top=TOP_TENANTS), by="tenant"),
+            # a tenant's cost is summed over its tiers: only where they bill in one currency
+            *([cost_chart(scope.slots, by_tenant.of("cost", top=TOP_TENANTS), currency=currency, by="tenant")]
+              if totals["currency"] else []),
         ] if by_tenant else [],
-        "savings_chart": cache_savings_chart(scope.slots, by_tier.of("cache_savings"),
-                                             by_tier.of("cached_image_tokens"), total=totals["cache_savings"]),
+        "savings_chart": cache_savings_chart(scope.slots, by_tier.of("cache_savings"), by_tier.of("cached_image_tokens"),
+                                             total=totals["cache_savings"], currency=currency),
         "distribution": distribution,
-        "distribution_chart": cost_per_image_chart(distribution, since=scope.first_day) if distribution.buckets else "",
+        "distribution_chart": cost_per_image_chart(distribution, currency=currency, since=scope.first_day)
+        if distribution.buckets else "",
         "curves_chart": resolution_curves_chart(curves, div_id="tier-resolution-curves") if curves else "",
         "table": table, "totals": totals,
         "first_day": scope.first_day, "last_day": scope.last_day,

@@ -192,7 +192,8 @@ class ImageCostHistogram(models.Model):
     """How many images of a day, tenant and tier cost how much each: the cost-per-image
     distribution, kept so the dashboard never reads the images themselves.
 
-    Buckets grow logarithmically (1, 1.5, 2, 3, 5, 7 per decade of USD, from $0.00001 to $10);
+    Buckets grow logarithmically (1, 1.5, 2, 3, 5, 7 per decade of the tier's currency, from
+    0.00001 to 10);
     each is named by its lower edge and holds the images costing from that edge up to the next.
     Costs are whole micro-units, so the bucket from 0 holds exactly the free images.
     """
@@ -232,11 +233,11 @@ class ImageCostHistogram(models.Model):
         if cost_from is None:
             return "unpriced"
         if cost_from == 0:
-            return "$0"
+            return "0"
         position = cls.EDGES.index(cost_from)
         if position == len(cls.EDGES) - 1:
-            return f"≥ ${_plain(cost_from)}"
-        return f"${_plain(cost_from)}–{_plain(cls.EDGES[position + 1])}"
+            return f"≥ {_plain(cost_from)}"
+        return f"{_plain(cost_from)}–{_plain(cls.EDGES[position + 1])}"
 
 
 def _plain(amount: Decimal) -> str:

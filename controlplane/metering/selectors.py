@@ -75,7 +75,7 @@ def usage_log_events(query: LogQuery, *, after: LogCursor | None = None):
     Keyset pagination: a page starts below the last (created_at, id) seen, so page 1,000 costs
     what page 1 does. The redundant `created_at <= cursor` bound is what lets the database
     start its index walk at the cursor rather than filter its way down to it."""
-    events = UsageEvent.objects.select_related("tenant", "tier", "api_key")
+    events = UsageEvent.objects.select_related("tenant", "tier__price_plan", "api_key")
     if query.request_id:
         events = events.filter(request_id=query.request_id)
     if query.tenant_ids is not None:
@@ -104,7 +104,7 @@ def usage_log_events(query: LogQuery, *, after: LogCursor | None = None):
 
 def usage_event_detail(*, request_id: str, tenant_ids: tuple[int, ...] | None) -> UsageEvent | None:
     """One event with its images, engine and key, if the reader may see its tenant."""
-    events = UsageEvent.objects.select_related("tenant", "tier", "api_key", "instance", "instance__node")
+    events = UsageEvent.objects.select_related("tenant", "tier__price_plan", "api_key", "instance", "instance__node")
     if tenant_ids is not None:
         events = events.filter(tenant_id__in=tenant_ids)
     event = events.filter(request_id=request_id).first()

@@ -125,7 +125,7 @@ def test_opening_a_request_shows_its_images_tokens_cost_engine_and_timings(clien
                         ("Engine", "1,751 ms"), ("Total", "1,800 ms")):
         assert re.search(rf"{name}</th><td class=\"num\">{value}", timings), name
     assert f"#{instance.pk} on gpu-a:8101" in page.split('id="engine"')[1]
-    assert "$" in page.split('id="cost"')[1].split("</td>")[0]
+    assert "USD" in page.split('id="cost"')[1].split("</td>")[0]
 
 
 def test_a_request_refused_before_any_engine_says_so(client, world):

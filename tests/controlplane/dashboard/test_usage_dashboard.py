@@ -131,7 +131,7 @@ def test_a_tenant_admin_sees_only_their_own_tenant_whatever_they_ask(client, wor
         assert "image-tokens-by-tenant-chart" not in figures
         assert "777001" not in page and "alice" not in page
         assert 'name="tenant"' not in page
-        assert "0.33 USD in all" in _title(figures["cache-savings-chart"])
+        assert "0.330000 USD in all" in _title(figures["cache-savings-chart"])
 
 
 def test_savings_from_cached_images_are_drawn_over_time_with_their_total(client, world):
@@ -174,8 +174,8 @@ def test_the_distribution_of_cost_per_image_comes_from_the_rollup(client, world)
     _roll_up()
 
     figure = _figures(_page(client, world.operator))["cost-per-image-chart"]
-    assert figure[0][0]["x"] == ["$0.001–0.0015", "$0.0015–0.002", "$0.002–0.003", "$0.003–0.005",
-                                 "$0.005–0.007", "$0.007–0.01"]
+    assert figure[0][0]["x"] == ["0.001–0.0015", "0.0015–0.002", "0.002–0.003", "0.003–0.005",
+                                 "0.005–0.007", "0.007–0.01"]
     assert _traces(figure) == {"vlm-lite": [6, 0, 0, 0, 0, 1]}
     assert figure[0][0]["customdata"][0] == pytest.approx(0.001367 * 5 + 0.001184)
     # (5 x 0.001367 + 0.001184 + 0.007) / 7
@@ -219,11 +219,11 @@ def test_the_totals_table_has_a_line_per_tenant_and_tier_and_their_sum(client, w
         return re.findall(r"<t[dh][^>]*>([^<]*)</t[dh]>", html)
 
     alice = page.split('data-tenant="alice" data-tier="vlm-lite">')[1].split("</tr>")[0]
-    assert cells(alice) == ["alice", "vlm-lite", "2", "0", "3", "3672", "1224", "0", "0", "0.003918", "0.000184"]
+    assert cells(alice) == ["alice", "vlm-lite", "2", "0", "3", "3672", "1224", "0", "0", "0.003918", "0.000184", "USD"]
     bob = page.split('data-tenant="bob" data-tier="text">')[1].split("</tr>")[0]
-    assert cells(bob) == ["bob", "text", "3", "2", "0", "0", "0", "500", "50", "0.000130", "0.000000"]
+    assert cells(bob) == ["bob", "text", "3", "2", "0", "0", "0", "500", "50", "0.000130", "0.000000", "USD"]
     total = page.split('id="usage-table-total">')[1].split("</tr>")[0]
-    assert cells(total) == ["Total", "5", "2", "3", "3672", "1224", "500", "50", "0.004048", "0.000184"]
+    assert cells(total) == ["Total", "5", "2", "3", "3672", "1224", "500", "50", "0.004048", "0.000184", "USD"]
 
 
 def test_an_empty_period_says_so(client, world):
@@ -266,3 +266,34 @@ def test_the_page_makes_the_same_few_queries_however_many_events_lie_behind_it(
     with django_assert_max_num_queries(len(few)):
         page = client.get("/", {"period": period}).content.decode()
     assert "cost-per-image-chart" in page
+
+
+def test_images_without_a_price_are_left_out_of_the_average_not_counted_free(client, world):
+    from controlplane.catalog.models import PricePlan
+
+    unpriced = VisionTierFactory(name="vlm-unpriced", price_plan=PricePlan.objects.create(name="no-rate-yet"))
+    now = timezone.now()
+    _request("priced", world.alice, world.vision, now, [(1224, False)])  # 0.001367
+    _request("unpriced", world.alice, unpriced, now, [(1224, False)] * 3)
+    _roll_up()
+    title = _title(_figures(_page(client, world.operator))["cost-per-image-chart"])
+    assert title.endswith(": 4 images, 0.001367 USD each on average")
+
+
+def test_a_page_of_tiers_in_two_currencies_never_adds_them(client, world):
+    from controlplane.catalog.models import PricePlan, PriceRate
+
+    euros = PricePlan.objects.create(name="euros", currency="EUR")
+    PriceRate.objects.create(plan=euros, effective_from=timezone.now() - dt.timedelta(days=90),
+                             image_per_mtok=Decimal("1"))
+    euro_tier = VisionTierFactory(name="vlm-euro", price_plan=euros)
+    _daily(world.alice, world.vision, images=1, image_tokens=1224, cost=Decimal("0.001367"))
+    _daily(world.alice, euro_tier, images=1, image_tokens=1000, cost=Decimal("0.001000"))
+    page = _page(client, world.operator)
+    cards = page.split('id="usage-totals"')[1].split("</section>")[0]
+    assert "<span>0.001367</span>cost (USD)" in cards and "<span>0.001000</span>cost (EUR)" in cards
+    assert "0.002367" not in page  # dollars and euros are never summed
+    assert 'data-currency="EUR"' in page.split('id="usage-table"')[1]
+    figures = _figures(page)
+    assert "each tier's currency" in _title(figures["cost-chart"])
+    assert "cost-by-tenant-chart" not in figures  # a tenant's cost over tiers in two currencies
