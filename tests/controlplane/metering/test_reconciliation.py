@@ -31,7 +31,12 @@ from django.utils import timezone
 
 from controlplane.catalog.models import PricePlan, PriceRate
 from controlplane.fleet.models import EngineInstance
-from controlplane.metering.exports import IMAGE_COLUMNS, SUMMARY_COLUMNS, monthly_summary_rows, per_image_rows
+from controlplane.metering.exports import (
+    IMAGE_COLUMNS,
+    SUMMARY_COLUMNS,
+    monthly_summary_rows,
+    per_image_rows,
+)
 from controlplane.metering.models import ImageCostHistogram, UsageEvent
 from controlplane.metering.periods import month_bounds
 from controlplane.metering.rating import MICRO, price_parts
