@@ -325,7 +325,8 @@ def _lay_out(prepared: Prepared, tier: TierSpec) -> None:
     layout = None
     if tier.tokenizer is not None and (markers is not None or not image_tokens):
         try:
-            layout = tier.tokenizer.layout(messages, image_tokens, markers=markers or 0)
+            layout = tier.tokenizer.layout(messages, image_tokens, markers=markers or 0,
+                                           tools=prepared.body.get("tools"))
         except TemplateError:
             layout = None  # the engine's own template will say what is wrong, if anything is
     if layout is not None:

@@ -98,6 +98,80 @@ def test_the_gateway_lays_out_a_conversation_as_vllms_tokenize_does(client, syst
 
 
 
+def _text(text):
+    return {"type": "text", "text": text}
+
+
+def _picture(image, detail=None):
+    url = {"url": data_url(image)} if detail is None else {"url": data_url(image), "detail": detail}
+    return {"type": "image_url", "image_url": url}
+
+
+PRICE_TOOL = [{"type": "function", "function": {"name": "lookup_price", "description": "The price of an item",
+                                                "parameters": {"type": "object",
+                                                               "properties": {"item": {"type": "string"}}}}}]
+# Every shape of request the layout must get right, each checked against vLLM's /tokenize.
+LAYOUTS = {
+    "plain text": dict(messages=[{"role": "user", "content": "hello there"}]),
+    "system, turns and split text": dict(messages=[
+        {"role": "system", "content": "You read receipts, briefly."},
+        {"role": "user", "content": [_text("What is "), _text("on it?")]},
+        {"role": "assistant", "content": "A total."}, {"role": "user", "content": "Which?"}]),
+    "developer turns": dict(messages=[
+        {"role": "developer", "content": "Answer in French."}, {"role": "user", "content": "Hi"},
+        {"role": "developer", "content": [_text("Be polite.")]}]),
+    "tool calls, null content and tools": dict(tools=PRICE_TOOL, messages=[
+        {"role": "user", "content": "What does a pear cost?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "lookup_price", "arguments": '{"item": "pear"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": [_text("0.5"), _text("EUR")]}]),
+    "an image alone": dict(messages=[{"role": "user", "content": [_picture(image_bytes(640, 480))]}]),
+    "images across turns": dict(messages=[
+        {"role": "system", "content": "Compare pictures."},
+        {"role": "user", "content": [_text("First:"), _picture(image_bytes(800, 600)), _picture(image_bytes(300, 300))]},
+        {"role": "assistant", "content": "Two pictures."},
+        {"role": "user", "content": [_picture(image_bytes(1024, 200)), _text("and this one?")]}]),
+    "a receipt cut into tiles": dict(messages=[{"role": "user", "content": [
+        _text("Total?"), _picture(image_bytes(400, 12000))]}]),
+    "low detail": dict(messages=[{"role": "user", "content": [_picture(image_bytes(1920, 1080), "low"), _text("?")]}]),
+    "an image with tools offered": dict(tools=PRICE_TOOL, messages=[
+        {"role": "user", "content": [_text("Price of this?"), _picture(image_bytes(1280, 720))]}]),
+}
+
+
+@pytest.mark.parametrize("case", LAYOUTS)
+def test_every_prompt_the_gateway_lays_out_is_vllms_token_for_token(system_db, real_engine, case):
+    """The gateway's count and each image's start, made before forwarding with the tier's own
+    tokenizer and template, against vLLM's own tokenization of what it forwards."""
+    from asgiref.sync import async_to_sync
+
+    from controlplane.gateway.prepare import TierSpec, prepare
+    from controlplane.imaging.tokens import processor_options
+    from controlplane.prompts import ChatTokenizer
+
+    tier = real_engine.tier
+    model = Path(tier.model_id)
+    policy = tier.image_policy()
+    spec = TierSpec(id=tier.pk, name=tier.name, family=tier.family, kind=tier.kind, policy=policy,
+                    processor_options=processor_options(tier.family, min_pixels=policy.min_pixels,
+                                                        max_pixels=policy.max_pixels),
+                    large_image_threshold=tier.large_image_threshold, max_output_tokens=100, price_plan_id=0,
+                    tokenizer=ChatTokenizer((model / "tokenizer.json").read_text(),
+                                            json.loads((model / "tokenizer_config.json").read_text())["chat_template"],
+                                            special={"eos_token": "<|im_end|>"}))
+    body = {"model": REAL_TIER, "messages": json.loads(json.dumps(LAYOUTS[case]["messages"]))}
+    if "tools" in LAYOUTS[case]:
+        body |= {"tools": LAYOUTS[case]["tools"], "tool_choice": "none"}
+    prepared = async_to_sync(prepare)(body, spec, max_image_bytes=64 << 20)
+    assert prepared.estimated is False
+    forwarded = {key: body[key] for key in ("model", "messages", "tools") if key in body}
+    tokenized = _engine_call(real_engine, forwarded, "/tokenize").json()
+    assert prepared.text_tokens + prepared.image_tokens == tokenized["count"]
+    start = _token_id(real_engine, "<|vision_start|>")
+    assert [image.position for image in prepared.images] == \
+        [n for n, token in enumerate(tokenized["tokens"]) if token == start]
+
+
 def test_a_photo_the_gateway_downscales_costs_what_vllm_would_charge_for_the_original(client, real_engine):
     photo = image_bytes(2000, 1500)
     through_gateway, _ = _ask(client, _content(photo))

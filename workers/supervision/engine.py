@@ -222,6 +222,10 @@ def engine_check(instance: EngineInstance, now: dt.datetime) -> None:
         if instance.actual_state != A.RUNNING:
             instance_transition(instance=instance, to_state=A.RUNNING, reason="serving: health and probe passed",
                                 **fields)
+            if instance.tier.engine_kind == "vllm":
+                # A model named by its hub id is in the local cache only once vLLM has
+                # downloaded it: published now if it was not found at launch.
+                tier_tokenizer_publish(tier=instance.tier, source=f"node {instance.node.name}")
         else:
             EngineInstance.objects.filter(pk=instance.pk).update(**fields)
         return

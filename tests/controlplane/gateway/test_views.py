@@ -395,7 +395,39 @@ def test_a_tier_whose_engine_has_a_tool_call_parser_forwards_tools(client, route
 
 
 def test_a_tier_without_a_price_in_effect_is_not_served(client, routed):
-    routed.vision.price_plan.rates.all().delete()  # nothing was billed at it yet
+    # The models refuse to leave a live tier without a price; the gateway refuses to serve one
+    # all the same (a plan whose rate starts next week, set round the models).
+    from controlplane.catalog.models import PricePlan, PriceRate
+
+    later = PricePlan.objects.create(name="from-next-week")
+    PriceRate.objects.create(plan=later, effective_from=timezone.now() + timezone.timedelta(days=7))
+    ModelTier.objects.filter(pk=routed.vision.pk).update(price_plan=later)
     response = post(client, routed.alice_key, {"model": "vlm-lite", "messages": [{"role": "user", "content": "hi"}]})
     assert (response.status_code, response.json()["error"]["code"]) == (503, "model_not_priced")
     assert response["Retry-After"] == "60"
+
+
+def test_a_conversation_with_tool_calls_and_null_content_is_laid_out_exactly_not_a_500(client, routed, tmp_path):
+    """An assistant turn with tool calls and no content, tool results as parts, tools offered
+    (tool_choice none: the engine runs no tool-call parser): the tier's own template lays it
+    out as vLLM does; a template that fails on a request falls back to the estimate."""
+    from django.core.management import call_command
+
+    from controlplane.prompts import ChatTokenizer
+    from workers.engines.cpu import tiny_model
+
+    tiny_model.build_tokenizer(tmp_path)
+    call_command("tier_tokenizer", "--tier", "vlm-lite", str(tmp_path))
+    messages = [
+        {"role": "user", "content": "What does a pear cost?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "lookup_price", "arguments": '{"item": "pear"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": "0.5 EUR"}]}]
+    tools = [{"type": "function", "function": {"name": "lookup_price", "parameters": {"type": "object"}}}]
+    response = post(client, routed.alice_key, {"model": "vlm-lite", "max_tokens": 5, "messages": messages,
+                                                "tools": tools, "tool_choice": "none"})
+    assert response.status_code == 200, response.content
+    event = UsageEvent.objects.get(request_id=response["x-request-id"])
+    qwen = ChatTokenizer((tmp_path / "tokenizer.json").read_text(), tiny_model.CHAT_TEMPLATE)
+    assert event.prompt_estimated is False
+    assert event.counted_prompt_tokens == qwen.layout(messages, [], markers=2, tools=tools).prompt_tokens

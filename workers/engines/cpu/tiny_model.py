@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[3]
 
 # Bump when anything below changes: cached copies are keyed by it.
-VERSION = "2"
+VERSION = "3"
 
 # Qwen2.5-VL's special tokens, in its order (ids follow the learned vocabulary here).
 SPECIAL_TOKENS = [
@@ -33,22 +33,43 @@ SPECIAL_TOKENS = [
     "</tool_call>",
 ]
 
-# Qwen2-VL's chat format: a default system turn, <|im_start|>role ... <|im_end|> frames, and
-# <|vision_start|><|image_pad|><|vision_end|> where an image goes (the processor expands the
-# pad to one token per merged patch).
+# Qwen's chat format, in the shape its newer VL templates take (so that every path vLLM feeds a
+# template is exercised): a default system turn, or the tools listed in a system turn;
+# <|im_start|>role ... <|im_end|> frames; <|vision_start|><|image_pad|><|vision_end|> where an
+# image goes (the processor expands the pad to one token per merged patch), images counted in
+# a namespace; an assistant's tool calls with their arguments as JSON objects; tool results.
 CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{% if loop.first and message['role'] != 'system' %}"
+    "{% set image_count = namespace(value=0) %}"
+    "{% if tools %}"
+    "<|im_start|>system\n"
+    "{% if messages[0]['role'] == 'system' %}"
+    "{% if messages[0]['content'] is string %}{{ messages[0]['content'] }}"
+    "{% else %}{% for part in messages[0]['content'] %}{% if 'text' in part %}{{ part['text'] }}"
+    "{% endif %}{% endfor %}{% endif %}\n\n"
+    "{% endif %}"
+    "Functions you can call, one JSON signature a line:\n<tools>"
+    "{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}"
+    "\n</tools>\nTo call one, answer <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>."
+    "<|im_end|>\n"
+    "{% elif messages[0]['role'] != 'system' %}"
     "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
     "{% endif %}"
+    "{% for message in messages %}"
+    "{% if loop.first and tools and message['role'] == 'system' %}{% continue %}{% endif %}"
     "<|im_start|>{{ message['role'] }}\n"
-    "{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
     "{% else %}{% for part in message['content'] %}"
     "{% if part['type'] == 'image' or 'image' in part or 'image_url' in part %}"
+    "{% set image_count.value = image_count.value + 1 %}"
     "<|vision_start|><|image_pad|><|vision_end|>"
     "{% elif 'text' in part %}{{ part['text'] }}"
-    "{% endif %}{% endfor %}<|im_end|>\n"
-    "{% endif %}{% endfor %}"
+    "{% endif %}{% endfor %}{% endif %}"
+    "{% if message['tool_calls'] is defined %}{% for call in message['tool_calls'] %}"
+    "\n<tool_call>{\"name\": {{ call['function']['name'] | tojson }}, \"arguments\": "
+    "{{ call['function']['arguments'] | tojson }}}</tool_call>"
+    "{% endfor %}{% endif %}"
+    "<|im_end|>\n"
+    "{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
