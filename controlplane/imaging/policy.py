@@ -124,6 +124,20 @@ def _on_grid(side: int, grid: int) -> int:
     return max(grid, side // grid * grid) if grid else side
 
 
+def _processor_size(long_side: int, short_side: int, grid: int, cap: int, policy: Policy) -> tuple[int, int] | None:
+    """The size a grid processor (Qwen-VL's) gives a picture over the pixel cap, reckoned as it
+    reckons it: it decides on the sides rounded to the grid, and where those are within the cap
+    keeps them (one side a little longer than the picture's); otherwise it scales both down by
+    the same factor and floors them to the grid. None where the policy's long edge rules."""
+    rounded = [round(side / grid) * grid for side in (long_side, short_side)]
+    if rounded[0] * rounded[1] > cap:
+        beta = math.sqrt(long_side * short_side / cap)
+        rounded = [max(grid, math.floor(side / beta / grid) * grid) for side in (long_side, short_side)]
+    if not rounded[1] or rounded[0] > policy.max_long_edge:
+        return None
+    return rounded[0], rounded[1]
+
+
 def plan_tiles(width: int, height: int, policy: Policy, cap: int) -> TilePlan:
     """How an upright `width` x `height` image becomes one or more images within `policy`."""
     ratio = max(width, height) / min(width, height)
@@ -146,6 +160,10 @@ def plan_tiles(width: int, height: int, policy: Policy, cap: int) -> TilePlan:
     # A downscaled image goes down to the processor's grid, as the processor floors a large
     # image itself: the engine then takes it as it is, at the tokens it would give the original.
     grid = policy.grid if scale < 1 else 0
+    if count == 1 and grid and (rounded := _processor_size(long_side, short_side, grid, cap, policy)):
+        long_side_to, short_side_to = rounded
+        scaled = (short_side_to, long_side_to) if tall else (long_side_to, short_side_to)
+        return TilePlan(width=scaled[0], height=scaled[1], boxes=((0, 0, *scaled),))
     scaled_short = _on_grid(max(1, math.floor(short_side * scale)), grid)
     piece = max(1, math.floor(tile_long * scale))
     if count > 1:  # flooring the short side must not push a tile past the aspect bound

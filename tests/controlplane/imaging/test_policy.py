@@ -356,3 +356,25 @@ def test_a_jpeg_the_policy_changes_or_turns_or_that_is_broken_is_not_passed_thro
     truncated = image_bytes(800, 600)[:-2000]
     with pytest.raises(CorruptImage):
         normalise(truncated, Policy())
+
+
+def test_every_downscaled_size_is_the_one_the_processor_gives_the_original():
+    """Whether the processor downscales is decided on the grid-rounded size: a 484x2093 photo
+    (over the cap by its own pixels, under it once rounded) becomes 476x2100 there, 1,277 tokens,
+    not the 476x2072 a plain floor gives (1,260). Every size the gateway downscales by the
+    pixel cap is the processor's size for the original, so the engine resizes nothing."""
+    from controlplane.imaging.policy import sent_sizes
+    from controlplane.imaging.tokens import qwen_smart_resize
+
+    bounds = {"min_pixels": 3136, "max_pixels": 1003520}
+    policy = Policy(grid=28, max_long_edge=65535, max_aspect_ratio=200)
+    assert sent_sizes(484, 2093, policy) == [(476, 2100)]
+    mismatched = []
+    for width in range(300, 3000, 7):
+        for height in range(300, 3000, 11):
+            if width * height <= bounds["max_pixels"]:
+                continue  # within the cap: sent as it is, the processor's to resize
+            [(sent_w, sent_h)] = sent_sizes(width, height, policy)
+            if (sent_h, sent_w) != qwen_smart_resize(height, width, factor=28, **bounds):
+                mismatched.append((width, height))
+    assert mismatched == []
