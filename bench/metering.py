@@ -54,6 +54,8 @@ class World:
     tenants: list[int]
     keys: list[int]  # KEYS_PER_TENANT per tenant, in tenant order
     tiers: list[int]  # two vision tiers, then the text tier
+    rates: list[tuple[int, int]]  # per tier, the rate of its plan before and after `change`
+    change: object  # the moment every plan's price changed (a datetime)
 
 
 class BenchDatabase:
@@ -104,15 +106,16 @@ def seed() -> World:
     from controlplane.tenants.models import Tenant
     from controlplane.tenants.services import api_key_create
 
-    tiers = []
+    tiers, rates, now = [], [], timezone.now()
+    change = now - dt.timedelta(days=10)
     for name, kind, family in (("vlm-lite", "vision", "qwen2_5_vl"), ("vlm-pro", "vision", "qwen2_5_vl"),
                                ("text", "text", "qwen2")):
         plan = PricePlan.objects.create(name=name)
-        for days_ago, scale in ((400, 1), (10, 2)):
-            PriceRate.objects.create(plan=plan, effective_from=timezone.now() - dt.timedelta(days=days_ago),
-                                     text_input_per_mtok=Decimal("0.20") * scale,
+        rates.append(tuple(
+            PriceRate.objects.create(plan=plan, effective_from=since, text_input_per_mtok=Decimal("0.20") * scale,
                                      image_per_mtok=Decimal("0.30") * scale, output_per_mtok=Decimal("0.60") * scale,
-                                     per_image_fee=Decimal("0.001"), cached_image_discount=Decimal("0.5"))
+                                     per_image_fee=Decimal("0.001"), cached_image_discount=Decimal("0.5")).pk
+            for since, scale in ((now - dt.timedelta(days=400), 1), (change, 2))))
         tiers.append(ModelTier.objects.create(name=name, kind=kind, family=family, model_id=name,
                                               engine_kind="external", price_plan=plan).pk)
     tenants, keys = [], []
@@ -120,7 +123,7 @@ def seed() -> World:
         tenant = Tenant.objects.create(name=f"tenant-{n:02d}")
         tenants.append(tenant.pk)
         keys += [api_key_create(tenant=tenant, name=f"key-{k}").api_key.pk for k in range(KEYS_PER_TENANT)]
-    return World(tenants, keys, tiers)
+    return World(tenants, keys, tiers, rates, change)
 
 
 def _tables() -> dict[str, str]:
@@ -209,6 +212,12 @@ def bench_ingest(world: World, count: int, naive_count: int) -> None:
     naive = usage_records(world, naive_count, "naive")
     naive_s, _ = _timed(lambda: [usage_record(record=r) for r in naive])
     redelivered = usage_records(world, min(count, 2000), "stream")
+    # Entries delivered again reach the stream from elsewhere (a consumer that died before it
+    # acknowledged, another process's copy): this process's memory of what it finished is not
+    # what stops them; storing by request id is.
+    from controlplane.gateway import ledger
+
+    ledger._finished.clear()
     asyncio.run(_put_all(redelivered))
     again_s, again = _timed(drain)
     kept = UsageEvent.objects.filter(request_id__startswith="stream-").count()
@@ -241,7 +250,7 @@ def generate_events(world: World, first: int, count: int, *, start, end, recorde
     columns = ("request_id, created_at, recorded_at, tenant_id, api_key_id, tier_id, instance_id, status, "
                "http_status, stream, latency_ms, image_count, image_tokens, cached_tokens, cached_image_tokens, "
                "text_tokens, output_tokens, cost, cache_savings, rated, image_tokens_disagree, prompt_estimated, "
-               "prepare_ms, queue_ms, ttft_ms")
+               "prepare_ms, queue_ms, ttft_ms, rate_id")
     with connection.cursor() as cursor:
         cursor.execute(f"""
             INSERT INTO {tables['event']} ({columns})
@@ -252,9 +261,11 @@ def generate_events(world: World, first: int, count: int, *, start, end, recorde
                        - cached_image * 0.5) * 0.30 + output_tokens * 0.60) / 1e6 + images * 0.001)::numeric, 6) END,
                    CASE WHEN status = 'error' THEN 0 ELSE round((cached_image * 0.5 * 0.30 / 1e6)::numeric, 6) END,
                    true, false, false, images * 12 + mod(i, 5), mod(i, 7),
-                   CASE WHEN mod(i, 3) = 0 THEN 120 + mod(i, 400) END
+                   CASE WHEN mod(i, 3) = 0 THEN 120 + mod(i, 400) END,
+                   CASE WHEN status <> 'ok' THEN NULL WHEN at < %(change)s::timestamptz THEN (%(before)s::int[])[tier_at]
+                        ELSE (%(after)s::int[])[tier_at] END
             FROM (
-                SELECT i, at, tenant, key, tier, status, images, images * (256 + (mod(i, 5)) * 243) AS image_tokens,
+                SELECT i, at, tenant, key, tier, tier_at, status, images, images * (256 + (mod(i, 5)) * 243) AS image_tokens,
                        CASE WHEN images > 0 AND mod(i, 4) = 0 THEN 256 + (mod(i, 5)) * 243 ELSE 0 END AS cached_image,
                        40 + mod(i, 700) AS text_tokens, 20 + mod(i, 300) AS output_tokens
                 FROM (
@@ -262,6 +273,7 @@ def generate_events(world: World, first: int, count: int, *, start, end, recorde
                            CASE WHEN mod(i, 20) = 0 THEN NULL ELSE (%(keys)s::int[])[1 + t * {KEYS_PER_TENANT}
                                + mod(i / 7, {KEYS_PER_TENANT})] END AS key,
                            (%(tiers)s::int[])[CASE WHEN mod(i, 10) < 5 THEN 1 WHEN mod(i, 10) < 7 THEN 2 ELSE 3 END] AS tier,
+                           CASE WHEN mod(i, 10) < 5 THEN 1 WHEN mod(i, 10) < 7 THEN 2 ELSE 3 END AS tier_at,
                            CASE WHEN mod(i, 50) = 0 THEN 'error' WHEN mod(i, 97) = 0 THEN 'aborted' ELSE 'ok' END AS status,
                            CASE WHEN mod(i, 10) < 7 THEN (ARRAY[0, 0, 1, 1, 1, 2, 3, 4])[1 + mod(i / 3, 8)] ELSE 0 END
                                AS images
@@ -274,7 +286,8 @@ def generate_events(world: World, first: int, count: int, *, start, end, recorde
                 ) AS chosen
             ) AS usage
         """, {"first": first, "count": count, "start": start, "end": end, "recorded": recorded,
-              "tenants": world.tenants, "keys": world.keys, "tiers": world.tiers})
+              "tenants": world.tenants, "keys": world.keys, "tiers": world.tiers, "change": world.change,
+              "before": [before for before, _ in world.rates], "after": [after for _, after in world.rates]})
         cursor.execute(f"""
             INSERT INTO {tables['image']} (event_id, position, source_format, source_width, source_height, width,
                                            height, tokens, fingerprint, cached, cached_tokens, tile, tiles)
@@ -374,37 +387,31 @@ def _materialised(since, until, tenants) -> tuple[int, int]:
 
 
 def _naive(since, until, tenants) -> tuple[int, int]:
-    """The first version anyone writes: the queryset as a list, the CSV as one string."""
+    """The first version anyone writes: the queryset as a list (each image with its event and
+    the rate that priced it), each image priced on its own, the CSV as one string. It writes
+    the same rows as the export it is compared with."""
     import csv
     import io
 
-    from django.db.models import Q
-
-    from controlplane.catalog.models import PriceRate
     from controlplane.metering.exports import IMAGE_COLUMNS
     from controlplane.metering.models import UsageImage
-    from controlplane.metering.rating import Usage, price
+    from controlplane.metering.rating import image_price, money_text
+    from controlplane.metering.services import billed
 
-    billed = Q(event__status="ok") | Q(event__status__in=["aborted", "interrupted"], event__instance__isnull=False)
-    images = list(UsageImage.objects.filter(billed, event__created_at__gte=since, event__created_at__lt=until,
-                                            event__tenant__in=tenants)
-                  .select_related("event__tenant", "event__tier")
+    images = list(UsageImage.objects.filter(billed("event__"), event__created_at__gte=since,
+                                            event__created_at__lt=until, event__tenant__in=tenants)
+                  .select_related("event__tenant", "event__tier__price_plan", "event__rate")
                   .order_by("event__created_at", "event_id", "position"))
-    rates = {}
-    for rate in PriceRate.objects.order_by("-effective_from"):
-        rates.setdefault(rate.plan_id, []).append(rate)
     buffer = io.StringIO()
     writer = csv.writer(buffer)
     writer.writerow(IMAGE_COLUMNS)
     for image in images:
         event = image.event
-        rate = next((r.as_rates() for r in rates.get(event.tier.price_plan_id, [])
-                     if r.effective_from <= event.created_at), None)
-        cost = "" if rate is None else price(Usage(image_tokens=image.tokens, images=1,
-                                                   cached_image_tokens=image.tokens if image.cached else 0), rate)
+        cost = "" if event.rate is None else money_text(image_price(image.tokens, image.cached_tokens,
+                                                                    event.rate.as_rates()))
         writer.writerow([event.tenant.name, event.request_id, event.created_at.isoformat(), event.tier.name,
                          image.source_width, image.source_height, image.width, image.height, image.tokens,
-                         "yes" if image.cached else "no", cost])
+                         image.cached_tokens, cost, event.tier.price_plan.currency])
     body = buffer.getvalue().encode()
     return len(images), len(body)
 

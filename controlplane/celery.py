@@ -1,6 +1,6 @@
 """The Celery app. Every host runs a worker; a GPU host's worker also consumes `node.<name>`.
 
-Each app keeps its tasks in its own `tasks.py` (fleet, metering, benchmarks), found here by
+Each app keeps its tasks in its own `tasks.py` (fleet, metering, benchmarks, alerts), found here by
 autodiscovery over the installed apps.
 """
 

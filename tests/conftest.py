@@ -59,14 +59,16 @@ def vllm_cpu_python():
 
 @pytest.fixture(autouse=True)
 def _fresh_gateway_caches():
-    from controlplane.gateway import state
+    from controlplane.gateway import ledger, state
     from controlplane.gateway.ledger import redis_store
 
     state.clear_caches()
     redis_store._handed.clear()  # what earlier tests handed over is theirs
+    ledger._finished.clear()  # and the requests they finished (ids repeat from test to test)
     yield
     state.clear_caches()
     redis_store._handed.clear()
+    ledger._finished.clear()
 
 
 def skip_without_redis():

@@ -234,9 +234,11 @@ async def _admit(request_id: str, key: state.KeyInfo, tier: TierSpec, prepared: 
         image_tokens=prepared.image_tokens,
         total_tokens=prepared.text_tokens + prepared.image_tokens + prepared.body["max_tokens"],
         large=prepared.image_tokens > tier.large_image_threshold)
+    key_counted_at = None
     if key.key_requests_per_minute is not None:
+        key_counted_at = timezone.now()
         try:
-            counted = await ledger.key_rate(key.key_id, key.key_requests_per_minute)
+            counted = await ledger.key_rate(key.key_id, key.key_requests_per_minute, key_counted_at)
         except Exception:
             log.exception("could not check the rate of key %s for %s", key.key_id, request_id)
             raise _quota_unavailable() from None
@@ -253,6 +255,8 @@ async def _admit(request_id: str, key: state.KeyInfo, tier: TierSpec, prepared: 
         admitting.add_done_callback(lambda done: _release_if_admitted(done, started))
         raise
     except Refused as refused:
+        if key_counted_at is not None:
+            await ledger.key_rate_return(key.key_id, key_counted_at)
         code = "rate_limit_exceeded" if refused.limit in ("requests_per_minute", "concurrent_large_images") \
             else "insufficient_quota"
         raise GatewayError(429, str(refused), code=code, headers={"Retry-After": str(refused.retry_after)}) from None

@@ -50,6 +50,11 @@ log = logging.getLogger(__name__)
 
 SPOOL_RETRY_S = 2.0
 _live: dict[str, Flight] = {}
+# Requests this process finished lately: a request is finished once (a second finish, from
+# whatever caller, hands over and settles nothing). Across processes the journal's
+# conditional removal does the same between a gateway and the reaper.
+FINISHED_KEEP = 100_000
+_finished: dict[str, None] = {}
 _heartbeats: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> its heartbeat task
 
 
@@ -77,10 +82,19 @@ async def admit(record: UsageRecord, limits: Limits | None = None, ask: Ask | No
     return flight
 
 
-async def key_rate(key_id: int, limit: int) -> bool:
-    """One more request of an API key with a limit of its own this minute (False: refused)."""
-    now = timezone.now()
+async def key_rate(key_id: int, limit: int, now) -> bool:
+    """One more request of an API key with a limit of its own in `now`'s minute (False:
+    refused)."""
     return await ledger().key_rate(key_id, limit, now)
+
+
+async def key_rate_return(key_id: int, now) -> None:
+    """The request `key_rate` counted at `now` was refused by its tenant's quota after all: it
+    does not count against the key either."""
+    try:
+        await ledger().key_rate_return(key_id, now)
+    except Exception:
+        log.warning("could not give back the minute's request of key %s", key_id)
 
 
 async def engine_chosen(flight: Flight, instance_id: int) -> None:
@@ -98,8 +112,14 @@ async def engine_chosen(flight: Flight, instance_id: int) -> None:
 
 async def finish(record: UsageRecord) -> None:
     """Hand the usage over and settle the reservation: once, by the gateway or the reaper."""
+    if record.request_id in _finished:
+        log.warning("%s was finished already: not handed over or settled again", record.request_id)
+        return
     flight = _live.pop(record.request_id, None) or Flight(record=record)
     await ledger().finish(flight)
+    _finished[record.request_id] = None
+    while len(_finished) > FINISHED_KEEP:
+        del _finished[next(iter(_finished))]
 
 
 def _apply_spooled(record: UsageRecord, journaled: bool, kind: str) -> None:

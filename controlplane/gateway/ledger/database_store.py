@@ -104,6 +104,16 @@ class DatabaseLedger:
             row.save(update_fields=["window", "used"])
         return True
 
+    async def key_rate_return(self, key_id: int, now: dt.datetime) -> None:
+        await sync_to_async(self.key_rate_return_sync)(key_id, now)
+
+    def key_rate_return_sync(self, key_id: int, now: dt.datetime) -> None:
+        """Give back the request `key_rate` counted this minute (its request was refused)."""
+        from controlplane.tenants.models import QuotaCounter
+
+        QuotaCounter.objects.filter(key=f"key{key_id}:rpm", window=minute_window(now), used__gt=0) \
+            .update(used=F("used") - 1)
+
     def _reserve(self, tenant_id: int, limits: Limits, ask: Ask, now: dt.datetime) -> Reservation:
         """Inside a transaction: every limit checked and reserved on its locked row, or none."""
         from controlplane.tenants.models import QuotaCounter

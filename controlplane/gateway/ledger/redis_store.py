@@ -231,6 +231,10 @@ redis.call('INCR', KEYS[1])
 redis.call('EXPIRE', KEYS[1], 120)
 return 1
 """
+_KEY_RATE_RETURN = """
+if tonumber(redis.call('GET', KEYS[1]) or '0') > 0 then redis.call('DECR', KEYS[1]) end
+return 0
+"""
 
 
 class RedisLedger:
@@ -258,6 +262,10 @@ class RedisLedger:
         already (then False, counting nothing)."""
         counter = f"{self.prefix}:keyrpm:{key_id}:{minute_window(now)}"
         return bool(await _eval(self._client(), _KEY_RATE, 1, counter, limit))
+
+    async def key_rate_return(self, key_id: int, now: dt.datetime) -> None:
+        """Give back the request `key_rate` counted (its request was refused after all)."""
+        await _eval(self._client(), _KEY_RATE_RETURN, 1, f"{self.prefix}:keyrpm:{key_id}:{minute_window(now)}")
 
     # -- admit -----------------------------------------------------------------------------
 

@@ -17,6 +17,7 @@ from controlplane.gateway.ledger import Ask, DatabaseLedger, Limits, RedisLedger
 from controlplane.metering.services import UsageRecord, usage_record
 from controlplane.tenants.models import Quota
 from tests.conftest import skip_without_redis
+from tests.controlplane.gateway.conftest import ingested
 
 pytestmark = pytest.mark.accounting  # also run in embedded mode (SQLite, no Redis)
 
@@ -130,8 +131,8 @@ def test_a_period_starts_from_what_is_already_metered(world, make_backend):
     assert refused.value.retry_after == int((dt.datetime(2026, 12, 1, tzinfo=dt.UTC) - NOW).total_seconds()) + 1
 
 
-@pytest.mark.django_db
-def test_the_gateway_refuses_past_the_quota_with_a_429_naming_the_limit(client, world, settings):
+@pytest.mark.django_db(transaction=True)
+def test_the_gateway_refuses_past_the_quota_with_a_429_naming_the_limit(client, world, ledger_mode):
     from tests.controlplane.gateway.test_views import image_message, post
     from tests.images import data_url, image_bytes
 
@@ -147,8 +148,8 @@ def test_the_gateway_refuses_past_the_quota_with_a_429_naming_the_limit(client, 
     assert post(client, world.bob_key, body).status_code == 503  # other tenants are unaffected
 
 
-@pytest.mark.django_db
-def test_a_refused_request_is_in_the_tenants_usage_at_no_cost(client, world):
+@pytest.mark.django_db(transaction=True)
+def test_a_refused_request_is_in_the_tenants_usage_at_no_cost(client, world, ledger_mode):
     from controlplane.metering.models import UsageEvent
     from tests.controlplane.gateway.test_views import image_message, post
     from tests.images import data_url
@@ -158,6 +159,7 @@ def test_a_refused_request_is_in_the_tenants_usage_at_no_cost(client, world):
                                               "messages": image_message(data_url(image_bytes_for_test()))})
     hostile = post(client, world.alice_key, {"model": "vlm-lite",
                                              "messages": image_message("data:image/png;base64,QUJD")})
+    ingested()
     events = {e.request_id: e for e in UsageEvent.objects.filter(tenant=world.alice)}
     assert events[too_much["x-request-id"]].http_status == 429
     assert events[hostile["x-request-id"]].http_status == 400

@@ -62,6 +62,7 @@ def test_what_was_known_is_not_served_past_its_limit(client, world, monkeypatch,
     assert client.get("/v1/models", HTTP_AUTHORIZATION=f"Bearer {world.alice_key}").status_code == 503
 
 
+@pytest.mark.accounting
 def test_usage_finished_while_the_database_is_down_waits_on_disk_and_is_not_lost(
         world, settings, tmp_path, database_down):
     """The database ledger with the database gone: the finished request's usage and its quota
@@ -89,3 +90,60 @@ def test_usage_finished_while_the_database_is_down_waits_on_disk_and_is_not_lost
     assert QuotaCounter.objects.get(tenant=world.alice, key="total_tokens").used == 180  # settled once
     assert ledger.drain_spool() == 0 and not list((tmp_path / "spool").iterdir())
     ledger._live.clear()
+
+
+@pytest.mark.accounting
+def test_usage_finished_while_redis_and_the_database_are_both_down_waits_on_disk_and_is_settled_once(
+        world, settings, tmp_path, database_down):
+    """The Redis ledger with Redis and the database gone at once: the usage is spooled; once
+    the database answers it is stored as the gateway saw it (not as the journal knew it), and
+    the reservation left in Redis is settled once, to that usage, by the reaper."""
+    import time
+    import uuid
+
+    import redis as redis_client
+    from asgiref.sync import async_to_sync
+    from django.conf import settings as django_settings
+
+    from controlplane.gateway import ledger
+    from controlplane.metering.models import UsageEvent
+    from controlplane.metering.outbox import usage_ingest
+    from tests.conftest import skip_without_redis
+    from tests.controlplane.gateway.test_journal import (
+        ASK,
+        LIMITS,
+        _assert_room,
+        _forwarded,
+        _record,
+    )
+
+    skip_without_redis()
+    prefix = f"spool-{uuid.uuid4().hex}"
+    settings.USAGE_OUTBOX, settings.VAR_DIR = "redis", tmp_path
+    settings.CACHES = {"default": {**django_settings.CACHES["default"], "KEY_PREFIX": prefix}}
+    from controlplane.fleet.models import EngineInstance
+
+    record = _record(world, "req-both-down")
+    _forwarded(record, EngineInstance.objects.create(tier=world.vision), LIMITS, ASK)
+    record.output_tokens = 50
+    redis_url = settings.REDIS_URL
+    settings.REDIS_URL = "redis://127.0.0.1:1/0"  # Redis does not answer,
+    database_down()  # nor the database
+    try:
+        async_to_sync(ledger.finish)(record)  # no exception, nothing lost:
+        assert [p.suffix for p in (tmp_path / "spool").iterdir()] == [".jsonl"]
+    finally:
+        settings.REDIS_URL = redis_url
+        database_down.start()
+    assert ledger.drain_spool() == 1
+    event = UsageEvent.objects.get(request_id="req-both-down")
+    assert (event.status, event.output_tokens) == ("ok", 50)  # what the gateway saw, not the journal
+    ledger._live.clear()
+    assert ledger.journal_reap(now=time.time() + 3600) + ledger.journal_reap(now=time.time() + 7200) == 1
+    while usage_ingest():
+        pass
+    assert UsageEvent.objects.get(request_id="req-both-down").status == "ok"  # stored once, as it was
+    _assert_room(world, 820)  # settled once, to the 180 tokens used
+    client = redis_client.Redis.from_url(redis_url)
+    for key in client.scan_iter(f"{prefix}:*"):
+        client.delete(key)

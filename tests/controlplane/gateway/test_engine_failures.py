@@ -10,6 +10,7 @@ import pytest
 from controlplane.gateway import routing
 from controlplane.metering.models import UsageEvent
 from controlplane.tenants.models import Quota
+from tests.controlplane.gateway.conftest import ingested
 from tests.engines import read_request, with_raw_engine
 from tests.images import data_url, image_bytes
 
@@ -38,12 +39,14 @@ def _large_image_request(**extra):
         {"type": "image_url", "image_url": {"url": data_url(image_bytes(640, 480))}}]}]}
 
 
-def test_an_answer_cut_off_is_a_502_metered_once_and_frees_the_large_image_slot(world):
+@pytest.mark.accounting
+def test_an_answer_cut_off_is_a_502_metered_once_and_frees_the_large_image_slot(world, ledger_mode):
     world.vision.large_image_threshold = 0  # every image request is "large"
     world.vision.save()
     Quota.objects.create(tenant=world.alice, concurrent_large_images=1, total_tokens=10**9)
     (first, _), (second, _) = with_raw_engine(world, dies_mid_body, _large_image_request())
     assert (first, second) == (502, 502)  # the second is not refused: the slot came back
+    ingested()
     events = UsageEvent.objects.filter(tenant=world.alice)
     assert [(e.status, e.http_status, e.cost) for e in events] == [("error", 502, 0)] * 2
     assert not any(routing.outstanding.values())

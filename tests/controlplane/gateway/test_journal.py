@@ -147,6 +147,22 @@ def test_a_finished_request_leaves_nothing_for_the_reaper(world, mode, engine):
 
 
 @pytest.mark.django_db(transaction=True)
+def test_a_request_finished_twice_is_handed_over_and_settled_once(world, mode, engine):
+    """The ledger itself keeps a request to one finish (not a flag of its caller's): a second
+    finish of the same request adds nothing to the stream, the events or the quota."""
+    record = _record(world, "req-twice")
+    _forwarded(record, engine, LIMITS, ASK)
+    record.output_tokens = 50
+    async_to_sync(ledger.finish)(record)
+    again = _record(world, "req-twice")  # a second caller, with its own copy of the record
+    again.output_tokens, again.instance_id = 50, engine.pk
+    async_to_sync(ledger.finish)(again)
+    [event] = _stored(mode)
+    assert event.output_tokens == 50
+    _assert_room(world, 820)  # 180 used once
+
+
+@pytest.mark.django_db(transaction=True)
 def test_a_gateway_that_finishes_after_being_reaped_does_not_count_twice(world, mode, engine):
     record = _record(world, "req-slow")
 

@@ -47,3 +47,35 @@ def test_the_gateway_answers_429_with_retry_after_past_a_keys_own_limit(client, 
     error = second.json()["error"]
     assert error["code"] == "rate_limit_exceeded" and "this API key's limit exceeded: 1 requests" in error["message"]
     assert send(routed.alice_key).status_code == 200  # the tenant's other key is not held by it
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_request_the_tenants_quota_refuses_does_not_use_the_keys_own_minute(client, routed, ledger_mode):  # noqa: F811
+    """Counted against the key's limit first, then refused by the tenant's quota: the key's
+    request is given back, as the tenant's own per-minute count never took it."""
+    from controlplane.tenants.models import Quota
+
+    capped = api_key_create(tenant=routed.alice, name="capped", requests_per_minute=1).secret
+    quota = Quota.objects.create(tenant=routed.alice, period="day", total_tokens=5)  # far too few
+    body = json.dumps({"model": "text", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]})
+
+    def send():
+        return client.post("/v1/chat/completions", data=body, content_type="application/json",
+                           HTTP_AUTHORIZATION=f"Bearer {capped}")
+
+    for _attempt in range(3):  # both in one minute
+        minute = timezone.now().replace(second=0, microsecond=0)
+        refused = send()
+        quota.total_tokens = 10**6
+        quota.save()
+        from controlplane.gateway import state
+
+        state.clear_caches()  # the key's limits, read afresh
+        admitted = send()
+        if timezone.now().replace(second=0, microsecond=0) == minute:
+            break
+        quota.total_tokens = 5
+        quota.save()
+        state.clear_caches()
+    assert (refused.status_code, refused.json()["error"]["code"]) == (429, "insufficient_quota")
+    assert admitted.status_code == 200  # the key's one request this minute was not used up
