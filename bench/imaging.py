@@ -3,11 +3,17 @@ pipeline and against transformers' Qwen2VLImageProcessor, on the same inputs.
 
     python -m bench.imaging          (or: make bench)
 
-Each pipeline runs in its own child process on one core, so that its peak memory is its
-own: "peak +MB" is the growth of the child's resident memory over its size before the
-first image (VmHWM after resetting it through /proc/self/clear_refs).
-- ours:   controlplane.imaging.policy.normalise (DCT-domain draft decode, reduce, one
-          bicubic resample, JPEG encode, perceptual fingerprint)
+Each pipeline runs in its own child process pinned to one core, so that its time and peak
+memory are its own: "peak +MB" is the growth of the child's resident memory over its size
+before the first image (VmHWM after resetting it through /proc/self/clear_refs). Every child
+runs with glibc's malloc defaults (the gateway keeps freed buffers, GATEWAY_HEAP_KEEP_MB,
+which speeds every pipeline alike).
+- ours:   controlplane.imaging.policy.normalise (a JPEG decoded by libjpeg-turbo at the DCT
+          scale that covers the target, others by Pillow; one bicubic resample by libvips;
+          JPEG encode; perceptual fingerprint)
+- before: the same, decoding and resampling with Pillow as the library did until libvips
+          and libjpeg-turbo took those steps over (draft decode, Pillow's bicubic)
+- floor:  for a JPEG, only its decode at the DCT scale ours uses: the pixels must be decoded
 - naive:  full decode, LANCZOS resize to the same size, JPEG encode
 - hf:     full decode, then transformers' Qwen2VLImageProcessor at the same pixel cap
           (resize, rescale, normalise, patchify: what a Python VLM server would run)
@@ -20,6 +26,7 @@ from __future__ import annotations
 import io
 import itertools
 import multiprocessing
+import os
 import time
 
 from PIL import Image, ImageDraw, ImageFilter
@@ -67,6 +74,30 @@ def ours(data: bytes) -> object:
     return normalise(data, POLICY)
 
 
+def before(data: bytes) -> object:
+    return normalise(data, POLICY)
+
+
+def _as_before() -> None:
+    """Decode and resample as the library did before: Pillow for both."""
+    from controlplane.imaging import policy
+
+    policy.turbo_decodable = lambda image: False
+    policy.bicubic = lambda image, size, pixels=None: image.resize(size, Image.Resampling.BICUBIC,
+                                                                   reducing_gap=2.0)
+
+
+def floor(data: bytes) -> object:
+    from controlplane.imaging.decode import decode_jpeg
+    from controlplane.imaging.policy import _dct_scale, plan_tiles
+
+    image = Image.open(io.BytesIO(data))
+    if image.format != "JPEG":
+        raise ImportError("a JPEG's decode only")
+    plan = plan_tiles(image.width, image.height, POLICY, CAP)
+    return decode_jpeg(data, image, _dct_scale(image.size, (plan.width, plan.height)))
+
+
 _hf = None
 
 
@@ -79,13 +110,16 @@ def hf(data: bytes) -> object:
     return _hf(images=Image.open(io.BytesIO(data)).convert("RGB"), return_tensors=None)
 
 
-PIPELINES = {"ours": ours, "naive": naive, "hf": hf}
+PIPELINES = {"ours": ours, "before": before, "floor": floor, "naive": naive, "hf": hf}
 
 
 def _run(name: str, data: bytes, seconds: float, queue) -> None:
     import pillow_heif
 
     pillow_heif.register_heif_opener()
+    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # one core
+    if name == "before":
+        _as_before()
     fn = PIPELINES[name]
     try:
         fn(data)  # warm up (and import what the pipeline needs) before measuring memory
@@ -141,11 +175,12 @@ def main(seconds: float = 3.0) -> None:
     print(f"{'input':24} {'size':>8} {'pipeline':8} {'images/s':>9} {'peak +MB':>9} {'ours vs':>8}")
     for label, data in inputs.items():
         rates = {}
-        for name in ("ours", "naive", "hf"):
+        for name in ("ours", "before", "floor", "naive", "hf"):
             rate, memory = measure(name, data, seconds)
             rates[name] = rate
             if rate is None:
-                print(f"{label:24} {'':>8} {name:8} {'skipped: ' + memory}")
+                if name != "floor":
+                    print(f"{label:24} {'':>8} {name:8} {'skipped: ' + memory}")
                 continue
             versus = "" if name == "ours" else f"{rates['ours'] / rate:7.1f}x"
             shown = label if name == "ours" else ""

@@ -13,7 +13,8 @@ import re
 import struct
 import warnings
 
-from PIL import Image, ImageOps, UnidentifiedImageError
+import simplejpeg
+from PIL import Image, UnidentifiedImageError
 
 from controlplane.imaging.errors import CorruptImage, ImageTooLarge, UnsupportedFormat
 
@@ -46,6 +47,27 @@ def _plugins(allowed: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(names)
 
 
+# What each payload starts with, lowered: found with bytes.find (memchr-fast), then matched.
+_PAYLOAD_STARTS = (b"<script", b"<html", b"<?php", b"<iframe", b"<object", b"%pdf-")
+
+
+def _payload(region: bytes):
+    """The first payload in `region`, as `_PAYLOAD.search` finds it: candidates by a plain
+    byte search of the lowered region (a regex with alternatives walks every byte in Python's
+    engine: 3 ms on a 12 MP photo's head and tail), each confirmed by the pattern itself."""
+    lowered = region.lower()
+    found = None
+    for start in _PAYLOAD_STARTS:
+        at = lowered.find(start)
+        while at != -1 and (found is None or at < found.start()):
+            match = _PAYLOAD.match(region, at)
+            if match is not None:
+                found = match
+                break
+            at = lowered.find(start, at + 1)
+    return found
+
+
 def sniff_problem(data: bytes) -> None:
     """Refuse what is not a raster image before Pillow looks at it."""
     if not data:
@@ -59,7 +81,7 @@ def sniff_problem(data: bytes) -> None:
     # this cheap on large files.
     window = _SCAN_WINDOW
     regions = (data,) if len(data) <= 2 * window else (data[:window], data[-window:])
-    payload = next((m for m in map(_PAYLOAD.search, regions) if m is not None), None)
+    payload = next((m for m in map(_payload, regions) if m is not None), None)
     if payload is not None:
         raise PolyglotImage(f"image data carries an embedded {payload.group(0)[:8]!r}… document; "
                             "polyglot files are refused")
@@ -142,6 +164,37 @@ def to_rgb(image: Image.Image) -> Image.Image:
     return image.convert("RGB")
 
 
+_TURNS = {2: Image.Transpose.FLIP_LEFT_RIGHT, 3: Image.Transpose.ROTATE_180, 4: Image.Transpose.FLIP_TOP_BOTTOM,
+          5: Image.Transpose.TRANSPOSE, 6: Image.Transpose.ROTATE_270, 7: Image.Transpose.TRANSVERSE,
+          8: Image.Transpose.ROTATE_90}
+
+
 def upright(image: Image.Image, turn: int) -> Image.Image:
-    """Apply an EXIF orientation (1..8) to decoded pixels."""
-    return ImageOps.exif_transpose(image) if turn != 1 else image
+    """Apply an EXIF orientation (1..8) to decoded pixels (which may carry no EXIF of their own)."""
+    return image.transpose(_TURNS[turn]) if turn in _TURNS else image
+
+
+def turbo_decodable(image: Image.Image) -> bool:
+    """A JPEG libjpeg-turbo decodes straight to RGB or grey (YCbCr, RGB or grey; not CMYK, not
+    a multi-picture file)."""
+    return image.format == "JPEG" and image.mode in ("RGB", "L")
+
+
+def decode_jpeg(data: bytes, image: Image.Image, scale: int):
+    """The JPEG `image` (opened from `data`) decoded at 1/`scale` (1, 2, 4 or 8) in the DCT
+    domain by libjpeg-turbo, strictly: truncated or corrupt data is refused, as a full decode
+    would refuse it. A few milliseconds faster than Pillow's decode of the same scale. The
+    pixels as the decoder wrote them: a numpy array, rows of RGB (or grey, for a grey JPEG)."""
+    width, height = image.size
+    try:
+        return simplejpeg.decode_jpeg(data, colorspace="GRAY" if image.mode == "L" else "RGB", strict=True,
+                                      min_width=-(-width // scale), min_height=-(-height // scale))
+    except ValueError as exc:
+        raise CorruptImage(f"image data is truncated or corrupt: {exc}") from None
+
+
+def as_image(pixels) -> Image.Image:
+    """Decoded pixels (rows of RGB, or of grey) as a Pillow image sharing their memory."""
+    rows, columns = pixels.shape[:2]
+    mode = "L" if pixels.ndim == 2 or pixels.shape[2] == 1 else "RGB"
+    return Image.frombuffer(mode, (columns, rows), pixels, "raw", mode, 0, 1)

@@ -13,7 +13,7 @@ the fingerprint of the first near-identical picture it saw (same normalised size
 `max_distance` bits apart), found by pigeonhole lookup on bands of the bits.
 
 Used for cache-hit metering and for cache-affinity routing (send a repeated image to the
-engine that already encoded it). Pure Python: no Django, no Celery, no numpy.
+engine that already encoded it). No Django, no Celery.
 """
 
 from __future__ import annotations
@@ -23,27 +23,25 @@ import math
 import threading
 from collections import OrderedDict
 
+import numpy as np
 from PIL import Image
 
 _SIDE = 32
 _LOW = 8
-# cos((2x + 1) u pi / 2N) for the 8 lowest frequencies, computed once.
-_COS = [[math.cos((2 * x + 1) * u * math.pi / (2 * _SIDE)) for x in range(_SIDE)] for u in range(_LOW)]
+# cos((2x + 1) u pi / 2N) for the 8 lowest frequencies: the rows of a partial DCT-II matrix.
+_COS = np.array([[math.cos((2 * x + 1) * u * math.pi / (2 * _SIDE)) for x in range(_SIDE)] for u in range(_LOW)])
 
 
-def _low_frequencies(pixels: list[int]) -> list[float]:
-    rows = [pixels[y * _SIDE:(y + 1) * _SIDE] for y in range(_SIDE)]
-    # Separable DCT-II, keeping only the 8 lowest frequencies in each direction.
-    partial = [[sum(c * p for c, p in zip(_COS[u], row, strict=True)) for u in range(_LOW)] for row in rows]
-    return [
-        sum(_COS[v][y] * partial[y][u] for y in range(_SIDE))
-        for v in range(_LOW) for u in range(_LOW)
-    ]
+def _low_frequencies(pixels: bytes) -> list[float]:
+    """The separable DCT-II of the 32x32 grey thumbnail, keeping the 8 lowest frequencies in
+    each direction (v major, as the bits are laid out)."""
+    grid = np.frombuffer(pixels, dtype=np.uint8).reshape(_SIDE, _SIDE).astype(np.float64)
+    return (_COS @ grid @ _COS.T).ravel().tolist()
 
 
 def perceptual_bits(image: Image.Image) -> int:
     grey = image.convert("L").resize((_SIDE, _SIDE), Image.Resampling.BOX)
-    coefficients = _low_frequencies(list(grey.tobytes()))[1:]  # drop DC: overall brightness
+    coefficients = _low_frequencies(grey.tobytes())[1:]  # drop DC: overall brightness
     median = sorted(coefficients)[len(coefficients) // 2]
     bits = 0
     for value in coefficients:

@@ -4,7 +4,7 @@
 to RGB, brings the image within the policy's pixel bounds (long images are cut into tiles
 in reading order rather than squashed) and re-encodes it for the engine. Downscaling is
 cheap: JPEGs decode straight at 1/2, 1/4 or 1/8 scale in the DCT domain when that still
-covers the target, then `reduce()` and one bicubic resample finish the job.
+covers the target, then one bicubic resample (libvips', resample.py) finishes the job.
 Pure Python: no Django, no Celery.
 """
 
@@ -22,15 +22,19 @@ from PIL import Image
 
 from controlplane.imaging.decode import (
     SUPPORTED_FORMATS,
+    as_image,
     check_input_size,
+    decode_jpeg,
     open_image,
     orientation,
     source_format,
     to_rgb,
+    turbo_decodable,
     upright,
 )
 from controlplane.imaging.errors import CorruptImage, ImageTooLarge, InvalidDataURL, PolicyViolation
 from controlplane.imaging.fingerprint import FingerprintIndex, fingerprint
+from controlplane.imaging.resample import bicubic
 
 __all__ = ["SUPPORTED_FORMATS", "NormalisedImage", "Policy", "decode_data_url", "fit_within",
            "normalise", "normalise_tiles", "plan_tiles", "sent_sizes"]
@@ -187,14 +191,29 @@ def sent_sizes(width: int, height: int, policy: Policy, detail: str | None = Non
     return [(right - left, bottom - top) for left, top, right, bottom in plan.boxes]
 
 
-def _decode_scaled(image: Image.Image, fmt: str, turn: int, target: tuple[int, int]) -> Image.Image:
-    """Decode `image` upright, at the smallest scale the JPEG decoder offers above `target`."""
+def _dct_scale(size: tuple[int, int], target: tuple[int, int]) -> int:
+    """The largest JPEG DCT scale (1/8, 1/4, 1/2 or 1) that still covers `target`."""
+    for scale in (8, 4, 2):
+        if -(-size[0] // scale) >= target[0] and -(-size[1] // scale) >= target[1]:
+            return scale
+    return 1
+
+
+def _decode_scaled(image: Image.Image, data: bytes, fmt: str, turn: int, target: tuple[int, int]):
+    """Decode `image` upright, at the smallest scale the JPEG decoder offers above `target`.
+    Also the decoder's own RGB buffer of the result, when it is one (else None)."""
     width, height = target
+    stored_target = (height, width) if turn in (5, 6, 7, 8) else (width, height)
+    if turbo_decodable(image):
+        raw = decode_jpeg(data, image, _dct_scale(image.size, stored_target))
+        pixels = as_image(raw)
+        if pixels.mode == "RGB" and turn == 1:
+            return pixels, raw
+        return upright(to_rgb(pixels), turn), None
     if fmt == "JPEG" and (width, height) != image.size:
-        swapped = turn in (5, 6, 7, 8)
-        image.draft("RGB", (height, width) if swapped else (width, height))
+        image.draft("RGB", stored_target)
     image.load()
-    return upright(to_rgb(image), turn)
+    return upright(to_rgb(image), turn), None
 
 
 def normalise_tiles(data: bytes, policy: Policy, *, detail: str | None = None,
@@ -215,9 +234,11 @@ def normalise_tiles(data: bytes, policy: Policy, *, detail: str | None = None,
         return [_as_sent(image, data, index=index)]
     try:
         image.seek(0)  # the first frame of an animation
-        pixels = _decode_scaled(image, fmt, turn, (plan.width, plan.height))
+        pixels, raw = _decode_scaled(image, data, fmt, turn, (plan.width, plan.height))
         if pixels.size != (plan.width, plan.height):
-            pixels = pixels.resize((plan.width, plan.height), Image.Resampling.BICUBIC, reducing_gap=2.0)
+            pixels = bicubic(pixels, (plan.width, plan.height), pixels=raw)
+    except CorruptImage:
+        raise
     except (OSError, SyntaxError, ValueError, EOFError, Image.DecompressionBombError) as exc:
         raise CorruptImage(f"image data is truncated or corrupt: {exc}") from None
     except (RuntimeError, MemoryError, struct.error, IndexError, KeyError, TypeError) as exc:
@@ -238,7 +259,7 @@ def _passes_through(image: Image.Image, fmt: str, turn: int, plan: TilePlan, siz
     loss). Upright (the engine
     does not turn images by their EXIF orientation), RGB or grey (what the engine makes of
     other modes may differ from ours), one frame, within every bound of the policy."""
-    return (fmt == "JPEG" and image.format == "JPEG" and turn == 1 and image.mode in ("RGB", "L")
+    return (fmt == "JPEG" and turbo_decodable(image) and turn == 1
             and len(plan.boxes) == 1 and (plan.width, plan.height) == size)
 
 
@@ -248,14 +269,7 @@ def _as_sent(image: Image.Image, data: bytes, *, index: FingerprintIndex | None)
     its size, which gives its fingerprint the bits of the full decode (at a quarter or an
     eighth, libjpeg's scaled decode moves them by up to 4 and 10 of 63: another picture)."""
     width, height = image.size
-    try:
-        image.draft("RGB" if image.mode == "RGB" else "L", (max(1, width // 2), max(1, height // 2)))
-        image.load()
-        small = to_rgb(image)
-    except (OSError, SyntaxError, ValueError, EOFError, Image.DecompressionBombError) as exc:
-        raise CorruptImage(f"image data is truncated or corrupt: {exc}") from None
-    except (RuntimeError, MemoryError, struct.error, IndexError, KeyError, TypeError) as exc:
-        raise CorruptImage(f"image data could not be decoded: {exc}") from None
+    small = to_rgb(as_image(decode_jpeg(data, image, 2)))  # CorruptImage for anything but a whole JPEG
     return NormalisedImage(
         source_format="JPEG", source_width=width, source_height=height, width=width, height=height,
         data=data, mime="image/jpeg", fingerprint=fingerprint(small, index, size=(width, height)),

@@ -61,17 +61,27 @@ def test_formats_outside_the_supported_set_are_never_opened():
 
 
 def test_a_twelve_megapixel_jpeg_is_decoded_at_half_scale_for_a_one_megapixel_target(monkeypatch):
+    from controlplane.imaging import decode
+
     decoded = []
-    original = JpegImagePlugin.JpegImageFile.load_prepare
+    original = decode.simplejpeg.decode_jpeg
 
-    def spy(self):
-        decoded.append(self.size)
-        return original(self)
+    def spy(*args, **kwargs):
+        pixels = original(*args, **kwargs)
+        decoded.append(pixels.shape[1::-1])
+        return pixels
 
-    monkeypatch.setattr(JpegImagePlugin.JpegImageFile, "load_prepare", spy)
+    monkeypatch.setattr(decode.simplejpeg, "decode_jpeg", spy)
     result = normalise(image_bytes(4000, 3000, "JPEG"), Policy(max_pixels=1_003_520))
     assert decoded == [(2000, 1500)]  # DCT-domain scaling: never the full 12 MP
     assert result.width * result.height <= 1_003_520
+
+
+def test_a_cmyk_jpeg_is_decoded_by_pillow_and_turned_rgb():
+    buffer = io.BytesIO()
+    Image.new("CMYK", (640, 480), (0, 120, 200, 10)).save(buffer, "JPEG")
+    result = normalise(buffer.getvalue(), Policy(max_pixels=100_000))
+    assert result.width * result.height <= 100_000 and Image.open(io.BytesIO(result.data)).mode == "RGB"
 
 
 def test_heif_and_avif_are_decoded():
