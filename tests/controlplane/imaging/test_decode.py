@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 
 import pytest
-from PIL import Image, JpegImagePlugin
+from PIL import Image
 
 from controlplane.imaging.decode import PolyglotImage
 from controlplane.imaging.errors import UnsupportedFormat
