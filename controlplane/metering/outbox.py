@@ -3,7 +3,7 @@
 With Redis, the gateway appends each request's usage to a stream before the response goes
 out (controlplane/gateway/ledger/redis_store.py, in the same step that closes its journal entry and
 settles its quota), and `usage_ingest` moves the stream into the database in batches, each
-stored with bulk inserts in one transaction. Storing is idempotent by request id, so an entry
+stored with one COPY in one transaction, the next batch read and priced meanwhile. Storing is idempotent by request id, so an entry
 delivered twice (a consumer that crashed before acknowledging) is stored once. Without Redis
 (embedded mode) the journal writes usage to the database directly.
 """
@@ -11,7 +11,9 @@ delivered twice (a consumer that crashed before acknowledging) is stored once. W
 from __future__ import annotations
 
 import logging
+import os
 import socket
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import orjson
 from django.conf import settings
@@ -19,7 +21,8 @@ from django.conf import settings
 from controlplane.metering.services import (
     usage_from_json,
     usage_record,
-    usage_record_many,
+    usage_rows,
+    usage_rows_store,
 )
 from controlplane.redis_clients import key_prefix, sync_redis
 
@@ -34,7 +37,13 @@ def stream_key() -> str:
 
 
 def usage_ingest(*, batch: int = 2000, max_batches: int = 10) -> int:
-    """Move usage from the stream into the database. Returns the records stored or confirmed."""
+    """Move usage from the stream into the database. Returns the records stored or confirmed.
+
+    Pipelined: while one batch is written to the database (on a thread of its own, waiting on
+    PostgreSQL most of the time), the next is read from the stream and priced. A batch is
+    acknowledged only once it is stored; one that cannot be stored whole is stored entry by
+    entry. Any number of consumers may run at once, on any hosts: each takes its own entries
+    from the group, and storing is idempotent by request id."""
     import redis
     from django.db import connection
 
@@ -42,38 +51,71 @@ def usage_ingest(*, batch: int = 2000, max_batches: int = 10) -> int:
     # entries would wait RECLAIM_IDLE_MS to be taken again); the next run tries again.
     connection.ensure_connection()
     client = sync_redis(settings.REDIS_URL)
-    key, consumer = stream_key(), f"{socket.gethostname()}"
+    key, consumer = stream_key(), f"{socket.gethostname()}-{os.getpid()}"
     try:
         client.xgroup_create(key, GROUP, id="0", mkstream=True)
     except redis.ResponseError as exc:
         if "BUSYGROUP" not in str(exc):
             raise
-    done = 0
+    done, writing = 0, None
     # First what a crashed consumer left behind, then what is new.
     _, reclaimed, *_ = client.xautoclaim(key, GROUP, consumer, min_idle_time=RECLAIM_IDLE_MS, start_id="0-0",
                                          count=batch)
     entries = list(reclaimed)
-    for _round in range(max_batches):
-        if not entries:
-            fresh = client.xreadgroup(GROUP, consumer, {key: ">"}, count=batch)
-            entries = fresh[0][1] if fresh else []
-        if not entries:
-            break
-        ids = _store_batch(entries)
-        if ids is None:
-            ids = _store_each(client, key, entries)
-        if ids:
-            # Both or neither (MULTI/EXEC): an entry acknowledged but left in the stream (Redis
-            # paused between the two, the client timing out) would never be read again, nor
-            # removed; _trim_acknowledged clears any left so by an older version.
-            pipe = client.pipeline(transaction=True)
-            pipe.xack(key, GROUP, *ids)
-            pipe.xdel(key, *ids)
-            pipe.execute()
-            done += len(ids)
-        entries = []
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="usage-writer") as writer:
+        try:
+            for _round in range(max_batches):
+                if not entries:
+                    fresh = client.xreadgroup(GROUP, consumer, {key: ">"}, count=batch)
+                    entries = fresh[0][1] if fresh else []
+                if not entries:
+                    break
+                job = _priced(entries, writer)
+                if writing is not None:
+                    done += _acknowledge(client, key, *writing)
+                writing, entries = (job, entries), []
+            if writing is not None:
+                done += _acknowledge(client, key, *writing)
+        finally:
+            writer.submit(connection.close)  # the writer thread's own connection
     _trim_acknowledged(client, key)
     return done
+
+
+def _priced(entries: list, writer: ThreadPoolExecutor) -> Future | None:
+    """The batch's rows, priced here and handed to the writer; None when some entry could
+    not even be read or priced (then each is stored on its own)."""
+    try:
+        rows = usage_rows([usage_from_json(orjson.loads(fields[b"record"])) for _, fields in entries])
+    except Exception:
+        log.warning("a batch of %s usage entries could not be priced at once; storing one by one",
+                    len(entries), exc_info=True)
+        return None
+    return writer.submit(usage_rows_store, rows)
+
+
+def _acknowledge(client, key: str, job: Future | None, entries: list) -> int:
+    """Once its batch is written (or, failing that, each entry on its own), acknowledge and
+    delete what was stored. Returns how many entries."""
+    if job is not None:
+        try:
+            job.result()
+            ids = [entry_id for entry_id, _ in entries]
+        except Exception:
+            log.warning("a batch of %s usage entries could not be stored at once; storing one by one",
+                        len(entries), exc_info=True)
+            job = None
+    if job is None:
+        ids = _store_each(client, key, entries)
+    if ids:
+        # Both or neither (MULTI/EXEC): an entry acknowledged but left in the stream (Redis
+        # paused between the two, the client timing out) would never be read again, nor
+        # removed; _trim_acknowledged clears any left so by an older version.
+        pipe = client.pipeline(transaction=True)
+        pipe.xack(key, GROUP, *ids)
+        pipe.xdel(key, *ids)
+        pipe.execute()
+    return len(ids)
 
 
 def _trim_acknowledged(client, key: str) -> None:
@@ -91,18 +133,6 @@ def _trim_acknowledged(client, key: str) -> None:
         millis, sequence = (last.decode() if isinstance(last, bytes) else last).split("-")
         floor = f"{millis}-{int(sequence) + 1}"
     client.xtrim(key, minid=floor)
-
-
-def _store_batch(entries: list) -> list | None:
-    """Store a batch in one transaction. Returns the entry ids to acknowledge, or None when
-    some entry could not be stored: then each is stored (or kept back) on its own."""
-    try:
-        usage_record_many(records=[usage_from_json(orjson.loads(fields[b"record"])) for _, fields in entries])
-    except Exception:
-        log.warning("a batch of %s usage entries could not be stored at once; storing one by one",
-                    len(entries), exc_info=True)
-        return None
-    return [entry_id for entry_id, _ in entries]
 
 
 def _store_each(client, key: str, entries: list) -> list:

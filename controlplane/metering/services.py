@@ -5,8 +5,8 @@ import logging
 from dataclasses import dataclass, field
 
 from django.db import IntegrityError, connection, transaction
-from django.db.models import Count, Q, Sum
-from django.db.models.functions import TruncDate, TruncHour
+from django.db.models import Count, Q, Sum, Value
+from django.db.models.functions import Coalesce, TruncDate, TruncHour
 from django.utils import timezone
 
 from controlplane.catalog.models import ModelTier
@@ -169,13 +169,19 @@ def usage_record_many(*, records: list[UsageRecord]) -> int:
     stored, or a concurrent writer stores one of the ids meanwhile, it raises and stores none,
     and the caller falls back to usage_record one by one. Returns the events newly stored.
     """
+    return usage_rows_store(usage_rows(records))
+
+
+def usage_rows(records: list[UsageRecord]) -> list[tuple[dict, list[dict]]]:
+    """The first half of usage_record_many: the rows (event and images) of the records not
+    stored yet, each priced. Reads the database; writes nothing."""
     batch = {}
     for record in records:
         batch.setdefault(record.request_id, record)
-    stored = set(UsageEvent.objects.filter(request_id__in=list(batch)).values_list("request_id", flat=True))
+    stored = _stored_request_ids(list(batch))
     fresh = [record for request_id, record in batch.items() if request_id not in stored]
     if not fresh:
-        return 0
+        return []
     tiers = ModelTier.objects.in_bulk({record.tier_id for record in fresh})
     book = RateBook().load({tier.price_plan_id for tier in tiers.values()})
     rows = []
@@ -184,6 +190,14 @@ def usage_record_many(*, records: list[UsageRecord]) -> int:
         if tier is None:
             raise ModelTier.DoesNotExist(f"no tier {record.tier_id} for {record.request_id}")
         rows.append(_usage_values(record, tier, book))
+    return rows
+
+
+def usage_rows_store(rows: list[tuple[dict, list[dict]]]) -> int:
+    """The second half: the rows written in one transaction (all or none). Returns how many
+    events."""
+    if not rows:
+        return 0
     with transaction.atomic():
         if connection.vendor == "postgresql":
             _copy_rows(rows)
@@ -193,6 +207,16 @@ def usage_record_many(*, records: list[UsageRecord]) -> int:
             UsageImage.objects.bulk_create([UsageImage(event=event, **image) for event, (_, images)
                                             in zip(events, rows, strict=True) for image in images])
     return len(rows)
+
+
+def _stored_request_ids(request_ids: list[str]) -> set[str]:
+    if connection.vendor != "postgresql":
+        return set(UsageEvent.objects.filter(request_id__in=request_ids).values_list("request_id", flat=True))
+    # One array parameter rather than an IN list of thousands (which Django builds slowly).
+    with connection.cursor() as cursor:
+        cursor.execute(f"SELECT request_id FROM {UsageEvent._meta.db_table} WHERE request_id = ANY(%s)",
+                       [request_ids])
+        return {request_id for (request_id,) in cursor.fetchall()}
 
 
 def _copy_rows(rows: list[tuple[dict, list[dict]]]) -> None:
@@ -321,18 +345,23 @@ def rollup_daily(*, now: dt.datetime | None = None) -> int:
     """Recompute the daily totals of every day that received events since the last run, and
     that day's cost-per-image histogram.
 
-    Recomputing a whole period from its events makes the run idempotent, and a late event
-    (recorded today, dated yesterday) reopens its own day. Returns the days rewritten.
+    Recomputing a whole period makes the run idempotent, and a late event (recorded today,
+    dated yesterday) reopens its own day. A day's totals are the sums of its hours' (the
+    hourly rollup is brought up to date first), so the events are read once, by the hourly
+    rollup, not again for each day. Returns the days rewritten.
     """
-    return _rollup("daily", DailyUsage, "day", TruncDate, dt.timedelta(days=1), now, also=_image_costs_rewrite)
+    now = now or timezone.now()
+    rollup_hourly(now=now)
+    return _rollup("daily", DailyUsage, "day", TruncDate, dt.timedelta(days=1), now, source=_days_from_hours,
+                   also=_image_costs_rewrite)
 
 
 def rollup_hourly(*, now: dt.datetime | None = None) -> int:
-    """The same per hour. Returns the hours rewritten."""
-    return _rollup("hourly", HourlyUsage, "hour", TruncHour, dt.timedelta(hours=1), now)
+    """The same per hour, from the events. Returns the hours rewritten."""
+    return _rollup("hourly", HourlyUsage, "hour", TruncHour, dt.timedelta(hours=1), now, source=_hours_from_events)
 
 
-def _rollup(name, model, field, trunc, length, now, also=None) -> int:
+def _rollup(name, model, field, trunc, length, now, *, source, also=None) -> int:
     now = now or timezone.now()
     with transaction.atomic():
         state, _ = RollupState.objects.select_for_update().get_or_create(name=name)
@@ -343,10 +372,15 @@ def _rollup(name, model, field, trunc, length, now, also=None) -> int:
             new = new.filter(recorded_at__gt=state.watermark - ROLLUP_OVERLAP)
         periods = sorted(new.annotate(period=trunc("created_at", tzinfo=dt.UTC))
                          .values_list("period", flat=True).order_by().distinct())
-        for period in periods:
-            _rollup_period(model, field, period, length)
+        if periods:
+            # The periods' rows are replaced in two statements, the new ones computed and
+            # written by the database itself (INSERT ... SELECT: no row comes into Python).
+            # An upsert would not do: the unique constraint never matches rows without a key,
+            # as NULLs are distinct.
+            model.objects.filter(**{f"{field}__in": periods}).delete()
+            _insert_select(model, [field, "tenant_id", "api_key_id", "tier_id", *TOTALS], source(periods, length))
             if also is not None:
-                also(period)
+                also(periods)
         state.watermark = upto if state.watermark is None else max(state.watermark, upto)
         state.ran_at = now
         state.save()
@@ -358,51 +392,100 @@ _SUMMED = (("images", "image_count"), ("image_tokens", "image_tokens"), ("cached
            ("output_tokens", "output_tokens"), ("cost", "cost"), ("cache_savings", "cache_savings"))
 
 
-def _rollup_period(model, field, period, length: dt.timedelta) -> None:
-    start = period if isinstance(period, dt.datetime) else dt.datetime.combine(period, dt.time.min, tzinfo=dt.UTC)
-    rows = (
-        UsageEvent.objects.filter(created_at__gte=start, created_at__lt=start + length)
-        .values("tenant_id", "api_key_id", "tier_id")
-        .annotate(requests=Count("id"), unbilled_requests=Count("id", filter=~billed()),
-                  **{name: Sum(column, filter=billed()) for name, column in _SUMMED})
+def _insert_select(model, columns: list[str], rows) -> None:
+    """Insert what the `rows` query selects (its columns in the order of `columns`)."""
+    sql, params = rows.query.sql_with_params()
+    names = ", ".join(connection.ops.quote_name(model._meta.get_field(c).column) for c in columns)
+    with connection.cursor() as cursor:
+        _analytic(cursor)
+        cursor.execute(f"INSERT INTO {connection.ops.quote_name(model._meta.db_table)} ({names}) {sql}", params)
+
+
+def _start(period) -> dt.datetime:
+    return period if isinstance(period, dt.datetime) else dt.datetime.combine(period, dt.time.min, tzinfo=dt.UTC)
+
+
+def _within(periods: list, length: dt.timedelta, field: str) -> Q:
+    """`field` inside one of the (sorted) periods: a range per run of consecutive periods,
+    which an index walks, rather than a test of each row against the list of periods."""
+    runs, first, last = Q(), None, None
+    for period in periods:
+        start = _start(period)
+        if last is not None and start == last:
+            last = start + length
+            continue
+        if first is not None:
+            runs |= Q(**{f"{field}__gte": first, f"{field}__lt": last})
+        first, last = start, start + length
+    return runs | Q(**{f"{field}__gte": first, f"{field}__lt": last})
+
+
+def _analytic(cursor) -> None:
+    """Settings for the one large grouped query of a rollup run, in its transaction only:
+    memory to group in (not on disk), and no JIT compilation (a second of it, for a query
+    that is read once)."""
+    if connection.vendor == "postgresql":
+        cursor.execute("SET LOCAL work_mem = '64MB'")
+        cursor.execute("SET LOCAL jit = off")
+
+
+def _hours_from_events(hours: list, length: dt.timedelta):
+    """Each hour's totals per tenant, key and tier, from its events: one grouped query for
+    every hour at once (unbilled requests counted apart and adding nothing else)."""
+    return (
+        UsageEvent.objects.filter(_within(hours, length, "created_at"))
+        .annotate(period=TruncHour("created_at", tzinfo=dt.UTC))
+        .values("period", "tenant_id", "api_key_id", "tier_id")
+        .annotate(**_totals(requests=Count("id"), unbilled_requests=Count("id", filter=~billed()),
+                            **{name: Coalesce(Sum(column, filter=billed()), Value(0),
+                                                output_field=UsageEvent._meta.get_field(column))
+                               for name, column in _SUMMED}))
         .order_by()
     )
-    # The period's rows are replaced in two statements rather than upserted one by one (a
-    # single INSERT ... ON CONFLICT would not do: the unique constraint never matches rows
-    # without a key, as NULLs are distinct).
-    model.objects.filter(**{field: period}).delete()
-    model.objects.bulk_create(
-        model(**{field: period}, tenant_id=row["tenant_id"], api_key_id=row["api_key_id"], tier_id=row["tier_id"],
-              **{k: row[k] or 0 for k in TOTALS})
-        for row in rows
+
+
+def _days_from_hours(days: list, length: dt.timedelta):
+    """Each day's totals per tenant, key and tier: the sums of its hours'."""
+    return (
+        HourlyUsage.objects.filter(_within(days, length, "hour"))
+        .annotate(period=TruncDate("hour", tzinfo=dt.UTC))
+        .values("period", "tenant_id", "api_key_id", "tier_id")
+        .annotate(**_totals(**{name: Sum(name) for name in TOTALS}))
+        .order_by()
     )
 
 
-def _image_costs_rewrite(day: dt.date) -> None:
-    """Rewrite a day's cost-per-image histogram from its images: the images the per-image cost
-    report lists (those of billed requests), each priced as it prices them, at the rate that
-    priced its request.
+def _totals(**aggregates) -> dict:
+    """The aggregates in the order of TOTALS (the columns an INSERT ... SELECT names), each
+    under a name of its own (a period's row field must not be shadowed by its sum)."""
+    return {f"total_{name}": aggregates[name] for name in TOTALS}
 
-    Images are counted in SQL by (tenant, tier, rate, tokens, cached tokens), and each such
-    group is priced once, so the run reads no image row into Python however many there are.
+
+def _image_costs_rewrite(days: list) -> None:
+    """Rewrite the days' cost-per-image histograms from their images: the images the
+    per-image cost report lists (those of billed requests), each priced as it prices them, at
+    the rate that priced its request.
+
+    Images are counted in SQL by (day, tenant, tier, rate, tokens, cached tokens), every day
+    in one query, and each such group is priced once, so the run reads no image row into
+    Python however many there are.
     """
-    start = dt.datetime.combine(day, dt.time.min, tzinfo=dt.UTC)
     book, bins = RateBook(), {}
     groups = (
-        UsageImage.objects.filter(billed("event__"), event__created_at__gte=start,
-                                  event__created_at__lt=start + dt.timedelta(days=1))
-        .values("event__tenant_id", "event__tier_id", "event__rate_id", "tokens", "cached_tokens")
+        UsageImage.objects.filter(billed("event__"), _within(days, dt.timedelta(days=1), "event__created_at"))
+        .annotate(day=TruncDate("event__created_at", tzinfo=dt.UTC))
+        .values("day", "event__tenant_id", "event__tier_id", "event__rate_id", "tokens", "cached_tokens")
         .annotate(count=Count("id"))
         .order_by()
     )
     for group in groups:
         each = book.image_price(group["event__rate_id"], group["tokens"], group["cached_tokens"])
-        key = (group["event__tenant_id"], group["event__tier_id"], ImageCostHistogram.bucket(each))
+        key = (group["day"], group["event__tenant_id"], group["event__tier_id"], ImageCostHistogram.bucket(each))
         row = bins.get(key)
         if row is None:
-            row = bins[key] = ImageCostHistogram(day=day, tenant_id=key[0], tier_id=key[1], cost_from=key[2])
+            row = bins[key] = ImageCostHistogram(day=key[0], tenant_id=key[1], tier_id=key[2], cost_from=key[3])
         row.images += group["count"]
         row.image_tokens += group["count"] * group["tokens"]
         row.cost += group["count"] * (each or 0)
-    ImageCostHistogram.objects.filter(day=day).delete()
-    ImageCostHistogram.objects.bulk_create(bins.values())
+    ImageCostHistogram.objects.filter(day__in=days).delete()
+    ImageCostHistogram.objects.bulk_create(bins.values(), batch_size=5000)

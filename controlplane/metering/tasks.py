@@ -19,6 +19,6 @@ def metering_ingest() -> int:
 
 @shared_task(name="metering.rollup_daily", soft_time_limit=300, time_limit=360)
 def metering_rollup_daily() -> int:
-    from controlplane.metering.services import rollup_daily, rollup_hourly
+    from controlplane.metering.services import rollup_daily
 
-    return rollup_hourly() + rollup_daily()
+    return rollup_daily()  # the hours first, then the days from them

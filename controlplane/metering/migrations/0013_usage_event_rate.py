@@ -1,5 +1,6 @@
 # Each usage event names the rate that priced it; the rate then never changes (the database
-# refuses an update of a rate some event names, and its foreign key a delete).
+# refuses an update of a rate some event names, and its foreign key a delete; on SQLite the
+# trigger is made after migrating, see controlplane/metering/immutability.py).
 
 import django.db.models.deletion
 from django.db import migrations, models
@@ -34,23 +35,15 @@ POSTGRESQL_UNDO = """
 DROP TRIGGER IF EXISTS billed_rate_is_immutable ON catalog_pricerate;
 DROP FUNCTION IF EXISTS refuse_rewriting_a_billed_rate();
 """
-SQLITE = f"""
-CREATE TRIGGER billed_rate_is_immutable BEFORE UPDATE ON catalog_pricerate FOR EACH ROW
-WHEN ({' OR '.join(f'NEW.{c} IS NOT OLD.{c}' for c in _AMOUNTS)})
-     AND EXISTS (SELECT 1 FROM metering_usageevent WHERE rate_id = OLD.id)
-BEGIN
-    SELECT RAISE(ABORT, 'price rate has priced requests and cannot change: add a new rate');
-END;
-"""
-SQLITE_UNDO = "DROP TRIGGER IF EXISTS billed_rate_is_immutable;"
-
-
 def _trigger(apps, schema_editor):
-    schema_editor.execute(POSTGRESQL if schema_editor.connection.vendor == "postgresql" else SQLITE, params=None)
+    # On SQLite the trigger is made after migrating (controlplane/metering/immutability.py).
+    if schema_editor.connection.vendor == "postgresql":
+        schema_editor.execute(POSTGRESQL, params=None)
 
 
 def _no_trigger(apps, schema_editor):
-    schema_editor.execute(POSTGRESQL_UNDO if schema_editor.connection.vendor == "postgresql" else SQLITE_UNDO, params=None)
+    if schema_editor.connection.vendor == "postgresql":
+        schema_editor.execute(POSTGRESQL_UNDO, params=None)
 
 
 class Migration(migrations.Migration):
