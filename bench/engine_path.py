@@ -41,8 +41,9 @@ from pathlib import Path
 
 import httpx
 
-from bench.gateway import Gateway, free_port, messages, send, start_litellm
+from bench.gateway import Gateway, free_port, messages, start_litellm
 from bench.proc import children, command_line, cpu_seconds, descendants
+from bench.wire import send
 
 ROOT = Path(__file__).resolve().parent.parent
 DATABASE = "bench_engine_path"

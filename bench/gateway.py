@@ -32,7 +32,8 @@ from pathlib import Path
 
 import httpx
 
-from bench.proc import status_kb
+from bench.proc import cpu_seconds, descendants, status_kb
+from bench.wire import send
 
 ROOT = Path(__file__).resolve().parent.parent
 PG = "postgres://postgres@127.0.0.1:5432"
@@ -200,28 +201,6 @@ def start_litellm(upstream_port: int, folder: Path | None = None) -> tuple[subpr
     return process, port, "sk-bench-litellm"
 
 
-async def send(url: str, headers: dict, requests: list[bytes], concurrency: int) -> tuple[list[float], float]:
-    """Latencies of `requests` (JSON bodies) sent `concurrency` at a time, closed loop, and
-    the seconds all took."""
-    latencies: list[float] = []
-    queue = iter(requests)
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    headers = {**headers, "Content-Type": "application/json"}
-    async with httpx.AsyncClient(timeout=600, limits=limits, headers=headers) as client:
-
-        async def worker():
-            for body in queue:
-                started = time.perf_counter()
-                response = await client.post(url, content=body)
-                if response.status_code != 200:
-                    raise RuntimeError(f"{url}: {response.status_code} {response.text[:300]}")
-                latencies.append(time.perf_counter() - started)
-
-        started = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        return latencies, time.perf_counter() - started
-
-
 async def load(url: str, key: str, model: str, image: bytes | None, concurrency: int, count: int):
     body = json.dumps({"model": model, "max_tokens": 8, "messages": messages(image)}).encode()
     headers = {"Authorization": f"Bearer {key}"}
@@ -267,8 +246,10 @@ def main() -> None:
             "litellm": (f"http://127.0.0.1:{litellm_port}/v1/chat/completions", litellm_key),
             "gw-nokeep": (f"http://127.0.0.1:{untuned_port}/v1/chat/completions", key),
         }
+        processes = {"direct": upstream.pid, "gateway": gateway.process.pid, "litellm": litellm.pid,
+                     "gw-nokeep": gateway.untuned.pid}
         print(f"{'payload':8} {'conc':>4} {'target':8} {'p50 ms':>8} {'p99 ms':>8} {'+p50 ms':>8} {'+p99 ms':>8} "
-              f"{'req/s':>8} {'fwd body':>10}")
+              f"{'req/s':>8} {'fwd body':>10} {'cpu ms/req':>10}")
         for (payload, concurrency), count in COUNTS.items():
             image = images[payload]
             model = "text" if image is None else "vlm"
@@ -277,7 +258,10 @@ def main() -> None:
                 if name == "gw-nokeep" and image is None:
                     continue  # the malloc tuning matters for image buffers only
                 before = httpx.get(f"http://127.0.0.1:{upstream_port}/stats").json()
+                tree = descendants(processes[name])
+                cpu = sum(map(cpu_seconds, tree))
                 result = asyncio.run(load(url, secret, model, image, concurrency, count))
+                cpu = (sum(map(cpu_seconds, tree)) - cpu) / (count + 1)  # the process's own CPU per request
                 after = httpx.get(f"http://127.0.0.1:{upstream_port}/stats").json()
                 forwarded = (after["body_bytes"] - before["body_bytes"]) / max(1, after["requests"] - before["requests"])
                 if name == "direct":
@@ -285,7 +269,7 @@ def main() -> None:
                 added = "" if name == "direct" else (f"{1000 * (result['p50'] - base['p50']):8.2f} "
                                                      f"{1000 * (result['p99'] - base['p99']):8.2f}")
                 print(f"{payload:8} {concurrency:4d} {name:8} {1000 * result['p50']:8.2f} {1000 * result['p99']:8.2f} "
-                      f"{added or ' ' * 17:>17} {result['rps']:8.1f} {forwarded / 1024:8.1f}KB")
+                      f"{added or ' ' * 17:>17} {result['rps']:8.1f} {forwarded / 1024:8.1f}KB {1000 * cpu:10.2f}")
         for payload in ("1mp", "12mp"):
             sent = len(base64.b64encode(images[payload]))
             alone, with_intake = normalise_alone(images[payload])

@@ -5,7 +5,7 @@ import logging
 from dataclasses import dataclass, field
 
 from django.db import IntegrityError, connection, transaction
-from django.db.models import Count, Q, Sum, Value
+from django.db.models import Count, Max, Min, Q, Sum, Value
 from django.db.models.functions import Coalesce, TruncDate, TruncHour
 from django.utils import timezone
 
@@ -364,6 +364,8 @@ def rollup_hourly(*, now: dt.datetime | None = None) -> int:
 def _rollup(name, model, field, trunc, length, now, *, source, also=None) -> int:
     now = now or timezone.now()
     with transaction.atomic():
+        with connection.cursor() as cursor:
+            _analytic(cursor)
         state, _ = RollupState.objects.select_for_update().get_or_create(name=name)
         # Events recorded up to a moment ago; anything still being written lands next run.
         upto = now - dt.timedelta(seconds=1)
@@ -397,7 +399,6 @@ def _insert_select(model, columns: list[str], rows) -> None:
     sql, params = rows.query.sql_with_params()
     names = ", ".join(connection.ops.quote_name(model._meta.get_field(c).column) for c in columns)
     with connection.cursor() as cursor:
-        _analytic(cursor)
         cursor.execute(f"INSERT INTO {connection.ops.quote_name(model._meta.db_table)} ({names}) {sql}", params)
 
 
@@ -421,9 +422,8 @@ def _within(periods: list, length: dt.timedelta, field: str) -> Q:
 
 
 def _analytic(cursor) -> None:
-    """Settings for the one large grouped query of a rollup run, in its transaction only:
-    memory to group in (not on disk), and no JIT compilation (a second of it, for a query
-    that is read once)."""
+    """Settings for a rollup run's few large grouped queries, in its transaction only: memory
+    to group in (not on disk), and no JIT compilation (seconds of it, for queries run once)."""
     if connection.vendor == "postgresql":
         cursor.execute("SET LOCAL work_mem = '64MB'")
         cursor.execute("SET LOCAL jit = off")
@@ -471,8 +471,16 @@ def _image_costs_rewrite(days: list) -> None:
     Python however many there are.
     """
     book, bins = RateBook(), {}
+    within = _within(days, dt.timedelta(days=1), "created_at")
+    # The days' events' ids bound their images' (a redundant condition, which lets the images
+    # be read by their event's index rather than all of them scanned for a day's few).
+    ids = UsageEvent.objects.filter(within).aggregate(low=Min("id"), high=Max("id"))
+    if ids["low"] is None:
+        ImageCostHistogram.objects.filter(day__in=days).delete()
+        return
     groups = (
-        UsageImage.objects.filter(billed("event__"), _within(days, dt.timedelta(days=1), "event__created_at"))
+        UsageImage.objects.filter(billed("event__"), _within(days, dt.timedelta(days=1), "event__created_at"),
+                                  event_id__gte=ids["low"], event_id__lte=ids["high"])
         .annotate(day=TruncDate("event__created_at", tzinfo=dt.UTC))
         .values("day", "event__tenant_id", "event__tier_id", "event__rate_id", "tokens", "cached_tokens")
         .annotate(count=Count("id"))
