@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import io
 import json
 import os
 import shutil
@@ -32,6 +33,7 @@ from pathlib import Path
 
 import httpx
 
+from bench import profile
 from bench.proc import cpu_seconds, descendants, status_kb
 from bench.wire import send
 
@@ -211,22 +213,51 @@ async def load(url: str, key: str, model: str, image: bytes | None, concurrency:
             "rps": len(latencies) / elapsed}
 
 
-def normalise_alone(image: bytes, repeats: int = 10) -> tuple[float, float]:
-    """Seconds for normalise alone, and for base64 intake plus normalise (what the gateway must do)."""
+def image_steps(image: bytes, repeats: int = 10) -> dict[str, float]:
+    """Seconds each step of the gateway's work on an image takes alone (the median of
+    `repeats`): the base64 data URL decoded, the JPEG decoded at the DCT scale the policy's cap
+    allows (the floor: the pixels must be decoded), resampled, re-encoded and fingerprinted;
+    and normalise whole, and with the base64 intake, as the gateway runs them."""
+    from PIL import Image
+
+    from controlplane.imaging.decode import as_image, decode_jpeg
+    from controlplane.imaging.fingerprint import fingerprint
     from controlplane.imaging.intake import image_source_bytes
-    from controlplane.imaging.policy import Policy, normalise
+    from controlplane.imaging.policy import Policy, _dct_scale, normalise, plan_tiles
+    from controlplane.imaging.resample import bicubic
 
     policy = Policy(max_pixels=1_003_520, max_input_pixels=60_000_000)
     url = "data:image/jpeg;base64," + base64.b64encode(image).decode()
-    normalise(image, policy)
-    started = time.perf_counter()
-    for _ in range(repeats):
-        normalise(image, policy)
-    alone = (time.perf_counter() - started) / repeats
-    started = time.perf_counter()
-    for _ in range(repeats):
-        normalise(image_source_bytes(url, max_bytes=10**8, fetch=None), policy)
-    return alone, (time.perf_counter() - started) / repeats
+    opened = Image.open(io.BytesIO(image))
+    plan = plan_tiles(opened.width, opened.height, policy, policy.max_pixels)
+    target = (plan.width, plan.height)
+    raw = decode_jpeg(image, opened, _dct_scale(opened.size, target))
+    decoded = as_image(raw)
+    resized = bicubic(decoded, target, pixels=raw) if decoded.size != target else decoded
+
+    def encode():
+        out = io.BytesIO()
+        resized.save(out, "JPEG", quality=85)
+
+    steps = {
+        "base64": lambda: image_source_bytes(url, max_bytes=10**8, fetch=None),
+        "decode (floor)": lambda: decode_jpeg(image, opened, _dct_scale(opened.size, target)),
+        "resample": lambda: bicubic(decoded, target, pixels=raw) if decoded.size != target else None,
+        "encode": encode,
+        "fingerprint": lambda: fingerprint(resized),
+        "normalise": lambda: normalise(image, policy),
+        "base64 + normalise": lambda: normalise(image_source_bytes(url, max_bytes=10**8, fetch=None), policy),
+    }
+    timings = {}
+    for name, step in steps.items():
+        step()
+        runs = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            step()
+            runs.append(time.perf_counter() - started)
+        timings[name] = statistics.median(runs)
+    return timings
 
 
 def main() -> None:
@@ -250,6 +281,7 @@ def main() -> None:
                      "gw-nokeep": gateway.untuned.pid}
         print(f"{'payload':8} {'conc':>4} {'target':8} {'p50 ms':>8} {'p99 ms':>8} {'+p50 ms':>8} {'+p99 ms':>8} "
               f"{'req/s':>8} {'fwd body':>10} {'cpu ms/req':>10}")
+        added_p50 = {}
         for (payload, concurrency), count in COUNTS.items():
             image = images[payload]
             model = "text" if image is None else "vlm"
@@ -266,15 +298,28 @@ def main() -> None:
                 forwarded = (after["body_bytes"] - before["body_bytes"]) / max(1, after["requests"] - before["requests"])
                 if name == "direct":
                     base = result
+                if name == "gateway":
+                    added_p50[(payload, concurrency)] = result["p50"] - base["p50"]
                 added = "" if name == "direct" else (f"{1000 * (result['p50'] - base['p50']):8.2f} "
                                                      f"{1000 * (result['p99'] - base['p99']):8.2f}")
                 print(f"{payload:8} {concurrency:4d} {name:8} {1000 * result['p50']:8.2f} {1000 * result['p99']:8.2f} "
                       f"{added or ' ' * 17:>17} {result['rps']:8.1f} {forwarded / 1024:8.1f}KB {1000 * cpu:10.2f}")
+        if profile.available():
+            # Where the gateway's CPU goes on text at concurrency 32, sampled while loaded.
+            sampling = profile.record(gateway.process.pid, seconds=8)
+            time.sleep(0.5)
+            asyncio.run(load(targets["gateway"][0], key, "text", None, 32, COUNTS[("text", 32)] * 2))
+            sampling.wait()
+            print("where the gateway's CPU goes, text at concurrency 32 (py-spy samples): "
+                  + ", ".join(f"{part} {share:.0%}" for part, share in profile.summarise(sampling.output)))
         for payload in ("1mp", "12mp"):
             sent = len(base64.b64encode(images[payload]))
-            alone, with_intake = normalise_alone(images[payload])
-            print(f"{payload}: normalise alone {1000 * alone:.1f} ms, base64 intake + normalise "
-                  f"{1000 * with_intake:.1f} ms (image sent as {sent / 1024:.0f} KB of base64)")
+            steps = image_steps(images[payload])
+            print(f"{payload} ({sent / 1024:.0f} KB of base64), each step alone: "
+                  + ", ".join(f"{name} {1000 * seconds:.1f} ms" for name, seconds in steps.items()))
+            gateway_added = added_p50[(payload, 1)]
+            print(f"{payload}: the gateway's added p50 at concurrency 1 is {1000 * gateway_added:.1f} ms, "
+                  f"{gateway_added / steps['decode (floor)']:.2f}x the decode alone")
         for name, process in (("gateway", gateway.process), ("gw-nokeep", gateway.untuned)):
             print(f"{name} peak resident memory: {status_kb('VmHWM', process.pid) / 1024:.0f} MB")
     finally:

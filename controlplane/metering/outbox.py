@@ -79,7 +79,20 @@ def usage_ingest(*, batch: int = 2000, max_batches: int = 10) -> int:
         finally:
             writer.submit(connection.close)  # the writer thread's own connection
     _trim_acknowledged(client, key)
+    _forget_idle_consumers(client, key, consumer)
     return done
+
+
+CONSUMER_IDLE_MS = 3_600_000
+
+
+def _forget_idle_consumers(client, key: str, consumer: str) -> None:
+    """Consumers are named per process, so every restart leaves a name behind in the group:
+    those holding nothing and idle for an hour are removed."""
+    for other in client.xinfo_consumers(key, GROUP):
+        name = other["name"].decode() if isinstance(other["name"], bytes) else other["name"]
+        if name != consumer and not other["pending"] and other["idle"] > CONSUMER_IDLE_MS:
+            client.xgroup_delconsumer(key, GROUP, name)
 
 
 def _priced(entries: list, writer: ThreadPoolExecutor) -> Future | None:

@@ -58,8 +58,17 @@ _finished: dict[str, None] = {}
 _heartbeats: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> its heartbeat task
 
 
+_ledgers: dict[tuple, RedisLedger | DatabaseLedger] = {}
+
+
 def ledger() -> RedisLedger | DatabaseLedger:
-    return RedisLedger() if settings.USAGE_OUTBOX == "redis" else DatabaseLedger()
+    """The ledger of the store the settings name (one object per store, made once)."""
+    store = settings.USAGE_OUTBOX
+    key = (store, settings.REDIS_URL, settings.CACHES["default"].get("KEY_PREFIX")) if store == "redis" else (store,)
+    found = _ledgers.get(key)
+    if found is None:
+        found = _ledgers[key] = RedisLedger() if store == "redis" else DatabaseLedger()
+    return found
 
 
 async def admit(record: UsageRecord, limits: Limits | None = None, ask: Ask | None = None) -> Flight:

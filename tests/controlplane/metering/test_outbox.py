@@ -158,3 +158,37 @@ def test_the_ingest_takes_nothing_from_the_stream_while_the_database_is_down(wor
     assert stream.xlen(stream_key()) == 1
     assert usage_ingest() == 1  # the database back: stored at once, not a minute later
     assert UsageEvent.objects.filter(request_id="req-waits").exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_consumers_ingesting_at_once_store_each_request_once(world, stream):
+    """Several consumers on one stream (processes on several hosts, threads here): each takes
+    its own entries, batches are written while the next are priced, and every request is
+    stored exactly once."""
+    import threading
+
+    from django.db import connection
+
+    put = async_to_sync(ledger.finish)
+    for n in range(3000):
+        put(_record(world, f"req-{n}"))
+    stored, failures = [], []
+
+    def consume():
+        try:
+            while done := usage_ingest(batch=250, max_batches=3):
+                stored.append(done)
+        except Exception as exc:  # noqa: BLE001 - reported below
+            failures.append(exc)
+        finally:
+            connection.close()
+
+    consumers = [threading.Thread(target=consume) for _ in range(3)]
+    for consumer in consumers:
+        consumer.start()
+    for consumer in consumers:
+        consumer.join()
+    assert failures == []
+    assert sum(stored) == 3000 and len(stored) > 3  # shared out, batch by batch
+    assert UsageEvent.objects.count() == 3000 == UsageEvent.objects.values("request_id").distinct().count()
+    assert stream.xlen(stream_key()) == 0
