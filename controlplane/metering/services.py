@@ -423,10 +423,19 @@ def _within(periods: list, length: dt.timedelta, field: str) -> Q:
 
 def _analytic(cursor) -> None:
     """Settings for a rollup run's few large grouped queries, in its transaction only: memory
-    to group in (not on disk), and no JIT compilation (seconds of it, for queries run once)."""
+    to group in (not on disk), no JIT compilation (seconds of it, for queries run once), and
+    parallel workers where they pay."""
     if connection.vendor == "postgresql":
         cursor.execute("SET LOCAL work_mem = '64MB'")
         cursor.execute("SET LOCAL jit = off")
+        # Joins and scans of millions of rows on every core the server offers (its defaults
+        # keep the images' join with their events on one).
+        cursor.execute("SET LOCAL parallel_setup_cost = 10")
+        cursor.execute("SET LOCAL parallel_tuple_cost = 0.001")
+        # Grouped by hashing, never by sorting: the planner takes the groups of a join (the
+        # images' with their events) for as many as its rows, and would sort ten million rows
+        # into a few thousand groups.
+        cursor.execute("SET LOCAL enable_sort = off")
 
 
 def _hours_from_events(hours: list, length: dt.timedelta):
