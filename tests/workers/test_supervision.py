@@ -1,4 +1,5 @@
-"""The node agent against real engine processes (the simulator, launched like vLLM)."""
+"""The node agent against real engine processes (the simulator, launched like vLLM; where a
+test is marked `speaking`, once as vLLM and once speaking SGLang's endpoints and metrics)."""
 
 from __future__ import annotations
 
@@ -20,10 +21,14 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 
 @pytest.fixture
-def agent(world, settings, tmp_path):
+def agent(request, world, settings, tmp_path):
     settings.ENGINE_LOG_DIR = tmp_path / "engines"
     settings.ENGINE_PORT_BASE = 21000 + (os.getpid() % 500) * 8
     settings.ENGINE_HEALTH_TIMEOUT = 0.5
+    api = getattr(request, "param", "vllm")
+    if api != "vllm":
+        world.vision.engine_settings = {**world.vision.engine_settings, "engine_api": api}
+        world.vision.save()
     node = supervision.this_node()
     instance = EngineInstance.objects.create(tier=world.vision, node=node)
     yield instance
@@ -46,6 +51,11 @@ def _running(i):
     return i.actual_state == "running" and i.healthy
 
 
+# The same supervision whichever engine's API the engine speaks.
+speaking = pytest.mark.parametrize("agent", ["vllm", "sglang"], indirect=True)
+
+
+@speaking
 def test_the_agent_launches_an_engine_with_its_log_in_a_file(agent):
     _reconcile_until(agent, _running, "the engine to come up")
     assert process.is_alive(agent.pid)
@@ -56,6 +66,7 @@ def test_the_agent_launches_an_engine_with_its_log_in_a_file(agent):
     assert states[:2] == ["running", "starting"]
 
 
+@speaking
 def test_a_killed_engine_is_restarted_after_a_backoff(agent):
     _reconcile_until(agent, _running, "the engine to come up")
     first_pid = agent.pid
@@ -168,6 +179,7 @@ def test_engines_of_another_deployment_on_the_same_host_are_left_alone(agent):
         other.wait()
 
 
+@speaking
 def test_each_pass_scrapes_the_engine_into_samples_and_gauges(agent):
     from controlplane.fleet.models import EngineMetricSample
 
@@ -175,6 +187,7 @@ def test_each_pass_scrapes_the_engine_into_samples_and_gauges(agent):
     _reconcile_until(agent, lambda i: i.metrics_at is not None, "a scrape")
     sample = EngineMetricSample.objects.filter(instance=agent).first()
     assert sample is not None and sample.generation_tokens >= 1  # the completion probe produced a token
+    assert sample.prompt_tokens >= 1 and sample.ttft is not None and sample.ttft["count"] >= 1
     assert agent.last_probe_at is not None and agent.probe_failures == 0
 
 
@@ -208,6 +221,7 @@ def test_an_idle_engine_drains_and_stops(agent):
     assert "drained after" in agent.state_reason
 
 
+@speaking
 def test_a_draining_engine_finishes_its_in_flight_request_first(agent, settings):
     import threading
 
@@ -278,6 +292,7 @@ def test_an_external_engine_is_watched_and_routed_to_but_never_launched(world):
     assert instance.actual_state == "unhealthy" and routable_instances(tier_id=tier.pk) == []
 
 
+@speaking
 def test_a_hang_that_health_does_not_show_is_caught_within_30_seconds(agent):
     """The engine answers /health but serves nothing: counters freeze, the probe times out."""
     import time

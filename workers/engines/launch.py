@@ -1,19 +1,20 @@
-"""The command line and environment that start an engine. One builder serves both kinds:
-`vllm serve` (on GPUs, or vLLM's CPU build on nodes without them) and the simulator, with the
-same flags."""
+"""The command line and environment that start an engine: `vllm serve` (on GPUs, or vLLM's
+CPU build on nodes without them), the simulator (which takes vLLM's flags), or SGLang's
+server (its own flags, from the same settings)."""
 
 from __future__ import annotations
 
 import json
 import sys
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 from controlplane.catalog.engine_settings import EngineSettings
 
 
 @dataclass(frozen=True)
 class LaunchSpec:
-    engine_kind: str  # "vllm" or "simulator"
+    engine_kind: str  # "vllm", "sglang" or "simulator"
     model_id: str
     served_model_name: str
     family: str
@@ -28,6 +29,8 @@ class LaunchSpec:
     api_key: str | None = None
     # The Python of the environment vLLM is installed in (the node agent's VLLM_PYTHON).
     vllm_python: str = sys.executable
+    # The Python of the environment SGLang is installed in (the node agent's SGLANG_PYTHON).
+    sglang_python: str = sys.executable
     # The node's transformers release, which decides the form of the processor's pixel bounds.
     transformers_version: str = ""
 
@@ -97,6 +100,8 @@ def processor_flags(processor_kwargs: dict, transformers_version: str) -> dict:
 
 
 def build_command(spec: LaunchSpec) -> tuple[list[str], dict[str, str]]:
+    if spec.engine_kind == "sglang":
+        return sglang_command(spec)
     settings = spec.settings
     cpu = spec.runs_on_cpu
     if spec.engine_kind == "vllm":
@@ -138,6 +143,8 @@ def build_command(spec: LaunchSpec) -> tuple[list[str], dict[str, str]]:
         for key in _SIMULATOR:
             if getattr(settings, key) is not None:
                 argv += ["--sim-" + key.replace("_", "-"), _text(getattr(settings, key))]
+        if settings.engine_api:
+            argv += ["--api", settings.engine_api]
     env = {
         "CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in spec.gpu_indices),
         "VLLM_MEDIA_URL_ALLOW_REDIRECTS": "0",
@@ -156,4 +163,63 @@ def build_command(spec: LaunchSpec) -> tuple[list[str], dict[str, str]]:
         # vLLM reads VLLM_API_KEY like --api-key; in the environment it stays out of `ps`
         # and out of the command line stored on the instance row.
         env["VLLM_API_KEY"] = spec.api_key
+    return argv, env
+
+
+# SGLang's server, started by a small program of ours (sglang_server.py) that takes the API
+# key from the environment: SGLang reads it from --api-key only.
+SGLANG_SERVER = Path(__file__).with_name("sglang_server.py")
+SGLANG_KEY_VARIABLE = "VLMCP_ENGINE_API_KEY"
+SGLANG_VARIABLES_TO_CHECK = "VLMCP_SGLANG_VARIABLES"
+# engine setting -> SGLang flag (sglang/srt/arg_groups/fields/), for plain valued settings
+_SGLANG_VALUED = {
+    "tensor_parallel_size": "--tp-size",
+    "gpu_memory_utilization": "--mem-fraction-static",
+    "max_model_len": "--context-length",
+    "max_num_seqs": "--max-running-requests",
+    "max_num_batched_tokens": "--chunked-prefill-size",
+    "kv_cache_dtype": "--kv-cache-dtype",
+    "dtype": "--dtype",
+}
+# Passed even when unset: the context length is what the gateway admits against, and SGLang
+# would otherwise take the model's own (128K for Qwen2.5-VL).
+_SGLANG_ALWAYS = ("max_model_len",)
+
+
+def sglang_command(spec: LaunchSpec) -> tuple[list[str], dict[str, str]]:
+    """SGLang's launch_server with the tier's settings and resolution policy.
+
+    The image bounds go to the model's processor through --mm-process-config, in the form
+    transformers 5 takes ({"size": {"shortest_edge", "longest_edge"}}: every SGLang release
+    checked runs on transformers 5). Without them SGLang's Qwen-VL processor takes images up
+    to 16384 patches of 28 x 28 (12.8 MP) where the gateway counted at most the policy's cap.
+    """
+    settings = spec.settings
+    argv = [spec.sglang_python, str(SGLANG_SERVER), "--model-path", spec.model_id,
+            "--served-model-name", spec.served_model_name, "--host", spec.host, "--port", str(spec.port)]
+    for key, flag in _SGLANG_VALUED.items():
+        value = getattr(settings, key)
+        if value is not None and (key in settings.given or key in _SGLANG_ALWAYS):
+            argv += [flag, _text(value)]
+    if not settings.enable_prefix_caching:
+        argv.append("--disable-radix-cache")
+    # Prometheus metrics for supervision and the fleet page; cached prompt tokens in each
+    # response's usage, as vLLM's --enable-prompt-tokens-details gives.
+    argv += ["--enable-metrics", "--enable-cache-report"]
+    if spec.images_per_prompt is not None:
+        argv += ["--limit-mm-data-per-request", json.dumps({"image": spec.images_per_prompt, "video": 0})]
+        if spec.processor_kwargs:
+            argv += ["--mm-process-config", json.dumps({"image": processor_flags(spec.processor_kwargs, "5")})]
+        # SGLang, like vLLM, matches exact host names; the gateway sends data URLs anyway.
+        exact = [d for d in spec.allowed_media_domains if "*" not in d]
+        argv += ["--allowed-media-domains", *(exact or ["no-engine-fetching.invalid"])]
+    env = {
+        "CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in spec.gpu_indices),
+        # /health answers from the server's state alone: supervision sends its own one-token
+        # probe now and then, instead of SGLang generating on every health check.
+        "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "false",
+    }
+    env[SGLANG_VARIABLES_TO_CHECK] = ",".join(sorted(name for name in env if name.startswith("SGLANG_")))
+    if spec.api_key:
+        env[SGLANG_KEY_VARIABLE] = spec.api_key
     return argv, env

@@ -1,8 +1,9 @@
-"""Reading an engine's /metrics (Prometheus text format, vLLM's metric names).
+"""Reading an engine's /metrics (Prometheus text format, vLLM's or SGLang's metric names).
 
 Pure Python: no Django, no Celery. `parse` reads the exposition format; `snapshot` keeps the
 figures the control plane uses, summed over an engine's label sets (a data-parallel vLLM
-exposes one series per engine index).
+exposes one series per engine index), under the same names whichever engine exposed them:
+SGLANG_NAMES says which of SGLang's metrics stands for each.
 """
 
 from __future__ import annotations
@@ -124,8 +125,28 @@ class Snapshot:
         return self.prompt_tokens + self.generation_tokens + self.requests_finished
 
 
+# Snapshot field -> SGLang's metric (sglang/srt/observability/metrics_collector.py, checked
+# against the package by the tests). SGLang keeps no counter of prefix-cache lookups: its
+# cached prompt tokens over its prompt tokens are the hit rate vLLM's two counters give.
+SGLANG_NAMES = {
+    "running": "sglang:num_running_reqs",
+    "waiting": "sglang:num_queue_reqs",
+    "kv_cache_usage": "sglang:token_usage",
+    "prompt_tokens": "sglang:prompt_tokens_total",
+    "generation_tokens": "sglang:generation_tokens_total",
+    "prefix_cache_queries": "sglang:prompt_tokens_total",
+    "prefix_cache_hits": "sglang:cached_tokens_total",
+    "preemptions": "sglang:num_retracted_requests_total",
+    "requests_finished": "sglang:num_requests_total",
+    "ttft": "sglang:time_to_first_token_seconds",
+    "e2e": "sglang:e2e_request_latency_seconds",
+}
+
+
 def snapshot(text: str) -> Snapshot:
     series = parse(text)
+    if any(name.startswith("sglang:") for name in series):
+        return _sglang_snapshot(series)
     return Snapshot(
         running=_total(series, "vllm:num_requests_running") or 0.0,
         waiting=_total(series, "vllm:num_requests_waiting") or 0.0,
@@ -140,4 +161,12 @@ def snapshot(text: str) -> Snapshot:
         requests_finished=_total(series, "vllm:request_success_total") or 0.0,
         ttft=_histogram(series, "vllm:time_to_first_token_seconds"),
         e2e=_histogram(series, "vllm:e2e_request_latency_seconds"),
+    )
+
+
+def _sglang_snapshot(series) -> Snapshot:
+    histograms = ("ttft", "e2e")
+    return Snapshot(
+        **{field: _total(series, name) or 0.0 for field, name in SGLANG_NAMES.items() if field not in histograms},
+        **{field: _histogram(series, SGLANG_NAMES[field]) for field in histograms},
     )

@@ -4,7 +4,10 @@ front, with the reason on the instance row."""
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import subprocess
 
 # Hugging Face model_type -> (architecture vLLM registers, first vLLM release that serves it).
 # Read from the published vLLM packages 0.6.0 ... 0.33.0 (vllm/model_executor/models/registry.py);
@@ -37,8 +40,51 @@ def version_tuple(text: str) -> tuple[int, ...]:
     return tuple(int(part) for part in numbers.group(1).split("."))
 
 
+# Hugging Face model_type -> the architecture SGLang registers for it (sglang/srt/models/; the
+# tests check each against the installed package). SGLang releases the launcher was checked
+# against: their argument parsers take every flag it passes (tests/workers/test_sglang.py).
+SGLANG_ARCHITECTURES = {
+    "qwen2_vl": "Qwen2VLForConditionalGeneration",
+    "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+    "qwen3_vl": "Qwen3VLForConditionalGeneration",
+    "llava": "LlavaForConditionalGeneration",
+    "gemma3": "Gemma3ForConditionalGeneration",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+}
+SGLANG_CHECKED = ("0.5.23",)
+SGLANG_CHECK_TIMEOUT_S = 180
+
+
+def sglang_refusal(argv: list[str], env: dict[str, str]) -> str | None:
+    """Why SGLang on this node would not start with this command, in SGLang's own words
+    (its argument parser run by SGLANG_PYTHON, nothing started), or None when it would."""
+    python, server, flags = argv[0], argv[1], argv[2:]
+    try:
+        result = subprocess.run([python, server, "--check", *flags], capture_output=True, text=True,
+                                env={**os.environ, **env}, timeout=SGLANG_CHECK_TIMEOUT_S)
+    except FileNotFoundError:
+        return f"SGLANG_PYTHON {python} does not exist: install SGLang there (make engine-sglang) or set it"
+    except subprocess.TimeoutExpired:
+        return f"SGLang's argument check did not finish in {SGLANG_CHECK_TIMEOUT_S}s"
+    if result.returncode == 0:
+        try:
+            json.loads(result.stdout.strip().splitlines()[-1])
+        except (ValueError, IndexError):
+            return f"SGLang's argument check printed nothing readable: {result.stdout[-300:]!r}"
+        return None
+    lines = [line for line in result.stderr.strip().splitlines() if line.strip()]
+    return (lines[-1] if lines else f"SGLang's argument check failed (exit {result.returncode})")[:500]
+
+
 def launch_refusal(tier, node) -> str | None:
     """Why `tier` cannot be launched on `node`, or None when it can."""
+    if tier.engine_kind == "sglang":
+        if tier.family not in SGLANG_ARCHITECTURES:
+            return f"no known SGLang architecture for model family {tier.family!r}"
+        return None  # the rest is asked of SGLang itself, with the command (sglang_refusal)
     if tier.engine_kind != "vllm":
         return None
     if not node.vllm_version:

@@ -32,7 +32,10 @@ BACKOFF_BASE, BACKOFF_CAP, HEALTHY_RESET = 10, 300, dt.timedelta(minutes=10)
 CRASH_LOOP_AFTER = 3  # restarts without 10 healthy minutes in between
 HUNG_RESTART_AFTER = dt.timedelta(seconds=60)  # out of rotation this long: restart it
 DRAIN_GRACE = dt.timedelta(seconds=3)  # gateways' instance caches (2 s) must forget it first
-STARTUP_GRACE = {"simulator": dt.timedelta(seconds=30), "vllm": dt.timedelta(minutes=15)}
+STARTUP_GRACE = {"simulator": dt.timedelta(seconds=30), "vllm": dt.timedelta(minutes=15),
+                 "sglang": dt.timedelta(minutes=15)}
+# Engines that load the model on this node, whose tokenizer the gateway can then count with.
+LOADS_THE_MODEL = ("vllm", "sglang")
 LOG_TAIL_BYTES = 4096
 
 
@@ -85,6 +88,7 @@ def tier_launch_spec(tier: ModelTier, *, port: int, gpu_indices: tuple[int, ...]
         allowed_media_domains=engine.allowed_media_domains,
         api_key=api_key,
         vllm_python=settings.VLLM_PYTHON,
+        sglang_python=settings.SGLANG_PYTHON,
         transformers_version=transformers_version,
     )
 
@@ -125,7 +129,12 @@ def engine_launch(instance: EngineInstance, node: Node) -> None:
     except ValueError as exc:
         instance_transition(instance=instance, to_state=A.FAILED, reason=f"cannot launch: {exc}")
         return
-    if instance.tier.engine_kind == "vllm":
+    if instance.tier.engine_kind == "sglang":
+        refusal = compat.sglang_refusal(argv, env)
+        if refusal:
+            instance_transition(instance=instance, to_state=A.FAILED, reason=f"cannot launch: {refusal}")
+            return
+    if instance.tier.engine_kind in LOADS_THE_MODEL:
         # The model is on this node: its tokenizer lets the gateway count prompts exactly.
         tier_tokenizer_publish(tier=instance.tier, source=f"node {node.name}")
     log_path = Path(settings.ENGINE_LOG_DIR) / f"instance-{instance.pk}.log"
@@ -222,7 +231,7 @@ def engine_check(instance: EngineInstance, now: dt.datetime) -> None:
         if instance.actual_state != A.RUNNING:
             instance_transition(instance=instance, to_state=A.RUNNING, reason="serving: health and probe passed",
                                 **fields)
-            if instance.tier.engine_kind == "vllm":
+            if instance.tier.engine_kind in LOADS_THE_MODEL:
                 # A model named by its hub id is in the local cache only once vLLM has
                 # downloaded it: published now if it was not found at launch.
                 tier_tokenizer_publish(tier=instance.tier, source=f"node {instance.node.name}")

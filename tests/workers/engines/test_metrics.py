@@ -52,6 +52,69 @@ def test_the_simulators_own_scrape_reads_back():
     assert snap.e2e.count == 1
 
 
+# As an SGLang server exposes them: the scheduler's gauges per rank, the tokenizer manager's
+# counters split by streaming, cached tokens by where the cache was.
+SGLANG_TEXT = """\
+# TYPE sglang:num_running_reqs gauge
+sglang:num_running_reqs{engine_type="unified",model_name="m",pp_rank="0",tp_rank="0"} 4.0
+# TYPE sglang:num_queue_reqs gauge
+sglang:num_queue_reqs{engine_type="unified",model_name="m",pp_rank="0",tp_rank="0"} 6.0
+# TYPE sglang:token_usage gauge
+sglang:token_usage{engine_type="unified",model_name="m",pp_rank="0",tp_rank="0"} 0.31
+# TYPE sglang:cache_hit_rate gauge
+sglang:cache_hit_rate{engine_type="unified",model_name="m",pp_rank="0",tp_rank="0"} 0.5
+# TYPE sglang:prompt_tokens_total counter
+sglang:prompt_tokens_total{is_streaming="false",model_name="m"} 1000.0
+sglang:prompt_tokens_total{is_streaming="true",model_name="m"} 600.0
+# TYPE sglang:generation_tokens_total counter
+sglang:generation_tokens_total{is_streaming="false",model_name="m"} 300.0
+# TYPE sglang:cached_tokens_total counter
+sglang:cached_tokens_total{cache_source="device",model_name="m"} 700.0
+sglang:cached_tokens_total{cache_source="host",model_name="m"} 100.0
+# TYPE sglang:num_requests_total counter
+sglang:num_requests_total{is_streaming="false",model_name="m"} 12.0
+# TYPE sglang:num_retracted_requests_total counter
+sglang:num_retracted_requests_total{engine_type="unified",model_name="m",pp_rank="0",tp_rank="0"} 2.0
+# TYPE sglang:time_to_first_token_seconds histogram
+sglang:time_to_first_token_seconds_bucket{is_streaming="false",le="0.1",model_name="m"} 3.0
+sglang:time_to_first_token_seconds_bucket{is_streaming="true",le="0.1",model_name="m"} 1.0
+sglang:time_to_first_token_seconds_bucket{is_streaming="false",le="+Inf",model_name="m"} 8.0
+sglang:time_to_first_token_seconds_bucket{is_streaming="true",le="+Inf",model_name="m"} 4.0
+sglang:time_to_first_token_seconds_sum{is_streaming="false",model_name="m"} 2.0
+sglang:time_to_first_token_seconds_sum{is_streaming="true",model_name="m"} 1.0
+sglang:time_to_first_token_seconds_count{is_streaming="false",model_name="m"} 8.0
+sglang:time_to_first_token_seconds_count{is_streaming="true",model_name="m"} 4.0
+"""
+
+
+def test_an_sglang_scrape_is_read_under_the_same_names():
+    snap = snapshot(SGLANG_TEXT)
+    assert (snap.running, snap.waiting, snap.kv_cache_usage) == (4.0, 6.0, 0.31)
+    assert (snap.prompt_tokens, snap.generation_tokens, snap.requests_finished) == (1600.0, 300.0, 12.0)
+    # the hit rate as vLLM's counters give it: cached prompt tokens over prompt tokens
+    assert snap.prefix_cache_hits / snap.prefix_cache_queries == 800 / 1600
+    assert snap.preemptions == 2.0 and snap.mm_cache_queries == 0.0  # SGLang has no such cache
+    assert (snap.ttft.count, snap.ttft.total) == (12.0, 3.0)
+    assert snap.ttft.quantile(0.3) == 0.1 and snap.ttft.quantile(0.5) == math.inf
+
+
+def test_the_simulator_reads_the_same_in_either_engines_names():
+    from workers.engines.simulator.metrics import Metrics
+
+    metrics = Metrics("vlm")
+    metrics.running, metrics.waiting, metrics.kv_usage = 2, 1, 0.25
+    for name, value in (("vllm:prompt_tokens_total", 500), ("vllm:generation_tokens_total", 99),
+                        ("vllm:prefix_cache_queries_total", 500), ("vllm:prefix_cache_hits_total", 128),
+                        ("vllm:num_preemptions_total", 3)):
+        metrics.counters[name] = value
+    metrics.success["stop"] = 4
+    metrics.histograms["vllm:time_to_first_token_seconds"].observe(0.03)
+    metrics.histograms["vllm:e2e_request_latency_seconds"].observe(0.3)
+    as_vllm, as_sglang = snapshot(metrics.render("vllm")), snapshot(metrics.render("sglang"))
+    assert as_sglang == as_vllm
+    assert "sglang:num_running_reqs" in parse(metrics.render("sglang"))
+
+
 def test_labels_with_escapes_and_timestamps_parse():
     series = parse('x{a="say \\"hi\\"",b="c\\\\d"} 1.5 1700000000000\n')
     assert series["x"] == [({"a": 'say "hi"', "b": "c\\d"}, 1.5)]

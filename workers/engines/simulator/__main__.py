@@ -51,6 +51,8 @@ def parse_args(argv=None):
     parser.add_argument("--sim-kv-cache-tokens", type=int, default=SchedulerConfig.kv_cache_tokens,
                         help="KV cache capacity in tokens (in blocks of --block-size)")
     # A fault from the start; POST /sim/fault changes it at run time.
+    parser.add_argument("--api", choices=("vllm", "sglang"), default="vllm",
+                        help="whose endpoints and metric names to speak")
     parser.add_argument("--sim-fault", choices=FAULT_MODES, default="none")
     parser.add_argument("--sim-fault-factor", type=float, default=Faults.factor,
                         help="slow: every step takes this many times longer")
@@ -108,7 +110,7 @@ def main(argv=None):
         engine.set_fault(args.sim_fault, args.sim_fault_factor, args.sim_fault_rate)
     except EngineRequestError as exc:
         sys.exit(f"simulator: --sim-fault: {exc}")
-    uvicorn.run(App(engine, api_key=args.api_key), host=args.host, port=args.port,
+    uvicorn.run(App(engine, api_key=args.api_key, api=args.api), host=args.host, port=args.port,
                 log_level="warning", access_log=False, lifespan="on")
 
 

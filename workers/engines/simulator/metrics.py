@@ -1,4 +1,4 @@
-"""Prometheus text exposition with vLLM's metric names."""
+"""Prometheus text exposition with vLLM's metric names, or SGLang's (`render(api="sglang")`)."""
 
 from __future__ import annotations
 
@@ -56,7 +56,9 @@ class Metrics:
         labels = {"engine": "0", "model_name": self.model_name, **extra}
         return ",".join(f'{name}="{labels[name]}"' for name in sorted(labels))
 
-    def render(self) -> str:
+    def render(self, api: str = "vllm") -> str:
+        if api == "sglang":
+            return self._render_sglang()
         lines, labels = [], self._labels()
         gauges = {
             "vllm:num_requests_running": self.running,
@@ -83,4 +85,37 @@ class Metrics:
             lines.append(f"{name}_bucket{{{self._labels(le='+Inf')}}} {float(hist.count)}")
             lines.append(f"{name}_sum{{{labels}}} {hist.total}")
             lines.append(f"{name}_count{{{labels}}} {float(hist.count)}")
+        return "\n".join(lines) + "\n"
+
+    def _render_sglang(self) -> str:
+        """The same figures under SGLang's names and labels (its metrics_collector.py): the
+        scheduler's gauges, the tokenizer manager's counters and histograms."""
+        labels = f'engine_type="unified",model_name="{self.model_name}",pp_rank="0",tp_rank="0"'
+        plain = f'model_name="{self.model_name}"'
+        counters = self.counters
+        lines = []
+        for name, value in (("sglang:num_running_reqs", self.running), ("sglang:num_queue_reqs", self.waiting),
+                            ("sglang:token_usage", self.kv_usage),
+                            ("sglang:cache_hit_rate", counters["vllm:prefix_cache_hits_total"]
+                             / (counters["vllm:prefix_cache_queries_total"] or 1.0))):
+            lines += [f"# TYPE {name} gauge", f"{name}{{{labels}}} {float(value)}"]
+        for name, value in (("sglang:prompt_tokens_total", counters["vllm:prompt_tokens_total"]),
+                            ("sglang:generation_tokens_total", counters["vllm:generation_tokens_total"]),
+                            ("sglang:num_requests_total", float(sum(self.success.values()))),
+                            ("sglang:num_retracted_requests_total", counters["vllm:num_preemptions_total"])):
+            lines += [f"# TYPE {name} counter", f'{name}{{is_streaming="false",{plain}}} {float(value)}']
+        lines += ["# TYPE sglang:cached_tokens_total counter",
+                  f'sglang:cached_tokens_total{{cache_source="device",{plain}}} '
+                  f'{float(counters["vllm:prefix_cache_hits_total"])}']
+        for name, ours in (("sglang:time_to_first_token_seconds", "vllm:time_to_first_token_seconds"),
+                           ("sglang:e2e_request_latency_seconds", "vllm:e2e_request_latency_seconds")):
+            hist = self.histograms[ours]
+            lines.append(f"# TYPE {name} histogram")
+            cumulative = 0
+            for bound, count in zip(hist.buckets, hist.counts, strict=True):
+                cumulative += count
+                lines.append(f'{name}_bucket{{le="{bound}",{plain}}} {float(cumulative)}')
+            lines.append(f'{name}_bucket{{le="+Inf",{plain}}} {float(hist.count)}')
+            lines.append(f"{name}_sum{{{plain}}} {hist.total}")
+            lines.append(f"{name}_count{{{plain}}} {float(hist.count)}")
         return "\n".join(lines) + "\n"

@@ -78,9 +78,10 @@ def _usage(completion, completion_tokens: int, *, streamed: bool) -> dict:
 
 
 class App:
-    def __init__(self, engine: SimulatedEngine, api_key: str | None = None):
+    def __init__(self, engine: SimulatedEngine, api_key: str | None = None, api: str = "vllm"):
         self.engine = engine
         self.api_key = api_key
+        self.api = api  # whose endpoints and metric names: vLLM's or SGLang's
         self.random = random.Random()
 
     async def __call__(self, scope, receive, send):
@@ -97,11 +98,14 @@ class App:
         path, method = scope["path"], scope["method"]
         if path == "/health":  # a hung loop still answers 200, as vLLM's does
             return await _send(send, 503 if self.engine.scheduler.dead else 200, b"", "text/plain")
-        if path == "/version":
-            return await _send(send, 200, _json({"version": VERSION}))
         if path == "/metrics":
-            return await _send(send, 200, self.engine.metrics.render().encode(),
+            return await _send(send, 200, self.engine.metrics.render(self.api).encode(),
                                "text/plain; version=0.0.4")
+        if self.api == "sglang":
+            if path in SGLANG_ROUTES:
+                return await SGLANG_ROUTES[path](self, send)
+        elif path == "/version":
+            return await _send(send, 200, _json({"version": VERSION}))
         if path.startswith(("/v1/", "/sim/")) and self.api_key:
             headers = dict(scope["headers"])
             sent = headers.get(b"authorization", b"").decode("latin-1")
@@ -110,7 +114,7 @@ class App:
         if path == "/v1/models" and method == "GET":
             return await _send(send, 200, _json({"object": "list", "data": [{
                 "id": self.engine.name, "object": "model", "created": int(time.time()),
-                "owned_by": "vllm", "root": self.engine.name,
+                "owned_by": "sglang" if self.api == "sglang" else "vllm", "root": self.engine.name,
                 "max_model_len": self.engine.max_model_len}]}))
         if path == "/v1/chat/completions" and method == "POST":
             return await self.chat(receive, send)
@@ -210,3 +214,31 @@ class App:
     async def _emit(send, data):
         await send({"type": "http.response.body", "body": b"data: " + _json(data) + b"\n\n",
                     "more_body": True})
+
+
+async def _sglang_health_generate(app: App, send) -> None:
+    # SGLang's generates one token unless the server is busy; a dead scheduler cannot.
+    await _send(send, 503 if app.engine.scheduler.dead else 200, b"", "text/plain")
+
+
+async def _sglang_model_info(app: App, send) -> None:
+    engine = app.engine
+    await _send(send, 200, _json({
+        "model_path": engine.name, "served_model_name": engine.name, "tokenizer_path": engine.name,
+        "is_generation": True, "preferred_sampling_params": None, "weight_version": "default",
+        "has_image_understanding": bool(engine.images_per_prompt), "has_audio_understanding": False,
+        "model_type": engine.family}))
+
+
+async def _sglang_ready(app: App, send) -> None:
+    await _send(send, 503 if app.engine.scheduler.dead else 200, b"", "text/plain")
+
+
+# SGLang's native endpoints the simulator answers (sglang/srt/entrypoints/http_server.py; the
+# tests check each against the installed package). /health and /metrics are shared.
+SGLANG_ROUTES = {
+    "/health_generate": _sglang_health_generate,
+    "/ready": _sglang_ready,
+    "/model_info": _sglang_model_info,
+    "/get_model_info": _sglang_model_info,
+}
