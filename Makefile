@@ -10,7 +10,7 @@ else
 endif
 TEST_WORKERS ?= 2
 
-.PHONY: run test install install-dev browser engine-cpu lint migrate seed bench clean
+.PHONY: run test install install-dev browser engine-cpu engine-sglang lint migrate seed bench clean
 
 $(STAMP_DIR)/.installed-run: pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv .venv
@@ -46,7 +46,12 @@ browser:
 engine-cpu: install
 	@$(PY) -m workers.engines.cpu.install >/dev/null
 
-test: install-dev browser engine-cpu
+# SGLang's package over that environment, without its GPU kernels: the tests check the
+# launcher's SGLang commands with SGLang's own argument parser (SGLang does not serve here).
+engine-sglang: engine-cpu
+	@$(PY) -m workers.engines.sglang_env >/dev/null
+
+test: install-dev browser engine-cpu engine-sglang
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 	@echo "the accounting tests again, in embedded mode (SQLite, no Redis):"
 	DATABASE_URL=sqlite:///var/tests/embedded.sqlite3 REDIS_URL= \

