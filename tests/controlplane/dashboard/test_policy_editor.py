@@ -54,3 +54,19 @@ def test_a_policy_is_previewed_on_each_vision_tier_then_saved_and_recorded(clien
 def test_only_operators_edit_policies(client, world):
     client.force_login(world.finance)
     assert client.post("/policies/new/", {**_policy(), "save": "1"}).status_code == 403
+
+
+def test_the_policy_page_shows_the_bounds_each_tiers_engine_is_given(client, world):
+    from controlplane.catalog.engine_settings import applicable
+
+    policy = world.vision.resolution_policy
+    world.vision.engine_kind = "sglang"
+    world.vision.engine_settings = applicable(world.vision.engine_settings, "sglang")
+    world.vision.save()
+    client.force_login(world.operator)
+    page = client.get(f"/policies/{policy.name}/").content.decode()
+    section = page.split('id="engine-bounds"')[1].split("</section>")[0]
+    assert world.vision.name in section and "SGLang" in section
+    expected = (f'--mm-process-config {{&quot;image&quot;: {{&quot;size&quot;: {{&quot;shortest_edge&quot;: '
+                f'{policy.min_pixels}, &quot;longest_edge&quot;: {policy.max_pixels}}}}}}}')
+    assert expected in section

@@ -5,6 +5,7 @@ preview of the engine's command line, what sample images cost, and whether it fi
 from __future__ import annotations
 
 import html
+import json
 import shlex
 
 import pytest
@@ -164,3 +165,31 @@ def test_the_keys_page_shows_where_auto_sends_each_tenants_requests(client, worl
     rows = {row.split("<td>")[1].split("</td>")[0]: row for row in page.split("<tr>")[2:]}
     assert "text → text<br>images → vlm-lite" in rows["alice"]
     assert "text → text<br>images → refused" in rows["bob"]
+
+
+def test_an_sglang_tier_shows_sglangs_flags_and_previews_sglangs_command(client, world):
+    client.force_login(world.operator)
+    form = client.get("/tiers/new/?engine=sglang").content.decode()
+    assert "SGLang flag --chunked-prefill-size." in form and "--max-num-batched-tokens" not in form
+    assert "setting_mm_processor_cache_gb" not in form and "setting_scheduling_policy" not in form
+    assert "setting_tool_call_parser" not in form  # SGLang tiers take no tools yet
+    page = client.post("/tiers/new/", _form(world, preview="1", engine_kind="sglang", setting_max_model_len=32768,
+                                            setting_max_num_seqs=64)).content.decode()
+    command = shlex.split(html.unescape(page.split('id="tier-command">')[1].split("</pre>")[0]))
+    assert command[1].endswith("workers/engines/sglang_server.py")
+    assert command[command.index("--model-path") + 1] == "Qwen/Qwen2.5-VL-7B-Instruct"
+    assert command[command.index("--context-length") + 1] == "32768"
+    assert command[command.index("--max-running-requests") + 1] == "64"
+    assert json.loads(command[command.index("--mm-process-config") + 1]) == {
+        "image": {"size": {"shortest_edge": 3136, "longest_edge": 1003520}}}
+    assert "--api-key" not in command
+    # the same bounds as the gateway's count: a 12 MP photo is sent at 1148 x 840
+    row = page.split('id="tier-samples"')[1].split("4032 × 3024")[1].split("</tr>")[0]
+    assert "1148 × 840" in row and "1,232" in row
+
+
+def test_an_sglang_tier_refuses_a_kv_cache_type_sglang_has_not(client, world):
+    client.force_login(world.operator)
+    response = client.post("/tiers/new/", _form(world, save="1", engine_kind="sglang", setting_kv_cache_dtype="fp8"))
+    assert "Select a valid choice. fp8 is not one of the available choices." in field_errors(response.content.decode())
+    assert not ModelTier.objects.filter(name="vlm-7b").exists()
