@@ -72,10 +72,12 @@ SETTINGS = (
             "Reuse the KV cache of repeated prompt prefixes, repeated images included.",
             flag="--enable-prefix-caching", sglang_flag="--disable-radix-cache (when off)"),
     Setting("tool_call_parser", str, None, "Tool-call parser",
-            "vLLM's parser for the model's tool calls; without one, requests with tools are refused.",
-            engines=VLLM_LIKE, choices=("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder",
-                                                "internlm", "granite", "jamba"),
-            flag="--tool-call-parser"),
+            "The engine's parser for the model's tool calls (each engine names its own); without one, "
+            "requests with tools are refused.",
+            engines=LAUNCHED, choices=("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder",
+                                       "internlm", "granite", "jamba"),
+            flag="--tool-call-parser", sglang_flag="--tool-call-parser",
+            sglang_choices=("hermes", "llama3", "mistral", "pythonic", "qwen25", "qwen3_coder")),
     Setting("device", str, "gpu", "Device", "cpu runs vLLM's CPU build on a node without GPUs.",
             engines=(VLLM,), choices=("gpu", "cpu")),
     # vLLM's CPU build (device: cpu): environment variables instead of flags.

@@ -431,8 +431,11 @@ def _usage_details(usage: dict, prepared: Prepared) -> dict:
 
 
 def _engine_image_tokens(usage: dict) -> int | None:
-    counts = (usage.get("prompt_tokens_details") or {}).get("multimodal_tokens")
-    value = counts.get("image") if isinstance(counts, dict) else None
+    """The engine's own count of image placeholders: vLLM's `multimodal_tokens.image`, or
+    SGLang's `image_tokens` (the span of its image items, the same placeholders)."""
+    details = usage.get("prompt_tokens_details") or {}
+    counts = details.get("multimodal_tokens")
+    value = counts.get("image") if isinstance(counts, dict) else details.get("image_tokens")
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
 
 

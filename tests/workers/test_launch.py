@@ -261,12 +261,19 @@ def test_an_sglang_text_tier_gets_no_multimodal_flags_and_unset_settings_none():
 
 def test_settings_sglang_has_no_equal_of_are_refused_by_name():
     with pytest.raises(EngineSettingsError) as refused:
-        EngineSettings.parse({"kv_cache_dtype": "fp8", "tool_call_parser": "hermes",
+        EngineSettings.parse({"kv_cache_dtype": "fp8", "tool_call_parser": "llama3_json",
                               "mm_processor_cache_gb": 2, "scheduling_policy": "priority"}, "sglang")
     assert set(refused.value.messages) == {"kv_cache_dtype", "tool_call_parser", "mm_processor_cache_gb",
                                            "scheduling_policy"}
     assert "fp8_e4m3" in refused.value.messages["kv_cache_dtype"]
-    assert "only vllm, simulator" in refused.value.messages["tool_call_parser"]
+    assert "llama3, mistral" in refused.value.messages["tool_call_parser"]  # SGLang's names
+    assert "only vllm, simulator" in refused.value.messages["scheduling_policy"]
+
+
+def test_an_sglang_tier_with_a_tool_call_parser_passes_sglangs_name_for_it():
+    argv, _ = build_command(sglang_spec(settings={"tool_call_parser": "qwen25"}))
+    assert flag_value(argv, "--tool-call-parser") == "qwen25"
+    assert "--enable-auto-tool-choice" not in argv  # vLLM's; SGLang has no such flag
 
 
 def test_the_simulator_can_be_told_to_speak_sglang():

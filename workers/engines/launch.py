@@ -180,6 +180,7 @@ _SGLANG_VALUED = {
     "max_num_batched_tokens": "--chunked-prefill-size",
     "kv_cache_dtype": "--kv-cache-dtype",
     "dtype": "--dtype",
+    "tool_call_parser": "--tool-call-parser",  # SGLang turns tool choice on with the parser alone
 }
 # Passed even when unset: the context length is what the gateway admits against, and SGLang
 # would otherwise take the model's own (128K for Qwen2.5-VL).

@@ -20,11 +20,13 @@ GATEWAY_TOKENS = count_image_tokens("qwen2_5_vl", 640, 480, min_pixels=3136, max
 FEATURES = GATEWAY_TOKENS - 2  # vLLM counts the placeholders, not <|vision_start|>/<|vision_end|>
 
 
-def engine_reporting(image_count, cached_tokens=0):
+def engine_reporting(image_count, cached_tokens=0, *, sglang=False):
     async def handler(reader, writer):
         await read_request(reader)
         details = {"cached_tokens": cached_tokens,
                    "multimodal_tokens": None if image_count is None else {"image": image_count}}
+        if sglang:  # SGLang counts the same placeholders, under its own key (usage_processor.py)
+            details = {"cached_tokens": cached_tokens, "image_tokens": image_count}
         body = json.dumps({"id": "c", "object": "chat.completion", "choices": [
             {"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
             "usage": {"prompt_tokens": GATEWAY_TOKENS + 20, "completion_tokens": 1,
@@ -50,6 +52,16 @@ def test_it_keeps_the_engines_image_count_beside_its_own(world):
     # image_tokens: every prompt position the image takes, what it is billed for; vLLM's own
     # count of its placeholders is passed through beside it.
     assert (details["image_tokens"], details["multimodal_tokens"]) == (GATEWAY_TOKENS, {"image": FEATURES})
+    event = UsageEvent.objects.filter(tenant=world.alice).first()
+    assert (event.image_tokens, event.engine_image_tokens, event.image_tokens_disagree) == (
+        GATEWAY_TOKENS, FEATURES, False)
+
+
+def test_sglangs_image_count_is_read_from_its_own_usage_field(world):
+    (status, body), _ = with_raw_engine(world, engine_reporting(FEATURES, sglang=True), _image_request())
+    assert status == 200
+    # the client sees the gateway's count, as from any engine
+    assert json.loads(body)["usage"]["prompt_tokens_details"]["image_tokens"] == GATEWAY_TOKENS
     event = UsageEvent.objects.filter(tenant=world.alice).first()
     assert (event.image_tokens, event.engine_image_tokens, event.image_tokens_disagree) == (
         GATEWAY_TOKENS, FEATURES, False)

@@ -339,6 +339,27 @@ def test_an_image_in_a_reused_prefix_is_metered_as_cached(client, world):
     assert second.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == second_event.cached_tokens
 
 
+def test_an_engine_speaking_sglang_is_metered_as_one_speaking_vllm(client, world):
+    with simulator(name="vlm-lite", extra=("--enable-prefix-caching", "--api", "sglang")) as port:
+        node = Node.objects.create(name="sglang", queue="node.sglang", last_seen_at=timezone.now())
+        EngineInstance.objects.create(tier=world.vision, node=node, port=port, actual_state="running",
+                                      healthy=True, last_health_at=timezone.now())
+        turn = image_message(data_url(image_bytes(1920, 1080)))
+        first = post(client, world.alice_key, {"model": "vlm-lite", "max_tokens": 4, "messages": turn})
+        again, streamed = post_and_read_stream(world.alice_key, {
+            "model": "vlm-lite", "max_tokens": 4, "messages": turn, "stream": True,
+            "stream_options": {"include_usage": True}})
+        streamed = streamed.decode()
+    assert first.status_code == again.status_code == 200
+    assert first.json()["usage"]["prompt_tokens_details"]["image_tokens"] == 1224  # the gateway's count
+    events = [UsageEvent.objects.get(request_id=r["x-request-id"]) for r in (first, again)]
+    # SGLang's own count of the placeholders (its usage's image_tokens) agrees with the gateway's
+    assert [(e.image_tokens, e.engine_image_tokens, e.image_tokens_disagree) for e in events] == [
+        (1224, 1222, False)] * 2
+    assert events[1].cached_tokens >= 1224 and events[1].images.get().cached  # SGLang's cache report
+    assert f'"cached_tokens":{events[1].cached_tokens}' in streamed.replace(" ", "")
+
+
 @pytest.mark.django_db
 def test_with_priority_scheduling_text_runs_ahead_of_images(client, world):
     world.vision.engine_settings = {**world.vision.engine_settings, "scheduling_policy": "priority"}

@@ -58,10 +58,17 @@ def _refusal(exc: ValueError) -> bytes:
     return _error(str(exc), param=getattr(exc, "parameter", None))
 
 
-def _usage(completion, completion_tokens: int, *, streamed: bool) -> dict:
+def _usage(completion, completion_tokens: int, *, streamed: bool, api: str = "vllm") -> dict:
     """vLLM 0.32's usage, keys in its order. A stream's usage chunk leaves out the fields
-    that are null, as vLLM writes it without them."""
+    that are null, as vLLM writes it without them. SGLang's (with --enable-cache-report):
+    the image placeholders under `image_tokens`, beside the cached tokens."""
     images = completion.image_placeholder_tokens
+    if api == "sglang":
+        details = {"cached_tokens": completion.cached_tokens, **({"image_tokens": images} if images else {})}
+        return {"prompt_tokens": completion.prompt_tokens,
+                "total_tokens": completion.prompt_tokens + completion_tokens,
+                "completion_tokens": completion_tokens, "prompt_tokens_details": details,
+                "reasoning_tokens": 0}
     details = {"cached_tokens": completion.cached_tokens,
                "created_cache_tokens": completion.created_cache_tokens,
                "multimodal_tokens": {"image": images} if images else None}
@@ -195,14 +202,14 @@ class App:
                 "model": self.engine.name,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": " ".join(produced)},
                              "logprobs": None, "finish_reason": completion.finish_reason}],
-                "usage": _usage(completion, len(produced), streamed=False),
+                "usage": _usage(completion, len(produced), streamed=False, api=self.api),
             }))
         await self._emit(send, self._chunk(request_id, created, {}, completion.finish_reason))
         options = body.get("stream_options")
         if isinstance(options, dict) and options.get("include_usage"):
             await self._emit(send, {"id": request_id, "object": "chat.completion.chunk",
                                     "created": created, "model": self.engine.name, "choices": [],
-                                    "usage": _usage(completion, len(produced), streamed=True)})
+                                    "usage": _usage(completion, len(produced), streamed=True, api=self.api)})
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
 
     def _chunk(self, request_id, created, delta, finish=None):
