@@ -56,7 +56,9 @@ def seed_demo() -> Tenant:
           price_plan=_plan("vlm-lite", "0.15", "0.15", "0.45"), default_for_images=True)
     _tier("vlm-flagship", display_name="Flagship VLM (Qwen2.5-VL 72B)", family="qwen2_5_vl",
           kind="vision", model_id="Qwen/Qwen2.5-VL-72B-Instruct", engine_kind="simulator",
-          engine_settings={**sim, "decode_ms_per_token": 2}, resolution_policy=detailed,
+          # Simulated as if on SGLang (its endpoints, metric names and usage), so the demo and the
+          # end-to-end tests run both engines' dialects through the gateway and supervision.
+          engine_settings={**sim, "decode_ms_per_token": 2, "engine_api": "sglang"}, resolution_policy=detailed,
           large_image_threshold=4100,
           price_plan=_plan("vlm-flagship", "1.20", "1.20", "3.60", per_image="0.0005"))
     _lite_engine(ModelTier.objects.get(name="vlm-lite"), sim)

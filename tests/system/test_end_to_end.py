@@ -10,7 +10,7 @@ import openai
 import pytest
 from django.utils import timezone
 
-from controlplane.fleet.models import EngineEvent, EngineInstance
+from controlplane.fleet.models import EngineEvent, EngineInstance, EngineMetricSample
 from controlplane.imaging.tokens import count_image_tokens
 from controlplane.metering.models import DailyUsage, UsageEvent
 from controlplane.tenants.models import ApiKey
@@ -91,6 +91,12 @@ def test_it_meters_a_streamed_request_with_the_tokens_produced(client, system_db
     assert event.stream and event.status == "ok"
     assert event.output_tokens == usage.completion_tokens
     assert event.image_tokens == usage.prompt_tokens_details.image_tokens > 0
+    # The flagship's engine speaks SGLang (the demo's): its own image count, from SGLang's usage,
+    # agrees with the gateway's, and supervision reads its metrics under SGLang's names.
+    assert (event.engine_image_tokens, event.image_tokens_disagree) == (event.image_tokens - 2, False)
+    assert "sglang:num_running_reqs" in httpx.get(f"{event.instance.base_url}/metrics", timeout=5).text
+    wait_for(lambda: EngineMetricSample.objects.using(system_db).filter(
+        instance_id=event.instance_id, prompt_tokens__gt=0).exists(), timeout=30, what="a scrape of SGLang's metrics")
 
 
 def test_auto_sends_text_to_the_text_tier_and_images_to_a_vision_tier(client, system_db):

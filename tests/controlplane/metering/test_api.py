@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from controlplane.metering.services import UsageRecord, usage_record
@@ -55,5 +57,6 @@ def test_the_openapi_schema_and_docs_are_served(client, world):
     assert b"/api/v1/usage/requests/" in schema.content
     docs = client.get("/api/docs/")
     assert docs.status_code == 200
-    assert b"cdn" not in docs.content.lower()  # assets come from the installed sidecar
+    # assets come from the installed sidecar, none from elsewhere
+    assert not re.search(rb'(src|href)="(https?:)?//', docs.content) and b"cdn.jsdelivr" not in docs.content
     assert b"/static/drf_spectacular_sidecar/" in docs.content
