@@ -122,7 +122,9 @@ def test_it_retries_a_receiver_that_does_not_answer_in_time(fired, receiver, now
             pass
 
         def do_POST(self):
-            time.sleep(1.5)
+            # Far past the 0.3 s timeout: a client held off the CPU for a second on a busy
+            # machine would otherwise start reading just before the answer came.
+            time.sleep(5)
             self.send_response(200)
             self.end_headers()
 

