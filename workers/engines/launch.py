@@ -9,7 +9,8 @@ import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from controlplane.catalog.engine_settings import EngineSettings
+from controlplane.catalog.engine_settings import SETTINGS, EngineSettings
+from workers.engines import sglang_server
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,14 @@ def processor_flags(processor_kwargs: dict, transformers_version: str) -> dict:
                              "longest_edge": processor_kwargs["max_pixels"]}}
 
 
+def _media_domains(spec: LaunchSpec) -> list[str]:
+    """The gateway fetches image URLs itself and sends data URLs, so the engine need fetch
+    nothing. vLLM and SGLang match exact host names only (no wildcards) and have no "none"
+    value: a reserved .invalid name switches their fetching off."""
+    exact = [d for d in spec.allowed_media_domains if "*" not in d]
+    return ["--allowed-media-domains", *(exact or ["no-engine-fetching.invalid"])]
+
+
 def build_command(spec: LaunchSpec) -> tuple[list[str], dict[str, str]]:
     if spec.engine_kind == "sglang":
         return sglang_command(spec)
@@ -130,11 +139,7 @@ def build_command(spec: LaunchSpec) -> tuple[list[str], dict[str, str]]:
             kwargs = processor_flags(spec.processor_kwargs, spec.transformers_version) \
                 if spec.engine_kind == "vllm" else spec.processor_kwargs
             argv += ["--mm-processor-kwargs", json.dumps(kwargs)]
-        # The gateway fetches image URLs itself and sends data URLs, so the engine need fetch
-        # nothing. vLLM matches exact host names only (no wildcards) and has no "none"
-        # value: a reserved .invalid name switches its fetching off.
-        exact = [d for d in spec.allowed_media_domains if "*" not in d]
-        argv += ["--allowed-media-domains", *(exact or ["no-engine-fetching.invalid"])]
+        argv += _media_domains(spec)
     argv.append("--enable-prompt-tokens-details")
     if settings.tool_call_parser:
         # Without both, vLLM answers every request that carries tools with a 400.
@@ -168,20 +173,12 @@ def build_command(spec: LaunchSpec) -> tuple[list[str], dict[str, str]]:
 
 # SGLang's server, started by a small program of ours (sglang_server.py) that takes the API
 # key from the environment: SGLang reads it from --api-key only.
-SGLANG_SERVER = Path(__file__).with_name("sglang_server.py")
-SGLANG_KEY_VARIABLE = "VLMCP_ENGINE_API_KEY"
-SGLANG_VARIABLES_TO_CHECK = "VLMCP_SGLANG_VARIABLES"
-# engine setting -> SGLang flag (sglang/srt/arg_groups/fields/), for plain valued settings
-_SGLANG_VALUED = {
-    "tensor_parallel_size": "--tp-size",
-    "gpu_memory_utilization": "--mem-fraction-static",
-    "max_model_len": "--context-length",
-    "max_num_seqs": "--max-running-requests",
-    "max_num_batched_tokens": "--chunked-prefill-size",
-    "kv_cache_dtype": "--kv-cache-dtype",
-    "dtype": "--dtype",
-    "tool_call_parser": "--tool-call-parser",  # SGLang turns tool choice on with the parser alone
-}
+SGLANG_SERVER = Path(sglang_server.__file__)
+# engine setting -> SGLang flag, as each setting declares it (engine_settings.py), for the
+# settings with a value (on/off ones are handled below). tool_call_parser among them: SGLang
+# turns tool choice on with the parser alone.
+_SGLANG_VALUED = {setting.key: setting.sglang_flag for setting in SETTINGS
+                  if setting.sglang_flag and setting.kind is not bool}
 # Passed even when unset: the context length is what the gateway admits against, and SGLang
 # would otherwise take the model's own (128K for Qwen2.5-VL).
 _SGLANG_ALWAYS = ("max_model_len",)
@@ -211,16 +208,14 @@ def sglang_command(spec: LaunchSpec) -> tuple[list[str], dict[str, str]]:
         argv += ["--limit-mm-data-per-request", json.dumps({"image": spec.images_per_prompt, "video": 0})]
         if spec.processor_kwargs:
             argv += ["--mm-process-config", json.dumps({"image": processor_flags(spec.processor_kwargs, "5")})]
-        # SGLang, like vLLM, matches exact host names; the gateway sends data URLs anyway.
-        exact = [d for d in spec.allowed_media_domains if "*" not in d]
-        argv += ["--allowed-media-domains", *(exact or ["no-engine-fetching.invalid"])]
+        argv += _media_domains(spec)  # SGLang, like vLLM, matches exact host names
     env = {
         "CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in spec.gpu_indices),
         # /health answers from the server's state alone: supervision sends its own one-token
         # probe now and then, instead of SGLang generating on every health check.
         "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "false",
     }
-    env[SGLANG_VARIABLES_TO_CHECK] = ",".join(sorted(name for name in env if name.startswith("SGLANG_")))
+    env[sglang_server.VARIABLES_TO_CHECK] = ",".join(sorted(name for name in env if name.startswith("SGLANG_")))
     if spec.api_key:
-        env[SGLANG_KEY_VARIABLE] = spec.api_key
+        env[sglang_server.KEY_VARIABLE] = spec.api_key
     return argv, env

@@ -223,8 +223,9 @@ class App:
                     "more_body": True})
 
 
-async def _sglang_health_generate(app: App, send) -> None:
-    # SGLang's generates one token unless the server is busy; a dead scheduler cannot.
+async def _sglang_alive(app: App, send) -> None:
+    # SGLang's /health_generate generates one token unless the server is busy, and /ready asks
+    # its tokenizer manager: a dead scheduler can do neither.
     await _send(send, 503 if app.engine.scheduler.dead else 200, b"", "text/plain")
 
 
@@ -237,15 +238,11 @@ async def _sglang_model_info(app: App, send) -> None:
         "model_type": engine.family}))
 
 
-async def _sglang_ready(app: App, send) -> None:
-    await _send(send, 503 if app.engine.scheduler.dead else 200, b"", "text/plain")
-
-
 # SGLang's native endpoints the simulator answers (sglang/srt/entrypoints/http_server.py; the
 # tests check each against the installed package). /health and /metrics are shared.
 SGLANG_ROUTES = {
-    "/health_generate": _sglang_health_generate,
-    "/ready": _sglang_ready,
+    "/health_generate": _sglang_alive,
+    "/ready": _sglang_alive,
     "/model_info": _sglang_model_info,
     "/get_model_info": _sglang_model_info,
 }
