@@ -192,3 +192,24 @@ def test_consumers_ingesting_at_once_store_each_request_once(world, stream):
     assert sum(stored) == 3000 and len(stored) > 3  # shared out, batch by batch
     assert UsageEvent.objects.count() == 3000 == UsageEvent.objects.values("request_id").distinct().count()
     assert stream.xlen(stream_key()) == 0
+
+
+def test_consumers_left_by_processes_gone_are_forgotten_once_idle_and_holding_nothing(world, stream, monkeypatch):
+    put = async_to_sync(ledger.finish)
+    put(_record(world, "req-first"))
+    assert usage_ingest() == 1  # the group exists, with this process's consumer
+    stream.xgroup_createconsumer(stream_key(), GROUP, "gone-host-1")  # a restarted process's old name
+    put(_record(world, "req-held"))
+    stream.xreadgroup(GROUP, "busy-host-2", {stream_key(): ">"}, count=1)  # another process holds an entry
+
+    def names():
+        return {c["name"].decode() for c in stream.xinfo_consumers(stream_key(), GROUP)}
+
+    usage_ingest()
+    assert {"gone-host-1", "busy-host-2"} <= names()  # idle for less than an hour: kept
+    monkeypatch.setattr(outbox_module, "CONSUMER_IDLE_MS", -1)  # as if an hour had passed
+    usage_ingest()
+    left = names()
+    assert "gone-host-1" not in left
+    assert "busy-host-2" in left  # what it holds would be lost with it: kept until reclaimed
+    assert len(left) == 2  # and this process's own
