@@ -18,7 +18,7 @@ import datetime as dt
 from collections.abc import Iterable
 from decimal import Decimal
 
-from controlplane.metering.rating import Rates, image_price
+from controlplane.metering.rating import Rates, Usage, image_price, price
 
 
 class NoRate(LookupError):
@@ -31,6 +31,7 @@ class RateBook:
         self._by_id: dict[int, object] = {}  # PriceRate id -> the row
         self._rates: dict[int, Rates] = {}  # PriceRate id -> its Rates
         self._images: dict[tuple[int, int, int], Decimal] = {}
+        self._parts: dict[tuple[int, str, int], Decimal] = {}  # (rate id, text or output, tokens)
 
     def load(self, plan_ids: Iterable[int]) -> RateBook:
         """Read the rates of these plans (those not read yet) in one query."""
@@ -62,7 +63,8 @@ class RateBook:
 
     def rate_at(self, plan_id: int, when: dt.datetime):
         """The PriceRate in effect for the plan at `when`; NoRate if there is none."""
-        self.load([plan_id])
+        if plan_id not in self._plans:
+            self.load([plan_id])
         for rate in self._plans[plan_id]:
             if rate.effective_from <= when:
                 return rate
@@ -87,6 +89,25 @@ class RateBook:
         if key not in self._images:
             self._images[key] = image_price(tokens, cached_tokens, self.rates(rate_id))
         return self._images[key]
+
+    def request_price(self, rate_id: int, images: list[tuple[int, int]], *, text_tokens: int,
+                      output_tokens: int, unlined: tuple[int, int] = (0, 0)) -> Decimal:
+        """What `rating.price_parts(...).total` gives at this rate, each part priced by
+        `rating` once and remembered: the ingest prices thousands of requests a second, with
+        few distinct image, text and output counts among them."""
+        total = Decimal(0)
+        for tokens, cached in images:
+            total += self.image_price(rate_id, tokens, cached)
+        if unlined[0]:
+            total += price(Usage(image_tokens=unlined[0], cached_image_tokens=unlined[1]), self.rates(rate_id))
+        return total + self._part(rate_id, "text_tokens", text_tokens) + self._part(rate_id, "output_tokens",
+                                                                                    output_tokens)
+
+    def _part(self, rate_id: int, kind: str, tokens: int) -> Decimal:
+        key = (rate_id, kind, tokens)
+        if key not in self._parts:
+            self._parts[key] = price(Usage(**{kind: tokens}), self.rates(rate_id))
+        return self._parts[key]
 
 
 def priced_plans(plan_ids: Iterable[int], when: dt.datetime) -> set[int]:

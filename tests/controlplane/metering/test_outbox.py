@@ -213,3 +213,30 @@ def test_consumers_left_by_processes_gone_are_forgotten_once_idle_and_holding_no
     assert "gone-host-1" not in left
     assert "busy-host-2" in left  # what it holds would be lost with it: kept until reclaimed
     assert len(left) == 2  # and this process's own
+
+
+def test_the_garbage_collector_is_held_off_while_batches_are_priced_and_runs_again_after(world, stream,
+                                                                                        monkeypatch):
+    import gc
+
+    put = async_to_sync(ledger.finish)
+    put(_record(world, "req-gc-1"))
+    seen, rows = [], outbox_module.usage_rows
+
+    def watched(records):
+        seen.append(gc.isenabled())
+        return rows(records)
+
+    monkeypatch.setattr(outbox_module, "usage_rows", watched)
+    assert usage_ingest() == 1
+    assert seen == [False] and gc.isenabled()
+
+    put(_record(world, "req-gc-2"))
+
+    def broken(records):
+        raise RuntimeError("the stream cannot be read")
+
+    monkeypatch.setattr(outbox_module, "_priced", lambda entries, writer: broken(entries))
+    with pytest.raises(RuntimeError):
+        usage_ingest()
+    assert gc.isenabled()  # an ingest that failed leaves the worker collecting as before

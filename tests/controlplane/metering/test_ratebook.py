@@ -9,9 +9,12 @@ from decimal import Decimal
 import pytest
 from django.db import connection
 from django.test.utils import CaptureQueriesContext
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from controlplane.catalog.models import PricePlan, PriceRate
 from controlplane.metering.ratebook import NoRate, RateBook, priced_plans
+from controlplane.metering.rating import price_parts
 
 pytestmark = [pytest.mark.django_db, pytest.mark.accounting]
 MARCH = dt.datetime(2025, 3, 1, tzinfo=dt.UTC)
@@ -53,3 +56,24 @@ def test_only_plans_with_a_rate_in_effect_are_priced():
     live, future, empty = _plan("live", (MARCH, "1")), _plan("future", (MARCH + dt.timedelta(days=9), "1")), \
         _plan("empty")
     assert priced_plans([live.pk, future.pk, empty.pk], MARCH + dt.timedelta(days=1)) == {live.pk}
+
+
+@settings(max_examples=300, deadline=None)
+@given(images=st.lists(st.tuples(st.integers(0, 20_000), st.integers(0, 20_000)), max_size=5),
+       text=st.integers(0, 200_000), output=st.integers(0, 50_000), unlined=st.integers(0, 5_000),
+       image_rate=st.decimals("0", "50", places=4), fee=st.decimals("0", "0.01", places=6),
+       discount=st.decimals("0", "1", places=2))
+def test_a_request_priced_by_the_book_costs_what_price_parts_says(images, text, output, unlined, image_rate, fee,
+                                                                  discount):
+    """The ingest prices requests through the book's remembered parts: to the micro-unit what
+    price_parts gives, whatever the rate, the images, their cached shares and the fee."""
+    images = [(tokens, min(cached, tokens)) for tokens, cached in images]
+    rate = PriceRate(pk=1, text_input_per_mtok=Decimal("0.15"), image_per_mtok=image_rate,
+                     output_per_mtok=Decimal("0.6"), per_image_fee=fee, cached_image_discount=discount)
+    book = RateBook()
+    book._by_id[1] = rate  # a rate read already, as load leaves it
+    for _twice in range(2):  # the second time from what the book remembers
+        assert book.request_price(1, images, text_tokens=text, output_tokens=output,
+                                  unlined=(unlined, unlined // 2)) == price_parts(
+            images=images, text_tokens=text, output_tokens=output, rates=rate.as_rates(),
+            unlined=(unlined, unlined // 2)).total
