@@ -213,6 +213,35 @@ def test_rollup_twice_gives_the_same_totals(world):
     assert DailyUsage.objects.count() == 5
 
 
+def test_a_first_run_finds_every_hour_and_day_with_events_across_gaps_and_midnights(world):
+    """A run from scratch finds its periods by stepping through the events' index from one
+    period to the next: every day and hour with an event is rolled up, whatever lies between,
+    including an event at the last microsecond of a day and one at the first of the next;
+    an event recorded after the run's moment waits for the next run."""
+    from controlplane.metering.models import HourlyUsage
+
+    moments = [_day(9, 0), _day(9, 0) + dt.timedelta(minutes=59, seconds=59, microseconds=999_999),
+               _day(8, 23) + dt.timedelta(minutes=59, seconds=59, microseconds=999_999), _day(7, 0),
+               _day(3, 13), _day(3, 13) + dt.timedelta(minutes=30), _day(1, 5)]
+    for n, at in enumerate(moments):
+        _record(world, f"walk-{n}", text=10 + n, output=1, created_at=at)
+    _backdate_recording()
+    later = _record(world, "recorded-later", text=99, created_at=_day(5, 4))
+    now = timezone.now()
+    UsageEvent.objects.filter(pk=later.pk).update(recorded_at=now + dt.timedelta(minutes=1))
+
+    assert rollup_daily(now=now) == 5
+    days = {at.date() for at in moments}
+    assert set(DailyUsage.objects.values_list("day", flat=True)) == days
+    assert set(HourlyUsage.objects.values_list("hour", flat=True)) == {
+        at.replace(minute=0, second=0, microsecond=0) for at in moments}
+    assert sum(DailyUsage.objects.values_list("text_tokens", flat=True)) == sum(10 + n for n in range(7))
+
+    assert rollup_daily(now=now + dt.timedelta(minutes=2)) == 1  # its own day, on the next run
+    assert DailyUsage.objects.get(day=_day(5, 4).date()).text_tokens == 99
+    assert _rolled_up() == _expected_totals()
+
+
 def test_a_late_event_updates_its_own_day_on_the_next_run(world):
     _seed_usage(world)
     _backdate_recording()
