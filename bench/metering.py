@@ -201,7 +201,7 @@ def bench_ingest(world: World, count: int, naive_count: int) -> None:
 
     from controlplane.gateway import ledger
     from controlplane.metering.models import UsageEvent, UsageImage
-    from controlplane.metering.outbox import usage_ingest
+    from controlplane.metering.outbox import BATCH, usage_ingest
     from controlplane.metering.services import usage_record, usage_rows, usage_rows_store
 
     def drain() -> int:
@@ -220,7 +220,7 @@ def bench_ingest(world: World, count: int, naive_count: int) -> None:
         seconds, done = _timed(drain)
         ingest.append(seconds)
         stored += done
-        priced = [usage_rows(batch) for batch in _batches(usage_records(world, count, f"floor{round_}"), 2000)]
+        priced = [usage_rows(batch) for batch in _batches(usage_records(world, count, f"floor{round_}"), BATCH)]
         floor.append(_timed(lambda priced=priced: [usage_rows_store(rows) for rows in priced])[0])
     images = UsageImage.objects.filter(event__request_id__startswith="stream").count()
     naive = usage_records(world, naive_count, "naive")

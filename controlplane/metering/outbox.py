@@ -32,6 +32,9 @@ log = logging.getLogger(__name__)
 GROUP = "ingest"
 RECLAIM_IDLE_MS = 60_000  # entries a consumer took but did not acknowledge for a minute
 MAX_DELIVERIES = 5
+# Entries read, priced and written at a time: each batch costs a few queries and a commit
+# whatever its size, and 5,000 (a few MB of rows) beat 2,000 by a tenth in bench/metering.
+BATCH = 5000
 
 
 def stream_key() -> str:
