@@ -54,6 +54,10 @@ _live: dict[str, Flight] = {}
 # whatever caller, hands over and settles nothing). Across processes the journal's
 # conditional removal does the same between a gateway and the reaper.
 FINISHED_KEEP = 100_000
+# Admissions refused with a 503 because the store's reply was lost: the store may have made
+# the reservation and the journal entry all the same. The request's record (its 503) settles
+# them as they were made. Bounded like _finished.
+_unsure: dict[str, Flight] = {}
 _finished: dict[str, None] = {}
 _heartbeats: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> its heartbeat task
 
@@ -84,6 +88,10 @@ async def admit(record: UsageRecord, limits: Limits | None = None, ask: Ask | No
         raise
     except Exception:
         if limits is not None:
+            if flight.journaled:  # made or not, its store cannot say: settled as it was, when it ends
+                _unsure[record.request_id] = flight
+                while len(_unsure) > FINISHED_KEEP:
+                    _unsure.pop(next(iter(_unsure)))
             raise
         log.exception("could not journal %s; it is metered when it ends", record.request_id)
     _live[record.request_id] = flight
@@ -124,7 +132,12 @@ async def finish(record: UsageRecord) -> None:
     if record.request_id in _finished:
         log.warning("%s was finished already: not handed over or settled again", record.request_id)
         return
-    flight = _live.pop(record.request_id, None) or Flight(record=record)
+    flight = _live.pop(record.request_id, None)
+    if flight is None:
+        unsure = _unsure.pop(record.request_id, None)
+        if unsure is not None:  # its admission's reply was lost: settled as the store made it
+            record.reservation = unsure.record.reservation
+        flight = Flight(record=record, journaled=unsure is not None)
     await ledger().finish(flight)
     _finished[record.request_id] = None
     while len(_finished) > FINISHED_KEEP:

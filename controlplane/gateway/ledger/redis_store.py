@@ -34,6 +34,7 @@ from controlplane.gateway.ledger.base import (
     Ask,
     Flight,
     Limits,
+    Refused,
     Reservation,
     entry,
     interrupted,
@@ -279,8 +280,14 @@ class RedisLedger:
         try:
             await self._run(record.tenant_id, limits, ask, now, journal=(
                 record.request_id, orjson.dumps(entry(record)), _beat(flight, time.time())))
-        except Exception:
+        except Refused:
             record.reservation = None
+            raise
+        except Exception:
+            # Redis may have run the admission and only its reply been lost (a timeout under
+            # load): the request's record settles the reservation as it was made, released if
+            # Redis made it, nothing taken back if not, and removes the entry if there is one.
+            flight.journaled = True
             raise
         flight.journaled = True
 

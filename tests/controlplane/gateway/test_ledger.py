@@ -162,3 +162,46 @@ def test_a_streams_output_reaches_the_journal_well_before_the_next_heartbeat(wor
         produced = InFlightRequest.objects.get(request_id="req-streaming").produced
     assert produced == 37
     ledger._live.clear()
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("mode", ["redis"], indirect=True)
+@pytest.mark.parametrize("made", [True, False], ids=["made-then-reply-lost", "never-made"])
+def test_an_admission_whose_reply_was_lost_is_released_as_it_was_made(world, mode, monkeypatch, made):  # noqa: F811
+    """Seen under load in the chaos tests: Redis ran the admission, its reply timed out, the
+    client got a 503 and the reservation stayed in the counters for good (the 503's record,
+    handed over, removed the journal entry without settling it). Made or not, the request's
+    record now settles it as it was: released if Redis made it, nothing taken back if not."""
+    from django.utils import timezone
+
+    from controlplane.gateway.ledger import redis_store
+    from controlplane.metering.periods import period_window
+    from controlplane.metering.services import UsageRecord
+
+    store, client = RedisLedger(), redis.Redis.from_url(django_settings.REDIS_URL)
+    first = async_to_sync(ledger.admit)(_record(world, "req-first"), LIMITS, Ask(0, 100, False))
+    async_to_sync(ledger.finish)(first.record)  # the counters started, and this request settled
+    now = timezone.now()
+    total = store._quota_keys(world.alice.pk, period_window(LIMITS.period, now), now)[1]
+    before = int(client.get(total))
+
+    original = redis_store._eval
+
+    async def reply_lost(redis_client, script, *args):
+        if script == redis_store._ADMIT:
+            if made:
+                await original(redis_client, script, *args)
+            raise redis.exceptions.TimeoutError("Timeout reading from 127.0.0.1:6379")
+        return await original(redis_client, script, *args)
+
+    monkeypatch.setattr(redis_store, "_eval", reply_lost)
+    with pytest.raises(redis.exceptions.TimeoutError):
+        async_to_sync(ledger.admit)(_record(world, "req-lost"), LIMITS, Ask(0, 300, False))
+    assert int(client.get(total)) == before + (300 if made else 0)
+    # What the gateway records for the 503 it answered.
+    async_to_sync(ledger.finish)(UsageRecord(request_id="req-lost", tenant_id=world.alice.pk, api_key_id=None,
+                                             tier_id=world.vision.pk, status="error", http_status=503))
+    assert int(client.get(total)) == before
+    assert "req-lost" not in _journaled(mode)
+    assert not client.hexists(store.epochs, "req-lost")
+    ledger._live.clear()
