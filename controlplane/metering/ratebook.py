@@ -18,7 +18,7 @@ import datetime as dt
 from collections.abc import Iterable
 from decimal import Decimal
 
-from controlplane.metering.rating import Rates, Usage, image_price, price
+from controlplane.metering.rating import Priced, Rates, Usage, image_price, price
 
 
 class NoRate(LookupError):
@@ -95,13 +95,11 @@ class RateBook:
         """What `rating.price_parts(...).total` gives at this rate, each part priced by
         `rating` once and remembered: the ingest prices thousands of requests a second, with
         few distinct image, text and output counts among them."""
-        total = Decimal(0)
-        for tokens, cached in images:
-            total += self.image_price(rate_id, tokens, cached)
+        parts = [self.image_price(rate_id, tokens, cached) for tokens, cached in images]
         if unlined[0]:
-            total += price(Usage(image_tokens=unlined[0], cached_image_tokens=unlined[1]), self.rates(rate_id))
-        return total + self._part(rate_id, "text_tokens", text_tokens) + self._part(rate_id, "output_tokens",
-                                                                                    output_tokens)
+            parts.append(price(Usage(image_tokens=unlined[0], cached_image_tokens=unlined[1]), self.rates(rate_id)))
+        return Priced(images=tuple(parts), text=self._part(rate_id, "text_tokens", text_tokens),
+                      output=self._part(rate_id, "output_tokens", output_tokens)).total
 
     def _part(self, rate_id: int, kind: str, tokens: int) -> Decimal:
         key = (rate_id, kind, tokens)

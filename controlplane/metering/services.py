@@ -388,15 +388,15 @@ def _rollup(name, model, field, trunc, length, now, *, source, also=None) -> int
             _insert_select(model, [field, "tenant_id", "api_key_id", "tier_id", *TOTALS], source(periods, length))
             if also is not None:
                 also(periods, full=full)
-        state.watermark = upto if state.watermark is None else max(state.watermark, upto)
+        state.watermark = upto if full else max(state.watermark, upto)
         state.ran_at = now
         state.save()
     return len(periods)
 
 
 def _every_period(field: str, length: dt.timedelta, upto: dt.datetime) -> list:
-    """Every hour (or day) with events recorded by `upto`, as `trunc` names it, found by
-    walking the events' index on created_at from one period to the next: a lookup per period
+    """Every hour (or day, by `field`) with events recorded by `upto`, named as TruncHour (or
+    TruncDate) names it, found by walking the events' index on created_at from one period to the next: a lookup per period
     (hundreds), where a DISTINCT over the events read every one of them (seconds at ten
     million)."""
     events = UsageEvent.objects.filter(recorded_at__lte=upto).order_by("created_at").values_list("created_at",

@@ -89,9 +89,7 @@ async def admit(record: UsageRecord, limits: Limits | None = None, ask: Ask | No
     except Exception:
         if limits is not None:
             if flight.journaled:  # made or not, its store cannot say: settled as it was, when it ends
-                _unsure[record.request_id] = flight
-                while len(_unsure) > FINISHED_KEEP:
-                    _unsure.pop(next(iter(_unsure)))
+                _keep(_unsure, record.request_id, flight)
             raise
         log.exception("could not journal %s; it is metered when it ends", record.request_id)
     _live[record.request_id] = flight
@@ -139,9 +137,14 @@ async def finish(record: UsageRecord) -> None:
             record.reservation = unsure.record.reservation
         flight = Flight(record=record, journaled=unsure is not None)
     await ledger().finish(flight)
-    _finished[record.request_id] = None
-    while len(_finished) > FINISHED_KEEP:
-        del _finished[next(iter(_finished))]
+    _keep(_finished, record.request_id, None)
+
+
+def _keep(memory: dict, request_id: str, value) -> None:
+    """Remember `value` for `request_id`, forgetting the oldest beyond FINISHED_KEEP."""
+    memory[request_id] = value
+    while len(memory) > FINISHED_KEEP:
+        del memory[next(iter(memory))]
 
 
 def _apply_spooled(record: UsageRecord, journaled: bool, kind: str) -> None:

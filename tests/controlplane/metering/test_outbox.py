@@ -233,10 +233,10 @@ def test_the_garbage_collector_is_held_off_while_batches_are_priced_and_runs_aga
 
     put(_record(world, "req-gc-2"))
 
-    def broken(records):
-        raise RuntimeError("the stream cannot be read")
+    def broken(entries, writer):
+        raise RuntimeError("the batch cannot be priced")
 
-    monkeypatch.setattr(outbox_module, "_priced", lambda entries, writer: broken(entries))
+    monkeypatch.setattr(outbox_module, "_priced", broken)
     with pytest.raises(RuntimeError):
         usage_ingest()
     assert gc.isenabled()  # an ingest that failed leaves the worker collecting as before
