@@ -222,6 +222,11 @@ def bench_ingest(world: World, count: int, naive_count: int) -> None:
         stored += done
         priced = [usage_rows(batch) for batch in _batches(usage_records(world, count, f"floor{round_}"), BATCH)]
         floor.append(_timed(lambda priced=priced: [usage_rows_store(rows) for rows in priced])[0])
+    # Two consumers at once, each its own process (as two workers' ingest tasks), on one stream.
+    both = usage_records(world, count, "pair")
+    asyncio.run(_put_all(both))
+    pair_s, pair_done = _consumers_at_once(2)
+    pair_kept = UsageEvent.objects.filter(request_id__startswith="pair").count()
     images = UsageImage.objects.filter(event__request_id__startswith="stream").count()
     naive = usage_records(world, naive_count, "naive")
     naive_s, _ = _timed(lambda: [usage_record(record=r) for r in naive])
@@ -243,12 +248,51 @@ def bench_ingest(world: World, count: int, naive_count: int) -> None:
         rates = ", ".join(f"{count / s:,.0f}" for s in seconds)
         median = statistics.median(seconds)
         print(f"  {label:44} {count:8,} {median:8.2f} {count / median:9,.0f}   ({rates})")
-    for label, n, seconds in (("naive: usage_record per event, no stream", naive_count, naive_s),
+    for label, n, seconds in (("two consumers at once (both, together)", count, pair_s),
+                              ("naive: usage_record per event, no stream", naive_count, naive_s),
                               ("usage_ingest of redelivered entries", again, again_s)):
         print(f"  {label:44} {n:8,} {seconds:8.2f} {n / seconds:9,.0f}")
     ingest_s, floor_s = statistics.median(ingest), statistics.median(floor)
     print(f"  ingest vs naive: {count / ingest_s / (naive_count / naive_s):.1f}x; "
-          f"ingest vs its floor (PostgreSQL alone): {floor_s / ingest_s:.2f}x; stored {stored:,} of {total:,}\n")
+          f"ingest vs its floor (PostgreSQL alone): {floor_s / ingest_s:.2f}x; stored {stored:,} of {total:,}; "
+          f"two consumers at once took {' and '.join(f'{n:,}' for n in pair_done)} entries and stored "
+          f"{pair_kept:,} events of {count:,}\n")
+
+
+def _drain_child(start, queue) -> None:
+    import django
+
+    django.setup()
+    from django.db import connection
+
+    from controlplane.metering.outbox import usage_ingest
+
+    connection.ensure_connection()
+    start.wait()
+    stored = 0
+    while done := usage_ingest():
+        stored += done
+    queue.put((stored, time.perf_counter()))
+
+
+def _consumers_at_once(consumers: int) -> tuple[float, list[int]]:
+    """Seconds from the start of `consumers` ingesting processes, set going together once each
+    is connected, to the end of the last; and how many entries each stored or confirmed."""
+    from django.db import connections
+
+    connections.close_all()
+    context = multiprocessing.get_context("spawn")
+    start, queue = context.Event(), context.Queue()
+    children = [context.Process(target=_drain_child, args=(start, queue)) for _ in range(consumers)]
+    for child in children:
+        child.start()
+    time.sleep(3)  # each imports Django and connects before the start
+    started = time.perf_counter()
+    start.set()
+    results = [queue.get(timeout=600) for _ in children]
+    for child in children:
+        child.join()
+    return max(ended for _, ended in results) - started, [stored for stored, _ in results]
 
 
 def _batches(items: list, size: int) -> list[list]:

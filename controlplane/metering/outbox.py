@@ -41,7 +41,7 @@ def stream_key() -> str:
     return f"{key_prefix()}:usage"
 
 
-def usage_ingest(*, batch: int = 2000, max_batches: int = 10) -> int:
+def usage_ingest(*, batch: int = BATCH, max_batches: int = 10) -> int:
     """Move usage from the stream into the database. Returns the records stored or confirmed.
 
     Pipelined: while one batch is written to the database (on a thread of its own, waiting on
