@@ -11,13 +11,17 @@ Pure Python: no Django, no Celery.
 from __future__ import annotations
 
 import binascii
+import functools
 import io
 import math
 import re
 import struct
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, replace
 
+import numpy as np
 import pybase64  # SIMD base64: a 12 MP photo's data URL in ~0.2 ms instead of ~7
+import simplejpeg
 from PIL import Image
 
 from controlplane.imaging.decode import (
@@ -27,6 +31,7 @@ from controlplane.imaging.decode import (
     decode_jpeg,
     open_image,
     orientation,
+    payload_problem,
     source_format,
     to_rgb,
     turbo_decodable,
@@ -34,7 +39,7 @@ from controlplane.imaging.decode import (
 )
 from controlplane.imaging.errors import CorruptImage, ImageTooLarge, InvalidDataURL, PolicyViolation
 from controlplane.imaging.fingerprint import FingerprintIndex, fingerprint
-from controlplane.imaging.resample import bicubic
+from controlplane.imaging.resample import CORES, bicubic, bicubic_rgb
 
 __all__ = ["SUPPORTED_FORMATS", "NormalisedImage", "Policy", "decode_data_url", "fit_within",
            "normalise", "normalise_tiles", "plan_tiles", "sent_sizes"]
@@ -223,8 +228,10 @@ def normalise_tiles(data: bytes, policy: Policy, *, detail: str | None = None,
     With an `index`, re-encodings of a picture seen before get that picture's fingerprint.
     """
     cap = policy.pixel_cap(detail)
+    # Every picture is searched for an embedded document before its pixels are used; a JPEG
+    # is searched while it decodes (below), anything else first.
     image = open_image(data, allowed_formats=policy.allowed_formats,
-                       max_input_pixels=policy.max_input_pixels)
+                       max_input_pixels=policy.max_input_pixels, payloads=False)
     fmt = source_format(image)
     turn = orientation(image)
     stored_w, stored_h = image.size
@@ -232,6 +239,9 @@ def normalise_tiles(data: bytes, policy: Policy, *, detail: str | None = None,
     plan = plan_tiles(width, height, policy, cap)
     if policy.output_format == "jpeg" and _passes_through(image, fmt, turn, plan, (width, height)):
         return [_as_sent(image, data, index=index)]
+    if policy.output_format == "jpeg" and _downscales_whole(image, turn, plan):
+        return [_downscaled(image, data, policy, (plan.width, plan.height), index=index)]
+    payload_problem(data)
     try:
         image.seek(0)  # the first frame of an animation
         pixels, raw = _decode_scaled(image, data, fmt, turn, (plan.width, plan.height))
@@ -269,10 +279,59 @@ def _as_sent(image: Image.Image, data: bytes, *, index: FingerprintIndex | None)
     its size, which gives its fingerprint the bits of the full decode (at a quarter or an
     eighth, libjpeg's scaled decode moves them by up to 4 and 10 of 63: another picture)."""
     width, height = image.size
-    small = to_rgb(as_image(decode_jpeg(data, image, 2)))  # CorruptImage for anything but a whole JPEG
+    # CorruptImage for anything but a whole JPEG
+    small = to_rgb(as_image(_searched_meanwhile(data, decode_jpeg, data, image, 2)))
     return NormalisedImage(
         source_format="JPEG", source_width=width, source_height=height, width=width, height=height,
         data=data, mime="image/jpeg", fingerprint=fingerprint(small, index, size=(width, height)),
+    )
+
+
+@functools.cache
+def _helpers() -> ThreadPoolExecutor:
+    """Threads for the work of one picture that can run beside the rest of it: one per core.
+    (Made on first use, so a process forked before it has its own.)"""
+    return ThreadPoolExecutor(max_workers=CORES, thread_name_prefix="imaging")
+
+
+def _searched_meanwhile(data: bytes, work, *args):
+    """`work(*args)` (a decode: it lets go of the GIL) run on a helper thread while this one
+    searches `data` for an embedded document (which holds the GIL): each on its own core. A
+    polyglot is refused as such whatever the work made of it."""
+    job = _helpers().submit(work, *args)
+    try:
+        payload_problem(data)
+    except CorruptImage:
+        wait([job])
+        raise
+    return job.result()
+
+
+def _downscales_whole(image: Image.Image, turn: int, plan: TilePlan) -> bool:
+    """An upright colour JPEG the policy brings down to one smaller image: the common large
+    upload (a phone's photo), which `_downscaled` takes on every core at hand."""
+    return (turbo_decodable(image) and image.mode == "RGB" and turn == 1 and len(plan.boxes) == 1
+            and (plan.width, plan.height) != image.size and min(plan.width, plan.height) >= 2)
+
+
+def _downscaled(image: Image.Image, data: bytes, policy: Policy, size: tuple[int, int], *,
+                index: FingerprintIndex | None) -> NormalisedImage:
+    """The JPEG decoded at the DCT scale that covers `size` while this thread searches its
+    bytes for an embedded document; resampled by libvips (on every core when it runs alone);
+    re-encoded by libjpeg-turbo on a helper thread while this one fingerprints it. The pixels
+    go from decoder to resampler to encoder as they are: the only Pillow image made is the
+    fingerprint's. The same pixels, the same encoder settings (baseline, 4:2:0, the policy's
+    quality) as the general path, which decodes and encodes through Pillow."""
+    raw = _searched_meanwhile(data, decode_jpeg, data, image, _dct_scale(image.size, size))
+    rows, columns = raw.shape[:2]
+    pixels = bicubic_rgb(raw, columns, rows, size)
+    encoding = _helpers().submit(simplejpeg.encode_jpeg, np.frombuffer(pixels, np.uint8).reshape(size[1], size[0], 3),
+                                 quality=policy.output_quality, colorspace="RGB", colorsubsampling="420",
+                                 fastdct=False)
+    ident = fingerprint(Image.frombytes("RGB", size, pixels), index)
+    return NormalisedImage(
+        source_format="JPEG", source_width=image.width, source_height=image.height, width=size[0],
+        height=size[1], data=encoding.result(), mime=_MIME["jpeg"], fingerprint=ident,
     )
 
 

@@ -8,25 +8,55 @@ Pure Python over C libraries: no Django, no Celery.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import threading
+
 import pyvips
 from PIL import Image
 
 # Every picture is resampled once: nothing to gain from libvips' operation cache, and its
-# memory to lose. One thread per resample: the gateway runs several at once.
+# memory to lose.
 pyvips.cache_set_max(0)
 pyvips.concurrency_set(1)
+CORES = len(os.sched_getaffinity(0))
+_running = 0
+_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _threads():
+    """libvips' threads for the resample about to start: every core when it is the only one
+    running in this process (a 12 MP photo's resample in 3.6 ms on two cores where one took
+    6.2), one each when as many run as there are cores (more threads would only take turns).
+    libvips reads the setting as each resample starts, so one already running keeps its own."""
+    global _running
+    with _lock:
+        _running += 1
+        pyvips.concurrency_set(max(1, CORES + 1 - _running))
+    try:
+        yield
+    finally:
+        with _lock:
+            _running -= 1
+
+
+def bicubic_rgb(pixels, width: int, height: int, size: tuple[int, int]) -> bytes:
+    """RGB pixels (bytes or a buffer, rows of `width`, `height` of them) resampled to exactly
+    `size`, antialiased bicubic (as Pillow's BICUBIC); the result's RGB rows."""
+    source = pyvips.Image.new_from_memory(pixels, width, height, 3, "uchar")
+    scaled = source.resize(size[0] / width, vscale=size[1] / height, kernel="cubic")
+    if (scaled.width, scaled.height) != size:  # libvips rounds its output size; never by more than one
+        scaled = scaled.embed(0, 0, *size, extend="copy")
+    with _threads():
+        return scaled.write_to_memory()
 
 
 def bicubic(image: Image.Image, size: tuple[int, int], *, pixels=None) -> Image.Image:
     """`image` resampled to exactly `size` (antialiased bicubic, as Pillow's BICUBIC).
     `pixels`: the image's RGB bytes, row by row, where the caller holds them already (a
     decoder's buffer), so they are not copied out of the image again."""
-    width, height = size
     if image.mode != "RGB" or min(image.size) < 2:
         return image.resize(size, Image.Resampling.BICUBIC)
-    source = pyvips.Image.new_from_memory(image.tobytes() if pixels is None else pixels, image.width,
-                                          image.height, 3, "uchar")
-    scaled = source.resize(width / image.width, vscale=height / image.height, kernel="cubic")
-    if (scaled.width, scaled.height) != size:  # libvips rounds its output size; never by more than one
-        scaled = scaled.embed(0, 0, width, height, extend="copy")
-    return Image.frombytes("RGB", size, scaled.write_to_memory())
+    scaled = bicubic_rgb(image.tobytes() if pixels is None else pixels, image.width, image.height, size)
+    return Image.frombytes("RGB", size, scaled)

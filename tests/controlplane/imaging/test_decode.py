@@ -13,18 +13,33 @@ from controlplane.imaging.policy import Policy, normalise
 from tests.images import image_bytes
 
 JPEG = image_bytes(320, 240, "JPEG")
+# Each way a JPEG goes through the policy: sent as it came, downscaled whole (its bytes
+# searched while it decodes), turned by its EXIF orientation (searched first).
+_TURNED = Image.Exif()
+_TURNED[0x0112] = 6
+PHOTOS = {"within the policy": JPEG, "downscaled": image_bytes(2400, 1800, "JPEG"),
+          "turned": image_bytes(2400, 1800, "JPEG", exif=_TURNED)}
 
 
+@pytest.mark.parametrize("photo", PHOTOS)
 @pytest.mark.parametrize("payload, what", [
     (b"<html><body><script>alert(1)</script></body></html>", "html"),
     (b"<script>fetch('/steal')</script>", "script"),
     (b"<?php system($_GET['c']); ?>", "php"),
     (b"%PDF-1.7\n1 0 obj<<>>endobj", "PDF"),
 ])
-def test_images_carrying_documents_are_refused_as_polyglots(payload, what):
+def test_images_carrying_documents_are_refused_as_polyglots(payload, what, photo):
     with pytest.raises(PolyglotImage) as refused:
-        normalise(JPEG + payload, Policy())
+        normalise(PHOTOS[photo] + payload, Policy())
     assert refused.value.code == "polyglot_image"
+
+
+@pytest.mark.parametrize("photo", PHOTOS)
+def test_a_polyglot_that_is_also_broken_is_refused_as_a_polyglot(photo):
+    """The search for a document decides, whatever the decoder made of the pixels."""
+    broken = PHOTOS[photo][:len(PHOTOS[photo]) // 2]
+    with pytest.raises(PolyglotImage):
+        normalise(broken + b"<script>fetch('/steal')</script>", Policy())
 
 
 def test_an_image_with_a_zip_archive_appended_is_refused():

@@ -358,6 +358,28 @@ def test_a_jpeg_the_policy_changes_or_turns_or_that_is_broken_is_not_passed_thro
         normalise(truncated, Policy())
 
 
+def test_a_downscaled_photo_is_the_picture_the_general_path_makes():
+    """A colour JPEG brought down whole takes its own way (decoder, libvips and encoder on
+    the pixels as they are, on every core); what the engine gets is the picture the general
+    path (through Pillow) makes: the same size and fingerprint, the same pixels within JPEG's
+    loss, the same encoding (baseline, 4:2:0, the policy's quality)."""
+    from tests.controlplane.imaging.test_fingerprint import picture
+
+    original = encode(picture(3).resize((3000, 2000)), "JPEG", quality=92)
+    fast = normalise(original, STANDARD)
+    general = normalise(original, LOSSLESS)  # PNG output: the general path, its exact pixels
+    assert (fast.width, fast.height, fast.mime) == (general.width, general.height, "image/jpeg")
+    assert fast.width * fast.height < 3000 * 2000 / 5
+    assert fast.fingerprint == general.fingerprint
+    sent, exact = decoded(fast), decoded(general)
+    differences = [abs(a - b) for a, b in zip(sent.tobytes(), exact.tobytes(), strict=True)]
+    assert sum(differences) / len(differences) < 2.5
+    assert sent.info.get("progressive") is None and sent.layer[0][1:3] == (2, 2)  # baseline, 4:2:0
+    reference = io.BytesIO()
+    exact.save(reference, "JPEG", quality=STANDARD.output_quality)
+    assert abs(len(fast.data) - len(reference.getvalue())) < 0.03 * len(reference.getvalue())
+
+
 def test_every_downscaled_size_is_the_one_the_processor_gives_the_original():
     """Whether the processor downscales is decided on the grid-rounded size: a 484x2093 photo
     (over the cap by its own pixels, under it once rounded) becomes 476x2100 there, 1,277 tokens,
