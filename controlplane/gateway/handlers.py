@@ -252,7 +252,7 @@ async def _admit(request_id: str, key: state.KeyInfo, tier: TierSpec, prepared: 
         # Shielded: a request admitted just as the client leaves must still be released.
         return await asyncio.shield(admitting)
     except asyncio.CancelledError:
-        admitting.add_done_callback(lambda done: _release_if_admitted(done, started))
+        admitting.add_done_callback(lambda done: _release_if_admitted(done, record, started))
         raise
     except Refused as refused:
         if key_counted_at is not None:
@@ -271,13 +271,15 @@ def _quota_unavailable() -> GatewayError:
                         headers={"Retry-After": "5"})
 
 
-def _release_if_admitted(done: asyncio.Future, started: float) -> None:
-    """The client left while its request was admitted: recorded at no cost, quota released."""
-    if not done.cancelled() and done.exception() is None:
-        record = done.result().record
-        # No engine was sent it: the one chosen beforehand did no work, nothing is billed.
-        record.status, record.http_status, record.instance_id = "aborted", 499, None
-        _in_background(_record(record, started))
+def _release_if_admitted(done: asyncio.Future, record: UsageRecord, started: float) -> None:
+    """The client left while its request was admitted: recorded at no cost, quota released.
+    So too when the admission's reply was lost (its store may have made it all the same):
+    the record settles it as it was made, as a 503's would have."""
+    if done.cancelled() or isinstance(done.exception(), Refused):
+        return  # nothing was reserved
+    # No engine was sent it: the one chosen beforehand did no work, nothing is billed.
+    record.status, record.http_status, record.instance_id = "aborted", 499, None
+    _in_background(_record(record, started))
 
 
 def _upstream_body(key: state.KeyInfo, tier: TierSpec, prepared: Prepared, *, large: bool = False) -> dict:

@@ -215,3 +215,53 @@ def test_counters_started_again_count_usage_still_in_the_stream(world, mode, eng
     assert UsageEvent.objects.count() == 2
     _assert_room(world, 1000 - 2 * 180)
 
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("mode", ["redis"], indirect=True)
+def test_a_client_leaving_during_an_admission_whose_reply_was_lost_leaves_no_reservation(world, mode, monkeypatch):  # noqa: F811
+    """Redis ran the admission, its reply was lost, and the client had left meanwhile: nobody
+    answered a 503 whose record would settle it, so the reservation stayed in the counters.
+    The request is recorded as the client left it (499, at no cost) and settles it."""
+    import dataclasses
+
+    import redis
+
+    from controlplane.gateway import state
+    from controlplane.gateway.ledger import redis_store
+    from controlplane.gateway.prepare import Prepared
+
+    key = dataclasses.replace(async_to_sync(state.key_info)(world.alice_key), limits=LIMITS)
+    tier = async_to_sync(state.tiers)()[world.vision.name]
+    prepared = Prepared(body={"max_tokens": 770, "messages": []}, text_tokens=130)
+    original, replying = redis_store._eval, threading.Event()
+
+    async def made_then_reply_lost(client, script, *args):
+        result = await original(client, script, *args)
+        if script == redis_store._ADMIT:
+            while not replying.is_set():  # the reply is on its way while the client leaves
+                await asyncio.sleep(0.01)
+            raise redis.exceptions.TimeoutError("Timeout reading from 127.0.0.1:6379")
+        return result
+
+    monkeypatch.setattr(redis_store, "_eval", made_then_reply_lost)
+
+    @async_to_sync
+    async def client_leaves_while_admitted():
+        admitting = asyncio.ensure_future(handlers._admit("req-gone", key, tier, prepared, time.monotonic()))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        admitting.cancel()
+        replying.set()
+        await asyncio.gather(admitting, return_exceptions=True)
+        deadline = time.monotonic() + 3  # the admission ends after the client left: its record follows
+        while not handlers._background and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        while handlers._background:
+            await asyncio.gather(*list(handlers._background), return_exceptions=True)
+
+    client_leaves_while_admitted()
+    monkeypatch.setattr(redis_store, "_eval", original)
+    [event] = _stored(mode)
+    assert (event.request_id, event.status, event.http_status, event.cost) == ("req-gone", "aborted", 499, 0)
+    _assert_room(world, 1000)  # nothing held: no engine was sent it
