@@ -10,7 +10,8 @@ plans that changed prices ten days ago.
   usage stream with the journal's finish, 32 at a time, as the gateway does; then `usage_ingest`
   is called until the stream is empty. Events/s for each step and both, compared in the same
   run with a naive path: one `usage_record` call per event, each its own transaction, no
-  stream. Last, entries already stored are delivered again and ingested (stored once).
+  stream. Two consumers, each its own process, then ingest one stream at once (each request
+  stored once). Last, entries already stored are delivered again and ingested (stored once).
 - rollup: for each history size (--rollup-sizes, default 1M and 10M) a history is generated
   in PostgreSQL with generate_series (not through the ORM): events spread over 30 days in time
   order, skewed across tenants, with their image rows (about one per event). The hourly and
