@@ -342,16 +342,35 @@ def test_the_node_agent_brings_back_a_real_engine_killed_with_sigkill(system, sy
 
 
 def _engine_workers(leader: int) -> list[int]:
-    """vLLM's engine core and workers: the engine's process group without its API server."""
-    found = []
+    """vLLM's engine core and workers: the API server's descendants, and anything else in its
+    process group."""
+    processes = {}
     for entry in os.listdir("/proc"):
-        if entry.isdigit() and int(entry) != leader:
+        if entry.isdigit():
             try:
-                if os.getpgid(int(entry)) == leader:
-                    found.append(int(entry))
-            except ProcessLookupError:
+                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            except (FileNotFoundError, ProcessLookupError):
                 continue
-    return found
+            processes[int(entry)] = (int(fields[1]), int(fields[2]))  # parent, process group
+    found = {pid for pid, (_, group) in processes.items() if group == leader and pid != leader}
+    parents = [leader]
+    while parents:
+        parent = parents.pop()
+        for pid, (ppid, _) in processes.items():
+            if ppid == parent and pid not in found:
+                found.add(pid)
+                parents.append(pid)
+    return sorted(found)
+
+
+def _held(pid: int) -> str:
+    """A process's title and scheduler state (T: stopped)."""
+    try:
+        title = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:60]
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return f"{pid} gone"
+    return f"{pid} {state} {title}"
 
 
 def test_draining_a_real_engine_lets_its_running_requests_finish(system, system_db, real_engine):
@@ -379,9 +398,12 @@ def test_draining_a_real_engine_lets_its_running_requests_finish(system, system_
         assert generating.acquire(timeout=60), "a stream never started"
     # Hold the engine mid-answer (its API server still reports the requests running), so the
     # drain surely finds them in flight however slow this machine's supervision pass is.
-    workers = _engine_workers(_instance(system_db, real_engine.pk).pid)
+    leader = _instance(system_db, real_engine.pk).pid
+    workers = _engine_workers(leader)
     for pid in workers:
         os.kill(pid, signal.SIGSTOP)
+    held = [_held(pid) for pid in workers]
+    assert any("EngineCore" in line for line in held), f"no engine core held under {_held(leader)}: {held}"
     events = EngineEvent.objects.using(system_db).filter(instance_id=real_engine.pk)
     try:
         # What the Fleet page's Drain does (instance_action), without a second process's start-up.
@@ -393,7 +415,9 @@ def test_draining_a_real_engine_lets_its_running_requests_finish(system, system_
         while time.monotonic() < deadline:
             assert not events.filter(to_state="stopped").exists(), "stopped under its running requests"
             time.sleep(0.5)
-        assert not results
+        assert not results, (f"finished while held ({held} under {_held(leader)}; now "
+                             f"{[_held(p) for p in workers]}); events: "
+                             f"{[(e.created_at.time(), e.to_state, e.reason) for e in events.order_by('created_at')]}")
     finally:
         for pid in workers:
             with contextlib.suppress(ProcessLookupError):
