@@ -17,7 +17,9 @@ from controlplane.metering.outbox import GROUP, stream_key, usage_ingest
 from controlplane.metering.services import UsageRecord
 from tests.images import image_bytes
 
-pytestmark = pytest.mark.django_db
+# Committed: a batch is written on the writer thread's own connection, which would not see the
+# test's uncommitted world (every batch would fail, and each entry be stored on its own).
+pytestmark = pytest.mark.django_db(transaction=True)
 
 
 @pytest.fixture
@@ -240,3 +242,22 @@ def test_the_garbage_collector_is_held_off_while_batches_are_priced_and_runs_aga
     with pytest.raises(RuntimeError):
         usage_ingest()
     assert gc.isenabled()  # an ingest that failed leaves the worker collecting as before
+
+
+def test_a_consumer_takes_a_whole_batch_at_a_time(world, stream):
+    """Each batch costs a few queries and a commit whatever its size: the ingest task reads
+    BATCH entries at a time (it had gone on reading 2,000, its default, where BATCH said 5,000)."""
+    import orjson
+
+    from controlplane.metering.outbox import BATCH
+    from controlplane.metering.services import usage_to_json
+
+    template = _record(world, "req-0")
+    pipe = stream.pipeline(transaction=False)
+    for n in range(BATCH + 5):
+        template.request_id = f"req-{n}"
+        pipe.xadd(stream_key(), {"record": orjson.dumps(usage_to_json(template))})
+    pipe.execute()
+    assert usage_ingest(max_batches=1) == BATCH  # one read, one write
+    assert usage_ingest() == 5
+    assert UsageEvent.objects.count() == BATCH + 5
