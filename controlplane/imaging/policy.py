@@ -11,11 +11,12 @@ Pure Python: no Django, no Celery.
 from __future__ import annotations
 
 import binascii
-import functools
 import io
 import math
+import os
 import re
 import struct
+import threading
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, replace
 
@@ -287,11 +288,19 @@ def _as_sent(image: Image.Image, data: bytes, *, index: FingerprintIndex | None)
     )
 
 
-@functools.cache
+_pool: tuple[int, ThreadPoolExecutor] | None = None
+_pool_lock = threading.Lock()
+
+
 def _helpers() -> ThreadPoolExecutor:
     """Threads for the work of one picture that can run beside the rest of it: one per core.
-    (Made on first use, so a process forked before it has its own.)"""
-    return ThreadPoolExecutor(max_workers=CORES, thread_name_prefix="imaging")
+    Each process its own, made on first use: a child forked after its parent had them would
+    otherwise hold a pool whose threads are gone, and wait on it for ever."""
+    global _pool
+    with _pool_lock:
+        if _pool is None or _pool[0] != os.getpid():
+            _pool = (os.getpid(), ThreadPoolExecutor(max_workers=CORES, thread_name_prefix="imaging"))
+        return _pool[1]
 
 
 def _searched_meanwhile(data: bytes, work, *args):

@@ -41,9 +41,21 @@ def _threads():
             _running -= 1
 
 
+_used_in: int | None = None  # the process whose libvips has run
+
+
 def bicubic_rgb(pixels, width: int, height: int, size: tuple[int, int]) -> bytes:
     """RGB pixels (bytes or a buffer, rows of `width`, `height` of them) resampled to exactly
-    `size`, antialiased bicubic (as Pillow's BICUBIC); the result's RGB rows."""
+    `size`, antialiased bicubic (as Pillow's BICUBIC); the result's RGB rows.
+
+    libvips does not survive a fork once it has run (its threads are gone; the child would
+    wait on them for ever): a process forked after its parent resampled uses Pillow's."""
+    global _used_in
+    if _used_in != os.getpid():
+        if _used_in is not None:
+            picture = Image.frombuffer("RGB", (width, height), pixels, "raw", "RGB", 0, 1)
+            return picture.resize(size, Image.Resampling.BICUBIC).tobytes()
+        _used_in = os.getpid()
     source = pyvips.Image.new_from_memory(pixels, width, height, 3, "uchar")
     scaled = source.resize(size[0] / width, vscale=size[1] / height, kernel="cubic")
     if (scaled.width, scaled.height) != size:  # libvips rounds its output size; never by more than one

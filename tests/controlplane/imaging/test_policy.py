@@ -400,3 +400,28 @@ def test_every_downscaled_size_is_the_one_the_processor_gives_the_original():
             if (sent_h, sent_w) != qwen_smart_resize(height, width, factor=28, **bounds):
                 mismatched.append((width, height))
     assert mismatched == []
+
+
+def test_a_process_forked_after_downscaling_downscales_too():
+    """Neither the helper threads nor libvips survive a fork: a worker forked from a process
+    that had already downscaled a photo must not wait for ever on threads that are gone. It
+    makes the same picture (with Pillow's resample where libvips cannot run)."""
+    import multiprocessing
+
+    from tests.controlplane.imaging.test_fingerprint import picture
+
+    photo = encode(picture(5).resize((2400, 1800)), "JPEG", quality=90)
+    before = normalise(photo, STANDARD)  # the parent's helper threads and libvips have run
+    context = multiprocessing.get_context("fork")
+    results = context.Queue()
+    child = context.Process(target=lambda: results.put(normalise(photo, STANDARD)))
+    child.start()
+    try:
+        after = results.get(timeout=20)
+        assert (after.width, after.height) == (before.width, before.height)
+        sent, made = decoded(after).tobytes(), decoded(before).tobytes()
+        assert sum(abs(a - b) for a, b in zip(sent, made, strict=True)) / len(sent) < 2
+    finally:
+        child.join(timeout=5)
+        if child.is_alive():
+            child.kill()
