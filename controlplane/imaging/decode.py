@@ -68,25 +68,17 @@ def _payload(region: bytes):
     return found
 
 
-def sniff_problem(data: bytes, *, payloads: bool = True) -> None:
-    """Refuse what is not a raster image before Pillow looks at it. `payloads` False leaves
-    the search for embedded documents (`payload_problem`) to the caller."""
+def sniff_problem(data: bytes) -> None:
+    """Refuse what is not a raster image before Pillow looks at it."""
     if not data:
         raise CorruptImage("image data is empty (zero bytes)")
     if _SVG.match(data[:4096]):
         raise UnsupportedFormat("SVG (vector) images are not supported; send a raster image "
                                 "such as PNG or JPEG")
-    if payloads:
-        payload_problem(data)
-
-
-def payload_problem(data: bytes) -> None:
-    """Refuse image data that carries another document (a polyglot file).
-
-    Polyglots put their document where other parsers look: at the start, in metadata
-    near the start, or appended after the image. (Anything hidden inside the pixel data is
-    discarded when the image is re-encoded.) Scanning the head and the tail keeps this cheap
-    on large files."""
+    # Polyglots put their document where other parsers look: at the start, in metadata
+    # near the start, or appended after the image. (Anything hidden inside the pixel data
+    # is discarded when the image is re-encoded.) Scanning the head and the tail keeps
+    # this cheap on large files.
     window = _SCAN_WINDOW
     regions = (data,) if len(data) <= 2 * window else (data[:window], data[-window:])
     payload = next((m for m in map(_payload, regions) if m is not None), None)
@@ -97,12 +89,9 @@ def payload_problem(data: bytes) -> None:
         raise PolyglotImage("image data carries an embedded ZIP archive; polyglot files are refused")
 
 
-def open_image(data: bytes, *, allowed_formats: tuple[str, ...], max_input_pixels: int,
-               payloads: bool = True) -> Image.Image:
-    """Open `data` lazily (header only) and check its format and pixel count. `payloads`
-    False: the caller runs `payload_problem` itself (beside the decode, say) before using
-    the pixels."""
-    sniff_problem(data, payloads=payloads)
+def open_image(data: bytes, *, allowed_formats: tuple[str, ...], max_input_pixels: int) -> Image.Image:
+    """Open `data` lazily (header only) and check its format and pixel count."""
+    sniff_problem(data)
     try:
         with warnings.catch_warnings():
             # Our own cap below decides; Pillow's bomb warning would only add noise.

@@ -17,7 +17,7 @@ import os
 import re
 import struct
 import threading
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -32,7 +32,6 @@ from controlplane.imaging.decode import (
     decode_jpeg,
     open_image,
     orientation,
-    payload_problem,
     source_format,
     to_rgb,
     turbo_decodable,
@@ -229,10 +228,8 @@ def normalise_tiles(data: bytes, policy: Policy, *, detail: str | None = None,
     With an `index`, re-encodings of a picture seen before get that picture's fingerprint.
     """
     cap = policy.pixel_cap(detail)
-    # Every picture is searched for an embedded document before its pixels are used; a JPEG
-    # is searched while it decodes (below), anything else first.
     image = open_image(data, allowed_formats=policy.allowed_formats,
-                       max_input_pixels=policy.max_input_pixels, payloads=False)
+                       max_input_pixels=policy.max_input_pixels)
     fmt = source_format(image)
     turn = orientation(image)
     stored_w, stored_h = image.size
@@ -242,7 +239,6 @@ def normalise_tiles(data: bytes, policy: Policy, *, detail: str | None = None,
         return [_as_sent(image, data, index=index)]
     if policy.output_format == "jpeg" and _downscales_whole(image, turn, plan):
         return [_downscaled(image, data, policy, (plan.width, plan.height), index=index)]
-    payload_problem(data)
     try:
         image.seek(0)  # the first frame of an animation
         pixels, raw = _decode_scaled(image, data, fmt, turn, (plan.width, plan.height))
@@ -280,8 +276,7 @@ def _as_sent(image: Image.Image, data: bytes, *, index: FingerprintIndex | None)
     its size, which gives its fingerprint the bits of the full decode (at a quarter or an
     eighth, libjpeg's scaled decode moves them by up to 4 and 10 of 63: another picture)."""
     width, height = image.size
-    # CorruptImage for anything but a whole JPEG
-    small = to_rgb(as_image(_searched_meanwhile(data, decode_jpeg, data, image, 2)))
+    small = to_rgb(as_image(decode_jpeg(data, image, 2)))  # CorruptImage for anything but a whole JPEG
     return NormalisedImage(
         source_format="JPEG", source_width=width, source_height=height, width=width, height=height,
         data=data, mime="image/jpeg", fingerprint=fingerprint(small, index, size=(width, height)),
@@ -293,7 +288,8 @@ _pool_lock = threading.Lock()
 
 
 def _helpers() -> ThreadPoolExecutor:
-    """Threads for the work of one picture that can run beside the rest of it: one per core.
+    """Threads for the work of a picture that can run beside the rest of it (its re-encode,
+    beside its fingerprint): one per core.
     Each process its own, made on first use: a child forked after its parent had them would
     otherwise hold a pool whose threads are gone, and wait on it for ever."""
     global _pool
@@ -301,19 +297,6 @@ def _helpers() -> ThreadPoolExecutor:
         if _pool is None or _pool[0] != os.getpid():
             _pool = (os.getpid(), ThreadPoolExecutor(max_workers=CORES, thread_name_prefix="imaging"))
         return _pool[1]
-
-
-def _searched_meanwhile(data: bytes, work, *args):
-    """`work(*args)` (a decode: it lets go of the GIL) run on a helper thread while this one
-    searches `data` for an embedded document (which holds the GIL): each on its own core. A
-    polyglot is refused as such whatever the work made of it."""
-    job = _helpers().submit(work, *args)
-    try:
-        payload_problem(data)
-    except CorruptImage:
-        wait([job])
-        raise
-    return job.result()
 
 
 def _downscales_whole(image: Image.Image, turn: int, plan: TilePlan) -> bool:
@@ -325,13 +308,13 @@ def _downscales_whole(image: Image.Image, turn: int, plan: TilePlan) -> bool:
 
 def _downscaled(image: Image.Image, data: bytes, policy: Policy, size: tuple[int, int], *,
                 index: FingerprintIndex | None) -> NormalisedImage:
-    """The JPEG decoded at the DCT scale that covers `size` while this thread searches its
-    bytes for an embedded document; resampled by libvips (on every core when it runs alone);
-    re-encoded by libjpeg-turbo on a helper thread while this one fingerprints it. The pixels
+    """The JPEG decoded at the DCT scale that covers `size`; resampled by libvips (on every
+    core when it runs alone); re-encoded by libjpeg-turbo on a helper thread while this one
+    fingerprints it. The pixels
     go from decoder to resampler to encoder as they are: the only Pillow image made is the
     fingerprint's. The same pixels, the same encoder settings (baseline, 4:2:0, the policy's
     quality) as the general path, which decodes and encodes through Pillow."""
-    raw = _searched_meanwhile(data, decode_jpeg, data, image, _dct_scale(image.size, size))
+    raw = decode_jpeg(data, image, _dct_scale(image.size, size))
     rows, columns = raw.shape[:2]
     pixels = bicubic_rgb(raw, columns, rows, size)
     encoding = _helpers().submit(simplejpeg.encode_jpeg, np.frombuffer(pixels, np.uint8).reshape(size[1], size[0], 3),

@@ -13,8 +13,8 @@ from controlplane.imaging.policy import Policy, normalise
 from tests.images import image_bytes
 
 JPEG = image_bytes(320, 240, "JPEG")
-# Each way a JPEG goes through the policy: sent as it came, downscaled whole (its bytes
-# searched while it decodes), turned by its EXIF orientation (searched first).
+# Each way a JPEG goes through the policy: sent as it came, downscaled whole (decoder to
+# libvips to encoder), turned by its EXIF orientation (through Pillow).
 _TURNED = Image.Exif()
 _TURNED[0x0112] = 6
 PHOTOS = {"within the policy": JPEG, "downscaled": image_bytes(2400, 1800, "JPEG"),
@@ -36,7 +36,7 @@ def test_images_carrying_documents_are_refused_as_polyglots(payload, what, photo
 
 @pytest.mark.parametrize("photo", PHOTOS)
 def test_a_polyglot_that_is_also_broken_is_refused_as_a_polyglot(photo):
-    """The search for a document decides, whatever the decoder made of the pixels."""
+    """The search for a document decides, before the decoder sees the pixels."""
     broken = PHOTOS[photo][:len(PHOTOS[photo]) // 2]
     with pytest.raises(PolyglotImage):
         normalise(broken + b"<script>fetch('/steal')</script>", Policy())
