@@ -364,6 +364,19 @@ def _engine_workers(leader: int) -> list[int]:
     return sorted(found)
 
 
+def _throttle(pids: list[int], stop: threading.Event, *, running: float = 0.02, stopped: float = 0.18) -> None:
+    """Let `pids` run `running` seconds in each `running + stopped`, until `stop`; they are
+    left stopped."""
+    while True:
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+        time.sleep(running)
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        if stop.wait(stopped):
+            return
+
+
 def _held(pid: int) -> str:
     """A process's title and scheduler state (T: stopped)."""
     try:
@@ -379,50 +392,53 @@ def test_draining_a_real_engine_lets_its_running_requests_finish(system, system_
 
     # No replacement: the tier's last test; its engine is not started again.
     ModelTier.objects.using(system_db).filter(name=REAL_TIER).update(replicas=0)
-    results = []
+    results, waited = [], []
 
     def long_stream(started):
+        sent = time.monotonic()
         with httpx.stream("POST", f"{system.base_url}/v1/chat/completions", timeout=180,
                           headers={"Authorization": f"Bearer {system.api_key}"},
                           json={"model": REAL_TIER, "max_tokens": LONG, "stream": True, "ignore_eos": True,
                                 "messages": [{"role": "user", "content": "Count to a thousand."}]}) as response:
             lines = response.iter_lines()
             first = next(lines)
+            waited.append(time.monotonic() - sent)
             started.release()
             rest = [line for line in lines if line.startswith("data:")]
             results.append((response.status_code, [first, *rest]))
 
     # Hold the engine mid-answer (its API server still reports the requests running), so the
-    # drain surely finds them in flight however slow this machine's supervision pass is.
-    instance, tried = _instance(system_db, real_engine.pk), 0
-    for _ in range(3):
-        tried += 1
-        started = threading.Semaphore(0)
-        streams = [threading.Thread(target=long_stream, args=(started,)) for _ in range(STREAMS)]
-        for stream in streams:
-            stream.start()
-        for _ in streams:
-            assert started.acquire(timeout=60), "a stream never started"
-        workers = _engine_workers(instance.pid)
+    # drain surely finds them in flight however slow this machine's supervision pass is. On a
+    # loaded machine the client's first line can come after the engine generated the whole
+    # answer (seen in CI): until every stream has shown its first line the engine runs a
+    # tenth of the time (its core and worker stopped and continued in turn), so its answers
+    # take minutes rather than seconds; then it is held.
+    instance = _instance(system_db, real_engine.pk)
+    workers = _engine_workers(instance.pid)
+    assert any("EngineCore" in _held(pid) for pid in workers), \
+        f"no engine core under {_held(instance.pid)}: {[_held(pid) for pid in workers]}"
+    throttle_stop = threading.Event()
+    throttled = threading.Thread(target=_throttle, args=(workers, throttle_stop))
+    throttled.start()
+    started = threading.Semaphore(0)
+    streams = [threading.Thread(target=long_stream, args=(started,)) for _ in range(STREAMS)]
+    events = EngineEvent.objects.using(system_db).filter(instance_id=real_engine.pk)
+    try:
+        try:
+            for stream in streams:
+                stream.start()
+            for _ in streams:
+                assert started.acquire(timeout=120), "a stream never started"
+        finally:
+            throttle_stop.set()
+            throttled.join()
         for pid in workers:
             os.kill(pid, signal.SIGSTOP)
         held = [_held(pid) for pid in workers]
-        assert any("EngineCore" in line for line in held), f"no engine core held under {_held(instance.pid)}: {held}"
-        # Mid-answer only if the held engine still runs them: on a loaded machine the client's
-        # first line can come after the whole answer was generated (seen in CI: the engine held
-        # idle, and rightly stopped by the drain). Then it is let go, and another stream tried.
-        if wait_for(lambda: scrape(instance), timeout=60, what="the held engine's counters").running >= STREAMS:
-            break
-        for pid in workers:
-            os.kill(pid, signal.SIGCONT)
-        for stream in streams:
-            stream.join(timeout=180)
-        results.clear()
-    else:
-        pytest.fail("every long stream was answered whole before the engine could be held mid-answer")
-    leader = instance.pid
-    events = EngineEvent.objects.using(system_db).filter(instance_id=real_engine.pk)
-    try:
+        counters = wait_for(lambda: scrape(instance), timeout=60, what="the held engine's counters")
+        assert counters.running >= STREAMS, (
+            f"held with {counters.running:g} requests running, the first line {waited} s after each "
+            f"was sent; answered: {[(status, len(lines), lines[-1][:80]) for status, lines in results]}")
         # What the Fleet page's Drain does (instance_action), without a second process's start-up.
         EngineInstance.objects.using(system_db).filter(pk=real_engine.pk).update(drain=True, desired_state="stopped")
         wait_for(lambda: events.filter(to_state="draining").exists(), timeout=60, what="the drain to begin")
@@ -432,10 +448,10 @@ def test_draining_a_real_engine_lets_its_running_requests_finish(system, system_
         while time.monotonic() < deadline:
             assert not events.filter(to_state="stopped").exists(), "stopped under its running requests"
             time.sleep(0.5)
-        assert not results, (f"finished while held ({held} under {_held(leader)}; now "
-                             f"{[_held(p) for p in workers]}); the engine as supervision last saw it: "
-                             f"{EngineInstance.objects.using(system_db).filter(pk=real_engine.pk).values('num_running', 'num_waiting', 'metrics_at', 'drain_started_at').first()}; events: "
-                             f"{[(e.created_at.time(), e.to_state, e.reason) for e in events.order_by('created_at')]}")
+        assert not results, (
+            f"finished while held ({held}; now {[_held(p) for p in workers]}); the engine as supervision "
+            f"last saw it: {_instance(system_db, real_engine.pk).num_running:g} running; events: "
+            f"{[(e.created_at.time(), e.to_state, e.reason) for e in events.order_by('created_at')]}")
     finally:
         for pid in workers:
             with contextlib.suppress(ProcessLookupError):
@@ -447,8 +463,7 @@ def test_draining_a_real_engine_lets_its_running_requests_finish(system, system_
     stopped = wait_for(lambda: events.filter(to_state="stopped").first(), timeout=60, what="the drained engine to stop")
     assert stopped.reason.startswith("drained after")
     finished = UsageEvent.objects.using(system_db).filter(tier__name=REAL_TIER, output_tokens=LONG)
-    assert wait_for(lambda: finished.filter(status="ok").count() == STREAMS * tried, timeout=20,
-                    what="every stream metered")
+    assert wait_for(lambda: finished.filter(status="ok").count() == STREAMS, timeout=20, what="every stream metered")
 
 
 # One stream: two long streams sent at once on this 2-core machine were seen, under the full
