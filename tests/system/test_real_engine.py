@@ -410,9 +410,11 @@ def test_draining_a_real_engine_lets_its_running_requests_finish(system, system_
     # Hold the engine mid-answer (its API server still reports the requests running), so the
     # drain surely finds them in flight however slow this machine's supervision pass is. On a
     # loaded machine the client's first line can come after the engine generated the whole
-    # answer (seen in CI): until every stream has shown its first line the engine runs a
-    # tenth of the time (its core and worker stopped and continued in turn), so its answers
-    # take minutes rather than seconds; then it is held.
+    # answer (seen in CI): vLLM's API server, at the engine's niceness, is starved while its
+    # core generates (straight to vLLM with two busy processes beside it, the first line came
+    # 11.0 s into an 11.1 s answer). So until every stream has shown its first line the engine
+    # runs a tenth of the time (its core and worker stopped and continued in turn), and its
+    # answers take minutes rather than seconds; then it is held.
     instance = _instance(system_db, real_engine.pk)
     workers = _engine_workers(instance.pid)
     assert any("EngineCore" in _held(pid) for pid in workers), \
