@@ -260,7 +260,7 @@ def bench_ingest(world: World, count: int, naive_count: int) -> None:
           f"{pair_kept:,} events of {count:,}\n")
 
 
-def _drain_child(start, queue) -> None:
+def _drain_child(ready, start, queue) -> None:
     import django
 
     django.setup()
@@ -269,6 +269,7 @@ def _drain_child(start, queue) -> None:
     from controlplane.metering.outbox import usage_ingest
 
     connection.ensure_connection()
+    ready.put(os.getpid())
     start.wait()
     stored = 0
     while done := usage_ingest():
@@ -283,11 +284,12 @@ def _consumers_at_once(consumers: int) -> tuple[float, list[int]]:
 
     connections.close_all()
     context = multiprocessing.get_context("spawn")
-    start, queue = context.Event(), context.Queue()
-    children = [context.Process(target=_drain_child, args=(start, queue)) for _ in range(consumers)]
+    ready, start, queue = context.Queue(), context.Event(), context.Queue()
+    children = [context.Process(target=_drain_child, args=(ready, start, queue)) for _ in range(consumers)]
     for child in children:
         child.start()
-    time.sleep(3)  # each imports Django and connects before the start
+    for _ in children:  # each has imported Django and connected
+        ready.get(timeout=120)
     started = time.perf_counter()
     start.set()
     results = [queue.get(timeout=600) for _ in children]

@@ -266,8 +266,12 @@ def _passes_through(image: Image.Image, fmt: str, turn: int, plan: TilePlan, siz
     loss). Upright (the engine
     does not turn images by their EXIF orientation), RGB or grey (what the engine makes of
     other modes may differ from ours), one frame, within every bound of the policy."""
-    return (fmt == "JPEG" and turbo_decodable(image) and turn == 1
-            and len(plan.boxes) == 1 and (plan.width, plan.height) == size)
+    return fmt == "JPEG" and _upright_jpeg_whole(image, turn, plan) and (plan.width, plan.height) == size
+
+
+def _upright_jpeg_whole(image: Image.Image, turn: int, plan: TilePlan) -> bool:
+    """A JPEG libjpeg-turbo decodes straight, upright, that the policy sends as one image."""
+    return turbo_decodable(image) and turn == 1 and len(plan.boxes) == 1
 
 
 def _as_sent(image: Image.Image, data: bytes, *, index: FingerprintIndex | None) -> NormalisedImage:
@@ -289,8 +293,7 @@ _pool_lock = threading.Lock()
 
 def _helpers() -> ThreadPoolExecutor:
     """Threads for the work of a picture that can run beside the rest of it (its re-encode,
-    beside its fingerprint): one per core.
-    Each process its own, made on first use: a child forked after its parent had them would
+    beside its fingerprint): one per core. Each process its own, made on first use: a child forked after its parent had them would
     otherwise hold a pool whose threads are gone, and wait on it for ever."""
     global _pool
     with _pool_lock:
@@ -302,7 +305,7 @@ def _helpers() -> ThreadPoolExecutor:
 def _downscales_whole(image: Image.Image, turn: int, plan: TilePlan) -> bool:
     """An upright colour JPEG the policy brings down to one smaller image: the common large
     upload (a phone's photo), which `_downscaled` takes on every core at hand."""
-    return (turbo_decodable(image) and image.mode == "RGB" and turn == 1 and len(plan.boxes) == 1
+    return (_upright_jpeg_whole(image, turn, plan) and image.mode == "RGB"
             and (plan.width, plan.height) != image.size and min(plan.width, plan.height) >= 2)
 
 
@@ -310,9 +313,8 @@ def _downscaled(image: Image.Image, data: bytes, policy: Policy, size: tuple[int
                 index: FingerprintIndex | None) -> NormalisedImage:
     """The JPEG decoded at the DCT scale that covers `size`; resampled by libvips (on every
     core when it runs alone); re-encoded by libjpeg-turbo on a helper thread while this one
-    fingerprints it. The pixels
-    go from decoder to resampler to encoder as they are: the only Pillow image made is the
-    fingerprint's. The same pixels, the same encoder settings (baseline, 4:2:0, the policy's
+    fingerprints it. The pixels go from decoder to resampler to encoder as they are: the only
+    Pillow image made is the fingerprint's. The same pixels, the same encoder settings (baseline, 4:2:0, the policy's
     quality) as the general path, which decodes and encodes through Pillow."""
     raw = decode_jpeg(data, image, _dct_scale(image.size, size))
     rows, columns = raw.shape[:2]

@@ -216,7 +216,6 @@ def test_counters_started_again_count_usage_still_in_the_stream(world, mode, eng
     _assert_room(world, 1000 - 2 * 180)
 
 
-
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.parametrize("mode", ["redis"], indirect=True)
 def test_a_client_leaving_during_an_admission_whose_reply_was_lost_leaves_no_reservation(world, mode, monkeypatch):  # noqa: F811
