@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import redis
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -35,6 +36,33 @@ def wait_for(check, *, timeout: float, interval: float = 0.2, what: str = "condi
             last_error = exc
         time.sleep(interval)
     raise TimeoutError(f"timed out after {timeout}s waiting for {what} (last error: {last_error})")
+
+
+class RedisServer:
+    """A redis-server process of the test's own, with no persistence."""
+
+    def __init__(self):
+        self.port, self.process = free_port(), None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        self.process = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_for(lambda: redis.Redis.from_url(self.url).ping(), timeout=10, what="the test's Redis")
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.wait()
+
+    def pause(self) -> None:
+        self.process.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self.process.send_signal(signal.SIGCONT)
 
 
 @dataclass

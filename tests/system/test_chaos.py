@@ -27,39 +27,12 @@ import psycopg
 import pytest
 import redis
 
-from tests.system.harness import System, free_port, system_env, wait_for
+from tests.system.harness import RedisServer, System, free_port, system_env, wait_for
 
 pytestmark = [pytest.mark.system, pytest.mark.xdist_group("chaos")]
 # In flight on an engine that stops making progress: failed over or answered within this bound
 # (the hang detection of workers/supervision/liveness.py), and no request waits longer.
 HANG_BOUND_S = 30
-
-
-class RedisServer:
-    """A redis-server process of the test's own, with no persistence."""
-
-    def __init__(self):
-        self.port, self.process = free_port(), None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        self.process = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        wait_for(lambda: redis.Redis.from_url(self.url).ping(), timeout=10, what="the test's Redis")
-
-    def kill(self) -> None:
-        self.process.kill()
-        self.process.wait()
-
-    def pause(self) -> None:
-        self.process.send_signal(signal.SIGSTOP)
-
-    def resume(self) -> None:
-        self.process.send_signal(signal.SIGCONT)
 
 
 class PostgresServer:

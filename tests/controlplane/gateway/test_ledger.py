@@ -17,9 +17,11 @@ from controlplane.gateway.ledger import Ask, Limits, RedisLedger, Refused
 from controlplane.gateway.models import InFlightRequest
 from controlplane.metering.models import UsageEvent
 from controlplane.tenants.models import Quota
+from tests.conftest import skip_without_redis
 from tests.controlplane.gateway.test_journal import MODES, _record, _stored, engine, mode  # noqa: F401 - fixtures
 from tests.controlplane.gateway.test_views import engines, image_message, post, routed  # noqa: F401 - fixtures
 from tests.images import data_url, image_bytes
+from tests.system.harness import RedisServer
 
 pytestmark = pytest.mark.accounting  # also run in embedded mode (SQLite, no Redis)
 
@@ -45,9 +47,21 @@ def test_a_refused_request_leaves_no_entry_and_an_admitted_one_holds_both(world,
     ledger._live.clear()
 
 
+@pytest.fixture
+def own_redis(settings):
+    """A Redis of the test's own: its script cache is the server's, which the tests running
+    beside it on the shared Redis fill again as soon as it is flushed."""
+    skip_without_redis()
+    server = RedisServer()
+    server.start()
+    settings.REDIS_URL = server.url
+    yield server
+    server.kill()
+
+
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.parametrize("mode", ["redis"], indirect=True)
-def test_admitting_and_journaling_is_one_round_trip_to_redis(world, mode, monkeypatch):  # noqa: F811
+def test_admitting_and_journaling_is_one_round_trip_to_redis(world, own_redis, mode, monkeypatch):  # noqa: F811
     calls = []
     original = redis.asyncio.Redis.execute_command
 
