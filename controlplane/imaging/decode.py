@@ -47,25 +47,19 @@ def _plugins(allowed: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(names)
 
 
-# What each payload starts with, lowered: found with bytes.find (memchr-fast), then matched.
-_PAYLOAD_STARTS = (b"<script", b"<html", b"<?php", b"<iframe", b"<object", b"%pdf-")
+# The same search in two parts, each with a literal first byte, run on the lowered bytes (the
+# bytes patterns ignore case as bytes.lower() does: ASCII only): the regex engine scans for a
+# literal first byte in C, where an alternation of two first bytes, or re.I, makes it try
+# every position (0.7 ms on a 256 KB window against 0.08).
+_TAG = re.compile(rb"<(?:script|html|\?php|iframe|object)[\s>]")
+_PDF = re.compile(rb"%pdf-\d\.\d")
 
 
 def _payload(region: bytes):
-    """The first payload in `region`, as `_PAYLOAD.search` finds it: candidates by a plain
-    byte search of the lowered region (a regex with alternatives walks every byte in Python's
-    engine: 3 ms on a 12 MP photo's head and tail), each confirmed by the pattern itself."""
+    """The first payload in `region`, as `_PAYLOAD.search` finds it."""
     lowered = region.lower()
-    found = None
-    for start in _PAYLOAD_STARTS:
-        at = lowered.find(start)
-        while at != -1 and (found is None or at < found.start()):
-            match = _PAYLOAD.match(region, at)
-            if match is not None:
-                found = match
-                break
-            at = lowered.find(start, at + 1)
-    return found
+    starts = [found.start() for found in (_TAG.search(lowered), _PDF.search(lowered)) if found is not None]
+    return _PAYLOAD.match(region, min(starts)) if starts else None
 
 
 def sniff_problem(data: bytes) -> None:

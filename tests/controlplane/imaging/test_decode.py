@@ -5,9 +5,11 @@ from __future__ import annotations
 import io
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from PIL import Image
 
-from controlplane.imaging.decode import PolyglotImage
+from controlplane.imaging.decode import _PAYLOAD, PolyglotImage, _payload
 from controlplane.imaging.errors import UnsupportedFormat
 from controlplane.imaging.policy import Policy, normalise
 from tests.images import image_bytes
@@ -40,6 +42,18 @@ def test_a_polyglot_that_is_also_broken_is_refused_as_a_polyglot(photo):
     broken = PHOTOS[photo][:len(PHOTOS[photo]) // 2]
     with pytest.raises(PolyglotImage):
         normalise(broken + b"<script>fetch('/steal')</script>", Policy())
+
+
+# Pieces of payloads, whole and broken, in either case, among bytes of every value.
+_PIECES = st.sampled_from([b"<script", b"<SCRIPT>", b"<ScRiPt ", b"<html>", b"<htm", b"<?php\n", b"<?PHP",
+                           b"<iframe\t", b"<object>", b"<objec", b"%PDF-1.7", b"%pdf-1.", b"%PDF-x.1", b"<", b"%",
+                           b">", b" ", b"\x00\xff"])
+
+
+@given(st.lists(st.one_of(_PIECES, st.binary(max_size=8)), max_size=40).map(b"".join))
+def test_the_search_for_documents_finds_what_the_case_blind_pattern_finds(region):
+    found, expected = _payload(region), _PAYLOAD.search(region)
+    assert (found and (found.start(), found.group(0))) == (expected and (expected.start(), expected.group(0)))
 
 
 def test_an_image_with_a_zip_archive_appended_is_refused():
