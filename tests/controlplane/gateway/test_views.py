@@ -216,6 +216,38 @@ def test_bad_requests_get_a_clear_4xx(client, world, body, status, code):
     assert error_of(response)["code"] == code
 
 
+def _noise_png() -> bytes:
+    """A PNG of noise: over a megabyte (a body the gateway parses off its event loop)."""
+    import io
+
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.effect_noise((900, 600), 90).convert("RGB").save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+_IMAGES = {"small": data_url(image_bytes(64, 48)), "megabytes": data_url(_noise_png(), "image/png")}
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("size", _IMAGES)
+def test_an_integer_past_64_bits_is_forwarded_whatever_the_bodys_size(client, routed, size):
+    assert size == "small" or len(_IMAGES[size]) > 2**20
+    response = post(client, routed.alice_key, {"model": "vlm-lite", "max_tokens": 4, "metadata": {"n": 2**70},
+                                               "messages": image_message(_IMAGES[size])})
+    assert response.status_code == 200, response.content
+    assert UsageEvent.objects.get(request_id=response["x-request-id"]).image_count == 1
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("size", _IMAGES)
+def test_a_lone_surrogate_is_invalid_json_whatever_the_bodys_size(client, world, size):
+    body = json.dumps({"model": "vlm-lite", "messages": image_message(_IMAGES[size])})
+    response = post(client, world.alice_key, body.replace('"what is this"', '"what \\ud800 is this"').encode())
+    assert (response.status_code, error_of(response)["code"]) == (400, "invalid_json")
+
+
 @pytest.mark.django_db
 def test_a_tier_outside_the_keys_tenant_allowance_is_a_403(client, world):
     world.bob.allowed_tiers.set([world.text])
