@@ -169,7 +169,7 @@ async def _chat_completions(request: Request, request_id: str):
                                code="model_not_priced", headers={"Retry-After": "60"})
     except GatewayError as exc:
         return exc.response(request_id)
-    started = time.monotonic()
+    started, prepared = time.monotonic(), None
     try:
         try:
             prepared = await prepare(body, tier, max_image_bytes=settings.GATEWAY_MAX_BODY_BYTES,
@@ -177,6 +177,10 @@ async def _chat_completions(request: Request, request_id: str):
         except RequestInvalid as exc:
             raise GatewayError(400, str(exc), code=exc.code, param=exc.param) from None
         if tier.require_moderation and prepared.images:
+            try:
+                await prepared.images_checked()  # the moderation service is sent only whole images
+            except RequestInvalid as exc:
+                raise GatewayError(400, str(exc), code=exc.code, param=exc.param) from None
             try:
                 await moderation.moderate([p.image.data_url() for p in prepared.images])
             except moderation.Flagged as flagged:
@@ -187,6 +191,7 @@ async def _chat_completions(request: Request, request_id: str):
         route = await _route(key, tier, prepared)
         flight = await _admit(request_id, key, tier, prepared, started, engine=route.first)
     except GatewayError as exc:
+        exc = await _broken_image(prepared) or exc
         # Refused once the tier was known: the tenant sees it in their usage, at no cost.
         await _record(UsageRecord(request_id=request_id, tenant_id=key.tenant_id, api_key_id=key.key_id,
                                   tier_id=tier.id, status="error", http_status=exc.status,
@@ -215,7 +220,7 @@ async def _route(key: state.KeyInfo, tier: TierSpec, prepared: Prepared) -> _Rou
     candidates = await _known("the engines", state.instances(tier.id))
     large = prepared.image_tokens > tier.large_image_threshold
     # Per tenant: one tenant's requests never steer toward the engine holding another's images.
-    fingerprints = tuple(f"{key.tenant_id}:{p.image.fingerprint}" for p in prepared.images)
+    fingerprints = tuple(f"{key.tenant_id}:{p.key}" for p in prepared.images)
     waits = large and not routing.has_dedicated_large_pool(candidates)
     first = None if waits else routing.choose(candidates, large=large, fingerprints=fingerprints)
     return _Route(candidates, large, fingerprints, first)
@@ -236,6 +241,7 @@ async def _admit(request_id: str, key: state.KeyInfo, tier: TierSpec, prepared: 
         counted_prompt_tokens=prepared.text_tokens + prepared.image_tokens, prompt_estimated=prepared.estimated,
         prepare_ms=_ms_since(started),  # the images are ready (and moderated) when admission starts
         instance_id=engine.id if engine is not None else None,
+        checking=prepared.checking if prepared.checking is not None and not prepared.checking.done() else None,
     )
     ask = None if key.limits is None else Ask(
         image_tokens=prepared.image_tokens,
@@ -326,6 +332,7 @@ async def _forward(request_id: str, key: state.KeyInfo, tier: TierSpec, prepared
         return await _attempts(request_id, tier, prepared, flight, candidates, payload, started,
                                large=large, fingerprints=fingerprints, slot=slot, first=route.first)
     except GatewayError as exc:
+        exc = await _broken_image(prepared) or exc
         record.status, record.http_status = "error", exc.status
         await _record(record, started)
         return exc.response(request_id)
@@ -380,7 +387,9 @@ async def _attempts(request_id, tier, prepared, flight, candidates, payload, sta
                          **({"authorization": f"Bearer {instance.api_key}"} if instance.api_key else {})},
             )
             try:
-                response = await _unless_engine_fails(sending, tier.id, instance.id)
+                response = await _unless_engine_fails(_once_checked(sending, prepared), tier.id, instance.id)
+            except GatewayError as broken:  # an image sent unchecked failed its check: refused as before
+                return await _refused_image(record, started, broken.response(request_id))
             except EngineFailing:
                 # Hung or dead (supervision says so): it will not answer; another engine may.
                 log.warning("engine %s stopped answering %s; trying another", instance.id, request_id)
@@ -415,11 +424,59 @@ async def _attempts(request_id, tier, prepared, flight, candidates, payload, sta
         finally:
             if not handed_over:
                 routing.outstanding[instance.id] -= 1
+    broken = await _broken_image(prepared)
+    if broken is not None:
+        return await _refused_image(record, started, broken.response(request_id))
     record.status, record.http_status = "error", 503
     await _record(record, started)
     return error_response(503, f"no healthy engine is serving '{tier.name}' right now; retry shortly",
                           code="engine_unavailable", request_id=request_id,
                           headers={"Retry-After": "5"})
+
+
+async def _broken_image(prepared: Prepared | None) -> GatewayError | None:
+    """The 400 of an image sent unchecked that failed its check, once its check is done: what
+    a request refused for any other reason is answered with all the same, as it would have been
+    had its images been checked before anything else."""
+    if prepared is None or prepared.checking is None:
+        return None
+    try:
+        await prepared.images_checked()
+    except RequestInvalid as exc:
+        return GatewayError(400, str(exc), code=exc.code, param=exc.param)
+    return None
+
+
+async def _refused_image(record: UsageRecord, started: float, response: Response) -> Response:
+    record.status, record.http_status = "error", 400
+    await _record(record, started)
+    return response
+
+
+async def _once_checked(sending, prepared: Prepared):
+    """The engine's answer to `sending`, once the images sent to it unchecked have passed their
+    checks (which take milliseconds, where the engine takes tens of them at least): nothing is
+    answered before. An image that fails its check abandons the exchange (the engine drops a
+    request whose connection closes) and raises its 400 (GatewayError), as it would have at once."""
+    checking = prepared.checking
+    if checking is None:
+        return await sending
+    if checking.done() and (broken := await _broken_image(prepared)) is not None:
+        sending.close()  # never started
+        raise broken
+    answer = asyncio.ensure_future(sending)
+    try:
+        await asyncio.wait({answer, checking}, return_when=asyncio.FIRST_COMPLETED)
+        broken = await _broken_image(prepared)
+        if broken is not None:
+            raise broken
+    except BaseException:
+        answer.cancel()
+        response = await asyncio.gather(answer, return_exceptions=True)
+        if response and not isinstance(response[0], BaseException):
+            await response[0].aclose()
+        raise
+    return await answer
 
 
 async def _engine_failed(record: UsageRecord, started: float) -> Response:
@@ -676,6 +733,16 @@ async def _record(record: UsageRecord, started: float) -> None:
 
 
 async def _hand_over(record: UsageRecord) -> None:
+    if record.checking is not None:
+        # Its images sent as they came get their fingerprints once checked (a refused one keeps
+        # its empty one: the record is its 400's).
+        try:
+            checked = await record.checking
+        except Exception:  # noqa: BLE001 - the request was answered with what it was
+            checked = None
+        if checked is not None:
+            record.images = [(p.image, tokens, cached) for p, (_, tokens, cached) in
+                             zip(checked, record.images, strict=True)]
     try:
         # The usage handed over and the reservation corrected to what was really used, at once.
         await ledger.finish(record)

@@ -7,6 +7,7 @@ multimodal UUIDs are dropped, image and text tokens are counted before anything 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from dataclasses import dataclass, field
 
 from controlplane.imaging.errors import ImageError
@@ -57,6 +58,10 @@ class PreparedImage:
     image: NormalisedImage
     tokens: int
     position: int = 0  # where the image starts in the prompt
+    number: int = 1  # which image of the request it is (its tiles share it), for what is said of it
+    # A digest of the bytes the engine is sent: the engine that was sent them has their encoding
+    # in its caches (vLLM's are keyed by the pixels, so a re-encoding of the picture would miss).
+    key: str = ""
 
 
 @dataclass
@@ -67,10 +72,39 @@ class Prepared:
     # True when text_tokens and the images' positions are the estimate, not the model's
     # own tokenizer's count (the tier has none, or its chat template failed on the request).
     estimated: bool = True
+    # The checks of the images sent as they came (decoded whole, fingerprinted), running beside
+    # the request's admission and its trip to the engine; its result is `images`, all checked.
+    checking: asyncio.Future | None = None
 
     @property
     def image_tokens(self) -> int:
         return sum(p.tokens for p in self.images)
+
+    def check_images(self) -> None:
+        """Start the checks left for later, in one trip to a worker thread."""
+        pending = [p for p in self.images if p.image.check is not None]
+        if pending and self.checking is None:
+            self.checking = asyncio.ensure_future(self._checked(pending))
+            # Never waited on when the request ends before it is answered (the client left).
+            self.checking.add_done_callback(lambda done: done.cancelled() or done.exception())
+
+    async def images_checked(self) -> list[PreparedImage]:
+        """The images once every check has passed; RequestInvalid for the first that failed."""
+        if self.checking is not None:
+            await asyncio.shield(self.checking)  # a caller giving up does not stop the check
+        return self.images
+
+    async def _checked(self, pending: list[PreparedImage]) -> list[PreparedImage]:
+        await asyncio.to_thread(_check, pending)
+        return self.images
+
+
+def _check(pending: list[PreparedImage]) -> None:
+    for prepared in pending:
+        try:
+            prepared.image = prepared.image.checked()
+        except ImageError as exc:
+            raise RequestInvalid(f"image {prepared.number}: {exc}", param="messages", code=exc.code) from None
 
 
 # What a tenant may send. Everything else (vLLM's mm_processor_kwargs, chat_template,
@@ -225,10 +259,14 @@ def validate_body(body) -> None:
         raise RequestInvalid(f"min_tokens {least} exceeds max_tokens {most}", param="min_tokens")
 
 
-def _image_tiles(url: str, policy: Policy, detail, fetch: FetchPolicy | None, max_bytes: int, scope: str):
-    """Intake and normalise in one trip to a worker thread (CPU work, off the event loop)."""
+def _image_tiles(url: str, policy: Policy, detail, fetch: FetchPolicy | None, max_bytes: int,
+                 scope: str) -> list[tuple[NormalisedImage, str]]:
+    """Intake and normalise in one trip to a worker thread (CPU work, off the event loop): each
+    image the picture becomes, and the digest of its bytes. An image sent as it came is checked
+    later (Prepared.check_images), beside the request's trip to the engine."""
     data = image_source_bytes(url, max_bytes=max_bytes, fetch=fetch)
-    return normalise_tiles(data, policy, detail=detail, index=index_of_pictures.scoped(scope))
+    tiles = normalise_tiles(data, policy, detail=detail, index=index_of_pictures.scoped(scope), check_later=True)
+    return [(tile, hashlib.sha256(tile.data).hexdigest()[:32]) for tile in tiles]
 
 
 async def prepare(body: dict, tier: TierSpec, *, max_image_bytes: int, scope: str = "") -> Prepared:
@@ -260,6 +298,7 @@ async def prepare(body: dict, tier: TierSpec, *, max_image_bytes: int, scope: st
             f"this request needs about {tier.max_model_len - room} prompt tokens; the model's context "
             f"is {tier.max_model_len}", param="messages", code="context_length_exceeded")
     body["max_tokens"] = min(limit or tier.max_output_tokens, room)
+    prepared.check_images()
     return prepared
 
 
@@ -287,22 +326,22 @@ async def _prepare_images(prepared: Prepared, parts: list[dict], tier: TierSpec,
                                             scope)
         except ImageError as exc:
             raise RequestInvalid(f"image {index + 1}: {exc}", param="messages", code=exc.code) from None
-        total_pixels += tiles[0].source_width * tiles[0].source_height
+        total_pixels += tiles[0][0].source_width * tiles[0][0].source_height
         if total_pixels > policy.max_total_pixels:
             raise RequestInvalid(
                 f"images in this request exceed {policy.max_total_pixels} pixels in total",
                 param="messages", code="image_too_large",
             )
-        for tile in tiles:
+        for tile, digest in tiles:
             try:
                 tokens = count_image_tokens(tier.family, tile.width, tile.height, **tier.processor_options)
             except ValueError as exc:
                 raise RequestInvalid(f"image {index + 1}: {exc}", param="messages",
                                      code="image_policy_violation") from None
-            prepared.images.append(PreparedImage(image=tile, tokens=tokens))
+            prepared.images.append(PreparedImage(image=tile, tokens=tokens, number=index + 1, key=digest))
         # What the engine receives: the normalised image (or its tiles, in reading order),
         # without the client's multimodal UUID or detail hint.
-        replacements[id(part)] = [{"type": "image_url", "image_url": {"url": t.data_url()}} for t in tiles]
+        replacements[id(part)] = [{"type": "image_url", "image_url": {"url": t.data_url()}} for t, _ in tiles]
     if len(prepared.images) > policy.max_images_per_request:
         raise RequestInvalid(
             f"the images of this request make {len(prepared.images)} images once long ones are "

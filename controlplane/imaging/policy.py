@@ -11,14 +11,16 @@ Pure Python: no Django, no Celery.
 from __future__ import annotations
 
 import binascii
+import functools
 import io
 import math
 import os
 import re
 import struct
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import pybase64  # SIMD base64: a 12 MP photo's data URL in ~0.2 ms instead of ~7
@@ -90,6 +92,13 @@ class NormalisedImage:
     fingerprint: str
     tile: int = 0  # position in reading order when a long image was cut
     tiles: int = 1
+    # An image sent as it came whose check was left for later (normalise_tiles' check_later):
+    # its fingerprint is "" until `checked()` has decoded it.
+    check: Callable[[], str] | None = field(default=None, compare=False, repr=False)
+
+    def checked(self) -> NormalisedImage:
+        """This image checked (CorruptImage if it is not a whole JPEG) and fingerprinted."""
+        return self if self.check is None else replace(self, fingerprint=self.check(), check=None)
 
     def data_url(self) -> str:
         return f"data:{self.mime};base64,{pybase64.b64encode_as_string(self.data)}"
@@ -222,10 +231,13 @@ def _decode_scaled(image: Image.Image, data: bytes, fmt: str, turn: int, target:
 
 
 def normalise_tiles(data: bytes, policy: Policy, *, detail: str | None = None,
-                    index: FingerprintIndex | None = None) -> list[NormalisedImage]:
+                    index: FingerprintIndex | None = None, check_later: bool = False) -> list[NormalisedImage]:
     """Bring an untrusted image within `policy`; one image, or tiles for a long one.
 
     With an `index`, re-encodings of a picture seen before get that picture's fingerprint.
+    With `check_later`, an image sent as it came is returned once its header and bytes have
+    passed (format, size, orientation, embedded documents), its decode left to its `checked()`:
+    the caller may send it meanwhile, and must not answer before it has passed.
     """
     cap = policy.pixel_cap(detail)
     image = open_image(data, allowed_formats=policy.allowed_formats,
@@ -236,7 +248,8 @@ def normalise_tiles(data: bytes, policy: Policy, *, detail: str | None = None,
     width, height = (stored_h, stored_w) if turn in (5, 6, 7, 8) else (stored_w, stored_h)
     plan = plan_tiles(width, height, policy, cap)
     if policy.output_format == "jpeg" and _passes_through(image, fmt, turn, plan, (width, height)):
-        return [_as_sent(image, data, index=index)]
+        sent = _as_sent(image, data, index=index)
+        return [sent if check_later else sent.checked()]
     if policy.output_format == "jpeg" and _downscales_whole(image, turn, plan):
         return [_downscaled(image, data, policy, (plan.width, plan.height), index=index)]
     try:
@@ -275,16 +288,22 @@ def _upright_jpeg_whole(image: Image.Image, turn: int, plan: TilePlan) -> bool:
 
 
 def _as_sent(image: Image.Image, data: bytes, *, index: FingerprintIndex | None) -> NormalisedImage:
-    """The image as it came, checked as the intake checks any other: every scan of the JPEG
-    is decoded (truncated or corrupt data fails here as it would in a full decode), at half
-    its size, which gives its fingerprint the bits of the full decode (at a quarter or an
-    eighth, libjpeg's scaled decode moves them by up to 4 and 10 of 63: another picture)."""
+    """The image as it came, its check still to be done (`checked()`)."""
     width, height = image.size
-    small = to_rgb(as_image(decode_jpeg(data, image, 2)))  # CorruptImage for anything but a whole JPEG
     return NormalisedImage(
         source_format="JPEG", source_width=width, source_height=height, width=width, height=height,
-        data=data, mime="image/jpeg", fingerprint=fingerprint(small, index, size=(width, height)),
+        data=data, mime="image/jpeg", fingerprint="", check=functools.partial(_check_sent, data, image, index),
     )
+
+
+def _check_sent(data: bytes, image: Image.Image, index: FingerprintIndex | None) -> str:
+    """An image sent as it came checked as the intake checks any other, and its fingerprint:
+    every scan of the JPEG is decoded (truncated or corrupt data fails here as it would in a
+    full decode), at half its size, which gives its fingerprint the bits of the full decode (at
+    a quarter or an eighth, libjpeg's scaled decode moves them by up to 4 and 10 of 63:
+    another picture)."""
+    small = to_rgb(as_image(decode_jpeg(data, image, 2)))  # CorruptImage for anything but a whole JPEG
+    return fingerprint(small, index, size=image.size)
 
 
 _pool: tuple[int, ThreadPoolExecutor] | None = None

@@ -16,7 +16,7 @@ from controlplane.imaging.errors import (
     UnsupportedFormat,
 )
 from controlplane.imaging.fingerprint import FingerprintIndex
-from controlplane.imaging.policy import Policy, decode_data_url, normalise
+from controlplane.imaging.policy import Policy, decode_data_url, normalise, normalise_tiles
 from tests.images import data_url, image_bytes
 
 STANDARD = Policy()  # max_pixels 1003520, low detail 200704
@@ -342,6 +342,20 @@ def test_a_jpeg_within_the_policy_reaches_the_engine_as_it_came():
     index = FingerprintIndex()
     assert normalise(photo, Policy(), index=index).fingerprint == normalise(as_png.getvalue(), Policy(),
                                                                             index=index).fingerprint
+
+
+def test_a_jpeg_sent_as_it_came_can_be_checked_later_and_fails_its_check_if_broken():
+    photo = image_bytes(1155, 866)
+    later = normalise_tiles(photo, Policy(grid=28), check_later=True)[0]
+    assert later.data == photo and later.fingerprint == "" and later.check is not None
+    assert later.checked() == normalise(photo, Policy(grid=28))  # its fingerprint, as if checked at once
+    # Broken past its header: accepted until its check, which refuses it as the intake would.
+    truncated = image_bytes(800, 600)[:-2000]
+    unchecked = normalise_tiles(truncated, Policy(), check_later=True)[0]
+    with pytest.raises(CorruptImage):
+        unchecked.checked()
+    # Whatever the policy changes is made at once: nothing left to check.
+    assert normalise_tiles(image_bytes(2000, 1500), Policy(), check_later=True)[0].check is None
 
 
 def test_a_jpeg_the_policy_changes_or_turns_or_that_is_broken_is_not_passed_through():

@@ -1,0 +1,59 @@
+"""An image the policy leaves as it is goes to the engine before its check (a whole decode, its
+fingerprint) has finished: nothing is answered before the check, and an image that fails it
+is refused as it would have been at once, its request metered at no cost, its quota released."""
+
+from __future__ import annotations
+
+import pytest
+
+from controlplane.imaging.policy import Policy, normalise
+from controlplane.metering.models import UsageEvent, UsageImage
+from controlplane.tenants.models import Quota
+from tests.controlplane.gateway.conftest import ingested
+from tests.controlplane.gateway.test_views import engines, error_of, image_message, post, routed  # noqa: F401
+from tests.images import data_url, image_bytes
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+WHOLE = image_bytes(800, 600)  # within the policy: sent as it came
+BROKEN = WHOLE[:-3000]  # its header whole, its scans cut short: only a decode finds it out
+
+
+def _ask(url, **extra):
+    return {"model": "vlm-lite", "max_tokens": 600, **extra, "messages": image_message(url)}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_image_that_fails_its_check_is_refused_and_costs_nothing(client, routed, ledger_mode, stream):  # noqa: F811
+    # Room for one request at a time: a reservation left behind would refuse the next.
+    Quota.objects.create(tenant=routed.alice, period="day", total_tokens=1500)
+    refused = post(client, routed.alice_key, _ask(data_url(BROKEN), stream=stream))
+    assert refused.status_code == 400, refused.content
+    assert error_of(refused)["code"] == "corrupt_image" and "image 1" in error_of(refused)["message"]
+    served = post(client, routed.alice_key, _ask(data_url(WHOLE)))
+    assert served.status_code == 200, served.content
+    ingested()
+    failed = UsageEvent.objects.get(request_id=refused["x-request-id"])
+    assert (failed.status, failed.http_status, failed.cost) == ("error", 400, 0)
+
+
+def test_a_broken_image_is_a_400_where_there_is_no_engine_to_send_it_to(client, world, ledger_mode):
+    refused = post(client, world.alice_key, _ask(data_url(BROKEN)))
+    assert (refused.status_code, error_of(refused)["code"]) == (400, "corrupt_image")
+    assert post(client, world.alice_key, _ask(data_url(WHOLE))).status_code == 503  # a whole one: no engine
+
+
+def test_a_broken_image_is_a_400_where_the_quota_is_spent(client, world, ledger_mode):
+    Quota.objects.create(tenant=world.alice, period="day", total_tokens=10)
+    refused = post(client, world.alice_key, _ask(data_url(BROKEN)))
+    assert (refused.status_code, error_of(refused)["code"]) == (400, "corrupt_image")
+    assert post(client, world.alice_key, _ask(data_url(WHOLE))).status_code == 429  # a whole one: the quota
+
+
+def test_an_image_checked_beside_the_engine_is_metered_with_its_fingerprint(client, routed, ledger_mode):  # noqa: F811
+    response = post(client, routed.alice_key, _ask(data_url(WHOLE), max_tokens=4))
+    assert response.status_code == 200
+    ingested()
+    line = UsageImage.objects.get(event__request_id=response["x-request-id"])
+    assert (line.width, line.height) == (800, 600)
+    assert line.fingerprint == normalise(WHOLE, Policy()).fingerprint
