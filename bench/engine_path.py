@@ -13,8 +13,8 @@ LiteLLM's proxy (one worker, no database) points at the same vLLM.
 
 For text, a 1 MP and a 12 MP JPEG as base64 data URLs (every request its own picture, made
 before the timing, so neither vLLM's multimodal cache nor its prefix cache can hit), at
-concurrency 1 and 4, max_tokens 2, the paths taking turns (two rounds each, the order
-rotating: the machine may be shared): p50 and p90 end-to-end latency, requests per second,
+concurrency 1 and 4, max_tokens 2, the paths taking turns (at concurrency 1 a request each,
+at 4 two rounds each, the order rotating: the machine may be shared): p50 and p90 end-to-end latency, requests per second,
 and CPU seconds per request (utime + stime from /proc before and after each turn) of the
 gateway, of LiteLLM's proxy, of vLLM's API server (where vLLM decodes and resizes images)
 and of its engine core (with the worker process the CPU build runs the model in). "outside"
@@ -190,11 +190,14 @@ def cpu_now(pids: dict[str, list[int]]) -> dict[str, float]:
 
 def measure(paths: dict, processes: dict, pictures: Pictures, size: str, concurrency: int, count: int) -> dict:
     """One case on every path. The paths take turns in ROUNDS rounds, the order rotating, so
-    that load from outside the bench (the machine is shared) falls on each path alike."""
+    that load from outside the bench (the machine is shared) falls on each path alike; one
+    request at a time, a turn is one request, so that the engine's own drift (its time for the
+    same work moves by more than a proxy adds, over minutes) falls on each path alike too."""
     seen = {name: {"latencies": [], "elapsed": 0.0, "cpu": dict.fromkeys(processes, 0.0)} for name in paths}
     names = list(paths)
-    for turn in range(ROUNDS):
-        share = count // ROUNDS + (turn < count % ROUNDS)
+    rounds = count if concurrency == 1 else ROUNDS
+    for turn in range(rounds):
+        share = count // rounds + (turn < count % rounds)
         for name in names[turn % len(names):] + names[:turn % len(names)]:
             url, headers = paths[name]
             requests = bodies(pictures, size, share)
