@@ -419,28 +419,43 @@ def test_draining_a_real_engine_lets_its_running_requests_finish(system, system_
     workers = _engine_workers(instance.pid)
     assert any("EngineCore" in _held(pid) for pid in workers), \
         f"no engine core under {_held(instance.pid)}: {[_held(pid) for pid in workers]}"
-    throttle_stop = threading.Event()
-    throttled = threading.Thread(target=_throttle, args=(workers, throttle_stop))
-    throttled.start()
-    started = threading.Semaphore(0)
-    streams = [threading.Thread(target=long_stream, args=(started,)) for _ in range(STREAMS)]
     events = EngineEvent.objects.using(system_db).filter(instance_id=real_engine.pk)
+    missed = []  # streams that had finished by the time the engine was held, and why not
     try:
-        try:
+        # A stream finished before its engine was held is let go and another tried (seen once
+        # in the full suite: the first line 0.2 s after sending, the whole answer done when held).
+        for _attempt in range(3):
+            results.clear()
+            throttle_stop = threading.Event()
+            throttled = threading.Thread(target=_throttle, args=(workers, throttle_stop))
+            throttled.start()
+            started = threading.Semaphore(0)
+            streams = [threading.Thread(target=long_stream, args=(started,)) for _ in range(STREAMS)]
+            try:
+                for stream in streams:
+                    stream.start()
+                for _ in streams:
+                    assert started.acquire(timeout=120), "a stream never started"
+            finally:
+                throttle_stop.set()
+                throttled.join()
+            for pid in workers:
+                os.kill(pid, signal.SIGSTOP)
+            held = [_held(pid) for pid in workers]
+            counters = wait_for(lambda: scrape(instance), timeout=60, what="the held engine's counters")
+            if counters.running >= STREAMS:
+                break
+            for pid in workers:
+                os.kill(pid, signal.SIGCONT)
             for stream in streams:
-                stream.start()
-            for _ in streams:
-                assert started.acquire(timeout=120), "a stream never started"
-        finally:
-            throttle_stop.set()
-            throttled.join()
-        for pid in workers:
-            os.kill(pid, signal.SIGSTOP)
-        held = [_held(pid) for pid in workers]
-        counters = wait_for(lambda: scrape(instance), timeout=60, what="the held engine's counters")
-        assert counters.running >= STREAMS, (
-            f"held with {counters.running:g} requests running, the first line {waited} s after each "
-            f"was sent; answered: {[(status, len(lines), lines[-1][:80]) for status, lines in results]}")
+                stream.join(timeout=180)
+            served = list(UsageEvent.objects.using(system_db).filter(tier__name=REAL_TIER, output_tokens=LONG)
+                          .order_by("-created_at").values_list("instance_id", "status")[:STREAMS])
+            missed.append(f"held {held} with {counters.running:g} running, the first line {waited[-STREAMS:]} s "
+                          f"after sending; answered {[(status, len(lines)) for status, lines in results]} by "
+                          f"{served} (the held engine: {real_engine.pk})")
+        else:
+            pytest.fail("never held mid-answer: " + "; ".join(missed))
         # What the Fleet page's Drain does (instance_action), without a second process's start-up.
         EngineInstance.objects.using(system_db).filter(pk=real_engine.pk).update(drain=True, desired_state="stopped")
         wait_for(lambda: events.filter(to_state="draining").exists(), timeout=60, what="the drain to begin")
@@ -465,7 +480,8 @@ def test_draining_a_real_engine_lets_its_running_requests_finish(system, system_
     stopped = wait_for(lambda: events.filter(to_state="stopped").first(), timeout=60, what="the drained engine to stop")
     assert stopped.reason.startswith("drained after")
     finished = UsageEvent.objects.using(system_db).filter(tier__name=REAL_TIER, output_tokens=LONG)
-    assert wait_for(lambda: finished.filter(status="ok").count() == STREAMS, timeout=20, what="every stream metered")
+    every = STREAMS * (len(missed) + 1)
+    assert wait_for(lambda: finished.filter(status="ok").count() == every, timeout=20, what="every stream metered")
 
 
 # One stream: two long streams sent at once on this 2-core machine were seen, under the full
