@@ -89,7 +89,8 @@ async def app(scope, receive, send) -> None:
             await _send(send, key)
             return
     try:
-        body, gone = await asyncio.wait_for(_read_body(receive), settings.GATEWAY_BODY_TIMEOUT_S)
+        async with asyncio.timeout(settings.GATEWAY_BODY_TIMEOUT_S):  # no task of its own, as wait_for makes
+            body, gone = await _read_body(receive)
     except TimeoutError:
         await _send(send, error_response(408, f"the request body did not arrive within "
                                               f"{settings.GATEWAY_BODY_TIMEOUT_S}s", code="request_timeout"))
