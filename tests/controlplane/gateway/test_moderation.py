@@ -91,3 +91,10 @@ def test_moderation_that_cannot_answer_fails_closed(client, moderated, settings)
 def test_text_and_unmoderated_tiers_do_not_call_moderation(client, moderated):
     response = post(client, moderated.alice_key, {"model": "vlm-lite", "messages": [{"role": "user", "content": "hi"}]})
     assert response.status_code == 200 and Moderator.seen == []
+
+
+def test_an_image_that_fails_its_check_is_refused_before_it_is_moderated(client, moderated):
+    broken = data_url(image_bytes(800, 600, color=(20, 20, 220))[:-3000])  # whole header, scans cut short
+    response = post(client, moderated.alice_key, {"model": "vlm-lite", "messages": image_message(broken)})
+    assert (response.status_code, error_of(response)["code"]) == (400, "corrupt_image")
+    assert Moderator.seen == []
