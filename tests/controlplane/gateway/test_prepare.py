@@ -4,6 +4,8 @@ is refused as it would have been at once, its request metered at no cost, its qu
 
 from __future__ import annotations
 
+import io
+
 import pytest
 
 from controlplane.imaging.policy import Policy, normalise
@@ -57,3 +59,20 @@ def test_an_image_checked_beside_the_engine_is_metered_with_its_fingerprint(clie
     line = UsageImage.objects.get(event__request_id=response["x-request-id"])
     assert (line.width, line.height) == (800, 600)
     assert line.fingerprint == normalise(WHOLE, Policy()).fingerprint
+
+
+def test_a_request_that_fails_at_its_engine_is_metered_with_its_images_fingerprints(world, ledger_mode):
+    """Its record is not laid out from the engine's answer: its lines get their fingerprints
+    from the check, which may still be running when the request is admitted."""
+    from PIL import Image
+
+    from tests.controlplane.gateway.test_engine_failures import dies_mid_body
+    from tests.engines import with_raw_engine
+
+    noise = io.BytesIO()  # a photo whose check takes a few milliseconds, longer than its admission
+    Image.effect_noise((1155, 866), 80).convert("RGB").save(noise, "JPEG", quality=95)
+    (first, _), (second, _) = with_raw_engine(world, dies_mid_body, _ask(data_url(noise.getvalue()), max_tokens=4))
+    assert (first, second) == (502, 502)
+    ingested()
+    lines = UsageImage.objects.filter(event__tenant=world.alice)
+    assert [line.fingerprint for line in lines] == [normalise(noise.getvalue(), Policy()).fingerprint] * 2
