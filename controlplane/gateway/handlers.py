@@ -35,9 +35,9 @@ log = logging.getLogger(__name__)
 AUTO = "auto"
 LARGE_BODY = 1 << 20
 # A tenant's body is read, and the engine's written, by msgspec: the megabytes of base64 an
-# image request carries parse in half orjson's time (its strings are scanned, not walked),
-# small bodies as fast, and an integer past 64 bits, which orjson reads as a float, goes on
-# as it came. The engine's answers are read by orjson.
+# image request carries parse in half orjson's time, small bodies as fast, and an integer past
+# 64 bits, which orjson reads as a float, goes on as it came. The engine's answers are read by
+# orjson.
 _read_json = msgspec.json.Decoder().decode
 _write_json = msgspec.json.Encoder().encode
 _background: set[asyncio.Task] = set()
@@ -210,7 +210,7 @@ async def _chat_completions(request: Request, request_id: str):
 class _Route:
     candidates: list
     large: bool
-    fingerprints: tuple[str, ...]
+    images: tuple[str, ...]  # the keys of its images' bytes, by which engines are preferred
     # The engine chosen before admission, journaled with it: one round trip to the ledger
     # fewer. None when a large image must wait for its turn first (chosen after the wait).
     first: object = None
@@ -220,10 +220,10 @@ async def _route(key: state.KeyInfo, tier: TierSpec, prepared: Prepared) -> _Rou
     candidates = await _known("the engines", state.instances(tier.id))
     large = prepared.image_tokens > tier.large_image_threshold
     # Per tenant: one tenant's requests never steer toward the engine holding another's images.
-    fingerprints = tuple(f"{key.tenant_id}:{p.key}" for p in prepared.images)
+    images = tuple(f"{key.tenant_id}:{p.key}" for p in prepared.images)
     waits = large and not routing.has_dedicated_large_pool(candidates)
-    first = None if waits else routing.choose(candidates, large=large, fingerprints=fingerprints)
-    return _Route(candidates, large, fingerprints, first)
+    first = None if waits else routing.choose(candidates, large=large, images=images)
+    return _Route(candidates, large, images, first)
 
 
 def _ms_since(started: float) -> int:
@@ -241,7 +241,7 @@ async def _admit(request_id: str, key: state.KeyInfo, tier: TierSpec, prepared: 
         counted_prompt_tokens=prepared.text_tokens + prepared.image_tokens, prompt_estimated=prepared.estimated,
         prepare_ms=_ms_since(started),  # the images are ready (and moderated) when admission starts
         instance_id=engine.id if engine is not None else None,
-        checking=prepared.checking if prepared.checking is not None and not prepared.checking.done() else None,
+        checking=prepared.checking,
     )
     ask = None if key.limits is None else Ask(
         image_tokens=prepared.image_tokens,
@@ -316,7 +316,7 @@ async def _forward(request_id: str, key: state.KeyInfo, tier: TierSpec, prepared
                    started: float, route: _Route):
     _tier_names[tier.id] = tier.name
     record = flight.record
-    large, fingerprints, candidates = route.large, route.fingerprints, route.candidates
+    large, images, candidates = route.large, route.images, route.candidates
     body = _upstream_body(key, tier, prepared, large=large)
     payload = _write_json(body)
     slot = None
@@ -330,7 +330,7 @@ async def _forward(request_id: str, key: state.KeyInfo, tier: TierSpec, prepared
                 raise GatewayError(429, f"too many large-image requests on '{tier.name}' at once; retry shortly",
                                    code="rate_limit_exceeded", headers={"Retry-After": "2"}) from None
         return await _attempts(request_id, tier, prepared, flight, candidates, payload, started,
-                               large=large, fingerprints=fingerprints, slot=slot, first=route.first)
+                               large=large, images=images, slot=slot, first=route.first)
     except GatewayError as exc:
         exc = await _broken_image(prepared) or exc
         record.status, record.http_status = "error", exc.status
@@ -365,13 +365,13 @@ class _Slot:
             self.slots.release()
 
 
-async def _attempts(request_id, tier, prepared, flight, candidates, payload, started, *, large, fingerprints, slot,
+async def _attempts(request_id, tier, prepared, flight, candidates, payload, started, *, large, images, slot,
                     first=None):
     record = flight.record
     tried: set[int] = set()
     for attempt in range(2):  # a request that never reached an engine is retried once elsewhere
         instance = first if attempt == 0 and first is not None else routing.choose(
-            candidates, exclude=tried, large=large, fingerprints=fingerprints)
+            candidates, exclude=tried, large=large, images=images)
         if instance is None:
             break
         tried.add(instance.id)
@@ -402,7 +402,7 @@ async def _attempts(request_id, tier, prepared, flight, candidates, payload, sta
                 log.warning("engine %s failed %s mid-request: %s", instance.id, request_id, exc)
                 return await _engine_failed(record, started)
             if response.status_code == 200:
-                routing.remember(fingerprints, instance.id)
+                routing.remember(images, instance.id)
             if record.stream and response.status_code == 200:
                 handed_over = True
                 if slot is not None:

@@ -25,13 +25,13 @@ AFFINITY_SLACK = 2
 AFFINITY_ITEMS = 20_000
 
 outstanding: defaultdict[int, int] = defaultdict(int)  # this process's requests in flight, per engine
-_affinity: OrderedDict[str, int] = OrderedDict()  # image fingerprint -> engine that last saw it
+_affinity: OrderedDict[str, int] = OrderedDict()  # an image's key (its bytes' digest) -> engine last sent it
 _lock = threading.Lock()
 _slots: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # loop -> {tier id: Semaphore}
 
 
 def choose(candidates: list[InstanceSpec], *, exclude=frozenset(), large: bool = False,
-           fingerprints: tuple[str, ...] = ()) -> InstanceSpec | None:
+           images: tuple[str, ...] = ()) -> InstanceSpec | None:
     dedicated = [c for c in candidates if c.pool == "large"]
     if large and dedicated:  # isolated: never spill into the standard engines, even on a retry
         pool = [c for c in dedicated if c.id not in exclude]
@@ -42,18 +42,18 @@ def choose(candidates: list[InstanceSpec], *, exclude=frozenset(), large: bool =
     load = {c.id: outstanding[c.id] + c.queued for c in pool}
     least = min(load.values())
     with _lock:
-        warm = [_affinity.get(f) for f in fingerprints]
+        warm = [_affinity.get(image) for image in images]
     for instance_id in warm:
         if instance_id in load and load[instance_id] <= least + AFFINITY_SLACK:
             return next(c for c in pool if c.id == instance_id)
     return random.choice([c for c in pool if load[c.id] == least])
 
 
-def remember(fingerprints: tuple[str, ...], instance_id: int) -> None:
+def remember(images: tuple[str, ...], instance_id: int) -> None:
     with _lock:
-        for fingerprint in fingerprints:
-            _affinity[fingerprint] = instance_id
-            _affinity.move_to_end(fingerprint)
+        for image in images:
+            _affinity[image] = instance_id
+            _affinity.move_to_end(image)
         while len(_affinity) > AFFINITY_ITEMS:
             _affinity.popitem(last=False)
 

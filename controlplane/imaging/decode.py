@@ -50,7 +50,7 @@ def _plugins(allowed: tuple[str, ...]) -> tuple[str, ...]:
 # The same search in two parts, each with a literal first byte, run on the lowered bytes (the
 # bytes patterns ignore case as bytes.lower() does: ASCII only): the regex engine scans for a
 # literal first byte in C, where an alternation of two first bytes, or re.I, makes it try
-# every position (0.7 ms on a 256 KB window against 0.08).
+# every position (0.7 ms on a 256 KB window against 0.16 for both).
 _TAG = re.compile(rb"<(?:script|html|\?php|iframe|object)[\s>]")
 _PDF = re.compile(rb"%pdf-\d\.\d")
 

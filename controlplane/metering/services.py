@@ -62,8 +62,8 @@ class UsageRecord:
     ttft_ms: int | None = None
     created_at: dt.datetime = field(default_factory=timezone.now)
     reservation: object = None  # the quota reservation to settle (gateway only)
-    # The checks of its images sent as they came, when they were still running as it was
-    # admitted (gateway only): its image lines get their fingerprints from them.
+    # The checks of its images sent as they came (gateway only): its image lines get their
+    # fingerprints from them, whether or not they had finished when it was admitted.
     checking: object = None
     recorded: bool = False  # set once the gateway has handed the record over
 

@@ -43,9 +43,9 @@ def test_an_engine_that_saw_the_picture_is_preferred_within_the_slack():
     engines = [spec(1), spec(2)]
     routing.remember(("picture",), 2)
     routing.outstanding[2] = routing.AFFINITY_SLACK
-    assert all(routing.choose(engines, fingerprints=("picture",)).id == 2 for _ in range(20))
+    assert all(routing.choose(engines, images=("picture",)).id == 2 for _ in range(20))
     routing.outstanding[2] = routing.AFFINITY_SLACK + 1  # too busy: the warm cache is not worth the wait
-    assert routing.choose(engines, fingerprints=("picture",)).id == 1
+    assert routing.choose(engines, images=("picture",)).id == 1
 
 
 def test_excluded_engines_are_skipped_and_none_left_means_none():
