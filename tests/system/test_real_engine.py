@@ -182,6 +182,25 @@ def test_a_photo_the_gateway_downscales_costs_what_vllm_would_charge_for_the_ori
         direct["usage"]["prompt_tokens_details"]["multimodal_tokens"] == {"image": 1230}
 
 
+def test_an_image_sent_before_its_check_and_failing_it_is_refused_and_the_engine_serves_on(client, system_db):
+    """A JPEG within the policy goes to vLLM while the gateway checks it; one cut short past
+    its header is answered with the gateway's 400 all the same, metered at no cost, and vLLM,
+    whose exchange was abandoned, serves the next request."""
+    import io
+
+    from PIL import Image
+
+    photo = io.BytesIO()
+    Image.effect_noise((800, 600), 80).convert("RGB").save(photo, "JPEG", quality=90)
+    with pytest.raises(openai.BadRequestError) as refused:
+        _ask(client, _content(photo.getvalue()[:-20_000]))
+    assert refused.value.status_code == 400 and refused.value.code == "corrupt_image"
+    event = metered(system_db, refused.value.response.headers["x-request-id"])
+    assert (event.status, event.http_status, event.cost) == ("error", 400, 0)
+    completion, _ = _ask(client, _content(photo.getvalue()))
+    assert completion.usage.prompt_tokens_details.image_tokens == 611  # 812 x 588 on the processor's grid, +2
+
+
 def test_low_detail_costs_the_real_engine_fewer_tokens(client):
     photo = image_bytes(1920, 1080)
     high, _ = _ask(client, _content(photo, detail="high"))
