@@ -17,9 +17,10 @@ concurrency 1 and 4, max_tokens 2, the paths taking turns (at concurrency 1 a re
 at 4 two rounds each, the order rotating: the machine may be shared): p50 and p90
 end-to-end latency, requests per second, and CPU seconds per request (utime + stime from
 /proc before and after each turn) of the gateway, of LiteLLM's proxy, of vLLM's API server
-(where vLLM decodes and resizes images) and of its engine core (with the worker process the CPU build runs the model in). "outside"
-is the CPU spent outside the engine core: the proxy's plus the API server's. Then the ratios
-issue 16 sets targets for, the 1 MP one against the gateway's text overhead in the same run.
+(where vLLM decodes and resizes images) and of its engine core (with the worker process the
+CPU build runs the model in). "outside" is the CPU spent outside the engine core: the
+proxy's plus the API server's. Then the ratios issue 16 sets targets for, the 1 MP one
+against the gateway's text overhead in the same run.
 """
 
 from __future__ import annotations
