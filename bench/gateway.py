@@ -266,23 +266,30 @@ def main() -> None:
     upstream = subprocess.Popen([sys.executable, "-m", "bench.fake_upstream", str(upstream_port)], cwd=ROOT)
     wait_http(f"http://127.0.0.1:{upstream_port}/health")
     gateway = Gateway(upstream_port)
-    litellm = None
+    litellm, floors = None, []
     try:
         key = gateway.start()
         untuned_port = gateway.start_untuned()
         litellm, litellm_port, litellm_key = start_litellm(upstream_port)
+        bare_port, floor_port = free_port(), free_port()
+        for port, redis_url in ((bare_port, ()), (floor_port, (REDIS,))):
+            floors.append(subprocess.Popen([sys.executable, "-m", "bench.bare_proxy", str(port),
+                                            f"http://127.0.0.1:{upstream_port}", *redis_url], cwd=ROOT))
+            wait_http(f"http://127.0.0.1:{port}/health")
         images = {"text": None, "1mp": jpeg(1155, 866), "12mp": jpeg(4000, 3000)}
         targets = {
             "direct": (f"http://127.0.0.1:{upstream_port}/v1/chat/completions", "fake"),
             "gateway": (f"http://127.0.0.1:{gateway.port}/v1/chat/completions", key),
             "litellm": (f"http://127.0.0.1:{litellm_port}/v1/chat/completions", litellm_key),
             "gw-nokeep": (f"http://127.0.0.1:{untuned_port}/v1/chat/completions", key),
+            "bare": (f"http://127.0.0.1:{bare_port}/v1/chat/completions", "fake"),
+            "floor": (f"http://127.0.0.1:{floor_port}/v1/chat/completions", "fake"),
         }
         processes = {"direct": upstream.pid, "gateway": gateway.process.pid, "litellm": litellm.pid,
-                     "gw-nokeep": gateway.untuned.pid}
+                     "gw-nokeep": gateway.untuned.pid, "bare": floors[0].pid, "floor": floors[1].pid}
         print(f"{'payload':8} {'conc':>4} {'target':8} {'p50 ms':>8} {'p99 ms':>8} {'+p50 ms':>8} {'+p99 ms':>8} "
               f"{'req/s':>8} {'fwd body':>10} {'cpu ms/req':>10}")
-        added_p50 = {}
+        added_p50, rates = {}, {}
         for (payload, concurrency), count in COUNTS.items():
             image = images[payload]
             model = "text" if image is None else "vlm"
@@ -293,6 +300,8 @@ def main() -> None:
                 for name, (url, secret) in targets.items():
                     if name == "gw-nokeep" and image is None:
                         continue  # the malloc tuning matters for image buffers only
+                    if name in ("bare", "floor") and image is not None:
+                        continue  # the floor of the text path: images are measured against the decode
                     before = httpx.get(f"http://127.0.0.1:{upstream_port}/stats").json()
                     tree = descendants(processes[name])
                     cpu = sum(map(cpu_seconds, tree))
@@ -302,17 +311,26 @@ def main() -> None:
                     forwarded = (after["body_bytes"] - before["body_bytes"]) / max(1, after["requests"] - before["requests"])
                     if name == "direct":
                         base = result
-                    if name == "gateway":
-                        added_p50.setdefault((payload, concurrency), []).append(result["p50"] - base["p50"])
+                    if name != "direct":
+                        added_p50.setdefault((name, payload, concurrency), []).append(result["p50"] - base["p50"])
+                        rates.setdefault((name, payload, concurrency), []).append(result["rps"])
                     added = "" if name == "direct" else (f"{1000 * (result['p50'] - base['p50']):8.2f} "
                                                          f"{1000 * (result['p99'] - base['p99']):8.2f}")
                     print(f"{payload:8} {concurrency:4d} {name:8} {1000 * result['p50']:8.2f} {1000 * result['p99']:8.2f} "
                           f"{added or ' ' * 17:>17} {result['rps']:8.1f} {forwarded / 1024:8.1f}KB {1000 * cpu:10.2f}")
         for concurrency in (1, 32):
-            rounds = added_p50[("text", concurrency)]
+            rounds = added_p50[("gateway", "text", concurrency)]
             print(f"text, concurrency {concurrency}: the gateway's added p50, median of {len(rounds)} rounds "
                   f"{1000 * statistics.median(rounds):.2f} ms ("
                   + ", ".join(f"{1000 * added:.2f}" for added in rounds) + ")")
+            # The same hops with none of the work: what is left is what the gateway's work costs.
+            added = {name: statistics.median(added_p50[(name, "text", concurrency)])
+                     for name in ("gateway", "bare", "floor", "litellm")}
+            rate = {name: statistics.median(rates[(name, "text", concurrency)]) for name in added}
+            print(f"text, concurrency {concurrency}, medians of the rounds: added p50 and requests per second: "
+                  + ", ".join(f"{name} {1000 * added[name]:.2f} ms {rate[name]:.0f}/s" for name in added)
+                  + f"; the gateway's own work (gateway less floor) {1000 * (added['gateway'] - added['floor']):.2f} ms"
+                  f", the two Redis round trips (floor less bare) {1000 * (added['floor'] - added['bare']):.2f} ms")
         if profile.available():
             # Where the gateway's CPU goes on text at concurrency 32, sampled while loaded.
             sampling = profile.record(gateway.process.pid, seconds=8)
@@ -326,7 +344,7 @@ def main() -> None:
             steps = image_steps(images[payload])
             print(f"{payload} ({sent / 1024:.0f} KB of base64), each step alone: "
                   + ", ".join(f"{name} {1000 * seconds:.1f} ms" for name, seconds in steps.items()))
-            gateway_added = statistics.median(added_p50[(payload, 1)])
+            gateway_added = statistics.median(added_p50[("gateway", payload, 1)])
             print(f"{payload}: the gateway's added p50 at concurrency 1 is {1000 * gateway_added:.1f} ms, "
                   f"{gateway_added / steps['decode (floor)']:.2f}x the decode alone")
         for name, process in (("gateway", gateway.process), ("gw-nokeep", gateway.untuned)):
@@ -334,6 +352,8 @@ def main() -> None:
     finally:
         if litellm is not None:
             litellm.terminate()
+        for process in floors:
+            process.terminate()
         gateway.stop()
         upstream.terminate()
 
