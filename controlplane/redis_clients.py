@@ -10,13 +10,31 @@ fails a command after REDIS_TIMEOUT_S instead of holding the request: the caller
 from __future__ import annotations
 
 import asyncio
+import functools
 import weakref
 
 import redis
 import redis.asyncio
+from redis.connection import HiredisRespSerializer
 
 _clients: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _sync_clients: dict[str, redis.Redis] = {}
+
+
+class _PackedByHiredis:
+    """redis-py packs the commands of its sync connections with hiredis (C) and those of its
+    asyncio ones in Python: a ledger script's twenty arguments took 21 µs to pack in Python,
+    7 with hiredis, twice a request. Its asyncio connections pack with hiredis too here."""
+
+    _packer = HiredisRespSerializer()
+
+    def pack_command(self, *args):
+        return self._packer.pack(*args)
+
+
+@functools.cache
+def _packed_by_hiredis(connection_class: type) -> type:
+    return type(connection_class.__name__, (_PackedByHiredis, connection_class), {})
 
 
 def _bounds() -> dict:
@@ -32,6 +50,8 @@ def async_redis(url: str) -> redis.asyncio.Redis:
     client = per_loop.get(url)
     if client is None:
         pool = redis.asyncio.BlockingConnectionPool.from_url(url, **_bounds())
+        # The class the URL's scheme chose (TCP, TLS, a Unix socket), packing with hiredis.
+        pool.connection_class = _packed_by_hiredis(pool.connection_class)
         client = per_loop[url] = redis.asyncio.Redis(connection_pool=pool)
     return client
 
