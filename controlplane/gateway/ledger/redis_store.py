@@ -245,6 +245,7 @@ class RedisLedger:
         self.url, self.prefix = url or settings.REDIS_URL, prefix or key_prefix()
         self.inflight, self.beats = f"{self.prefix}:inflight", f"{self.prefix}:inflight:beat"
         self.epochs = f"{self.prefix}:inflight:epoch"
+        self._marked = False  # whether this process has marked this Redis (see keep_safe)
 
     def _client(self):
         from controlplane.redis_clients import async_redis
@@ -367,6 +368,15 @@ class RedisLedger:
     async def finish(self, flight: Flight) -> None:
         record = flight.record
         keys, args = self._finish_call(record, flight.journaled)
+        if not self._marked:
+            # This process's first hand-over: Redis is marked before it (once, tried once), so
+            # that a marker missing later means Redis started afresh, not that this process
+            # had not looked yet.
+            self._marked = True
+            try:
+                await self.keep_safe()
+            except Exception as exc:  # unmarked, the next look writes what it handed over: safe
+                log.warning("could not mark Redis for this process: %s", exc)
         try:
             await _eval(self._client(), _FINISH, len(keys), *keys, *args)
             _remember(record)
@@ -408,6 +418,7 @@ class RedisLedger:
                         "to the database", len(records), HANDED_KEEP_S)
             await sync_to_async(_store_all)(records)
         await client.set(marker, "1", ex=3600)
+        self._marked = True
         return len(records)
 
     # -- reap ------------------------------------------------------------------------------

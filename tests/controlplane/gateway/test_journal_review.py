@@ -196,6 +196,31 @@ def test_usage_handed_over_just_before_redis_restarts_empty_is_not_lost(world, m
 
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.parametrize("mode", ["redis"], indirect=True)
+def test_a_gateway_started_beside_others_raises_no_false_alarm_of_a_redis_restart(world, mode, engine, caplog):  # noqa: F811
+    """A gateway process started on a Redis already in use (by other replicas, or by itself
+    before a restart of the process) hands usage over from its first request, and first
+    looks at Redis from its heartbeat: Redis did not restart, so nothing is written to the
+    database behind the ingest, and no warning says Redis started afresh."""
+    record = _record(world, "req-first-of-a-process")
+
+    async def a_process_hands_over_then_beats():
+        store = ledger.ledger()
+        await ledger.engine_chosen(await ledger.admit(record), engine.pk)  # a tenant without a quota
+        record.output_tokens = 50
+        await ledger.finish(record)
+        return await store.keep_safe()  # the heartbeat's first look
+
+    with caplog.at_level("WARNING", logger="controlplane.gateway.ledger.redis_store"):
+        assert async_to_sync(a_process_hands_over_then_beats)() == 0
+    assert "started afresh" not in caplog.text
+    assert not UsageEvent.objects.exists()  # the ingest's to store, from the stream
+    usage_ingest()
+    [event] = UsageEvent.objects.all()
+    assert (event.request_id, event.status, event.output_tokens) == ("req-first-of-a-process", "ok", 50)
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("mode", ["redis"], indirect=True)
 def test_counters_started_again_count_usage_still_in_the_stream(world, mode, engine):  # noqa: F811
     """A request reserved before the restart and finished after it, before any counter was
     started again: its usage waits in the new stream, and the new counters include it."""
