@@ -16,6 +16,7 @@ that each step is one Lua script and atomic.
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import functools
 import hashlib
@@ -23,6 +24,7 @@ import json
 import logging
 import time
 import uuid
+import weakref
 from collections import deque
 
 import orjson
@@ -246,6 +248,7 @@ class RedisLedger:
         self.inflight, self.beats = f"{self.prefix}:inflight", f"{self.prefix}:inflight:beat"
         self.epochs = f"{self.prefix}:inflight:epoch"
         self._marked = False  # whether this process has marked this Redis (see keep_safe)
+        self._marking: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> its marking
 
     def _client(self):
         from controlplane.redis_clients import async_redis
@@ -369,14 +372,7 @@ class RedisLedger:
         record = flight.record
         keys, args = self._finish_call(record, flight.journaled)
         if not self._marked:
-            # This process's first hand-over: Redis is marked before it (once, tried once), so
-            # that a marker missing later means Redis started afresh, not that this process
-            # had not looked yet.
-            self._marked = True
-            try:
-                await self.keep_safe()
-            except Exception as exc:  # unmarked, the next look writes what it handed over: safe
-                log.warning("could not mark Redis for this process: %s", exc)
+            await self._mark()
         try:
             await _eval(self._client(), _FINISH, len(keys), *keys, *args)
             _remember(record)
@@ -402,6 +398,24 @@ class RedisLedger:
                     await self.settle(record.reservation, image_tokens=image_tokens, total_tokens=total_tokens)
                 except Exception:
                     log.exception("could not settle the quota reservation of %s", record.request_id)
+
+    async def _mark(self) -> None:
+        """Before this process's first hand-over, Redis is marked (keep_safe), so that a marker
+        missing later means Redis started afresh, not that this process had not looked yet.
+        The first hand-overs all wait for the one marking (tried once: unmarked, the next look
+        writes what was handed over to the database, which is safe)."""
+        loop = asyncio.get_running_loop()
+        marking = self._marking.get(loop)
+        if marking is None:
+            marking = self._marking[loop] = loop.create_task(self._mark_once())
+        await asyncio.shield(marking)
+
+    async def _mark_once(self) -> None:
+        try:
+            await self.keep_safe()
+        except Exception as exc:
+            log.warning("could not mark Redis for this process: %s", exc)
+        self._marked = True
 
     # -- keep_safe -------------------------------------------------------------------------
 

@@ -221,6 +221,49 @@ def test_a_gateway_started_beside_others_raises_no_false_alarm_of_a_redis_restar
 
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.parametrize("mode", ["redis"], indirect=True)
+def test_a_process_that_starts_with_many_requests_at_once_marks_redis_once_before_any_hand_over(world, mode, engine, caplog):  # noqa: F811
+    """Thirty-two first requests of a process end together: none hands its usage over before
+    Redis is marked (so no usage could go with a restart unseen), and there is no alarm."""
+    records = [_record(world, f"req-together-{n}") for n in range(32)]
+
+    async def all_at_once():
+        store = ledger.ledger()
+        flights = [await ledger.admit(record) for record in records]
+        for flight in flights:
+            await ledger.engine_chosen(flight, engine.pk)
+        await asyncio.gather(*(ledger.finish(record) for record in records))
+        return await store.keep_safe()
+
+    with caplog.at_level("WARNING", logger="controlplane.gateway.ledger.redis_store"):
+        assert async_to_sync(all_at_once)() == 0
+    assert "started afresh" not in caplog.text and "could not mark" not in caplog.text
+    usage_ingest()
+    assert UsageEvent.objects.count() == 32
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("mode", ["redis"], indirect=True)
+def test_a_restart_just_after_a_process_first_hand_over_is_still_found(world, mode, engine):  # noqa: F811
+    """The process marked Redis on its own before handing over (no look of its own before):
+    a restart that takes the usage stream just after is found, and the usage kept."""
+    record = _record(world, "req-first-then-restart")
+
+    async def first_hand_over_then_restart():
+        store = ledger.ledger()
+        await ledger.engine_chosen(await ledger.admit(record), engine.pk)
+        record.output_tokens = 50
+        await ledger.finish(record)
+        _redis_restarts_empty()
+        return await store.keep_safe()
+
+    assert async_to_sync(first_hand_over_then_restart)() == 1
+    usage_ingest()  # finds nothing: the stream went with Redis
+    [event] = UsageEvent.objects.filter(request_id="req-first-then-restart")
+    assert (event.status, event.output_tokens) == ("ok", 50)
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("mode", ["redis"], indirect=True)
 def test_counters_started_again_count_usage_still_in_the_stream(world, mode, engine):  # noqa: F811
     """A request reserved before the restart and finished after it, before any counter was
     started again: its usage waits in the new stream, and the new counters include it."""
