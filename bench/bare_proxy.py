@@ -1,15 +1,17 @@
 """The floor under the gateway's text path: a proxy that makes only the hops the gateway
-makes, on the same libraries, and does nothing else.
+makes, with the gateway's own server and clients, and does nothing else.
 
-    python -m bench.bare_proxy PORT UPSTREAM_URL [REDIS_URL]
+    python -m bench.bare_proxy PORT UPSTREAM_URL [REDIS_URL]     (with the gateway's settings)
 
-It is served as the gateway is (uvicorn with httptools on uvloop, one worker, a plain ASGI
-app) and forwards each POST's body to UPSTREAM_URL's /v1/chat/completions through a pooled
-aiohttp session, as the gateway forwards to an engine. With REDIS_URL it also makes the
-gateway's two round trips to Redis, one before forwarding and one after the answer (the
-gateway admits and journals the request, then hands its usage over), each an EVALSHA of a
-script that touches one key, through redis-py's asyncio client: what those round trips cost
-whatever the scripts do. No authentication, no checks, no counting, no usage.
+It is served as the gateway is (controlplane.serving: uvicorn with its header-timeout
+protocol, one worker, a plain ASGI app) and forwards each POST's body to UPSTREAM_URL's
+/v1/chat/completions with the gateway's engine client (controlplane.gateway.upstream: its
+pooled aiohttp session, timeouts and buffers). With REDIS_URL it also makes the gateway's two
+round trips to Redis, one before forwarding and one after the answer (the gateway admits and
+journals the request, then hands its usage over), each an EVALSHA of a script that touches
+one key, through the gateway's Redis client (controlplane.redis_clients: its bounded pool and
+timeouts): what those round trips cost whatever the scripts do. No authentication, no
+checks, no counting, no usage.
 
 Without REDIS_URL it is a bare pass-through proxy; with it, the gateway's design with none of
 its work: the gateway's added time less this one's is what the gateway's own work costs.
@@ -19,9 +21,7 @@ from __future__ import annotations
 
 import sys
 
-import aiohttp
-import redis.asyncio
-import uvicorn
+import django
 
 _SCRIPT = "return redis.call('INCR', KEYS[1])"
 
@@ -30,26 +30,21 @@ class BareProxy:
     def __init__(self, upstream: str, redis_url: str | None):
         self.url = upstream.rstrip("/") + "/v1/chat/completions"
         self.redis_url = redis_url
-        self.session = self.redis = self.sha = None
-
-    async def _start(self) -> None:
-        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=512, limit_per_host=0),
-                                             auto_decompress=False, skip_auto_headers=("User-Agent",))
-        if self.redis_url:
-            self.redis = redis.asyncio.Redis.from_url(self.redis_url)
-            self.sha = await self.redis.script_load(_SCRIPT)
+        self.sha = None
 
     async def _round_trip(self) -> None:
-        if self.redis is not None:
-            await self.redis.evalsha(self.sha, 1, "bench:bare-proxy")
+        if self.redis_url:
+            from controlplane.redis_clients import async_redis
+
+            client = async_redis(self.redis_url)
+            if self.sha is None:
+                self.sha = await client.script_load(_SCRIPT)
+            await client.evalsha(self.sha, 1, "bench:bare-proxy")
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "lifespan":
-            while (message := await receive())["type"] != "lifespan.shutdown":
-                if message["type"] == "lifespan.startup":
-                    await self._start()
-                    await send({"type": "lifespan.startup.complete"})
-            await send({"type": "lifespan.shutdown.complete"})
+        from controlplane.gateway import upstream
+
+        if scope["type"] != "http":
             return
         chunks, more = [], True
         while more:
@@ -61,9 +56,12 @@ class BareProxy:
             await send({"type": "http.response.body", "body": b""})
             return
         await self._round_trip()
-        async with self.session.post(self.url, data=b"".join(chunks),
-                                     headers={"content-type": "application/json"}) as answer:
-            status, body = answer.status, await answer.read()
+        answer = await upstream.engine_post(self.url, content=b"".join(chunks),
+                                            headers={"content-type": "application/json"})
+        try:
+            status, body = answer.status_code, await answer.read()
+        finally:
+            await answer.aclose()
         await self._round_trip()
         await send({"type": "http.response.start", "status": status,
                     "headers": [(b"content-type", b"application/json"),
@@ -72,7 +70,9 @@ class BareProxy:
 
 
 if __name__ == "__main__":
-    port, upstream = int(sys.argv[1]), sys.argv[2]
-    app = BareProxy(upstream, sys.argv[3] if len(sys.argv) > 3 else None)
-    uvicorn.run(app, host="127.0.0.1", port=port, http="httptools", loop="uvloop", workers=1,
-                log_level="warning", lifespan="on")
+    django.setup()  # the gateway's settings: its clients' bounds, the server's header timeout
+    from controlplane.serving import serve
+
+    port, upstream_url = int(sys.argv[1]), sys.argv[2]
+    serve(BareProxy(upstream_url, sys.argv[3] if len(sys.argv) > 3 else None), host="127.0.0.1", port=port,
+          log_level="warning")

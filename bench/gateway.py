@@ -264,6 +264,12 @@ def image_steps(image: bytes, repeats: int = 10) -> dict[str, float]:
     return timings
 
 
+def _each_round(more: list[float], less: list[float]) -> str:
+    """The median of the rounds' differences (seconds), and each round's, in milliseconds."""
+    differences = [a - b for a, b in zip(more, less, strict=True)]
+    return f"{1000 * statistics.median(differences):.2f} ms (" + ", ".join(f"{1000 * d:.2f}" for d in differences) + ")"
+
+
 def main() -> None:
     upstream_port = free_port()
     upstream = subprocess.Popen([sys.executable, "-m", "bench.fake_upstream", str(upstream_port)], cwd=ROOT)
@@ -283,10 +289,12 @@ def main() -> None:
         targets = {
             "direct": (f"http://127.0.0.1:{upstream_port}/v1/chat/completions", "fake"),
             "gateway": (f"http://127.0.0.1:{gateway.port}/v1/chat/completions", key),
+            # The floor and the bare proxy right after the gateway: the machine drifts by more
+            # than they differ over minutes, and each round's differences are taken.
+            "floor": (f"http://127.0.0.1:{floor_port}/v1/chat/completions", "fake"),
+            "bare": (f"http://127.0.0.1:{bare_port}/v1/chat/completions", "fake"),
             "litellm": (f"http://127.0.0.1:{litellm_port}/v1/chat/completions", litellm_key),
             "gw-nokeep": (f"http://127.0.0.1:{untuned_port}/v1/chat/completions", key),
-            "bare": (f"http://127.0.0.1:{bare_port}/v1/chat/completions", "fake"),
-            "floor": (f"http://127.0.0.1:{floor_port}/v1/chat/completions", "fake"),
         }
         processes = {"direct": upstream.pid, "gateway": gateway.process.pid, "litellm": litellm.pid,
                      "gw-nokeep": gateway.untuned.pid, "bare": floors[0].pid, "floor": floors[1].pid}
@@ -327,13 +335,14 @@ def main() -> None:
                   f"{1000 * statistics.median(rounds):.2f} ms ("
                   + ", ".join(f"{1000 * added:.2f}" for added in rounds) + ")")
             # The same hops with none of the work: what is left is what the gateway's work costs.
-            added = {name: statistics.median(added_p50[(name, "text", concurrency)])
-                     for name in ("gateway", "bare", "floor", "litellm")}
+            added = {name: added_p50[(name, "text", concurrency)] for name in ("gateway", "floor", "bare", "litellm")}
             rate = {name: statistics.median(rates[(name, "text", concurrency)]) for name in added}
             print(f"text, concurrency {concurrency}, medians of the rounds: added p50 and requests per second: "
-                  + ", ".join(f"{name} {1000 * added[name]:.2f} ms {rate[name]:.0f}/s" for name in added)
-                  + f"; the gateway's own work (gateway less floor) {1000 * (added['gateway'] - added['floor']):.2f} ms"
-                  f", the two Redis round trips (floor less bare) {1000 * (added['floor'] - added['bare']):.2f} ms")
+                  + ", ".join(f"{name} {1000 * statistics.median(added[name]):.2f} ms {rate[name]:.0f}/s"
+                              for name in added))
+            print(f"text, concurrency {concurrency}, within each round: the gateway's own work (gateway less "
+                  f"floor) {_each_round(added['gateway'], added['floor'])}, the two Redis round trips (floor "
+                  f"less bare) {_each_round(added['floor'], added['bare'])}")
         if profile.available():
             # Where the gateway's CPU goes on text at concurrency 32, sampled while loaded.
             sampling = profile.record(gateway.process.pid, seconds=8)

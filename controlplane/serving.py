@@ -56,8 +56,6 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
 
 
 def main(argv: list[str] | None = None) -> None:
-    import uvicorn
-
     parser = argparse.ArgumentParser(prog="python -m controlplane.serving")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
@@ -66,9 +64,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--proxy-headers", action="store_true")
     parser.add_argument("--access-log", action="store_true")
     args = parser.parse_args(argv)
-    uvicorn.run("controlplane.asgi:application", host=args.host, port=args.port, workers=args.workers,
-                log_level=args.log_level, proxy_headers=args.proxy_headers, access_log=args.access_log,
-                http=HeaderTimeoutProtocol, loop="auto")
+    serve("controlplane.asgi:application", host=args.host, port=args.port, workers=args.workers,
+          log_level=args.log_level, proxy_headers=args.proxy_headers, access_log=args.access_log)
+
+
+def serve(app, *, host: str, port: int, workers: int = 1, log_level: str = "info", proxy_headers: bool = False,
+          access_log: bool = False) -> None:
+    """Serve `app` (an import string, or with one worker the application itself) as the
+    control plane is served."""
+    import uvicorn
+
+    uvicorn.run(app, host=host, port=port, workers=workers, log_level=log_level, proxy_headers=proxy_headers,
+                access_log=access_log, http=HeaderTimeoutProtocol, loop="auto")
 
 
 if __name__ == "__main__":
