@@ -8,9 +8,10 @@ runs as in production: uvicorn (one worker), PostgreSQL, Redis (quota admission 
 usage stream), a tenant with a quota, a text tier and a vision tier (1,003,520-pixel cap)
 whose engine is the fake upstream registered as an external engine. LiteLLM runs its proxy
 with one worker and no database, pointed at the same upstream. On text two more proxies
-stand beside them (bench/bare_proxy.py, on the gateway's server and client libraries): a
-bare pass-through, and the floor (the same with the gateway's two Redis round trips), so that
-what the gateway's own work adds is the gateway's figure less the floor's. For text, a 1 MP
+stand beside them (bench/bare_proxy.py, served and connecting as the gateway does): a bare
+pass-through, and the floor (the same with the gateway's two Redis round trips), run right
+after the gateway in each round, so that what the gateway's own work adds is each round's
+gateway figure less the floor's. For text, a 1 MP
 JPEG and a 12 MP JPEG (base64 data URLs), at concurrency 1 and 32, it reports the added p50
 and p99 latency over the direct call and requests per second; it also times the image
 library's normalise alone on each image, and the size of the body each proxy forwarded. For the
