@@ -12,7 +12,7 @@ from asgiref.sync import async_to_sync, sync_to_async
 from django.conf import settings as django_settings
 
 from controlplane.gateway import handlers, ledger
-from controlplane.gateway.ledger import Ask
+from controlplane.gateway.ledger import Ask, RedisLedger
 from controlplane.metering.models import UsageEvent
 from controlplane.metering.outbox import usage_ingest
 from tests.controlplane.gateway.test_journal import (  # noqa: F401 - fixtures
@@ -221,10 +221,18 @@ def test_a_gateway_started_beside_others_raises_no_false_alarm_of_a_redis_restar
 
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.parametrize("mode", ["redis"], indirect=True)
-def test_a_process_that_starts_with_many_requests_at_once_marks_redis_once_before_any_hand_over(world, mode, engine, caplog):  # noqa: F811
-    """Thirty-two first requests of a process end together: none hands its usage over before
-    Redis is marked (so no usage could go with a restart unseen), and there is no alarm."""
+def test_a_process_that_starts_with_many_requests_at_once_marks_redis_once_before_any_hand_over(world, mode, engine, caplog, monkeypatch):  # noqa: F811
+    """Thirty-two first requests of a process end together, while its marking of Redis is slow
+    to come back (a busy Redis): none hands its usage over before Redis is marked (so no usage
+    could go with a restart unseen), and there is no alarm."""
     records = [_record(world, f"req-together-{n}") for n in range(32)]
+    looking = RedisLedger.keep_safe
+
+    async def slow_to_answer(self):
+        await asyncio.sleep(0.2)
+        return await looking(self)
+
+    monkeypatch.setattr(RedisLedger, "keep_safe", slow_to_answer)
 
     async def all_at_once():
         store = ledger.ledger()
