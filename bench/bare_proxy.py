@@ -23,6 +23,10 @@ import sys
 
 import django
 
+# Settings are read only when a request is served, after django.setup() below.
+from controlplane.gateway import upstream
+from controlplane.redis_clients import async_redis
+
 _SCRIPT = "return redis.call('INCR', KEYS[1])"
 
 
@@ -34,16 +38,12 @@ class BareProxy:
 
     async def _round_trip(self) -> None:
         if self.redis_url:
-            from controlplane.redis_clients import async_redis
-
             client = async_redis(self.redis_url)
             if self.sha is None:
                 self.sha = await client.script_load(_SCRIPT)
             await client.evalsha(self.sha, 1, "bench:bare-proxy")
 
     async def __call__(self, scope, receive, send) -> None:
-        from controlplane.gateway import upstream
-
         if scope["type"] != "http":
             return
         chunks, more = [], True
