@@ -174,14 +174,15 @@ def turbo_decodable(image: Image.Image) -> bool:
     return image.format == "JPEG" and image.mode in ("RGB", "L")
 
 
-def decode_jpeg(data: bytes, image: Image.Image, scale: int):
+def decode_jpeg(data: bytes, image: Image.Image, scale: int, *, grey: bool = False):
     """The JPEG `image` (opened from `data`) decoded at 1/`scale` (1, 2, 4 or 8) in the DCT
     domain by libjpeg-turbo, strictly: truncated or corrupt data is refused, as a full decode
     would refuse it. A few milliseconds faster than Pillow's decode of the same scale. The
-    pixels as the decoder wrote them: a numpy array, rows of RGB (or grey, for a grey JPEG)."""
+    pixels as the decoder wrote them: a numpy array, rows of RGB (or grey, for a grey JPEG, or
+    when `grey`: only the luma is transformed, every scan still decoded)."""
     width, height = image.size
     try:
-        return simplejpeg.decode_jpeg(data, colorspace="GRAY" if image.mode == "L" else "RGB", strict=True,
+        return simplejpeg.decode_jpeg(data, colorspace="GRAY" if grey or image.mode == "L" else "RGB", strict=True,
                                       min_width=-(-width // scale), min_height=-(-height // scale))
     except ValueError as exc:
         raise CorruptImage(f"image data is truncated or corrupt: {exc}") from None
