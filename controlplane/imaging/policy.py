@@ -301,10 +301,10 @@ def _check_sent(data: bytes, image: Image.Image, index: FingerprintIndex | None)
     every scan of the JPEG is decoded (truncated or corrupt data fails here as it would in a
     full decode), at a quarter of its size. Its fingerprint's bits are then within 4 of 63 of
     the full decode's, as at half size (a re-encoding's distance, well inside the index's 6;
-    at an eighth, libjpeg's scaled decode moves them by up to 10: another picture), for 2.1 ms
-    of a 1 MP photo's 2.7 at half size, fingerprint included. Decoded to grey, what the
-    fingerprint is made of: libjpeg-turbo then transforms only the luma (1.75 ms of the 2.0 in
-    colour; the same bits)."""
+    at an eighth, libjpeg's scaled decode moves them by up to 10: another picture). Decoded to
+    grey, what the fingerprint is made of: libjpeg-turbo then transforms only the luma, for the
+    same bits (a 1 MP photo: 1.75 ms, fingerprint included, where colour took 2.0 and colour at
+    half size 2.7)."""
     small = as_image(decode_jpeg(data, image, 4, grey=True))  # CorruptImage for anything but a whole JPEG
     return fingerprint(small, index, size=image.size)
 

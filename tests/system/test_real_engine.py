@@ -421,14 +421,6 @@ def _until_in_flight(started: threading.Semaphore, instance: EngineInstance, cou
             return
 
 
-def _served_again(system) -> bool:
-    """A one-token request of the tier answered through the gateway."""
-    response = httpx.post(f"{system.base_url}/v1/chat/completions", timeout=60,
-                          headers={"Authorization": f"Bearer {system.api_key}"},
-                          json={"model": REAL_TIER, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]})
-    return response.status_code == 200
-
-
 def test_draining_a_real_engine_lets_its_running_requests_finish(system, system_db, real_engine):
     from controlplane.catalog.models import ModelTier
 
@@ -493,8 +485,7 @@ def test_draining_a_real_engine_lets_its_running_requests_finish(system, system_
                 stream.join(timeout=180)
             # The next try is sent only to an engine back in rotation: supervision's probes may
             # have found the throttled engine too slow and taken it out meanwhile.
-            wait_for(lambda: _served_again(system), timeout=90, interval=1,
-                     what="the engine back in rotation for another try")
+            system.wait_for_engines(tiers=(REAL_TIER,), timeout=90)
             served = list(UsageEvent.objects.using(system_db).filter(tier__name=REAL_TIER, output_tokens=LONG)
                           .order_by("-created_at").values_list("instance_id", "status")[:STREAMS])
             missed.append(f"held {held} with {counters.running:g} running, the first line {waited[-STREAMS:]} s "
