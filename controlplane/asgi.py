@@ -13,9 +13,12 @@ django_application = get_asgi_application()
 from django.conf import settings  # noqa: E402 - needs Django set up
 
 from controlplane.gateway.asgi import app as gateway_application  # noqa: E402
+from controlplane.gateway.asgi import lifespan  # noqa: E402
 
 
 async def application(scope, receive, send):
+    if scope["type"] == "lifespan":
+        return await lifespan(receive, send)
     if scope["type"] == "http" and (scope["path"] == "/v1" or scope["path"].startswith("/v1/")):
         return await gateway_application(scope, receive, send)
     if scope["type"] == "http":

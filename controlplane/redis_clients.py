@@ -10,6 +10,8 @@ fails a command after REDIS_TIMEOUT_S instead of holding the request: the caller
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
 import functools
 import weakref
 
@@ -19,6 +21,7 @@ from redis.connection import HiredisRespSerializer
 
 _clients: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _sync_clients: dict[str, redis.Redis] = {}
+_on_written: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("on_written", default=None)
 
 
 class _PackedByHiredis:
@@ -30,6 +33,28 @@ class _PackedByHiredis:
 
     def pack_command(self, *args):
         return self._packer.pack(*args)
+
+    async def send_command(self, *args, **kwargs) -> None:
+        await super().send_command(*args, **kwargs)
+        waiting = _on_written.get()
+        # Only the command named (a new connection's own commands, sent first, are not it),
+        # all of it in the kernel's buffer, none left in the event loop's: it reaches Redis
+        # even if this process dies now.
+        if waiting is not None and str(args[0]).upper() in waiting[1] and not waiting[0].done() \
+                and not self._writer.transport.get_write_buffer_size():
+            waiting[0].set_result(None)
+
+
+@contextlib.contextmanager
+def once_written(written: asyncio.Future, *commands: str):
+    """Within it, `written` is resolved as soon as one of `commands` (by name) sent by this task
+    has been written to its connection, before Redis replies: what waits on the command being
+    on its way, not on Redis's acknowledgement, waits on `written`."""
+    token = _on_written.set((written, frozenset(name.upper() for name in commands)))
+    try:
+        yield
+    finally:
+        _on_written.reset(token)
 
 
 @functools.cache

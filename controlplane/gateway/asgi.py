@@ -77,6 +77,19 @@ async def _send(send, response: Response) -> None:
             await response.on_close()
 
 
+async def lifespan(receive, send) -> None:
+    """The server's start and stop: on stopping (once it has answered every request it was
+    given), the work answered requests left in the background is done before the process exits."""
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await handlers.drain()
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+
+
 async def app(scope, receive, send) -> None:
     path = scope["path"]
     headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}

@@ -125,8 +125,10 @@ async def engine_chosen(flight: Flight, instance_id: int) -> None:
             log.warning("could not journal the engine of %s", flight.record.request_id)
 
 
-async def finish(record: UsageRecord) -> None:
-    """Hand the usage over and settle the reservation: once, by the gateway or the reaper."""
+async def finish(record: UsageRecord, written: asyncio.Future | None = None) -> None:
+    """Hand the usage over and settle the reservation: once, by the gateway or the reaper.
+    `written`, if given, is resolved as soon as the usage is on its way to Redis (see
+    redis_clients.once_written), before Redis acknowledges it."""
     if record.request_id in _finished:
         log.warning("%s was finished already: not handed over or settled again", record.request_id)
         return
@@ -136,7 +138,7 @@ async def finish(record: UsageRecord) -> None:
         if unsure is not None:  # its admission's reply was lost: settled as the store made it
             record.reservation = unsure.record.reservation
         flight = Flight(record=record, journaled=unsure is not None)
-    await ledger().finish(flight)
+    await ledger().finish(flight, written)
     _keep(_finished, record.request_id, None)
 
 

@@ -178,7 +178,9 @@ class DatabaseLedger:
 
     # -- finish ----------------------------------------------------------------------------
 
-    async def finish(self, flight: Flight) -> None:
+    async def finish(self, flight: Flight, written=None) -> None:
+        """Store the usage and settle, in one transaction (`written` is not used: the database
+        has it once the transaction commits, when it also says so)."""
         try:
             await sync_to_async(self._finish)(flight.record, flight.journaled)
         except Exception:  # the database does not answer: on disk until it does

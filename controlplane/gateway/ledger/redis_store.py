@@ -58,6 +58,7 @@ from controlplane.metering.services import (
     usage_record_many,
     usage_to_json,
 )
+from controlplane.redis_clients import once_written
 
 log = logging.getLogger(__name__)
 
@@ -368,13 +369,20 @@ class RedisLedger:
             return keys + settle_keys, args + ["1", *settle_args, stale_beat]
         return keys + [""] * 5, args + ["0", "", 0, 0, 0, 0, 0, stale_beat]
 
-    async def finish(self, flight: Flight) -> None:
+    async def finish(self, flight: Flight, written: asyncio.Future | None = None) -> None:
+        """Hand the usage over and settle, in one script; `written` is resolved once the script
+        is on its way to Redis, before Redis replies (what follows a failed reply is done all
+        the same)."""
         record = flight.record
         keys, args = self._finish_call(record, flight.journaled)
         if not self._marked:
             await self._mark()
         try:
-            await _eval(self._client(), _FINISH, len(keys), *keys, *args)
+            if written is None:
+                await _eval(self._client(), _FINISH, len(keys), *keys, *args)
+            else:
+                with once_written(written, "EVALSHA", "EVAL"):
+                    await _eval(self._client(), _FINISH, len(keys), *keys, *args)
             _remember(record)
         except Exception:  # Redis unreachable: the database is slower, but nothing is lost
             log.exception("usage journal unavailable; writing %s to the database", record.request_id)

@@ -1,0 +1,152 @@
+"""The answer to a request leaves once its usage is written to Redis, not once Redis has
+acknowledged it: the hand-over is on its way to Redis (it gets there even if the gateway dies
+now), and waiting for Redis's reply as well would put one more round trip on every answer.
+The reply is awaited afterwards, and what its failure calls for (the database, the disk) is
+done then, as before."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import urllib.parse
+import uuid
+
+import httpx
+import orjson
+import pytest
+import redis
+from asgiref.sync import async_to_sync
+from django.conf import settings as django_settings
+from django.utils import timezone
+
+from controlplane.fleet.models import EngineInstance, Node
+from controlplane.gateway import handlers
+from controlplane.gateway.ledger.redis_store import _FINISH, _sha
+from controlplane.metering.models import UsageEvent
+from controlplane.metering.outbox import stream_key, usage_ingest
+from tests.conftest import skip_without_redis
+from tests.engines import simulator
+
+pytestmark = pytest.mark.django_db
+
+
+HOLD_S = 10  # a reply is held at most this long (Redis's replies are awaited for longer)
+
+
+class HeldReplies:
+    """A relay in front of Redis that passes every command on at once and every reply back,
+    except on a connection that has sent the usage's hand-over (the finish script): there
+    Redis's replies are held until `release()`."""
+
+    def __init__(self, redis_url: str, marker: bytes):
+        parsed = urllib.parse.urlsplit(redis_url)
+        self.target = (parsed.hostname, parsed.port or 6379)
+        self.marker = marker
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = parsed._replace(netloc=f"127.0.0.1:{self.listener.getsockname()[1]}").geturl()
+        self.released = threading.Event()
+        self.acknowledged = threading.Event()  # a reply to the hand-over has reached the gateway
+        self.sockets: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(self.target)
+            self.sockets += [client, server]
+            handed = threading.Event()
+            threading.Thread(target=self._commands, args=(client, server, handed), daemon=True).start()
+            threading.Thread(target=self._replies, args=(server, client, handed), daemon=True).start()
+
+    def _commands(self, client, server, handed) -> None:
+        while data := _recv(client):
+            if self.marker in data:
+                handed.set()  # before Redis can have answered it
+            server.sendall(data)
+
+    def _replies(self, server, client, handed) -> None:
+        while data := _recv(server):
+            if handed.is_set():
+                self.released.wait(HOLD_S)
+            client.sendall(data)
+            if handed.is_set():
+                self.acknowledged.set()
+
+    def release(self) -> None:
+        self.released.set()
+
+    def close(self) -> None:
+        self.release()
+        self.listener.close()
+        for sock in self.sockets:
+            sock.close()
+
+
+def _recv(sock: socket.socket) -> bytes:
+    try:
+        return sock.recv(65536)
+    except OSError:
+        return b""
+
+
+@pytest.fixture(scope="module")
+def text_engine():
+    with simulator(family="qwen2", name="text", images=None) as port:
+        yield port
+
+
+@pytest.fixture
+def held(settings):
+    skip_without_redis()
+    prefix = f"hand-over-{uuid.uuid4().hex}"
+    relay = HeldReplies(django_settings.REDIS_URL, _sha(_FINISH).encode())
+    settings.USAGE_OUTBOX = "redis"
+    settings.CACHES = {"default": {**settings.CACHES["default"], "KEY_PREFIX": prefix}}
+    real_redis = settings.REDIS_URL
+    settings.REDIS_URL = relay.url
+    settings.REDIS_TIMEOUT_S = 2 * HOLD_S
+    yield relay
+    relay.close()
+    client = redis.Redis.from_url(real_redis)
+    for key in client.scan_iter(f"{prefix}:*"):
+        client.delete(key)
+
+
+def test_the_answer_leaves_once_its_usage_is_written_to_redis_not_once_redis_acknowledges_it(
+        world, text_engine, held):
+    node = Node.objects.create(name="local", address="127.0.0.1", queue="node.local", last_seen_at=timezone.now())
+    EngineInstance.objects.create(tier=world.text, node=node, port=text_engine, actual_state="running",
+                                  healthy=True, last_health_at=timezone.now())
+    direct = redis.Redis.from_url(django_settings.REDIS_URL)  # Redis itself, not through the relay
+
+    async def scenario():
+        from controlplane.asgi import application
+
+        transport = httpx.ASGITransport(app=application)
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1", timeout=60) as client:
+            answer = await client.post("/v1/chat/completions", headers={"Authorization": f"Bearer {world.alice_key}"},
+                                       json={"model": "text", "max_tokens": 4,
+                                             "messages": [{"role": "user", "content": "hello there"}]})
+            # Answered while Redis's acknowledgement of the hand-over is still held back...
+            still_held = not held.acknowledged.is_set()
+            # ...and Redis already has the usage: were the gateway to die now, nothing is lost.
+            in_redis = [orjson.loads(fields[b"record"])["request_id"] for _, fields in direct.xrange(stream_key())]
+            held.release()
+            await asyncio.wait_for(asyncio.gather(*handlers._background), 30)
+            return answer, still_held, in_redis
+
+    answer, still_held, in_redis = async_to_sync(scenario)()
+    assert answer.status_code == 200, answer.text
+    assert still_held, "the answer waited for Redis to acknowledge the usage"
+    request_id = answer.headers["x-request-id"]
+    assert in_redis == [request_id]
+    # The acknowledgement came: nothing fell back to the database, nothing is stored twice.
+    assert not UsageEvent.objects.filter(request_id=request_id).exists()
+    while usage_ingest():
+        pass
+    event = UsageEvent.objects.get(request_id=request_id)
+    assert (event.status, event.output_tokens) == ("ok", answer.json()["usage"]["completion_tokens"])
