@@ -1,47 +1,55 @@
 """The floor under the gateway's text path: a proxy that makes only the hops the gateway
 makes, with the gateway's own server and clients, and does nothing else.
 
-    python -m bench.bare_proxy PORT UPSTREAM_URL [REDIS_URL]     (with the gateway's settings)
+    python -m bench.bare_proxy PORT UPSTREAM_URL [REDIS_URL [--awaited]]  (the gateway's settings)
 
 It is served as the gateway is (controlplane.serving: uvicorn with its header-timeout
 protocol, one worker, a plain ASGI app) and forwards each POST's body to UPSTREAM_URL's
 /v1/chat/completions with the gateway's engine client (controlplane.gateway.upstream: its
 pooled aiohttp session, timeouts and buffers). With REDIS_URL it also makes the gateway's two
-round trips to Redis, one before forwarding and one after the answer (the gateway admits and
-journals the request, then hands its usage over), each an EVALSHA of a script that touches
-one key, through the gateway's Redis client (controlplane.redis_clients: its bounded pool and
-timeouts): what those round trips cost whatever the scripts do. No authentication, no
-checks, no counting, no usage.
+round trips to Redis, as the gateway makes them: one before forwarding, awaited (the gateway
+admits and journals the request), and one after the engine's answer, written before the answer
+leaves and its reply awaited after (the gateway hands the usage over), each an EVALSHA of a
+script that touches one key, through the gateway's Redis client (controlplane.redis_clients:
+its bounded pool and timeouts): what those round trips cost whatever the scripts do. No
+authentication, no checks, no counting, no usage.
 
 Without REDIS_URL it is a bare pass-through proxy; with it, the gateway's design with none of
-its work: the gateway's added time less this one's is what the gateway's own work costs.
+its work: the gateway's added time less this one's is what the gateway's own work costs. With
+--awaited, the second round trip's reply is awaited before the answer leaves too, as the
+gateway did before: what writing the hand-over before answering saves.
 """
 
 from __future__ import annotations
 
+import asyncio
 import sys
 
 import django
 
 # Settings are read only when a request is served, after django.setup() below.
 from controlplane.gateway import upstream
-from controlplane.redis_clients import async_redis
+from controlplane.redis_clients import async_redis, once_written
 
 _SCRIPT = "return redis.call('INCR', KEYS[1])"
 
 
 class BareProxy:
-    def __init__(self, upstream: str, redis_url: str | None):
+    def __init__(self, upstream: str, redis_url: str | None, *, awaited: bool = False):
         self.url = upstream.rstrip("/") + "/v1/chat/completions"
-        self.redis_url = redis_url
+        self.redis_url, self.awaited = redis_url, awaited
         self.sha = None
 
-    async def _round_trip(self) -> None:
+    async def _round_trip(self, written: asyncio.Future | None = None) -> None:
         if self.redis_url:
             client = async_redis(self.redis_url)
             if self.sha is None:
                 self.sha = await client.script_load(_SCRIPT)
-            await client.evalsha(self.sha, 1, "bench:bare-proxy")
+            if written is None:
+                await client.evalsha(self.sha, 1, "bench:bare-proxy")
+            else:
+                with once_written(written, "EVALSHA", "EVAL"):
+                    await client.evalsha(self.sha, 1, "bench:bare-proxy")
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -62,11 +70,14 @@ class BareProxy:
             status, body = answer.status_code, await answer.read()
         finally:
             await answer.aclose()
-        await self._round_trip()
+        written = asyncio.get_running_loop().create_future()
+        handing = asyncio.ensure_future(self._round_trip(None if self.awaited else written))
+        await asyncio.wait((written, handing), return_when=asyncio.FIRST_COMPLETED)
         await send({"type": "http.response.start", "status": status,
                     "headers": [(b"content-type", b"application/json"),
                                 (b"content-length", str(len(body)).encode())]})
         await send({"type": "http.response.body", "body": body})
+        await handing
 
 
 if __name__ == "__main__":
@@ -74,5 +85,5 @@ if __name__ == "__main__":
     from controlplane.serving import serve
 
     port, upstream_url = int(sys.argv[1]), sys.argv[2]
-    serve(BareProxy(upstream_url, sys.argv[3] if len(sys.argv) > 3 else None), host="127.0.0.1", port=port,
-          log_level="warning")
+    serve(BareProxy(upstream_url, sys.argv[3] if len(sys.argv) > 3 else None, awaited="--awaited" in sys.argv),
+          host="127.0.0.1", port=port, log_level="warning")

@@ -281,8 +281,8 @@ def main() -> None:
         key = gateway.start()
         untuned_port = gateway.start_untuned()
         litellm, litellm_port, litellm_key = start_litellm(upstream_port)
-        bare_port, floor_port = free_port(), free_port()
-        for port, redis_url in ((bare_port, ()), (floor_port, (REDIS,))):
+        bare_port, floor_port, awaited_port = free_port(), free_port(), free_port()
+        for port, redis_url in ((bare_port, ()), (floor_port, (REDIS,)), (awaited_port, (REDIS, "--awaited"))):
             floors.append(subprocess.Popen([sys.executable, "-m", "bench.bare_proxy", str(port),
                                             f"http://127.0.0.1:{upstream_port}", *redis_url], cwd=ROOT))
             wait_http(f"http://127.0.0.1:{port}/health")
@@ -294,11 +294,14 @@ def main() -> None:
             # than they differ over minutes, and each round's differences are taken.
             "floor": (f"http://127.0.0.1:{floor_port}/v1/chat/completions", "fake"),
             "bare": (f"http://127.0.0.1:{bare_port}/v1/chat/completions", "fake"),
+            # The floor as the gateway was before it answered once the hand-over was written.
+            "awaited": (f"http://127.0.0.1:{awaited_port}/v1/chat/completions", "fake"),
             "litellm": (f"http://127.0.0.1:{litellm_port}/v1/chat/completions", litellm_key),
             "gw-nokeep": (f"http://127.0.0.1:{untuned_port}/v1/chat/completions", key),
         }
         processes = {"direct": upstream.pid, "gateway": gateway.process.pid, "litellm": litellm.pid,
-                     "gw-nokeep": gateway.untuned.pid, "bare": floors[0].pid, "floor": floors[1].pid}
+                     "gw-nokeep": gateway.untuned.pid, "bare": floors[0].pid, "floor": floors[1].pid,
+                     "awaited": floors[2].pid}
         print(f"{'payload':8} {'conc':>4} {'target':8} {'p50 ms':>8} {'p99 ms':>8} {'+p50 ms':>8} {'+p99 ms':>8} "
               f"{'req/s':>8} {'fwd body':>10} {'cpu ms/req':>10}")
         added_p50, rates = {}, {}
@@ -312,7 +315,7 @@ def main() -> None:
                 for name, (url, secret) in targets.items():
                     if name == "gw-nokeep" and image is None:
                         continue  # the malloc tuning matters for image buffers only
-                    if name in ("bare", "floor") and image is not None:
+                    if name in ("bare", "floor", "awaited") and image is not None:
                         continue  # the floor of the text path: images are measured against the decode
                     before = httpx.get(f"http://127.0.0.1:{upstream_port}/stats").json()
                     tree = descendants(processes[name])
@@ -336,14 +339,16 @@ def main() -> None:
                   f"{1000 * statistics.median(rounds):.2f} ms ("
                   + ", ".join(f"{1000 * added:.2f}" for added in rounds) + ")")
             # The same hops with none of the work: what is left is what the gateway's work costs.
-            added = {name: added_p50[(name, "text", concurrency)] for name in ("gateway", "floor", "bare", "litellm")}
+            added = {name: added_p50[(name, "text", concurrency)]
+                     for name in ("gateway", "floor", "awaited", "bare", "litellm")}
             rate = {name: statistics.median(rates[(name, "text", concurrency)]) for name in added}
             print(f"text, concurrency {concurrency}, medians of the rounds: added p50 and requests per second: "
                   + ", ".join(f"{name} {1000 * statistics.median(added[name]):.2f} ms {rate[name]:.0f}/s"
                               for name in added))
             print(f"text, concurrency {concurrency}, within each round: the gateway's own work (gateway less "
                   f"floor) {_each_round(added['gateway'], added['floor'])}, the two Redis round trips (floor "
-                  f"less bare) {_each_round(added['floor'], added['bare'])}")
+                  f"less bare) {_each_round(added['floor'], added['bare'])}, the hand-over's reply awaited "
+                  f"before answering (awaited less floor) {_each_round(added['awaited'], added['floor'])}")
         if profile.available():
             # Where the gateway's CPU goes on text at concurrency 32, sampled while loaded.
             sampling = profile.record(gateway.process.pid, seconds=8)
