@@ -72,7 +72,8 @@ class BareProxy:
             await answer.aclose()
         written = asyncio.get_running_loop().create_future()
         handing = asyncio.ensure_future(self._round_trip(None if self.awaited else written))
-        await asyncio.wait((written, handing), return_when=asyncio.FIRST_COMPLETED)
+        handing.add_done_callback(lambda _: written.done() or written.set_result(None))
+        await written
         await send({"type": "http.response.start", "status": status,
                     "headers": [(b"content-type", b"application/json"),
                                 (b"content-length", str(len(body)).encode())]})

@@ -293,9 +293,10 @@ def main() -> None:
             # The floor and the bare proxy right after the gateway: the machine drifts by more
             # than they differ over minutes, and each round's differences are taken.
             "floor": (f"http://127.0.0.1:{floor_port}/v1/chat/completions", "fake"),
-            "bare": (f"http://127.0.0.1:{bare_port}/v1/chat/completions", "fake"),
-            # The floor as the gateway was before it answered once the hand-over was written.
+            # The floor as the gateway was before it answered once the hand-over was written,
+            # right after the floor, the two taken round by round.
             "awaited": (f"http://127.0.0.1:{awaited_port}/v1/chat/completions", "fake"),
+            "bare": (f"http://127.0.0.1:{bare_port}/v1/chat/completions", "fake"),
             "litellm": (f"http://127.0.0.1:{litellm_port}/v1/chat/completions", litellm_key),
             "gw-nokeep": (f"http://127.0.0.1:{untuned_port}/v1/chat/completions", key),
         }

@@ -741,8 +741,13 @@ async def _record(record: UsageRecord, started: float) -> None:
     # cannot be reached) is waited for to its end. The hand-over runs in a task of its own, which
     # a client leaving (cancelling this one) cannot interrupt halfway.
     written = asyncio.get_running_loop().create_future()
-    handing = _in_background(_hand_over(record, written))
-    await asyncio.wait((written, handing), return_when=asyncio.FIRST_COMPLETED)
+    _in_background(_hand_over(record, written)).add_done_callback(lambda _: _resolve(written))
+    await written  # cancelled with this task, which the hand-over does not look at again
+
+
+def _resolve(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 async def _hand_over(record: UsageRecord, written: asyncio.Future | None = None) -> None:
