@@ -20,8 +20,10 @@ from asgiref.sync import async_to_sync
 from django.conf import settings as django_settings
 from django.utils import timezone
 
+from controlplane.asgi import application
 from controlplane.fleet.models import EngineInstance, Node
 from controlplane.gateway import handlers
+from controlplane.gateway.ledger import redis_store
 from controlplane.gateway.ledger.redis_store import _FINISH, _sha
 from controlplane.metering.models import UsageEvent
 from controlplane.metering.outbox import stream_key, usage_ingest
@@ -116,28 +118,35 @@ def held(settings):
         client.delete(key)
 
 
-def test_the_answer_leaves_once_its_usage_is_written_to_redis_not_once_redis_acknowledges_it(
-        world, text_engine, held):
+@pytest.fixture
+def routed(world, text_engine):
     node = Node.objects.create(name="local", address="127.0.0.1", queue="node.local", last_seen_at=timezone.now())
     EngineInstance.objects.create(tier=world.text, node=node, port=text_engine, actual_state="running",
                                   healthy=True, last_health_at=timezone.now())
+    return world
+
+
+async def _ask(key: str) -> httpx.Response:
+    """A text request through the production ASGI application."""
+    transport = httpx.ASGITransport(app=application)
+    async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1", timeout=60) as client:
+        return await client.post("/v1/chat/completions", headers={"Authorization": f"Bearer {key}"},
+                                 json={"model": "text", "max_tokens": 4,
+                                       "messages": [{"role": "user", "content": "hello there"}]})
+
+
+def test_the_answer_leaves_once_its_usage_is_written_to_redis_not_once_redis_acknowledges_it(routed, held):
     direct = redis.Redis.from_url(django_settings.REDIS_URL)  # Redis itself, not through the relay
 
     async def scenario():
-        from controlplane.asgi import application
-
-        transport = httpx.ASGITransport(app=application)
-        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1", timeout=60) as client:
-            answer = await client.post("/v1/chat/completions", headers={"Authorization": f"Bearer {world.alice_key}"},
-                                       json={"model": "text", "max_tokens": 4,
-                                             "messages": [{"role": "user", "content": "hello there"}]})
-            # Answered while Redis's acknowledgement of the hand-over is still held back...
-            still_held = not held.acknowledged.is_set()
-            # ...and Redis already has the usage: were the gateway to die now, nothing is lost.
-            in_redis = [orjson.loads(fields[b"record"])["request_id"] for _, fields in direct.xrange(stream_key())]
-            held.release()
-            await asyncio.wait_for(asyncio.gather(*handlers._background), 30)
-            return answer, still_held, in_redis
+        answer = await _ask(routed.alice_key)
+        # Answered while Redis's acknowledgement of the hand-over is still held back...
+        still_held = not held.acknowledged.is_set()
+        # ...and Redis already has the usage: were the gateway to die now, nothing is lost.
+        in_redis = [orjson.loads(fields[b"record"])["request_id"] for _, fields in direct.xrange(stream_key())]
+        held.release()
+        await asyncio.wait_for(asyncio.gather(*handlers._background), 30)
+        return answer, still_held, in_redis
 
     answer, still_held, in_redis = async_to_sync(scenario)()
     assert answer.status_code == 200, answer.text
@@ -150,3 +159,30 @@ def test_the_answer_leaves_once_its_usage_is_written_to_redis_not_once_redis_ack
         pass
     event = UsageEvent.objects.get(request_id=request_id)
     assert (event.status, event.output_tokens) == ("ok", answer.json()["usage"]["completion_tokens"])
+
+
+def test_a_server_stopping_finishes_the_hand_overs_still_awaiting_redis_before_it_exits(routed, held):
+    async def scenario():
+        answer = await _ask(routed.alice_key)
+        request_id = answer.headers["x-request-id"]
+        messages, sent = asyncio.Queue(), []
+        for message in ("lifespan.startup", "lifespan.shutdown"):
+            messages.put_nowait({"type": message})
+
+        async def send(message):
+            sent.append(message["type"])
+
+        # The server stops (uvicorn's lifespan) while Redis's reply to the hand-over is held.
+        stopping = asyncio.ensure_future(application({"type": "lifespan"}, messages.get, send))
+        done, _ = await asyncio.wait({stopping}, timeout=1)
+        waited = not done and sent == ["lifespan.startup.complete"]
+        held.release()
+        await asyncio.wait_for(stopping, 30)
+        # Stopped only once the hand-over had its reply: it was not cut off by the process exiting.
+        remembered = request_id in {record.request_id for _, record in redis_store._handed}
+        return waited, sent, remembered
+
+    waited, sent, remembered = async_to_sync(scenario)()
+    assert waited, "the server stopped without waiting for the hand-over's reply"
+    assert sent == ["lifespan.startup.complete", "lifespan.shutdown.complete"]
+    assert remembered
