@@ -29,7 +29,7 @@ import django
 
 # Settings are read only when a request is served, after django.setup() below.
 from controlplane.gateway import upstream
-from controlplane.redis_clients import async_redis, once_written
+from controlplane.redis_clients import async_redis, once_written, until_written
 
 _SCRIPT = "return redis.call('INCR', KEYS[1])"
 
@@ -45,11 +45,8 @@ class BareProxy:
             client = async_redis(self.redis_url)
             if self.sha is None:
                 self.sha = await client.script_load(_SCRIPT)
-            if written is None:
+            with once_written(written, "EVALSHA"):
                 await client.evalsha(self.sha, 1, "bench:bare-proxy")
-            else:
-                with once_written(written, "EVALSHA", "EVAL"):
-                    await client.evalsha(self.sha, 1, "bench:bare-proxy")
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -72,8 +69,7 @@ class BareProxy:
             await answer.aclose()
         written = asyncio.get_running_loop().create_future()
         handing = asyncio.ensure_future(self._round_trip(None if self.awaited else written))
-        handing.add_done_callback(lambda _: written.done() or written.set_result(None))
-        await written
+        await until_written(handing, written)
         await send({"type": "http.response.start", "status": status,
                     "headers": [(b"content-type", b"application/json"),
                                 (b"content-length", str(len(body)).encode())]})

@@ -46,15 +46,25 @@ class _PackedByHiredis:
 
 
 @contextlib.contextmanager
-def once_written(written: asyncio.Future, *commands: str):
-    """Within it, `written` is resolved as soon as one of `commands` (by name) sent by this task
-    has been written to its connection, before Redis replies: what waits on the command being
-    on its way, not on Redis's acknowledgement, waits on `written`."""
+def once_written(written: asyncio.Future | None, *commands: str):
+    """Within it, `written` (None: nothing to tell) is resolved as soon as one of `commands`
+    (by name) sent by this task has been written to its connection, before Redis replies: what
+    waits on the command being on its way, not on Redis's acknowledgement, waits on `written`."""
+    if written is None:
+        yield
+        return
     token = _on_written.set((written, frozenset(name.upper() for name in commands)))
     try:
         yield
     finally:
         _on_written.reset(token)
+
+
+async def until_written(sending: asyncio.Task, written: asyncio.Future) -> None:
+    """Wait until `sending` has written its command (resolving `written` within once_written),
+    or has ended without writing it (a store that cannot be reached, or none to write to)."""
+    sending.add_done_callback(lambda _: written.done() or written.set_result(None))
+    await written  # cancelled with the caller, which `sending` does not look at again
 
 
 @functools.cache

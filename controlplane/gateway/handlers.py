@@ -30,6 +30,7 @@ from controlplane.gateway.prepare import (
 )
 from controlplane.imaging.tokens import engine_image_tokens
 from controlplane.metering.services import UsageRecord
+from controlplane.redis_clients import until_written
 
 log = logging.getLogger(__name__)
 AUTO = "auto"
@@ -741,13 +742,7 @@ async def _record(record: UsageRecord, started: float) -> None:
     # cannot be reached) is waited for to its end. The hand-over runs in a task of its own, which
     # a client leaving (cancelling this one) cannot interrupt halfway.
     written = asyncio.get_running_loop().create_future()
-    _in_background(_hand_over(record, written)).add_done_callback(lambda _: _resolve(written))
-    await written  # cancelled with this task, which the hand-over does not look at again
-
-
-def _resolve(future: asyncio.Future) -> None:
-    if not future.done():
-        future.set_result(None)
+    await until_written(_in_background(_hand_over(record, written)), written)
 
 
 async def _hand_over(record: UsageRecord, written: asyncio.Future | None = None) -> None:

@@ -378,11 +378,8 @@ class RedisLedger:
         if not self._marked:
             await self._mark()
         try:
-            if written is None:
+            with once_written(written, "EVALSHA", "EVAL"):
                 await _eval(self._client(), _FINISH, len(keys), *keys, *args)
-            else:
-                with once_written(written, "EVALSHA", "EVAL"):
-                    await _eval(self._client(), _FINISH, len(keys), *keys, *args)
             _remember(record)
         except Exception:  # Redis unreachable: the database is slower, but nothing is lost
             log.exception("usage journal unavailable; writing %s to the database", record.request_id)
