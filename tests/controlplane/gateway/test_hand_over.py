@@ -7,9 +7,6 @@ done then, as before."""
 from __future__ import annotations
 
 import asyncio
-import socket
-import threading
-import urllib.parse
 import uuid
 
 import httpx
@@ -29,80 +26,9 @@ from controlplane.metering.models import UsageEvent
 from controlplane.metering.outbox import stream_key, usage_ingest
 from tests.conftest import skip_without_redis
 from tests.engines import simulator
+from tests.redis_relay import HOLD_S, HeldReplies
 
 pytestmark = pytest.mark.django_db
-
-
-HOLD_S = 10  # a reply is held at most this long (Redis's replies are awaited for longer)
-
-
-class HeldReplies:
-    """A relay in front of Redis that passes every command on at once and every reply back,
-    except on a connection that has sent the usage's hand-over (the finish script): there
-    Redis's replies are held until `release()`."""
-
-    def __init__(self, redis_url: str, marker: bytes):
-        parsed = urllib.parse.urlsplit(redis_url)
-        self.target = (parsed.hostname, parsed.port or 6379)
-        self.marker = marker
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.url = parsed._replace(netloc=f"127.0.0.1:{self.listener.getsockname()[1]}").geturl()
-        self.released = threading.Event()
-        self.acknowledged = threading.Event()  # a reply to the hand-over has reached the gateway
-        self.sockets: list[socket.socket] = []
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return
-            server = socket.create_connection(self.target)
-            self.sockets += [client, server]
-            handed = threading.Event()
-            threading.Thread(target=self._commands, args=(client, server, handed), daemon=True).start()
-            threading.Thread(target=self._replies, args=(server, client, handed), daemon=True).start()
-
-    def _commands(self, client, server, handed) -> None:
-        while data := _recv(client):
-            if self.marker in data:
-                handed.set()  # before Redis can have answered it
-            if not _send(server, data):
-                return
-
-    def _replies(self, server, client, handed) -> None:
-        while data := _recv(server):
-            if handed.is_set():
-                self.released.wait(HOLD_S)
-            if not _send(client, data):
-                return
-            if handed.is_set():
-                self.acknowledged.set()
-
-    def release(self) -> None:
-        self.released.set()
-
-    def close(self) -> None:
-        self.release()
-        self.listener.close()
-        for sock in self.sockets:
-            sock.close()
-
-
-def _send(sock: socket.socket, data: bytes) -> bool:
-    try:
-        sock.sendall(data)
-        return True
-    except OSError:  # the relay closed at the test's end
-        return False
-
-
-def _recv(sock: socket.socket) -> bytes:
-    try:
-        return sock.recv(65536)
-    except OSError:
-        return b""
 
 
 @pytest.fixture(scope="module")
