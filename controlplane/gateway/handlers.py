@@ -19,7 +19,7 @@ from controlplane.catalog.routing import resolve_auto
 from controlplane.gateway import counters, ledger, moderation, routing, state, upstream
 from controlplane.gateway.errors import GatewayError, error_response
 from controlplane.gateway.http import Request, Response, json_response
-from controlplane.gateway.ledger import Ask, Refused
+from controlplane.gateway.ledger import Ask, Flight, Refused
 from controlplane.gateway.prepare import (
     Prepared,
     RequestInvalid,
@@ -190,7 +190,7 @@ async def _chat_completions(request: Request, request_id: str):
                 raise GatewayError(503, f"{unavailable}; retry shortly", code="moderation_unavailable",
                                    headers={"Retry-After": "5"}) from None
         route = await _route(key, tier, prepared)
-        flight = await _admit(request_id, key, tier, prepared, started, engine=route.first)
+        admission = await _admit(request_id, key, tier, prepared, started, engine=route.first)
     except GatewayError as exc:
         exc = await _broken_image(prepared) or exc
         # Refused once the tier was known: the tenant sees it in their usage, at no cost.
@@ -204,7 +204,7 @@ async def _chat_completions(request: Request, request_id: str):
                                   tier_id=tier.id, status="error", http_status=500,
                                   stream=bool(body.get("stream"))), started)
         raise
-    return await _forward(request_id, key, tier, prepared, flight, started, route)
+    return await _forward(request_id, key, tier, prepared, admission, started, route)
 
 
 @dataclass(frozen=True)
@@ -231,10 +231,80 @@ def _ms_since(started: float) -> int:
     return int((time.monotonic() - started) * 1000)
 
 
+class _NotAdmitted(GatewayError):
+    """A request's admission failed: its tenant's quota refused it (429), or the quota's store
+    did not answer (503; it may have made the reservation all the same, which the request's
+    record then settles as it was made)."""
+
+    @property
+    def refused(self) -> bool:
+        return self.status == 429
+
+
+class _Beside:
+    """Whether a request's admission may run beside its trip to the engine rather than before it.
+
+    Beside, the engine is sent the request as soon as the script that admits and journals it
+    is on its way to Redis (in the kernel's buffer: it gets there even if this process dies
+    now, so the request is journaled as it would have been), and the engine's answer is
+    relayed only once Redis has admitted it; refused, the exchange is abandoned (the engine
+    drops a request whose connection closes) and the client gets the 429 it would have got.
+    One round trip to Redis off every request's path. Only where the admission is likely to
+    pass, as the engine's work on a request refused is thrown away: not for a tenant whose
+    last admission in this process was refused (until one passes again), not while the store
+    has not answered this process's last admission (each would wait out its timeout and get a
+    503), and not for a large image waiting for its turn (its engine is chosen after the wait).
+    The database's ledger answers once its transaction commits: its admissions are awaited."""
+
+    def __init__(self):
+        self.refused: set[int] = set()  # tenants
+        self.store_silent = False
+
+    def likely(self, tenant_id: int) -> bool:
+        return not self.store_silent and tenant_id not in self.refused
+
+    def answered(self, tenant_id: int, *, admitted: bool) -> None:
+        self.store_silent = False
+        if admitted:
+            self.refused.discard(tenant_id)
+        else:
+            self.refused.add(tenant_id)
+
+
+_beside = _Beside()
+
+
+@dataclass(frozen=True)
+class _Admission:
+    """A request's admission: answered before the request was forwarded, or running beside its
+    trip to the engine (see _Beside)."""
+
+    record: UsageRecord
+    answer: asyncio.Future  # the request's Flight once admitted; a _NotAdmitted if not
+
+    def passed(self) -> bool:
+        return self.answer.done() and not self.answer.cancelled() and self.answer.exception() is None
+
+    async def flight(self) -> Flight:
+        """The request's flight once admitted (_NotAdmitted if not). A caller giving up does
+        not stop the admission."""
+        return await asyncio.shield(self.answer)
+
+    async def failure(self) -> _NotAdmitted | None:
+        """Once answered: why it was not admitted, or None."""
+        try:
+            await asyncio.shield(self.answer)
+        except _NotAdmitted as failed:
+            return failed
+        return None
+
+
 async def _admit(request_id: str, key: state.KeyInfo, tier: TierSpec, prepared: Prepared,
-                 started: float, *, engine=None) -> ledger.Flight:
+                 started: float, *, engine=None) -> _Admission:
     """Reserve the request against the tenant's quota and journal it, in one step; or refuse
-    it with a 429."""
+    it with a 429. With its engine chosen and its admission likely to pass, the admission runs
+    beside the request's trip to that engine (see _Beside): returned once it is on its way to
+    the ledger's store, answered while the engine works."""
     record = UsageRecord(
         request_id=request_id, tenant_id=key.tenant_id, api_key_id=key.key_id, tier_id=tier.id,
         stream=bool(prepared.body.get("stream")), images=[(p.image, p.tokens, 0) for p in prepared.images],
@@ -261,35 +331,61 @@ async def _admit(request_id: str, key: state.KeyInfo, tier: TierSpec, prepared: 
             raise GatewayError(429, f"this API key's limit exceeded: {key.key_requests_per_minute:,} requests "
                                f"per minute; retry after {retry}s", code="rate_limit_exceeded",
                                headers={"Retry-After": str(retry)})
-    admitting = asyncio.ensure_future(ledger.admit(record, key.limits, ask))
+    written = asyncio.get_running_loop().create_future() \
+        if engine is not None and _beside.likely(key.tenant_id) else None
+    answer = asyncio.ensure_future(_admission(record, key, ask, key_counted_at, written))
+    answer.add_done_callback(lambda done: done.cancelled() or done.exception())  # whoever looks, or none
     try:
-        # Shielded: a request admitted just as the client leaves must still be released.
-        return await asyncio.shield(admitting)
+        if written is not None:
+            await until_written(answer, written)
+        else:
+            await asyncio.shield(answer)
     except asyncio.CancelledError:
-        admitting.add_done_callback(lambda done: _release_if_admitted(done, record, started))
+        # A request admitted just as the client leaves must still be released.
+        answer.add_done_callback(lambda done: _release_if_admitted(done, record, started))
         raise
+    if answer.done():
+        answer.result()  # its refusal, before anything is sent
+    return _Admission(record, answer)
+
+
+async def _admission(record: UsageRecord, key: state.KeyInfo, ask: Ask | None, key_counted_at,
+                     written: asyncio.Future | None) -> Flight:
+    try:
+        flight = await ledger.admit(record, key.limits, ask, written)
     except Refused as refused:
+        _beside.answered(key.tenant_id, admitted=False)
         if key_counted_at is not None:
             await ledger.key_rate_return(key.key_id, key_counted_at)
         code = "rate_limit_exceeded" if refused.limit in ("requests_per_minute", "concurrent_large_images") \
             else "insufficient_quota"
-        raise GatewayError(429, str(refused), code=code, headers={"Retry-After": str(refused.retry_after)}) from None
+        raise _NotAdmitted(429, str(refused), code=code, headers={"Retry-After": str(refused.retry_after)}) from None
     except Exception:
-        # The quota cannot be checked (its store does not answer): nothing is forwarded unchecked.
-        log.exception("could not admit %s against its quota", request_id)
+        # The quota cannot be checked (its store does not answer): nothing is answered unchecked.
+        _beside.store_silent = True
+        log.exception("could not admit %s against its quota", record.request_id)
         raise _quota_unavailable() from None
+    _beside.answered(key.tenant_id, admitted=True)
+    return flight
 
 
-def _quota_unavailable() -> GatewayError:
-    return GatewayError(503, "the quota service is unavailable; retry shortly", code="quota_unavailable",
+def _quota_unavailable() -> _NotAdmitted:
+    return _NotAdmitted(503, "the quota service is unavailable; retry shortly", code="quota_unavailable",
                         headers={"Retry-After": "5"})
+
+
+def _refusal_of(record: UsageRecord, status: int) -> UsageRecord:
+    """What a request its admission did not admit is recorded as, as any refused before an
+    engine worked on it: in the tenant's usage, at no cost."""
+    return UsageRecord(request_id=record.request_id, tenant_id=record.tenant_id, api_key_id=record.api_key_id,
+                       tier_id=record.tier_id, status="error", http_status=status, stream=record.stream)
 
 
 def _release_if_admitted(done: asyncio.Future, record: UsageRecord, started: float) -> None:
     """The client left while its request was admitted: recorded at no cost, quota released.
     So too when the admission's reply was lost (its store may have made it all the same):
     the record settles it as it was made, as a 503's would have."""
-    if done.cancelled() or isinstance(done.exception(), Refused):
+    if done.cancelled() or (isinstance(done.exception(), _NotAdmitted) and done.exception().refused):
         return  # nothing was reserved
     # No engine was sent it: the one chosen beforehand did no work, nothing is billed.
     record.status, record.http_status, record.instance_id = "aborted", 499, None
@@ -313,10 +409,10 @@ def _upstream_body(key: state.KeyInfo, tier: TierSpec, prepared: Prepared, *, la
     return body
 
 
-async def _forward(request_id: str, key: state.KeyInfo, tier: TierSpec, prepared: Prepared, flight: ledger.Flight,
+async def _forward(request_id: str, key: state.KeyInfo, tier: TierSpec, prepared: Prepared, admission: _Admission,
                    started: float, route: _Route):
     _tier_names[tier.id] = tier.name
-    record = flight.record
+    record = admission.record
     large, images, candidates = route.large, route.images, route.candidates
     body = _upstream_body(key, tier, prepared, large=large)
     payload = _write_json(body)
@@ -330,22 +426,27 @@ async def _forward(request_id: str, key: state.KeyInfo, tier: TierSpec, prepared
             except TimeoutError:
                 raise GatewayError(429, f"too many large-image requests on '{tier.name}' at once; retry shortly",
                                    code="rate_limit_exceeded", headers={"Retry-After": "2"}) from None
-        return await _attempts(request_id, tier, prepared, flight, candidates, payload, started,
+        return await _attempts(request_id, tier, prepared, admission, candidates, payload, started,
                                large=large, images=images, slot=slot, first=route.first)
     except GatewayError as exc:
-        exc = await _broken_image(prepared) or exc
-        record.status, record.http_status = "error", exc.status
-        await _record(record, started)
+        # An image's 400 first, then the admission's refusal, as when they were awaited first.
+        failed = await admission.failure()
+        exc = await _broken_image(prepared) or failed or exc
+        if exc is failed:
+            await _record(_refusal_of(record, exc.status), started)
+        else:
+            record.status, record.http_status = "error", exc.status
+            await _record(record, started)
         return exc.response(request_id)
     except asyncio.CancelledError:
         if not record.recorded:  # gone while waiting for a slot: release the quota it reserved
             record.status, record.http_status = "aborted", 499
-            await _record(record, started)
+            await _record(record, started, admission)
         raise
     except Exception:
         if not record.recorded:  # whatever failed, the reservation is settled and the request metered
             record.status, record.http_status = "error", 500
-            await _record(record, started)
+            await _record(record, started, admission)
         raise
     finally:
         if slot is not None and not slot.handed_over:
@@ -366,9 +467,9 @@ class _Slot:
             self.slots.release()
 
 
-async def _attempts(request_id, tier, prepared, flight, candidates, payload, started, *, large, images, slot,
+async def _attempts(request_id, tier, prepared, admission, candidates, payload, started, *, large, images, slot,
                     first=None):
-    record = flight.record
+    record = admission.record
     tried: set[int] = set()
     for attempt in range(2):  # a request that never reached an engine is retried once elsewhere
         instance = first if attempt == 0 and first is not None else routing.choose(
@@ -379,7 +480,8 @@ async def _attempts(request_id, tier, prepared, flight, candidates, payload, sta
         routing.outstanding[instance.id] += 1
         handed_over = False  # to the stream, which then owns the counter and the record
         try:
-            await ledger.engine_chosen(flight, instance.id)
+            if instance.id != record.instance_id:  # another than the one it was journaled with
+                await ledger.engine_chosen(await admission.flight(), instance.id)
             if record.queue_ms is None:
                 record.queue_ms = max(0, _ms_since(started) - (record.prepare_ms or 0))
             sending = upstream.engine_post(
@@ -388,7 +490,10 @@ async def _attempts(request_id, tier, prepared, flight, candidates, payload, sta
                          **({"authorization": f"Bearer {instance.api_key}"} if instance.api_key else {})},
             )
             try:
-                response = await _unless_engine_fails(_once_checked(sending, prepared), tier.id, instance.id)
+                response = await _unless_engine_fails(_once_passed(sending, prepared, admission), tier.id,
+                                                      instance.id)
+            except _NotAdmitted:
+                raise
             except GatewayError as broken:  # an image sent unchecked failed its check: refused as before
                 return await _refused_image(record, started, broken.response(request_id))
             except EngineFailing:
@@ -408,7 +513,8 @@ async def _attempts(request_id, tier, prepared, flight, candidates, payload, sta
                 handed_over = True
                 if slot is not None:
                     slot.handed_over = True
-                return _stream(request_id, tier, flight, prepared, response, instance, started, slot)
+                return _stream(request_id, tier, admission.answer.result(), prepared, response, instance, started,
+                               slot)
             try:
                 content = await response.read()
             except upstream.Broken as exc:
@@ -420,11 +526,13 @@ async def _attempts(request_id, tier, prepared, flight, candidates, payload, sta
         except asyncio.CancelledError:
             # The client went away before the engine answered: the engine still did work.
             record.status, record.http_status = "aborted", 499
-            await _record(record, started)
+            await _record(record, started, admission)
             raise
         finally:
             if not handed_over:
                 routing.outstanding[instance.id] -= 1
+    if (failed := await admission.failure()) is not None:
+        raise failed
     broken = await _broken_image(prepared)
     if broken is not None:
         return await _refused_image(record, started, broken.response(request_id))
@@ -454,23 +562,27 @@ async def _refused_image(record: UsageRecord, started: float, response: Response
     return response
 
 
-async def _once_checked(sending, prepared: Prepared):
-    """The engine's answer to `sending`, once the images sent to it unchecked have passed their
-    checks (which take milliseconds, where the engine takes tens of them at least): nothing is
-    answered before. An image that fails its check abandons the exchange (the engine drops a
-    request whose connection closes) and raises its 400 (GatewayError), as it would have at once."""
+async def _once_passed(sending, prepared: Prepared, admission: _Admission):
+    """The engine's answer to `sending`, once what ran beside the engine's work has passed: the
+    checks of images sent as they came, and the request's admission (each takes milliseconds
+    at most, where the engine takes tens of them at least). Nothing is answered before, and
+    whatever happens at the engine is looked at only after. One that fails abandons the
+    exchange (the engine drops a request whose connection closes) and raises its error as it
+    would have been raised had it been awaited first: an image's 400 (GatewayError), else the
+    admission's 429 or 503 (_NotAdmitted)."""
     checking = prepared.checking
-    if checking is None:
+    if admission.answer.done() and (checking is None or checking.done()):
+        failed = await _broken_image(prepared) or await admission.failure()
+        if failed is not None:
+            sending.close()  # never started
+            raise failed
         return await sending
-    if checking.done() and (broken := await _broken_image(prepared)) is not None:
-        sending.close()  # never started
-        raise broken
     answer = asyncio.ensure_future(sending)
     try:
-        await asyncio.wait({answer, checking}, return_when=asyncio.FIRST_COMPLETED)
         broken = await _broken_image(prepared)
-        if broken is not None:
-            raise broken
+        failed = await admission.failure()  # awaited either way: nothing is recorded before it
+        if broken or failed:
+            raise broken or failed
     except BaseException:
         answer.cancel()
         response = await asyncio.gather(answer, return_exceptions=True)
@@ -728,13 +840,15 @@ def _in_background(coroutine) -> asyncio.Task:
     return task
 
 
-async def _record(record: UsageRecord, started: float) -> None:
+async def _record(record: UsageRecord, started: float, admission: _Admission | None = None) -> None:
+    """Hand the request's usage over. `admission`: its admission, perhaps not yet answered (the
+    client left while it ran beside the engine), which the hand-over waits for: a request is
+    never finished in the ledger before it was admitted there; not admitted, it is recorded as
+    its refusal."""
     if record.recorded:
         return
     record.recorded = True
     record.latency_ms = _ms_since(started)
-    counters.count(tier=_tier_names.get(record.tier_id, str(record.tier_id)), status=record.status,
-                   images=record.image_tokens, disagree=record.image_tokens_disagree)
     # The answer waits until the usage is on its way to Redis (written to its connection: it
     # gets there even if this process dies now), not for Redis's acknowledgement, which the
     # hand-over awaits afterwards, with what a failed one calls for: one round trip fewer on
@@ -742,10 +856,16 @@ async def _record(record: UsageRecord, started: float) -> None:
     # cannot be reached) is waited for to its end. The hand-over runs in a task of its own, which
     # a client leaving (cancelling this one) cannot interrupt halfway.
     written = asyncio.get_running_loop().create_future()
-    await until_written(_in_background(_hand_over(record, written)), written)
+    await until_written(_in_background(_hand_over(record, written, admission)), written)
 
 
-async def _hand_over(record: UsageRecord, written: asyncio.Future | None = None) -> None:
+async def _hand_over(record: UsageRecord, written: asyncio.Future | None = None,
+                     admission: _Admission | None = None) -> None:
+    if admission is not None and (failed := await admission.failure()) is not None:
+        latency_ms, record = record.latency_ms, _refusal_of(record, failed.status)
+        record.latency_ms, record.recorded = latency_ms, True
+    counters.count(tier=_tier_names.get(record.tier_id, str(record.tier_id)), status=record.status,
+                   images=record.image_tokens, disagree=record.image_tokens_disagree)
     if record.checking is not None:
         # Its images sent as they came get their fingerprints once checked (a refused one keeps
         # its empty one: the record is its 400's).

@@ -75,15 +75,17 @@ def ledger() -> RedisLedger | DatabaseLedger:
     return found
 
 
-async def admit(record: UsageRecord, limits: Limits | None = None, ask: Ask | None = None) -> Flight:
+async def admit(record: UsageRecord, limits: Limits | None = None, ask: Ask | None = None,
+                written: asyncio.Future | None = None) -> Flight:
     """Reserve the request against its quota (when it has one) and journal it, in one step.
-    Raises Refused when a limit would be passed.
+    Raises Refused when a limit would be passed. `written`, if given, is resolved as soon as
+    the step is on its way to Redis (see redis_clients.once_written), before Redis answers.
 
     Without a quota, a journal that cannot be written does not stop the request: its usage
     is still recorded when it ends. With one, the reservation cannot be made: it raises."""
     flight = Flight(record=record)
     try:
-        await ledger().admit(flight, limits, ask, timezone.now())
+        await ledger().admit(flight, limits, ask, timezone.now(), written)
     except Refused:
         raise
     except Exception:

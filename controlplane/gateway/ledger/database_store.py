@@ -42,7 +42,9 @@ log = logging.getLogger(__name__)
 class DatabaseLedger:
     # -- admit -----------------------------------------------------------------------------
 
-    async def admit(self, flight: Flight, limits: Limits | None, ask: Ask | None, now: dt.datetime) -> None:
+    async def admit(self, flight: Flight, limits: Limits | None, ask: Ask | None, now: dt.datetime,
+                    written=None) -> None:
+        """As admit_sync (`written` is not used: a caller waiting on it waits for the commit)."""
         await sync_to_async(self.admit_sync)(flight, limits, ask, now)
 
     def admit_sync(self, flight: Flight, limits: Limits | None, ask: Ask | None, now: dt.datetime) -> None:

@@ -275,16 +275,19 @@ class RedisLedger:
 
     # -- admit -----------------------------------------------------------------------------
 
-    async def admit(self, flight: Flight, limits: Limits | None, ask: Ask | None, now: dt.datetime) -> None:
+    async def admit(self, flight: Flight, limits: Limits | None, ask: Ask | None, now: dt.datetime,
+                    written: asyncio.Future | None = None) -> None:
         """Reserve `ask` against `limits` (none: no quota) and open the flight's journal entry,
-        in one step: both or neither. Raises Refused, leaving nothing behind."""
+        in one step: both or neither. Raises Refused, leaving nothing behind. `written` is
+        resolved once the step is on its way to Redis, before Redis answers."""
         record = flight.record
         if limits is not None:
             record.reservation = Reservation(record.tenant_id, period_window(limits.period, now), ask,
                                              record.request_id)
         try:
-            await self._run(record.tenant_id, limits, ask, now, journal=(
-                record.request_id, orjson.dumps(entry(record)), _beat(flight, time.time())))
+            with once_written(written, "EVALSHA", "EVAL"):
+                await self._run(record.tenant_id, limits, ask, now, journal=(
+                    record.request_id, orjson.dumps(entry(record)), _beat(flight, time.time())))
         except Refused:
             record.reservation = None
             raise

@@ -1,0 +1,287 @@
+"""A request's admission runs beside its trip to the engine, not before it: the engine is sent
+the request as soon as the script that admits and journals it is on its way to Redis, and the
+client is answered only once Redis has admitted it. Refused meanwhile, the exchange with the
+engine is abandoned and the client gets the 429 it would have got; the tenant's next requests
+wait for their admission until one passes. Whatever happens, the request is finished in the
+ledger only after its admission: nothing is left reserved or journaled."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+
+import httpx
+import pytest
+import redis
+from asgiref.sync import async_to_sync, sync_to_async
+from django.conf import settings as django_settings
+from django.utils import timezone
+
+from controlplane.asgi import application
+from controlplane.fleet.models import EngineInstance, Node
+from controlplane.gateway import handlers, ledger
+from controlplane.gateway.ledger import Ask, Limits, Refused
+from controlplane.gateway.ledger.redis_store import _ADMIT, _sha
+from controlplane.metering.models import UsageEvent
+from controlplane.metering.outbox import usage_ingest
+from controlplane.tenants.models import Quota
+from tests.conftest import skip_without_redis
+from tests.engines import read_request
+from tests.redis_relay import HOLD_S, HeldReplies
+
+pytestmark = pytest.mark.django_db
+
+ANSWER = {"id": "chatcmpl-1", "object": "chat.completion", "created": 0, "model": "text",
+          "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}],
+          "usage": {"prompt_tokens": 12, "completion_tokens": 1, "total_tokens": 13}}
+QUOTA = 10_000  # total tokens a day
+
+
+class Engine:
+    """An engine that notes each request as it arrives and answers it only when told, or notes
+    that the gateway closed the exchange first."""
+
+    def __init__(self):
+        self.arrived, self.abandoned, self.go = asyncio.Event(), asyncio.Event(), asyncio.Event()
+        self.requests = 0
+        self.server = None
+
+    async def start(self, tier) -> None:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        port = self.server.sockets[0].getsockname()[1]
+
+        def register():
+            node = Node.objects.create(name="local", address="127.0.0.1", queue="node.local",
+                                       last_seen_at=timezone.now())
+            EngineInstance.objects.create(tier=tier, node=node, port=port, actual_state="running", healthy=True,
+                                          last_health_at=timezone.now())
+
+        await sync_to_async(register)()
+
+    async def _serve(self, reader, writer) -> None:
+        await read_request(reader)
+        self.requests += 1
+        self.arrived.set()
+        told, closed = asyncio.ensure_future(self.go.wait()), asyncio.ensure_future(reader.read(1))
+        await asyncio.wait({told, closed}, return_when=asyncio.FIRST_COMPLETED)
+        if closed.done() and closed.result() == b"":
+            self.abandoned.set()
+        else:
+            body = json.dumps(ANSWER).encode()
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
+                         + str(len(body)).encode() + b"\r\n\r\n" + body)
+            await writer.drain()
+        told.cancel()
+        closed.cancel()
+        writer.close()
+
+    def stop(self) -> None:
+        self.go.set()
+        self.server.close()
+
+
+@pytest.fixture
+def held(settings):
+    """The gateway's ledger in Redis, behind a relay that holds Redis's replies to admissions."""
+    skip_without_redis()
+    prefix = f"beside-{uuid.uuid4().hex}"
+    relay = HeldReplies(django_settings.REDIS_URL, _sha(_ADMIT).encode())
+    settings.USAGE_OUTBOX = "redis"
+    settings.CACHES = {"default": {**settings.CACHES["default"], "KEY_PREFIX": prefix}}
+    real_redis = settings.REDIS_URL
+    settings.REDIS_URL = relay.url
+    settings.REDIS_TIMEOUT_S = 2 * HOLD_S
+    yield relay
+    relay.close()
+    client = redis.Redis.from_url(real_redis)
+    for key in client.scan_iter(f"{prefix}:*"):
+        client.delete(key)
+
+
+REQUEST = {"model": "text", "max_tokens": 50, "messages": [{"role": "user", "content": "hello there"}]}
+
+
+def _ask(key: str) -> asyncio.Task:
+    """A text request through the production ASGI application, under way."""
+    async def ask():
+        transport = httpx.ASGITransport(app=application)
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1", timeout=60) as client:
+            return await client.post("/v1/chat/completions", headers={"Authorization": f"Bearer {key}"},
+                                     json=REQUEST)
+
+    return asyncio.ensure_future(ask())
+
+
+def _ask_then_leave(key: str, leaving: asyncio.Event) -> asyncio.Task:
+    """A text request through the production ASGI application whose client disconnects once
+    `leaving` is set (as the server says so: an http.disconnect)."""
+    body = json.dumps(REQUEST).encode()
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions", "query_string": b"",
+             "root_path": "", "client": ("127.0.0.1", 40000), "server": ("127.0.0.1", 80),
+             "headers": [(b"host", b"127.0.0.1"), (b"authorization", f"Bearer {key}".encode()),
+                         (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]}
+    messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def receive():
+        if messages:
+            return messages.pop()
+        await leaving.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        pass
+
+    return asyncio.ensure_future(application(scope, receive, send))
+
+
+async def _settled() -> None:
+    """Every hand-over of this process done."""
+    while handlers._background:
+        await asyncio.wait_for(asyncio.gather(*list(handlers._background), return_exceptions=True), 30)
+
+
+def _stored() -> list[UsageEvent]:
+    while usage_ingest():
+        pass
+    return list(UsageEvent.objects.order_by("created_at"))
+
+
+def _room(world, quota: int = QUOTA) -> int:
+    """Total tokens alice has left today of her `quota` (probed with reservations, as the
+    gateway reserves)."""
+    limits, low, high = Limits(period="day", total_tokens=quota), 0, quota
+
+    async def fits(tokens: int) -> bool:
+        store = ledger.ledger()
+        try:
+            reservation = await store.reserve(world.alice.pk, limits, Ask(0, tokens, False), timezone.now())
+        except Refused:
+            return False
+        await store.settle(reservation, image_tokens=0, total_tokens=0)
+        return True
+
+    while low < high:
+        middle = (low + high + 1) // 2
+        low, high = (middle, high) if async_to_sync(fits)(middle) else (low, middle - 1)
+    return low
+
+
+def _journaled(settings) -> dict:
+    return redis.Redis.from_url(settings.REDIS_URL).hgetall(f"{settings.CACHES['default']['KEY_PREFIX']}:inflight")
+
+
+def test_the_engine_is_sent_a_request_while_its_admission_is_on_its_way_and_answered_once_admitted(
+        world, held, settings):
+    Quota.objects.create(tenant=world.alice, period="day", total_tokens=QUOTA)
+    engine = Engine()
+
+    async def scenario():
+        await engine.start(world.text)
+        asking = _ask(world.alice_key)
+        try:
+            # Redis's reply to the admission is held: the engine has the request all the same.
+            await asyncio.wait_for(engine.arrived.wait(), HOLD_S / 2)
+        except TimeoutError:
+            pytest.fail("the engine was sent nothing before Redis answered the admission")
+        engine.go.set()  # it answers at once...
+        await asyncio.wait({asking}, timeout=0.5)
+        answered_before_admitted = asking.done()  # ...which waits for the admission
+        held.release()
+        answer = await asyncio.wait_for(asking, 30)
+        await _settled()
+        engine.stop()
+        return answered_before_admitted, answer
+
+    answered_before_admitted, answer = async_to_sync(scenario)()
+    assert not answered_before_admitted, "the engine's answer was relayed before Redis admitted the request"
+    assert answer.status_code == 200, answer.text
+    [event] = _stored()
+    assert (event.request_id, event.status, event.output_tokens) == (answer.headers["x-request-id"], "ok", 1)
+    assert _journaled(settings) == {}
+    assert _room(world) == QUOTA - (event.text_tokens + event.output_tokens)  # settled to what was used
+
+
+def test_a_request_refused_while_its_engine_has_it_is_a_429_and_the_exchange_is_abandoned(world, held, settings):
+    Quota.objects.create(tenant=world.alice, period="day", total_tokens=10)  # no room for anything
+
+    async def scenario():
+        engine = Engine()
+        await engine.start(world.text)
+        first = _ask(world.alice_key)
+        await asyncio.wait_for(engine.arrived.wait(), HOLD_S / 2)  # beside: the admission has not answered
+        held.release()
+        refused = await asyncio.wait_for(first, 30)
+        await asyncio.wait_for(engine.abandoned.wait(), 10)
+        # Refused here once: the tenant's next request waits for its admission.
+        second = await asyncio.wait_for(_ask(world.alice_key), 30)
+        await _settled()
+        engine.stop()
+        return refused, second, engine.requests
+
+    refused, second, sent = async_to_sync(scenario)()
+    assert refused.status_code == 429, refused.text
+    assert refused.json()["error"]["code"] == "insufficient_quota"
+    assert "Retry-After" in refused.headers
+    assert second.status_code == 429
+    assert sent == 1, "the engine was sent the tenant's request after its previous one was refused"
+    events = _stored()
+    assert [(e.status, e.http_status, e.cost, e.image_tokens, e.text_tokens) for e in events] == \
+        [("error", 429, 0, 0, 0)] * 2
+    assert _journaled(settings) == {}
+    assert _room(world, 10) == 10  # nothing reserved, nothing used
+
+
+def test_a_client_leaving_while_its_admission_is_beside_the_engine_is_recorded_once_admitted(
+        world, held, settings):
+    Quota.objects.create(tenant=world.alice, period="day", total_tokens=QUOTA)
+    engine = Engine()
+
+    async def scenario():
+        await engine.start(world.text)
+        leaving = asyncio.Event()
+        asking = _ask_then_leave(world.alice_key, leaving)
+        await asyncio.wait_for(engine.arrived.wait(), HOLD_S / 2)
+        leaving.set()  # the client leaves while Redis's reply to its admission is held
+        await asyncio.wait_for(engine.abandoned.wait(), 10)
+        held.release()
+        await asyncio.gather(asking, return_exceptions=True)
+        await _settled()
+        engine.stop()
+
+    async_to_sync(scenario)()
+    [event] = _stored()
+    assert (event.status, event.http_status) == ("aborted", 499)
+    # Finished after it was admitted: its journal entry gone, its reservation settled to what is
+    # billed (the engine was sent the prompt), not left holding the max_tokens ceiling.
+    assert _journaled(settings) == {}
+    billed = event.text_tokens + event.output_tokens if event.cost else 0
+    assert _room(world) == QUOTA - billed
+
+
+def test_a_quota_store_that_does_not_answer_is_a_503_and_the_next_request_waits_for_its_admission(
+        world, held, settings):
+    settings.REDIS_TIMEOUT_S = 1  # the held reply is lost
+    Quota.objects.create(tenant=world.alice, period="day", total_tokens=QUOTA)
+
+    async def scenario():
+        engine = Engine()
+        await engine.start(world.text)
+        first = await asyncio.wait_for(_ask(world.alice_key), 30)
+        await asyncio.wait_for(engine.abandoned.wait(), 10)  # sent beside, then abandoned
+        second = await asyncio.wait_for(_ask(world.alice_key), 30)
+        held.release()
+        await _settled()
+        engine.stop()
+        return first, second, engine.requests
+
+    first, second, sent = async_to_sync(scenario)()
+    assert (first.status_code, second.status_code) == (503, 503)
+    assert first.json()["error"]["code"] == "quota_unavailable" and first.headers["Retry-After"]
+    assert sent == 1, "the engine was sent a request while the quota's store did not answer"
+    events = _stored()
+    assert [(e.status, e.http_status, e.cost) for e in events] == [("error", 503, 0)] * 2
+    # Redis made both admissions, only their replies were lost: their 503s settled them.
+    assert _journaled(settings) == {}
+    assert _room(world) == QUOTA
