@@ -1,23 +1,24 @@
 """The floor under the gateway's text path: a proxy that makes only the hops the gateway
 makes, with the gateway's own server and clients, and does nothing else.
 
-    python -m bench.bare_proxy PORT UPSTREAM_URL [REDIS_URL [--awaited]]  (the gateway's settings)
+    python -m bench.bare_proxy PORT UPSTREAM_URL [REDIS_URL [--admission-awaited]]  (the gateway's settings)
 
 It is served as the gateway is (controlplane.serving: uvicorn with its header-timeout
 protocol, one worker, a plain ASGI app) and forwards each POST's body to UPSTREAM_URL's
 /v1/chat/completions with the gateway's engine client (controlplane.gateway.upstream: its
 pooled aiohttp session, timeouts and buffers). With REDIS_URL it also makes the gateway's two
-round trips to Redis, as the gateway makes them: one before forwarding, awaited (the gateway
-admits and journals the request), and one after the engine's answer, written before the answer
-leaves and its reply awaited after (the gateway hands the usage over), each an EVALSHA of a
-script that touches one key, through the gateway's Redis client (controlplane.redis_clients:
-its bounded pool and timeouts): what those round trips cost whatever the scripts do. No
-authentication, no checks, no counting, no usage.
+round trips to Redis, as the gateway makes them: one written before forwarding, its reply
+awaited beside the engine's work and before the answer is relayed (the gateway admits and
+journals the request), and one after the engine's answer, written before the answer leaves and
+its reply awaited after (the gateway hands the usage over), each an EVALSHA of a script that
+touches one key, through the gateway's Redis client (controlplane.redis_clients: its bounded
+pool and timeouts): what those round trips cost whatever the scripts do. No authentication, no
+checks, no counting, no usage.
 
 Without REDIS_URL it is a bare pass-through proxy; with it, the gateway's design with none of
 its work: the gateway's added time less this one's is what the gateway's own work costs. With
---awaited, the second round trip's reply is awaited before the answer leaves too, as the
-gateway did before: what writing the hand-over before answering saves.
+--admission-awaited, the first round trip's reply is awaited before forwarding, as the gateway
+did before its admissions ran beside the engine: what that saves.
 """
 
 from __future__ import annotations
@@ -35,9 +36,9 @@ _SCRIPT = "return redis.call('INCR', KEYS[1])"
 
 
 class BareProxy:
-    def __init__(self, upstream: str, redis_url: str | None, *, awaited: bool = False):
+    def __init__(self, upstream: str, redis_url: str | None, *, admission_awaited: bool = False):
         self.url = upstream.rstrip("/") + "/v1/chat/completions"
-        self.redis_url, self.awaited = redis_url, awaited
+        self.redis_url, self.admission_awaited = redis_url, admission_awaited
         self.sha = None
 
     async def _round_trip(self, written: asyncio.Future | None = None) -> None:
@@ -60,15 +61,21 @@ class BareProxy:
             await send({"type": "http.response.start", "status": 200, "headers": []})
             await send({"type": "http.response.body", "body": b""})
             return
-        await self._round_trip()
-        answer = await upstream.engine_post(self.url, content=b"".join(chunks),
-                                            headers={"content-type": "application/json"})
+        loop = asyncio.get_running_loop()
+        admitted = loop.create_future()
+        admitting = asyncio.ensure_future(self._round_trip(None if self.admission_awaited else admitted))
+        await until_written(admitting, admitted)
+        sending = upstream.engine_post(self.url, content=b"".join(chunks), headers={"content-type": "application/json"})
+        if not admitting.done():  # as the gateway: the answer is taken once the admission has its reply
+            sending = asyncio.ensure_future(sending)
+            await admitting
+        answer = await sending
         try:
             status, body = answer.status_code, await answer.read()
         finally:
             await answer.aclose()
-        written = asyncio.get_running_loop().create_future()
-        handing = asyncio.ensure_future(self._round_trip(None if self.awaited else written))
+        written = loop.create_future()
+        handing = asyncio.ensure_future(self._round_trip(written))
         await until_written(handing, written)
         await send({"type": "http.response.start", "status": status,
                     "headers": [(b"content-type", b"application/json"),
@@ -82,5 +89,6 @@ if __name__ == "__main__":
     from controlplane.serving import serve
 
     port, upstream_url = int(sys.argv[1]), sys.argv[2]
-    serve(BareProxy(upstream_url, sys.argv[3] if len(sys.argv) > 3 else None, awaited="--awaited" in sys.argv),
+    serve(BareProxy(upstream_url, sys.argv[3] if len(sys.argv) > 3 else None,
+                    admission_awaited="--admission-awaited" in sys.argv),
           host="127.0.0.1", port=port, log_level="warning")

@@ -9,9 +9,11 @@ usage stream), a tenant with a quota, a text tier and a vision tier (1,003,520-p
 whose engine is the fake upstream registered as an external engine. LiteLLM runs its proxy
 with one worker and no database, pointed at the same upstream. On text two more proxies
 stand beside them (bench/bare_proxy.py, served and connecting as the gateway does): a bare
-pass-through, and the floor (the same with the gateway's two Redis round trips), run right
-after the gateway in each round, so that what the gateway's own work adds is each round's
-gateway figure less the floor's. For text, a 1 MP
+pass-through, and the floor (the same with the gateway's two Redis round trips, made as the
+gateway makes them), run right after the gateway in each round, so that what the gateway's own
+work adds is each round's gateway figure less the floor's; a third, the floor with its
+admission's reply awaited before forwarding, shows what running the admission beside the
+engine's work saves. For text, a 1 MP
 JPEG and a 12 MP JPEG (base64 data URLs), at concurrency 1 and 32, it reports the added p50
 and p99 latency over the direct call and requests per second; it also times the image
 library's normalise alone on each image, and the size of the body each proxy forwarded. For the
@@ -282,7 +284,8 @@ def main() -> None:
         untuned_port = gateway.start_untuned()
         litellm, litellm_port, litellm_key = start_litellm(upstream_port)
         bare_port, floor_port, awaited_port = free_port(), free_port(), free_port()
-        for port, redis_url in ((bare_port, ()), (floor_port, (REDIS,)), (awaited_port, (REDIS, "--awaited"))):
+        for port, redis_url in ((bare_port, ()), (floor_port, (REDIS,)),
+                                (awaited_port, (REDIS, "--admission-awaited"))):
             floors.append(subprocess.Popen([sys.executable, "-m", "bench.bare_proxy", str(port),
                                             f"http://127.0.0.1:{upstream_port}", *redis_url], cwd=ROOT))
             wait_http(f"http://127.0.0.1:{port}/health")
@@ -293,8 +296,8 @@ def main() -> None:
             # The floor and the bare proxy right after the gateway: the machine drifts by more
             # than they differ over minutes, and each round's differences are taken.
             "floor": (f"http://127.0.0.1:{floor_port}/v1/chat/completions", "fake"),
-            # The floor as the gateway was before it answered once the hand-over was written,
-            # right after the floor, the two taken round by round.
+            # The floor as the gateway was before its admission ran beside the engine, right
+            # after the floor, the two taken round by round.
             "awaited": (f"http://127.0.0.1:{awaited_port}/v1/chat/completions", "fake"),
             "bare": (f"http://127.0.0.1:{bare_port}/v1/chat/completions", "fake"),
             "litellm": (f"http://127.0.0.1:{litellm_port}/v1/chat/completions", litellm_key),
@@ -348,8 +351,8 @@ def main() -> None:
                               for name in added))
             print(f"text, concurrency {concurrency}, within each round: the gateway's own work (gateway less "
                   f"floor) {_each_round(added['gateway'], added['floor'])}, the two Redis round trips (floor "
-                  f"less bare) {_each_round(added['floor'], added['bare'])}, the hand-over's reply awaited "
-                  f"before answering (awaited less floor) {_each_round(added['awaited'], added['floor'])}")
+                  f"less bare) {_each_round(added['floor'], added['bare'])}, the admission's reply awaited "
+                  f"before forwarding (awaited less floor) {_each_round(added['awaited'], added['floor'])}")
         if profile.available():
             # Where the gateway's CPU goes on text at concurrency 32, sampled while loaded.
             sampling = profile.record(gateway.process.pid, seconds=8)
