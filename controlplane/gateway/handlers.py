@@ -565,31 +565,64 @@ async def _refused_image(record: UsageRecord, started: float, response: Response
 async def _once_passed(sending, prepared: Prepared, admission: _Admission):
     """The engine's answer to `sending`, once what ran beside the engine's work has passed: the
     checks of images sent as they came, and the request's admission (each takes milliseconds
-    at most, where the engine takes tens of them at least). Nothing is answered before, and
-    whatever happens at the engine is looked at only after. One that fails abandons the
-    exchange (the engine drops a request whose connection closes) and raises its error as it
-    would have been raised had it been awaited first: an image's 400 (GatewayError), else the
-    admission's 429 or 503 (_NotAdmitted)."""
+    at most, where the engine takes tens of them at least). Nothing is answered before. One
+    that fails abandons the exchange (the engine drops a request whose connection closes) and
+    raises its error as it would have been raised had it been awaited first: an image's 400
+    (GatewayError), else the admission's 429 or 503 (_NotAdmitted)."""
     checking = prepared.checking
-    if admission.answer.done() and (checking is None or checking.done()):
-        failed = await _broken_image(prepared) or await admission.failure()
-        if failed is not None:
-            sending.close()  # never started
+    if checking is not None and not checking.done():  # an image sent as it came, its check running
+        answer = asyncio.ensure_future(sending)
+        try:
+            broken = await _broken_image(prepared)
+            failed = await admission.failure()  # awaited either way: nothing is recorded before it
+            if broken or failed:
+                raise broken or failed
+        except BaseException:
+            answer.cancel()
+            response = await asyncio.gather(answer, return_exceptions=True)
+            if response and not isinstance(response[0], BaseException):
+                await response[0].aclose()
+            raise
+        return await answer
+    if (broken := await _broken_image(prepared)) is not None:
+        sending.close()  # never started
+        await admission.failure()  # nothing is recorded before it has its answer
+        raise broken
+    if admission.answer.done():
+        if (failed := await admission.failure()) is not None:
+            sending.close()
             raise failed
         return await sending
-    answer = asyncio.ensure_future(sending)
+    response = await _unless_not_admitted(sending, admission)
+    if (failed := await admission.failure()) is not None:  # the engine's headers came first
+        await response.aclose()
+        raise failed
+    return response
+
+
+async def _unless_not_admitted(sending, admission: _Admission):
+    """`sending`'s result, or the admission's failure (_NotAdmitted) as soon as it has one, the
+    exchange abandoned: the admission's answer cancels the wait, rather than the engine's
+    answer being waited for in a task of its own (a task a request costs more CPU than the rest
+    of this)."""
+    task, waiting, refused = asyncio.current_task(), [True], []
+
+    def answered(done: asyncio.Future) -> None:
+        # Run soon after the answer, perhaps after the wait ended: then it must not cancel.
+        if waiting[0] and not done.cancelled() and done.exception() is not None:
+            refused.append(True)
+            task.cancel()
+
+    admission.answer.add_done_callback(answered)
     try:
-        broken = await _broken_image(prepared)
-        failed = await admission.failure()  # awaited either way: nothing is recorded before it
-        if broken or failed:
-            raise broken or failed
-    except BaseException:
-        answer.cancel()
-        response = await asyncio.gather(answer, return_exceptions=True)
-        if response and not isinstance(response[0], BaseException):
-            await response[0].aclose()
+        return await sending
+    except asyncio.CancelledError:
+        if refused and task.uncancel() == 0:  # only the admission cancelled it, not the client leaving
+            raise await admission.failure() from None
         raise
-    return await answer
+    finally:
+        waiting[0] = False
+        admission.answer.remove_done_callback(answered)
 
 
 async def _engine_failed(record: UsageRecord, started: float) -> Response:

@@ -203,17 +203,22 @@ def test_the_engine_is_sent_a_request_while_its_admission_is_on_its_way_and_answ
     assert _room(world) == QUOTA - (event.text_tokens + event.output_tokens)  # settled to what was used
 
 
-def test_a_request_refused_while_its_engine_has_it_is_a_429_and_the_exchange_is_abandoned(world, held, settings):
+@pytest.mark.parametrize("engine_answers", ["after the refusal", "before the refusal"])
+def test_a_request_refused_while_its_engine_has_it_is_a_429_and_the_exchange_is_abandoned(
+        world, held, settings, engine_answers):
     Quota.objects.create(tenant=world.alice, period="day", total_tokens=10)  # no room for anything
 
     async def scenario():
         engine = Engine()
         await engine.start(world.text)
+        if engine_answers == "before the refusal":
+            engine.go.set()
         first = _ask(world.alice_key)
         await asyncio.wait_for(engine.arrived.wait(), HOLD_S / 2)  # beside: the admission has not answered
         held.release()
         refused = await asyncio.wait_for(first, 30)
-        await asyncio.wait_for(engine.abandoned.wait(), 10)
+        if engine_answers == "after the refusal":
+            await asyncio.wait_for(engine.abandoned.wait(), 10)
         # Refused here once: the tenant's next request waits for its admission.
         second = await asyncio.wait_for(_ask(world.alice_key), 30)
         await _settled()
