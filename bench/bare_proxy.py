@@ -65,9 +65,11 @@ class BareProxy:
         admitted = loop.create_future()
         admitting = asyncio.ensure_future(self._round_trip(None if self.admission_awaited else admitted))
         await until_written(admitting, admitted)
-        answer = await upstream.engine_post(self.url, content=b"".join(chunks),
-                                            headers={"content-type": "application/json"})
-        await admitting  # as the gateway: the answer is taken once the admission has its reply
+        try:
+            answer = await upstream.engine_post(self.url, content=b"".join(chunks),
+                                                headers={"content-type": "application/json"})
+        finally:
+            await admitting  # as the gateway: the answer is taken once the admission has its reply
         try:
             status, body = answer.status_code, await answer.read()
         finally:

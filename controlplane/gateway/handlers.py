@@ -253,8 +253,16 @@ class _Beside:
     pass, as the engine's work on a request refused is thrown away: not for a tenant whose
     last admission in this process was refused (until one passes again), not while the store
     has not answered this process's last admission (each would wait out its timeout and get a
-    503), and not for a large image waiting for its turn (its engine is chosen after the wait).
-    The database's ledger answers once its transaction commits: its admissions are awaited."""
+    503), and not for a large image (the limit on those at once is the one meant to be met,
+    their prefill the costliest to throw away, and one waiting for its turn has no engine
+    yet). A burst beyond a limit still reaches the engine up to the first refusal, each
+    abandoned within a round trip to Redis. The database's ledger answers once its
+    transaction commits: its admissions are awaited.
+
+    One window is left: a request whose admission does not journal it at its first script (the
+    period's counters to start, or Redis lost its scripts: a second script follows, tens of
+    milliseconds later at most) is with the engine meanwhile, and were the gateway to die
+    then, the engine's work on it would be billed to nobody (its client got nothing)."""
 
     def __init__(self):
         self.refused: set[int] = set()  # tenants
@@ -332,7 +340,7 @@ async def _admit(request_id: str, key: state.KeyInfo, tier: TierSpec, prepared: 
                                f"per minute; retry after {retry}s", code="rate_limit_exceeded",
                                headers={"Retry-After": str(retry)})
     written = asyncio.get_running_loop().create_future() \
-        if engine is not None and _beside.likely(key.tenant_id) else None
+        if engine is not None and not (ask is not None and ask.large) and _beside.likely(key.tenant_id) else None
     answer = asyncio.ensure_future(_admission(record, key, ask, key_counted_at, written))
     answer.add_done_callback(lambda done: done.cancelled() or done.exception())  # whoever looks, or none
     try:
@@ -346,7 +354,9 @@ async def _admit(request_id: str, key: state.KeyInfo, tier: TierSpec, prepared: 
         raise
     if answer.done():
         answer.result()  # its refusal, before anything is sent
-    return _Admission(record, answer)
+        return _Admission(record, answer)
+    record.admission = _Admission(record, answer)
+    return record.admission
 
 
 async def _admission(record: UsageRecord, key: state.KeyInfo, ask: Ask | None, key_counted_at,
@@ -365,7 +375,10 @@ async def _admission(record: UsageRecord, key: state.KeyInfo, ask: Ask | None, k
         _beside.store_silent = True
         log.exception("could not admit %s against its quota", record.request_id)
         raise _quota_unavailable() from None
-    _beside.answered(key.tenant_id, admitted=True)
+    if flight.answered:
+        _beside.answered(key.tenant_id, admitted=True)
+    else:  # a request without a quota goes on without its journal: not an answer
+        _beside.store_silent = True
     return flight
 
 
@@ -441,12 +454,12 @@ async def _forward(request_id: str, key: state.KeyInfo, tier: TierSpec, prepared
     except asyncio.CancelledError:
         if not record.recorded:  # gone while waiting for a slot: release the quota it reserved
             record.status, record.http_status = "aborted", 499
-            await _record(record, started, admission)
+            await _record(record, started)
         raise
     except Exception:
         if not record.recorded:  # whatever failed, the reservation is settled and the request metered
             record.status, record.http_status = "error", 500
-            await _record(record, started, admission)
+            await _record(record, started)
         raise
     finally:
         if slot is not None and not slot.handed_over:
@@ -526,7 +539,7 @@ async def _attempts(request_id, tier, prepared, admission, candidates, payload, 
         except asyncio.CancelledError:
             # The client went away before the engine answered: the engine still did work.
             record.status, record.http_status = "aborted", 499
-            await _record(record, started, admission)
+            await _record(record, started)
             raise
         finally:
             if not handed_over:
@@ -593,8 +606,20 @@ async def _once_passed(sending, prepared: Prepared, admission: _Admission):
             sending.close()
             raise failed
         return await sending
-    response = await _unless_not_admitted(sending, admission)
-    if (failed := await admission.failure()) is not None:  # the engine's headers came first
+    try:
+        response = await _unless_not_admitted(sending, admission)
+    except Exception:
+        # The engine failed first (unreachable, or broken): what that means waits for the
+        # admission, which a refusal takes precedence over.
+        if (failed := await admission.failure()) is not None:
+            raise failed from None
+        raise
+    try:
+        failed = await admission.failure()  # the engine's headers came first
+    except BaseException:  # the client left, or the engine's watch failed it over, meanwhile
+        await response.aclose()
+        raise
+    if failed is not None:
         await response.aclose()
         raise failed
     return response
@@ -873,11 +898,10 @@ def _in_background(coroutine) -> asyncio.Task:
     return task
 
 
-async def _record(record: UsageRecord, started: float, admission: _Admission | None = None) -> None:
-    """Hand the request's usage over. `admission`: its admission, perhaps not yet answered (the
-    client left while it ran beside the engine), which the hand-over waits for: a request is
-    never finished in the ledger before it was admitted there; not admitted, it is recorded as
-    its refusal."""
+async def _record(record: UsageRecord, started: float) -> None:
+    """Hand the request's usage over. One whose admission ran beside the engine is handed over
+    once its admission has its answer (its finish must never reach the ledger before its
+    admission does); not admitted, a request its client left is recorded as its refusal."""
     if record.recorded:
         return
     record.recorded = True
@@ -889,12 +913,12 @@ async def _record(record: UsageRecord, started: float, admission: _Admission | N
     # cannot be reached) is waited for to its end. The hand-over runs in a task of its own, which
     # a client leaving (cancelling this one) cannot interrupt halfway.
     written = asyncio.get_running_loop().create_future()
-    await until_written(_in_background(_hand_over(record, written, admission)), written)
+    await until_written(_in_background(_hand_over(record, written)), written)
 
 
-async def _hand_over(record: UsageRecord, written: asyncio.Future | None = None,
-                     admission: _Admission | None = None) -> None:
-    if admission is not None and (failed := await admission.failure()) is not None:
+async def _hand_over(record: UsageRecord, written: asyncio.Future | None = None) -> None:
+    if record.admission is not None and (failed := await record.admission.failure()) is not None \
+            and record.status == "aborted":
         latency_ms, record = record.latency_ms, _refusal_of(record, failed.status)
         record.latency_ms, record.recorded = latency_ms, True
     counters.count(tier=_tier_names.get(record.tier_id, str(record.tier_id)), status=record.status,

@@ -65,6 +65,9 @@ class UsageRecord:
     # The checks of its images sent as they came (gateway only): its image lines get their
     # fingerprints from them, whether or not they had finished when it was admitted.
     checking: object = None
+    # Its admission, when that ran beside the engine's work (gateway only): the record is
+    # handed over once the admission has its answer.
+    admission: object = None
     recorded: bool = False  # set once the gateway has handed the record over
 
 

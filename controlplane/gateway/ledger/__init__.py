@@ -93,6 +93,7 @@ async def admit(record: UsageRecord, limits: Limits | None = None, ask: Ask | No
             if flight.journaled:  # made or not, its store cannot say: settled as it was, when it ends
                 _keep(_unsure, record.request_id, flight)
             raise
+        flight.answered = False
         log.exception("could not journal %s; it is metered when it ends", record.request_id)
     _live[record.request_id] = flight
     _ensure_heartbeat()

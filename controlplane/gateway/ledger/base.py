@@ -74,6 +74,9 @@ class Flight:
 
     record: UsageRecord
     journaled: bool = False
+    # Whether its store answered its admission (without a quota, one that did not answer does
+    # not stop the request).
+    answered: bool = True
     produced: int = 0  # output tokens streamed so far
     beaten: int = 0  # of which the journal knows
 

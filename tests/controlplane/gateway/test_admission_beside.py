@@ -39,15 +39,19 @@ QUOTA = 10_000  # total tokens a day
 
 
 class Engine:
-    """An engine that notes each request as it arrives and answers it only when told, or notes
-    that the gateway closed the exchange first."""
+    """An engine that notes each request as it arrives, then, by `mode`: answers it once told
+    to ("answers"), starts streaming once told to and holds the stream open ("streams"), or
+    closes the connection without an answer ("breaks"); and notes when the gateway closes the
+    exchange first."""
 
-    def __init__(self):
+    def __init__(self, mode: str = "answers"):
+        self.mode = mode
         self.arrived, self.abandoned, self.go = asyncio.Event(), asyncio.Event(), asyncio.Event()
+        self.streaming = asyncio.Event()  # a stream's headers and first chunk are sent
         self.requests = 0
         self.server = None
 
-    async def start(self, tier) -> None:
+    async def start(self, tier, *, pool: str = "default") -> None:
         self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
         port = self.server.sockets[0].getsockname()[1]
 
@@ -55,7 +59,7 @@ class Engine:
             node = Node.objects.create(name="local", address="127.0.0.1", queue="node.local",
                                        last_seen_at=timezone.now())
             EngineInstance.objects.create(tier=tier, node=node, port=port, actual_state="running", healthy=True,
-                                          last_health_at=timezone.now())
+                                          last_health_at=timezone.now(), pool=pool)
 
         await sync_to_async(register)()
 
@@ -63,10 +67,21 @@ class Engine:
         await read_request(reader)
         self.requests += 1
         self.arrived.set()
+        if self.mode == "breaks":
+            writer.close()
+            return
         told, closed = asyncio.ensure_future(self.go.wait()), asyncio.ensure_future(reader.read(1))
         await asyncio.wait({told, closed}, return_when=asyncio.FIRST_COMPLETED)
         if closed.done() and closed.result() == b"":
             self.abandoned.set()
+        elif self.mode == "streams":
+            chunk = b'data: {"id":"c","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":"hi"}}]}\n\n'
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+                         + hex(len(chunk))[2:].encode() + b"\r\n" + chunk + b"\r\n")
+            await writer.drain()
+            self.streaming.set()
+            if await closed == b"":  # held open until the gateway closes it
+                self.abandoned.set()
         else:
             body = json.dumps(ANSWER).encode()
             writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
@@ -102,21 +117,21 @@ def held(settings):
 REQUEST = {"model": "text", "max_tokens": 50, "messages": [{"role": "user", "content": "hello there"}]}
 
 
-def _ask(key: str) -> asyncio.Task:
-    """A text request through the production ASGI application, under way."""
+def _ask(key: str, request: dict = REQUEST) -> asyncio.Task:
+    """A request (text, by default) through the production ASGI application, under way."""
     async def ask():
         transport = httpx.ASGITransport(app=application)
         async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1", timeout=60) as client:
             return await client.post("/v1/chat/completions", headers={"Authorization": f"Bearer {key}"},
-                                     json=REQUEST)
+                                     json=request)
 
     return asyncio.ensure_future(ask())
 
 
-def _ask_then_leave(key: str, leaving: asyncio.Event) -> asyncio.Task:
-    """A text request through the production ASGI application whose client disconnects once
+def _ask_then_leave(key: str, leaving: asyncio.Event, request: dict = REQUEST) -> asyncio.Task:
+    """A request through the production ASGI application whose client disconnects once
     `leaving` is set (as the server says so: an http.disconnect)."""
-    body = json.dumps(REQUEST).encode()
+    body = json.dumps(request).encode()
     scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
              "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions", "query_string": b"",
              "root_path": "", "client": ("127.0.0.1", 40000), "server": ("127.0.0.1", 80),
@@ -134,6 +149,14 @@ def _ask_then_leave(key: str, leaving: asyncio.Event) -> asyncio.Task:
         pass
 
     return asyncio.ensure_future(application(scope, receive, send))
+
+
+async def _sent(engine: Engine) -> None:
+    """Once the engine has the request (the admission's reply held meanwhile)."""
+    try:
+        await asyncio.wait_for(engine.arrived.wait(), HOLD_S / 2)
+    except TimeoutError:
+        pytest.fail("the engine was sent nothing before Redis answered the admission")
 
 
 async def _settled() -> None:
@@ -180,11 +203,7 @@ def test_the_engine_is_sent_a_request_while_its_admission_is_on_its_way_and_answ
     async def scenario():
         await engine.start(world.text)
         asking = _ask(world.alice_key)
-        try:
-            # Redis's reply to the admission is held: the engine has the request all the same.
-            await asyncio.wait_for(engine.arrived.wait(), HOLD_S / 2)
-        except TimeoutError:
-            pytest.fail("the engine was sent nothing before Redis answered the admission")
+        await _sent(engine)  # Redis's reply to the admission is held: the engine has the request
         engine.go.set()  # it answers at once...
         await asyncio.wait({asking}, timeout=0.5)
         answered_before_admitted = asking.done()  # ...which waits for the admission
@@ -203,21 +222,24 @@ def test_the_engine_is_sent_a_request_while_its_admission_is_on_its_way_and_answ
     assert _room(world) == QUOTA - (event.text_tokens + event.output_tokens)  # settled to what was used
 
 
-@pytest.mark.parametrize("engine_answers", ["after the refusal", "before the refusal"])
+@pytest.mark.parametrize("engine_answers", ["after the refusal", "before the refusal", "streaming before it"])
 def test_a_request_refused_while_its_engine_has_it_is_a_429_and_the_exchange_is_abandoned(
         world, held, settings, engine_answers):
     Quota.objects.create(tenant=world.alice, period="day", total_tokens=10)  # no room for anything
 
     async def scenario():
-        engine = Engine()
+        streaming = engine_answers == "streaming before it"
+        engine = Engine("streams" if streaming else "answers")
         await engine.start(world.text)
-        if engine_answers == "before the refusal":
+        if engine_answers != "after the refusal":
             engine.go.set()
-        first = _ask(world.alice_key)
-        await asyncio.wait_for(engine.arrived.wait(), HOLD_S / 2)  # beside: the admission has not answered
+        first = _ask(world.alice_key, {**REQUEST, "stream": streaming})
+        await _sent(engine)
+        if streaming:
+            await asyncio.wait_for(engine.streaming.wait(), 10)
         held.release()
         refused = await asyncio.wait_for(first, 30)
-        if engine_answers == "after the refusal":
+        if engine_answers != "before the refusal":  # (an answer already given has nothing to abandon)
             await asyncio.wait_for(engine.abandoned.wait(), 10)
         # Refused here once: the tenant's next request waits for its admission.
         second = await asyncio.wait_for(_ask(world.alice_key), 30)
@@ -247,7 +269,7 @@ def test_a_client_leaving_while_its_admission_is_beside_the_engine_is_recorded_o
         await engine.start(world.text)
         leaving = asyncio.Event()
         asking = _ask_then_leave(world.alice_key, leaving)
-        await asyncio.wait_for(engine.arrived.wait(), HOLD_S / 2)
+        await _sent(engine)
         leaving.set()  # the client leaves while Redis's reply to its admission is held
         await asyncio.wait_for(engine.abandoned.wait(), 10)
         held.release()
@@ -257,12 +279,13 @@ def test_a_client_leaving_while_its_admission_is_beside_the_engine_is_recorded_o
 
     async_to_sync(scenario)()
     [event] = _stored()
-    assert (event.status, event.http_status) == ("aborted", 499)
+    # Billed for its prompt, as any request its client left once an engine had it.
+    assert (event.status, event.http_status, event.instance_id is not None, event.cost > 0) == \
+        ("aborted", 499, True, True)
     # Finished after it was admitted: its journal entry gone, its reservation settled to what is
-    # billed (the engine was sent the prompt), not left holding the max_tokens ceiling.
+    # billed, not left holding the max_tokens ceiling.
     assert _journaled(settings) == {}
-    billed = event.text_tokens + event.output_tokens if event.cost else 0
-    assert _room(world) == QUOTA - billed
+    assert _room(world) == QUOTA - (event.text_tokens + event.output_tokens)
 
 
 def test_a_quota_store_that_does_not_answer_is_a_503_and_the_next_request_waits_for_its_admission(
@@ -290,3 +313,107 @@ def test_a_quota_store_that_does_not_answer_is_a_503_and_the_next_request_waits_
     # Redis made both admissions, only their replies were lost: their 503s settled them.
     assert _journaled(settings) == {}
     assert _room(world) == QUOTA
+
+
+@pytest.mark.parametrize(("quota", "status"), [(QUOTA, 502), (10, 429)])
+def test_an_engine_that_breaks_before_the_admission_is_answered_is_answered_for_once_admitted(
+        world, held, settings, quota, status):
+    Quota.objects.create(tenant=world.alice, period="day", total_tokens=quota)
+    engine = Engine("breaks")
+
+    async def scenario():
+        await engine.start(world.text)
+        asking = _ask(world.alice_key)
+        await _sent(engine)
+        await asyncio.wait({asking}, timeout=0.5)
+        answered_before_admitted = asking.done()
+        held.release()
+        answer = await asyncio.wait_for(asking, 30)
+        await _settled()
+        engine.stop()
+        return answered_before_admitted, answer
+
+    answered_before_admitted, answer = async_to_sync(scenario)()
+    assert not answered_before_admitted, "the engine's failure was answered before Redis answered the admission"
+    assert answer.status_code == status, answer.text  # a refusal over the engine's failure
+    assert [(e.status, e.http_status, e.cost) for e in _stored()] == [("error", status, 0)]
+    assert _journaled(settings) == {}
+    assert _room(world, quota) == quota
+
+
+def test_a_client_leaving_after_the_engines_headers_and_before_its_admission_closes_the_exchange(
+        world, held, settings):
+    Quota.objects.create(tenant=world.alice, period="day", total_tokens=QUOTA)
+    engine = Engine("streams")
+    engine.go.set()  # it streams at once, and holds the stream open
+
+    async def scenario():
+        await engine.start(world.text)
+        leaving = asyncio.Event()
+        asking = _ask_then_leave(world.alice_key, leaving, {**REQUEST, "stream": True})
+        await asyncio.wait_for(engine.streaming.wait(), HOLD_S / 2)
+        await asyncio.sleep(0.3)  # the gateway reads the stream's headers, then waits for the admission
+        leaving.set()
+        try:
+            await asyncio.wait_for(engine.abandoned.wait(), HOLD_S / 2)  # the admission's reply still held
+        except TimeoutError:
+            pytest.fail("the engine's stream was left open after its client left")
+        finally:
+            held.release()
+            await asyncio.gather(asking, return_exceptions=True)
+            await _settled()
+            engine.stop()
+
+    async_to_sync(scenario)()
+    [event] = _stored()
+    assert (event.status, event.http_status) == ("aborted", 499)
+    assert _journaled(settings) == {}
+
+
+def test_a_request_without_a_quota_going_on_without_a_silent_store_keeps_the_others_waiting_for_theirs(
+        world, held, settings):
+    settings.REDIS_TIMEOUT_S = 1  # the held replies are lost
+    Quota.objects.create(tenant=world.alice, period="day", total_tokens=QUOTA)  # bob has none
+    engine = Engine()
+    engine.go.set()
+
+    async def scenario():
+        await engine.start(world.text)
+        first = await asyncio.wait_for(_ask(world.alice_key), 30)  # beside, then a 503
+        unlimited = await asyncio.wait_for(_ask(world.bob_key), 30)  # served, its journal unwritten
+        second = await asyncio.wait_for(_ask(world.alice_key), 30)
+        held.release()
+        await _settled()
+        engine.stop()
+        return first, unlimited, second, engine.requests
+
+    first, unlimited, second, sent = async_to_sync(scenario)()
+    assert (first.status_code, unlimited.status_code, second.status_code) == (503, 200, 503)
+    assert sent == 2, "the engine was sent a request while the quota's store did not answer"
+
+
+def test_a_large_image_is_admitted_before_its_engine_is_sent_it(world, held, settings):
+    from tests.images import data_url, image_bytes
+
+    world.vision.large_image_threshold = 0  # every image is a large one, served by the large pool
+    world.vision.save()
+    Quota.objects.create(tenant=world.alice, period="day", total_tokens=QUOTA, concurrent_large_images=1)
+    engine = Engine()
+    engine.go.set()
+    request = {"model": world.vision.name, "max_tokens": 20, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": data_url(image_bytes(64, 64, "PNG"), "image/png")}}]}]}
+
+    async def scenario():
+        await engine.start(world.vision, pool="large")
+        asking = _ask(world.alice_key, request)
+        done, _ = await asyncio.wait({asyncio.ensure_future(engine.arrived.wait())}, timeout=1)
+        sent_before_admitted = bool(done)
+        held.release()
+        answer = await asyncio.wait_for(asking, 30)
+        await _settled()
+        engine.stop()
+        return sent_before_admitted, answer
+
+    sent_before_admitted, answer = async_to_sync(scenario)()
+    assert not sent_before_admitted, "a large image was sent to its engine before Redis admitted it"
+    assert answer.status_code == 200, answer.text
