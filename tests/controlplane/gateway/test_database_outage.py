@@ -16,8 +16,11 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 
 @pytest.fixture
-def database_down(monkeypatch):
-    """Call it to make the database stop answering (its port closed), as a stopped server does."""
+def database_down(monkeypatch, settings, tmp_path):
+    """Call it to make the database stop answering (its port closed), as a stopped server does.
+    What the gateway spools to disk meanwhile stays with the test (its own VAR_DIR): left in the
+    shared one, a later test's heartbeat would move it into that test's database."""
+    settings.VAR_DIR = tmp_path
     real = dict(connection.settings_dict)
 
     def stop():
