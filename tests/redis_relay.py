@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import urllib.parse
+import uuid
 
 HOLD_S = 10  # a reply is held at most this long (Redis's replies are awaited for longer)
 
@@ -76,3 +78,29 @@ def _recv(sock: socket.socket) -> bytes:
         return sock.recv(65536)
     except OSError:
         return b""
+
+
+@contextlib.contextmanager
+def ledger_behind_relay(settings, marker: bytes, name: str):
+    """The gateway's ledger in Redis, under keys of its own, reached through a HeldReplies relay
+    holding the replies on connections that sent `marker` (its keys removed afterwards).
+    `settings`: pytest-django's fixture."""
+    import redis
+
+    from tests.conftest import skip_without_redis
+
+    skip_without_redis()
+    prefix = f"{name}-{uuid.uuid4().hex}"
+    relay = HeldReplies(settings.REDIS_URL, marker)
+    settings.USAGE_OUTBOX = "redis"
+    settings.CACHES = {"default": {**settings.CACHES["default"], "KEY_PREFIX": prefix}}
+    real_redis = settings.REDIS_URL
+    settings.REDIS_URL = relay.url
+    settings.REDIS_TIMEOUT_S = 2 * HOLD_S
+    try:
+        yield relay
+    finally:
+        relay.close()
+        client = redis.Redis.from_url(real_redis)
+        for key in client.scan_iter(f"{prefix}:*"):
+            client.delete(key)

@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import uuid
 
 import httpx
 import pytest
 import redis
 from asgiref.sync import async_to_sync, sync_to_async
-from django.conf import settings as django_settings
 from django.utils import timezone
 
 from controlplane.asgi import application
@@ -26,9 +24,8 @@ from controlplane.gateway.ledger.redis_store import _ADMIT, _sha
 from controlplane.metering.models import UsageEvent
 from controlplane.metering.outbox import usage_ingest
 from controlplane.tenants.models import Quota
-from tests.conftest import skip_without_redis
 from tests.engines import read_request
-from tests.redis_relay import HOLD_S, HeldReplies
+from tests.redis_relay import HOLD_S, ledger_behind_relay
 
 pytestmark = pytest.mark.django_db
 
@@ -99,19 +96,8 @@ class Engine:
 @pytest.fixture
 def held(settings):
     """The gateway's ledger in Redis, behind a relay that holds Redis's replies to admissions."""
-    skip_without_redis()
-    prefix = f"beside-{uuid.uuid4().hex}"
-    relay = HeldReplies(django_settings.REDIS_URL, _sha(_ADMIT).encode())
-    settings.USAGE_OUTBOX = "redis"
-    settings.CACHES = {"default": {**settings.CACHES["default"], "KEY_PREFIX": prefix}}
-    real_redis = settings.REDIS_URL
-    settings.REDIS_URL = relay.url
-    settings.REDIS_TIMEOUT_S = 2 * HOLD_S
-    yield relay
-    relay.close()
-    client = redis.Redis.from_url(real_redis)
-    for key in client.scan_iter(f"{prefix}:*"):
-        client.delete(key)
+    with ledger_behind_relay(settings, _sha(_ADMIT).encode(), "beside") as relay:
+        yield relay
 
 
 REQUEST = {"model": "text", "max_tokens": 50, "messages": [{"role": "user", "content": "hello there"}]}

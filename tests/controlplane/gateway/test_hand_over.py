@@ -7,7 +7,6 @@ done then, as before."""
 from __future__ import annotations
 
 import asyncio
-import uuid
 
 import httpx
 import orjson
@@ -24,9 +23,8 @@ from controlplane.gateway.ledger import redis_store
 from controlplane.gateway.ledger.redis_store import _FINISH, _sha
 from controlplane.metering.models import UsageEvent
 from controlplane.metering.outbox import stream_key, usage_ingest
-from tests.conftest import skip_without_redis
 from tests.engines import simulator
-from tests.redis_relay import HOLD_S, HeldReplies
+from tests.redis_relay import ledger_behind_relay
 
 pytestmark = pytest.mark.django_db
 
@@ -39,19 +37,9 @@ def text_engine():
 
 @pytest.fixture
 def held(settings):
-    skip_without_redis()
-    prefix = f"hand-over-{uuid.uuid4().hex}"
-    relay = HeldReplies(django_settings.REDIS_URL, _sha(_FINISH).encode())
-    settings.USAGE_OUTBOX = "redis"
-    settings.CACHES = {"default": {**settings.CACHES["default"], "KEY_PREFIX": prefix}}
-    real_redis = settings.REDIS_URL
-    settings.REDIS_URL = relay.url
-    settings.REDIS_TIMEOUT_S = 2 * HOLD_S
-    yield relay
-    relay.close()
-    client = redis.Redis.from_url(real_redis)
-    for key in client.scan_iter(f"{prefix}:*"):
-        client.delete(key)
+    """The gateway's ledger in Redis, behind a relay that holds Redis's replies to hand-overs."""
+    with ledger_behind_relay(settings, _sha(_FINISH).encode(), "hand-over") as relay:
+        yield relay
 
 
 @pytest.fixture
