@@ -48,17 +48,12 @@ class Engine:
         self.requests = 0
         self.server = None
 
-    async def start(self, tier, *, pool: str = "default") -> None:
+    async def start(self, tier, *, pool: str = "default", waiting: int = 0) -> None:
+        """Serve, registered as an engine of `tier` (`waiting`: the requests its last scrape
+        found waiting, which routing weighs)."""
         self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        port = self.server.sockets[0].getsockname()[1]
-
-        def register():
-            node = Node.objects.create(name="local", address="127.0.0.1", queue="node.local",
-                                       last_seen_at=timezone.now())
-            EngineInstance.objects.create(tier=tier, node=node, port=port, actual_state="running", healthy=True,
-                                          last_health_at=timezone.now(), pool=pool)
-
-        await sync_to_async(register)()
+        self.instance = await sync_to_async(_register)(tier, self.server.sockets[0].getsockname()[1], pool=pool,
+                                                       waiting=waiting)
 
     async def _serve(self, reader, writer) -> None:
         await read_request(reader)
@@ -91,6 +86,13 @@ class Engine:
     def stop(self) -> None:
         self.go.set()
         self.server.close()
+
+
+def _register(tier, port: int, *, pool: str = "default", waiting: int = 0) -> EngineInstance:
+    node, _ = Node.objects.get_or_create(name="local", defaults={
+        "address": "127.0.0.1", "queue": "node.local", "last_seen_at": timezone.now()})
+    return EngineInstance.objects.create(tier=tier, node=node, port=port, actual_state="running", healthy=True,
+                                         last_health_at=timezone.now(), pool=pool, num_waiting=waiting)
 
 
 @pytest.fixture
@@ -403,3 +405,31 @@ def test_a_large_image_is_admitted_before_its_engine_is_sent_it(world, held, set
     sent_before_admitted, answer = async_to_sync(scenario)()
     assert not sent_before_admitted, "a large image was sent to its engine before Redis admitted it"
     assert answer.status_code == 200, answer.text
+
+
+def test_a_request_whose_first_engine_cannot_be_reached_goes_to_another_once_admitted(world, held, settings):
+    from tests.system.harness import free_port
+
+    Quota.objects.create(tenant=world.alice, period="day", total_tokens=QUOTA)
+    _register(world.text, free_port())  # nothing listens there; the least loaded, so tried first
+    engine = Engine()
+    engine.go.set()
+
+    async def scenario():
+        await engine.start(world.text, waiting=5)
+        asking = _ask(world.alice_key)
+        await asyncio.wait({asking}, timeout=0.5)
+        tried_before_admitted = engine.arrived.is_set() or asking.done()
+        held.release()
+        answer = await asyncio.wait_for(asking, 30)
+        await _settled()
+        engine.stop()
+        return tried_before_admitted, answer
+
+    tried_before_admitted, answer = async_to_sync(scenario)()
+    assert not tried_before_admitted, "another engine was tried before the admission was answered"
+    assert answer.status_code == 200, answer.text
+    [event] = _stored()
+    assert (event.status, event.instance_id) == ("ok", engine.instance.pk)  # the engine that did the work
+    assert _journaled(settings) == {}
+    assert _room(world) == QUOTA - (event.text_tokens + event.output_tokens)
