@@ -278,6 +278,9 @@ class _Beside:
         else:
             self.refused.add(tenant_id)
 
+    def unanswered(self) -> None:
+        self.store_silent = True
+
 
 _beside = _Beside()
 
@@ -289,9 +292,6 @@ class _Admission:
 
     record: UsageRecord
     answer: asyncio.Future  # the request's Flight once admitted; a _NotAdmitted if not
-
-    def passed(self) -> bool:
-        return self.answer.done() and not self.answer.cancelled() and self.answer.exception() is None
 
     async def flight(self) -> Flight:
         """The request's flight once admitted (_NotAdmitted if not). A caller giving up does
@@ -372,13 +372,13 @@ async def _admission(record: UsageRecord, key: state.KeyInfo, ask: Ask | None, k
         raise _NotAdmitted(429, str(refused), code=code, headers={"Retry-After": str(refused.retry_after)}) from None
     except Exception:
         # The quota cannot be checked (its store does not answer): nothing is answered unchecked.
-        _beside.store_silent = True
+        _beside.unanswered()
         log.exception("could not admit %s against its quota", record.request_id)
         raise _quota_unavailable() from None
     if flight.answered:
         _beside.answered(key.tenant_id, admitted=True)
     else:  # a request without a quota goes on without its journal: not an answer
-        _beside.store_silent = True
+        _beside.unanswered()
     return flight
 
 
@@ -391,7 +391,8 @@ def _refusal_of(record: UsageRecord, status: int) -> UsageRecord:
     """What a request its admission did not admit is recorded as, as any refused before an
     engine worked on it: in the tenant's usage, at no cost."""
     return UsageRecord(request_id=record.request_id, tenant_id=record.tenant_id, api_key_id=record.api_key_id,
-                       tier_id=record.tier_id, status="error", http_status=status, stream=record.stream)
+                       tier_id=record.tier_id, status="error", http_status=status, stream=record.stream,
+                       latency_ms=record.latency_ms)
 
 
 def _release_if_admitted(done: asyncio.Future, record: UsageRecord, started: float) -> None:
@@ -919,8 +920,8 @@ async def _record(record: UsageRecord, started: float) -> None:
 async def _hand_over(record: UsageRecord, written: asyncio.Future | None = None) -> None:
     if record.admission is not None and (failed := await record.admission.failure()) is not None \
             and record.status == "aborted":
-        latency_ms, record = record.latency_ms, _refusal_of(record, failed.status)
-        record.latency_ms, record.recorded = latency_ms, True
+        record = _refusal_of(record, failed.status)
+        record.recorded = True
     counters.count(tier=_tier_names.get(record.tier_id, str(record.tier_id)), status=record.status,
                    images=record.image_tokens, disagree=record.image_tokens_disagree)
     if record.checking is not None:
