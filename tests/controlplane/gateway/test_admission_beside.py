@@ -147,6 +147,23 @@ async def _sent(engine: Engine) -> None:
         pytest.fail("the engine was sent nothing before Redis answered the admission")
 
 
+async def _answered_while_held(asking: asyncio.Task) -> bool:
+    """Whether the client has its answer within half a second, Redis's reply to the admission
+    held meanwhile."""
+    await asyncio.wait({asking}, timeout=0.5)
+    return asking.done()
+
+
+async def _admitted_then(held, engine: Engine, asking: asyncio.Task):
+    """The client's answer once Redis's replies are let through, every hand-over done and the
+    engine stopped."""
+    held.release()
+    answer = await asyncio.wait_for(asking, 30)
+    await _settled()
+    engine.stop()
+    return answer
+
+
 async def _settled() -> None:
     """Every hand-over of this process done."""
     while handlers._background:
@@ -193,12 +210,8 @@ def test_the_engine_is_sent_a_request_while_its_admission_is_on_its_way_and_answ
         asking = _ask(world.alice_key)
         await _sent(engine)  # Redis's reply to the admission is held: the engine has the request
         engine.go.set()  # it answers at once...
-        await asyncio.wait({asking}, timeout=0.5)
-        answered_before_admitted = asking.done()  # ...which waits for the admission
-        held.release()
-        answer = await asyncio.wait_for(asking, 30)
-        await _settled()
-        engine.stop()
+        answered_before_admitted = await _answered_while_held(asking)  # ...which waits for the admission
+        answer = await _admitted_then(held, engine, asking)
         return answered_before_admitted, answer
 
     answered_before_admitted, answer = async_to_sync(scenario)()
@@ -313,12 +326,8 @@ def test_an_engine_that_breaks_before_the_admission_is_answered_is_answered_for_
         await engine.start(world.text)
         asking = _ask(world.alice_key)
         await _sent(engine)
-        await asyncio.wait({asking}, timeout=0.5)
-        answered_before_admitted = asking.done()
-        held.release()
-        answer = await asyncio.wait_for(asking, 30)
-        await _settled()
-        engine.stop()
+        answered_before_admitted = await _answered_while_held(asking)
+        answer = await _admitted_then(held, engine, asking)
         return answered_before_admitted, answer
 
     answered_before_admitted, answer = async_to_sync(scenario)()
@@ -396,10 +405,7 @@ def test_a_large_image_is_admitted_before_its_engine_is_sent_it(world, held, set
         asking = _ask(world.alice_key, request)
         done, _ = await asyncio.wait({asyncio.ensure_future(engine.arrived.wait())}, timeout=1)
         sent_before_admitted = bool(done)
-        held.release()
-        answer = await asyncio.wait_for(asking, 30)
-        await _settled()
-        engine.stop()
+        answer = await _admitted_then(held, engine, asking)
         return sent_before_admitted, answer
 
     sent_before_admitted, answer = async_to_sync(scenario)()
@@ -418,12 +424,8 @@ def test_a_request_whose_first_engine_cannot_be_reached_goes_to_another_once_adm
     async def scenario():
         await engine.start(world.text, waiting=5)
         asking = _ask(world.alice_key)
-        await asyncio.wait({asking}, timeout=0.5)
-        tried_before_admitted = engine.arrived.is_set() or asking.done()
-        held.release()
-        answer = await asyncio.wait_for(asking, 30)
-        await _settled()
-        engine.stop()
+        tried_before_admitted = await _answered_while_held(asking) or engine.arrived.is_set()
+        answer = await _admitted_then(held, engine, asking)
         return tried_before_admitted, answer
 
     tried_before_admitted, answer = async_to_sync(scenario)()
