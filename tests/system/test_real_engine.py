@@ -201,6 +201,31 @@ def test_an_image_sent_before_its_check_and_failing_it_is_refused_and_the_engine
     assert completion.usage.prompt_tokens_details.image_tokens == 611  # 812 x 588 on the processor's grid, +2
 
 
+def test_a_request_the_quota_refuses_while_the_real_engine_has_it_is_a_429_and_the_engine_serves_on(
+        system, client, system_db):
+    """A tenant's first request runs its admission beside its trip to vLLM; refused (no room
+    left), vLLM's exchange is abandoned, the client gets the 429 at no cost, and vLLM serves the
+    next request."""
+    import secrets
+
+    from controlplane.tenants.models import ApiKey, Quota, Tenant
+    from controlplane.tenants.services import KEY_PREFIX, key_hash
+
+    tenant = Tenant.objects.using(system_db).create(name=f"no-room-{secrets.token_hex(4)}")
+    Quota.objects.using(system_db).create(tenant=tenant, period="day", total_tokens=1)
+    prefix = secrets.token_hex(4)
+    secret = f"{KEY_PREFIX}{prefix}-{secrets.token_urlsafe(32)}"
+    ApiKey.objects.using(system_db).create(tenant=tenant, prefix=prefix, key_hash=key_hash(secret))
+    refused_client = openai.OpenAI(base_url=f"{system.base_url}/v1", api_key=secret, max_retries=0)
+    with pytest.raises(openai.RateLimitError) as refused:
+        _ask(refused_client, _content(image_bytes(640, 480)))
+    assert refused.value.code == "insufficient_quota"
+    event = metered(system_db, refused.value.response.headers["x-request-id"])
+    assert (event.status, event.http_status, event.cost) == ("error", 429, 0)
+    completion, _ = _ask(client, _content(image_bytes(640, 480)))
+    assert completion.usage.completion_tokens > 0
+
+
 def test_low_detail_costs_the_real_engine_fewer_tokens(client):
     photo = image_bytes(1920, 1080)
     high, _ = _ask(client, _content(photo, detail="high"))
