@@ -12,7 +12,7 @@ TEST_WORKERS ?= 2
 
 .PHONY: run test install install-dev browser engine-cpu engine-sglang lint migrate seed bench clean
 
-$(STAMP_DIR)/.installed-run: pyproject.toml
+$(STAMP_DIR)/.installed-run: pyproject.toml setup.py controlplane/imaging/_jpegrows.c
 	@test -x $(PY) || $(PYTHON) -m venv .venv
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e .

@@ -27,6 +27,7 @@ import pybase64  # SIMD base64: a 12 MP photo's data URL in ~0.2 ms instead of ~
 import simplejpeg
 from PIL import Image
 
+from controlplane.imaging import rows
 from controlplane.imaging.decode import (
     SUPPORTED_FORMATS,
     as_image,
@@ -333,21 +334,30 @@ def _downscales_whole(image: Image.Image, turn: int, plan: TilePlan) -> bool:
 
 def _downscaled(image: Image.Image, data: bytes, policy: Policy, size: tuple[int, int], *,
                 index: FingerprintIndex | None) -> NormalisedImage:
-    """The JPEG decoded at the DCT scale that covers `size`; resampled by libvips (on every
-    core when it runs alone); re-encoded by libjpeg-turbo on a helper thread while this one
-    fingerprints it. The pixels go from decoder to resampler to encoder as they are: the only
-    Pillow image made is the fingerprint's. The same pixels, the same encoder settings (baseline, 4:2:0, the policy's
-    quality) as the general path, which decodes and encodes through Pillow."""
-    raw = decode_jpeg(data, image, _dct_scale(image.size, size))
-    rows, columns = raw.shape[:2]
-    pixels = bicubic_rgb(raw, columns, rows, size)
-    encoding = _helpers().submit(simplejpeg.encode_jpeg, np.frombuffer(pixels, np.uint8).reshape(size[1], size[0], 3),
-                                 quality=policy.output_quality, colorspace="RGB", colorsubsampling="420",
-                                 fastdct=False)
-    ident = fingerprint(Image.frombytes("RGB", size, pixels), index)
+    """The JPEG decoded at the DCT scale that covers `size`, resampled by libvips, re-encoded
+    by libjpeg-turbo. Decoded at a reduced scale (the photo is at least four times the pixels
+    it is brought to: its entropy decoding dominates) where the row-by-row decoder is built
+    (rows.py), the resample and encode run on a helper thread behind the decode, a band at a
+    time (a 12 MP photo: 35.5 ms in all against 40.6); otherwise the decode is whole,
+    the resample on every core, and the encode on a helper thread while this one fingerprints.
+    The pixels go from decoder to resampler to encoder as they are: the only Pillow image made
+    is the fingerprint's. The same pixels, the same encoder settings (baseline, 4:2:0, the
+    policy's quality) as the general path, which decodes and encodes through Pillow."""
+    scale = _dct_scale(image.size, size)
+    if scale > 1 and rows.streams():
+        encoded, pixels = rows.downscale(data, scale, size, quality=policy.output_quality, helpers=_helpers())
+        ident = fingerprint(Image.frombuffer("RGB", size, pixels, "raw", "RGB", 0, 1), index)
+    else:
+        raw = decode_jpeg(data, image, scale)
+        pixels = bicubic_rgb(raw, raw.shape[1], raw.shape[0], size)
+        encoding = _helpers().submit(simplejpeg.encode_jpeg, np.frombuffer(pixels, np.uint8).reshape(size[1], size[0], 3),
+                                     quality=policy.output_quality, colorspace="RGB", colorsubsampling="420",
+                                     fastdct=False)
+        ident = fingerprint(Image.frombytes("RGB", size, pixels), index)
+        encoded = encoding.result()
     return NormalisedImage(
         source_format="JPEG", source_width=image.width, source_height=image.height, width=size[0],
-        height=size[1], data=encoding.result(), mime=_MIME["jpeg"], fingerprint=ident,
+        height=size[1], data=encoded, mime=_MIME["jpeg"], fingerprint=ident,
     )
 
 

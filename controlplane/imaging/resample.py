@@ -9,6 +9,7 @@ Pure Python over C libraries: no Django, no Celery.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import threading
 
@@ -25,15 +26,16 @@ _lock = threading.Lock()
 
 
 @contextlib.contextmanager
-def _threads():
+def _threads(others: int = 0):
     """libvips' threads for the resample about to start: every core when it is the only one
     running in this process (a 12 MP photo's resample in 3.6 ms on two cores where one took
     6.2), one each when as many run as there are cores (more threads would only take turns).
+    `others`: cores this process keeps busy besides (a decode the resample runs behind).
     libvips reads the setting as each resample starts, so one already running keeps its own."""
     global _running
     with _lock:
         _running += 1
-        pyvips.concurrency_set(max(1, CORES + 1 - _running))
+        pyvips.concurrency_set(max(1, CORES + 1 - _running - others))
     try:
         yield
     finally:
@@ -42,6 +44,55 @@ def _threads():
 
 
 _used_in: int | None = None  # the process whose libvips has run
+
+
+def vips_usable() -> bool:
+    """Whether libvips may run in this process: not in one forked after its parent ran it."""
+    return _used_in in (None, os.getpid())
+
+
+class Bands:
+    """One resample of RGB rows (`width` x `height`, filled from the top by a decoder, as in
+    `pixels`) to exactly `size`, as `bicubic_rgb` makes it, computed a band of output rows at
+    a time: each band as soon as the input rows it reads are in. libvips computes only the
+    region asked of it, reading only the input rows under its kernel; the pipeline is the
+    whole picture's, so the bands together are its result to the bit."""
+
+    def __init__(self, pixels, width: int, height: int, size: tuple[int, int]):
+        global _used_in
+        if not vips_usable():
+            raise RuntimeError("libvips has run in the process this one was forked from")
+        _used_in = os.getpid()
+        source = pyvips.Image.new_from_memory(pixels, width, height, 3, "uchar")
+        scaled = source.resize(size[0] / width, vscale=size[1] / height, kernel="cubic")
+        if (scaled.width, scaled.height) != size:
+            scaled = scaled.embed(0, 0, *size, extend="copy")
+        self.scaled, self.size, self.height = scaled, size, height
+        self.factor = height / size[1]
+
+    def reads(self, end: int) -> int:
+        """How many input rows from the top output rows [0, `end`) may read: a bound above the
+        kernel's reach (a cubic widened by the factor reaches 2 input rows a factor either
+        side of a row's centre; libvips' integer shrink before it, for a large factor, reads
+        whole groups of `factor` rows), with rows to spare."""
+        if end <= 0:
+            return 0
+        return self.height if end >= self.size[1] else min(self.height, math.ceil((end + 3) * self.factor) + 4)
+
+    def ready(self, decoded: int) -> int:
+        """How many output rows from the top can be computed once `decoded` input rows are in:
+        the most whose `reads` are in."""
+        end = min(self.size[1], max(0, math.floor(decoded / self.factor)))
+        while end > 0 and self.reads(end) > decoded:
+            end -= 1
+        while end < self.size[1] and self.reads(end + 1) <= decoded:
+            end += 1
+        return end
+
+    def rows(self, start: int, end: int) -> bytes:
+        """Output rows [`start`, `end`), RGB, once `reads(end)` input rows are in."""
+        with _threads(others=1):
+            return self.scaled.crop(0, start, self.size[0], end - start).write_to_memory()
 
 
 def bicubic_rgb(pixels, width: int, height: int, size: tuple[int, int]) -> bytes:

@@ -90,7 +90,7 @@ def test_formats_outside_the_supported_set_are_never_opened():
 
 
 def test_a_twelve_megapixel_jpeg_is_decoded_at_half_scale_for_a_one_megapixel_target(monkeypatch):
-    from controlplane.imaging import decode
+    from controlplane.imaging import decode, resample, rows
 
     decoded = []
     original = decode.simplejpeg.decode_jpeg
@@ -100,7 +100,13 @@ def test_a_twelve_megapixel_jpeg_is_decoded_at_half_scale_for_a_one_megapixel_ta
         decoded.append(pixels.shape[1::-1])
         return pixels
 
+    class Bands(resample.Bands):  # the decoded picture, where the resample runs behind the decode
+        def __init__(self, pixels, width, height, size):
+            decoded.append((width, height))
+            super().__init__(pixels, width, height, size)
+
     monkeypatch.setattr(decode.simplejpeg, "decode_jpeg", spy)
+    monkeypatch.setattr(rows, "Bands", Bands)
     result = normalise(image_bytes(4000, 3000, "JPEG"), Policy(max_pixels=1_003_520))
     assert decoded == [(2000, 1500)]  # DCT-domain scaling: never the full 12 MP
     assert result.width * result.height <= 1_003_520

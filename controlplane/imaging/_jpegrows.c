@@ -1,0 +1,455 @@
+/* JPEG decoding and encoding a band of rows at a time, on libjpeg's scanline API.
+
+A large photo's downscale is decode, resample, encode. simplejpeg (TurboJPEG) decodes and
+encodes whole pictures only, so the resample and the encode had to wait for the decode to end.
+Here the caller takes rows as libjpeg hands them over (at a DCT scale: 1/2, 1/4, 1/8) and
+feeds the encoder rows as they are resampled, so both run on another core behind the decode.
+
+Strict, as the intake wants: any warning from libjpeg (truncated data, corrupt entropy data,
+extraneous bytes) is an error. Each call that decodes or encodes releases the GIL; an object is
+used by one thread at a time (a second one gets RuntimeError, never a crash).
+
+Optional: built where libjpeg's headers are installed (libjpeg62-turbo-dev); without it the
+intake keeps to simplejpeg's whole-picture calls (controlplane/imaging/rows.py). */
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <setjmp.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <jpeglib.h>
+#include <jerror.h>
+
+/* libjpeg reports an error by calling error_exit, which must not return: jump back to the
+   call that started the work, with libjpeg's message kept for the exception. */
+typedef struct {
+    struct jpeg_error_mgr pub;
+    jmp_buf escape;
+    char message[JMSG_LENGTH_MAX];
+} Failure;
+
+static void failure_exit(j_common_ptr cinfo) {
+    Failure *failure = (Failure *)cinfo->err;
+    (*cinfo->err->format_message)(cinfo, failure->message);
+    longjmp(failure->escape, 1);
+}
+
+static void failure_message(j_common_ptr cinfo, int level) {
+    /* level < 0: a warning (libjpeg would go on with damaged pixels); strict: refuse. Trace
+       messages (level >= 0) are ignored. */
+    if (level < 0) failure_exit(cinfo);
+}
+
+static void failure_quiet(j_common_ptr cinfo) { (void)cinfo; }
+
+static void failure_init(Failure *failure) {
+    jpeg_std_error(&failure->pub);
+    failure->pub.error_exit = failure_exit;
+    failure->pub.emit_message = failure_message;
+    failure->pub.output_message = failure_quiet;
+    failure->message[0] = '\0';
+}
+
+/* ---------------------------------------------------------------------------------------- */
+
+typedef struct {
+    PyObject_HEAD
+    struct jpeg_decompress_struct cinfo;
+    Failure failure;
+    Py_buffer data;
+    int live;     /* cinfo created and not yet destroyed */
+    int busy;     /* a call is decoding with the GIL released */
+} Decoder;
+
+static void decoder_release(Decoder *self) {
+    if (self->live) {
+        jpeg_destroy_decompress(&self->cinfo);
+        self->live = 0;
+    }
+    if (self->data.obj != NULL) PyBuffer_Release(&self->data);
+}
+
+static int decoder_init(Decoder *self, PyObject *args, PyObject *kwds) {
+    static char *names[] = {"data", "scale", "grey", NULL};
+    int scale = 1, grey = 0;
+    if (self->busy) {
+        PyErr_SetString(PyExc_RuntimeError, "the decoder is in use by another thread");
+        return -1;
+    }
+    decoder_release(self);
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "y*|ip", names, &self->data, &scale, &grey)) return -1;
+    if (scale != 1 && scale != 2 && scale != 4 && scale != 8) {
+        PyErr_SetString(PyExc_ValueError, "scale must be 1, 2, 4 or 8");
+        decoder_release(self);
+        return -1;
+    }
+    if (self->data.len <= 0 || (unsigned long long)self->data.len > 0xFFFFFFFFull) {
+        PyErr_SetString(PyExc_ValueError, "JPEG data is empty or larger than 4 GiB");
+        decoder_release(self);
+        return -1;
+    }
+    failure_init(&self->failure);
+    self->cinfo.err = &self->failure.pub;
+    if (setjmp(self->failure.escape)) {
+        PyErr_Format(PyExc_ValueError, "%s", self->failure.message);
+        decoder_release(self);
+        return -1;
+    }
+    jpeg_create_decompress(&self->cinfo);
+    self->live = 1;
+    jpeg_mem_src(&self->cinfo, (const unsigned char *)self->data.buf, (unsigned long)self->data.len);
+    jpeg_read_header(&self->cinfo, TRUE);
+    if (self->cinfo.jpeg_color_space != JCS_YCbCr && self->cinfo.jpeg_color_space != JCS_GRAYSCALE
+            && self->cinfo.jpeg_color_space != JCS_RGB) {
+        PyErr_SetString(PyExc_ValueError, "only YCbCr, RGB and greyscale JPEGs are decoded here");
+        decoder_release(self);
+        return -1;
+    }
+    self->cinfo.out_color_space = grey || self->cinfo.jpeg_color_space == JCS_GRAYSCALE ? JCS_GRAYSCALE : JCS_RGB;
+    self->cinfo.scale_num = 1;
+    self->cinfo.scale_denom = (unsigned int)scale;
+    self->cinfo.dct_method = JDCT_ISLOW;  /* what TurboJPEG (simplejpeg) uses unless told otherwise */
+    jpeg_start_decompress(&self->cinfo);
+    return 0;
+}
+
+static void decoder_dealloc(Decoder *self) {
+    decoder_release(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *decoder_read(Decoder *self, PyObject *args) {
+    Py_buffer out;
+    if (!PyArg_ParseTuple(args, "w*", &out)) return NULL;
+    if (!self->live) {
+        PyBuffer_Release(&out);
+        PyErr_SetString(PyExc_ValueError, "the decoder has finished or failed");
+        return NULL;
+    }
+    if (self->busy) {
+        PyBuffer_Release(&out);
+        PyErr_SetString(PyExc_RuntimeError, "the decoder is in use by another thread");
+        return NULL;
+    }
+    size_t stride = (size_t)self->cinfo.output_width * (size_t)self->cinfo.output_components;
+    JDIMENSION wanted = (JDIMENSION)((size_t)out.len / stride);
+    JDIMENSION left = self->cinfo.output_height - self->cinfo.output_scanline;
+    if (wanted > left) wanted = left;
+    JDIMENSION done = 0;
+    int failed = 0;
+    self->busy = 1;
+    Py_BEGIN_ALLOW_THREADS
+    if (setjmp(self->failure.escape)) {
+        failed = 1;
+    } else {
+        while (done < wanted) {
+            JSAMPROW rows[16];
+            JDIMENSION ask = wanted - done < 16 ? wanted - done : 16, i;
+            for (i = 0; i < ask; i++) rows[i] = (JSAMPROW)((unsigned char *)out.buf + (size_t)(done + i) * stride);
+            done += jpeg_read_scanlines(&self->cinfo, rows, ask);
+        }
+    }
+    Py_END_ALLOW_THREADS
+    self->busy = 0;
+    PyBuffer_Release(&out);
+    if (failed) {
+        PyErr_Format(PyExc_ValueError, "%s", self->failure.message);
+        decoder_release(self);
+        return NULL;
+    }
+    return PyLong_FromUnsignedLong(done);
+}
+
+static PyObject *decoder_finish(Decoder *self, PyObject *unused) {
+    (void)unused;
+    if (!self->live) {
+        PyErr_SetString(PyExc_ValueError, "the decoder has finished or failed");
+        return NULL;
+    }
+    if (self->busy) {
+        PyErr_SetString(PyExc_RuntimeError, "the decoder is in use by another thread");
+        return NULL;
+    }
+    if (self->cinfo.output_scanline < self->cinfo.output_height) {
+        PyErr_SetString(PyExc_ValueError, "finish() before every row was read");
+        return NULL;
+    }
+    if (setjmp(self->failure.escape)) {
+        PyErr_Format(PyExc_ValueError, "%s", self->failure.message);
+        decoder_release(self);
+        return NULL;
+    }
+    /* Reads on to the end of the image: a scan after the last one needed, or the EOI marker,
+       truncated or corrupt is refused here. */
+    jpeg_finish_decompress(&self->cinfo);
+    decoder_release(self);
+    Py_RETURN_NONE;
+}
+
+static PyObject *decoder_width(Decoder *self, void *closure) {
+    (void)closure;
+    return PyLong_FromUnsignedLong(self->live ? self->cinfo.output_width : 0);
+}
+
+static PyObject *decoder_height(Decoder *self, void *closure) {
+    (void)closure;
+    return PyLong_FromUnsignedLong(self->live ? self->cinfo.output_height : 0);
+}
+
+static PyObject *decoder_channels(Decoder *self, void *closure) {
+    (void)closure;
+    return PyLong_FromLong(self->live ? self->cinfo.output_components : 0);
+}
+
+static PyMethodDef decoder_methods[] = {
+    {"read", (PyCFunction)decoder_read, METH_VARARGS,
+     "read(buffer) -> rows: decode as many whole rows as fit in the writable buffer (fewer at the "
+     "end of the picture); ValueError on corrupt or truncated data."},
+    {"finish", (PyCFunction)decoder_finish, METH_NOARGS,
+     "finish(): read to the end of the image once every row is read; ValueError if what follows "
+     "the last row is corrupt or truncated."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef decoder_fields[] = {
+    {"width", (getter)decoder_width, NULL, "columns of the decoded picture (at its DCT scale)", NULL},
+    {"height", (getter)decoder_height, NULL, "rows of the decoded picture (at its DCT scale)", NULL},
+    {"channels", (getter)decoder_channels, NULL, "3 (RGB) or 1 (grey)", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject DecoderType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "controlplane.imaging._jpegrows.Decoder",
+    .tp_basicsize = sizeof(Decoder),
+    .tp_dealloc = (destructor)decoder_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Decoder(data, scale=1, grey=False): a JPEG decoded at 1/scale, its rows read in bands.",
+    .tp_methods = decoder_methods,
+    .tp_getset = decoder_fields,
+    .tp_init = (initproc)decoder_init,
+    .tp_new = PyType_GenericNew,
+};
+
+/* ---------------------------------------------------------------------------------------- */
+
+/* The compressed bytes go to a buffer this object owns, grown by doubling. */
+typedef struct {
+    struct jpeg_destination_mgr pub;
+    unsigned char *buffer;
+    size_t capacity;
+    size_t size;
+} Sink;
+
+static void sink_init(j_compress_ptr cinfo) {
+    Sink *sink = (Sink *)cinfo->dest;
+    if (sink->buffer == NULL) {
+        sink->capacity = 65536;
+        sink->buffer = malloc(sink->capacity);
+        if (sink->buffer == NULL) ERREXIT1(cinfo, JERR_OUT_OF_MEMORY, 0);
+    }
+    sink->pub.next_output_byte = sink->buffer;
+    sink->pub.free_in_buffer = sink->capacity;
+}
+
+static boolean sink_grow(j_compress_ptr cinfo) {
+    Sink *sink = (Sink *)cinfo->dest;
+    unsigned char *grown = realloc(sink->buffer, sink->capacity * 2);
+    if (grown == NULL) ERREXIT1(cinfo, JERR_OUT_OF_MEMORY, 1);
+    sink->buffer = grown;
+    sink->pub.next_output_byte = grown + sink->capacity;
+    sink->pub.free_in_buffer = sink->capacity;
+    sink->capacity *= 2;
+    return TRUE;
+}
+
+static void sink_term(j_compress_ptr cinfo) {
+    Sink *sink = (Sink *)cinfo->dest;
+    sink->size = sink->capacity - sink->pub.free_in_buffer;
+}
+
+typedef struct {
+    PyObject_HEAD
+    struct jpeg_compress_struct cinfo;
+    Failure failure;
+    Sink sink;
+    int live;
+    int busy;
+} Encoder;
+
+static void encoder_release(Encoder *self) {
+    if (self->live) {
+        jpeg_destroy_compress(&self->cinfo);
+        self->live = 0;
+    }
+    free(self->sink.buffer);
+    memset(&self->sink, 0, sizeof(self->sink));
+}
+
+static int encoder_init(Encoder *self, PyObject *args, PyObject *kwds) {
+    static char *names[] = {"width", "height", "quality", NULL};
+    int width, height, quality = 85;
+    if (self->busy) {
+        PyErr_SetString(PyExc_RuntimeError, "the encoder is in use by another thread");
+        return -1;
+    }
+    encoder_release(self);
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "ii|i", names, &width, &height, &quality)) return -1;
+    if (width < 1 || height < 1 || width > JPEG_MAX_DIMENSION || height > JPEG_MAX_DIMENSION) {
+        PyErr_SetString(PyExc_ValueError, "width and height must be within 1..65500");
+        return -1;
+    }
+    if (quality < 1 || quality > 100) {
+        PyErr_SetString(PyExc_ValueError, "quality must be within 1..100");
+        return -1;
+    }
+    failure_init(&self->failure);
+    self->cinfo.err = &self->failure.pub;
+    if (setjmp(self->failure.escape)) {
+        PyErr_Format(PyExc_ValueError, "%s", self->failure.message);
+        encoder_release(self);
+        return -1;
+    }
+    jpeg_create_compress(&self->cinfo);
+    self->live = 1;
+    self->sink.pub.init_destination = sink_init;
+    self->sink.pub.empty_output_buffer = sink_grow;
+    self->sink.pub.term_destination = sink_term;
+    self->cinfo.dest = &self->sink.pub;
+    self->cinfo.image_width = (JDIMENSION)width;
+    self->cinfo.image_height = (JDIMENSION)height;
+    self->cinfo.input_components = 3;
+    self->cinfo.in_color_space = JCS_RGB;
+    /* As simplejpeg's encode_jpeg(quality, colorsubsampling="420", fastdct=False): baseline,
+       YCbCr 4:2:0, the standard tables scaled to the quality, the accurate DCT. */
+    jpeg_set_defaults(&self->cinfo);
+    jpeg_set_quality(&self->cinfo, quality, TRUE);
+    self->cinfo.comp_info[0].h_samp_factor = 2;
+    self->cinfo.comp_info[0].v_samp_factor = 2;
+    self->cinfo.dct_method = JDCT_ISLOW;
+    jpeg_start_compress(&self->cinfo, TRUE);
+    return 0;
+}
+
+static void encoder_dealloc(Encoder *self) {
+    encoder_release(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *encoder_write(Encoder *self, PyObject *args) {
+    Py_buffer rows_in;
+    if (!PyArg_ParseTuple(args, "y*", &rows_in)) return NULL;
+    if (!self->live) {
+        PyBuffer_Release(&rows_in);
+        PyErr_SetString(PyExc_ValueError, "the encoder has finished or failed");
+        return NULL;
+    }
+    if (self->busy) {
+        PyBuffer_Release(&rows_in);
+        PyErr_SetString(PyExc_RuntimeError, "the encoder is in use by another thread");
+        return NULL;
+    }
+    size_t stride = (size_t)self->cinfo.image_width * 3;
+    if ((size_t)rows_in.len % stride != 0) {
+        PyBuffer_Release(&rows_in);
+        PyErr_SetString(PyExc_ValueError, "the buffer must hold whole rows of RGB");
+        return NULL;
+    }
+    JDIMENSION count = (JDIMENSION)((size_t)rows_in.len / stride);
+    if (count > self->cinfo.image_height - self->cinfo.next_scanline) {
+        PyBuffer_Release(&rows_in);
+        PyErr_SetString(PyExc_ValueError, "more rows than the picture has left");
+        return NULL;
+    }
+    JDIMENSION done = 0;
+    int failed = 0;
+    self->busy = 1;
+    Py_BEGIN_ALLOW_THREADS
+    if (setjmp(self->failure.escape)) {
+        failed = 1;
+    } else {
+        while (done < count) {
+            JSAMPROW rows[16];
+            JDIMENSION ask = count - done < 16 ? count - done : 16, i;
+            for (i = 0; i < ask; i++) rows[i] = (JSAMPROW)((unsigned char *)rows_in.buf + (size_t)(done + i) * stride);
+            done += jpeg_write_scanlines(&self->cinfo, rows, ask);
+        }
+    }
+    Py_END_ALLOW_THREADS
+    self->busy = 0;
+    PyBuffer_Release(&rows_in);
+    if (failed) {
+        PyErr_Format(PyExc_ValueError, "%s", self->failure.message);
+        encoder_release(self);
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *encoder_finish(Encoder *self, PyObject *unused) {
+    (void)unused;
+    if (!self->live) {
+        PyErr_SetString(PyExc_ValueError, "the encoder has finished or failed");
+        return NULL;
+    }
+    if (self->busy) {
+        PyErr_SetString(PyExc_RuntimeError, "the encoder is in use by another thread");
+        return NULL;
+    }
+    if (self->cinfo.next_scanline < self->cinfo.image_height) {
+        PyErr_SetString(PyExc_ValueError, "finish() before every row was written");
+        return NULL;
+    }
+    if (setjmp(self->failure.escape)) {
+        PyErr_Format(PyExc_ValueError, "%s", self->failure.message);
+        encoder_release(self);
+        return NULL;
+    }
+    jpeg_finish_compress(&self->cinfo);
+    PyObject *result = PyBytes_FromStringAndSize((const char *)self->sink.buffer, (Py_ssize_t)self->sink.size);
+    encoder_release(self);
+    return result;
+}
+
+static PyMethodDef encoder_methods[] = {
+    {"write", (PyCFunction)encoder_write, METH_VARARGS,
+     "write(rows): compress whole rows of RGB (a bytes-like object of rows * width * 3 bytes)."},
+    {"finish", (PyCFunction)encoder_finish, METH_NOARGS,
+     "finish() -> bytes: the JPEG, once every row is written."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject EncoderType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "controlplane.imaging._jpegrows.Encoder",
+    .tp_basicsize = sizeof(Encoder),
+    .tp_dealloc = (destructor)encoder_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Encoder(width, height, quality=85): a baseline 4:2:0 JPEG written a band of rows at a time.",
+    .tp_methods = encoder_methods,
+    .tp_init = (initproc)encoder_init,
+    .tp_new = PyType_GenericNew,
+};
+
+/* ---------------------------------------------------------------------------------------- */
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_jpegrows",
+    "JPEG decoding and encoding a band of rows at a time (libjpeg's scanline API).", -1, NULL,
+};
+
+PyMODINIT_FUNC PyInit__jpegrows(void) {
+    if (PyType_Ready(&DecoderType) < 0 || PyType_Ready(&EncoderType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL) return NULL;
+    Py_INCREF(&DecoderType);
+    Py_INCREF(&EncoderType);
+    if (PyModule_AddObject(m, "Decoder", (PyObject *)&DecoderType) < 0
+            || PyModule_AddObject(m, "Encoder", (PyObject *)&EncoderType) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    PyModule_AddIntConstant(m, "LIBJPEG_VERSION", JPEG_LIB_VERSION);
+    return m;
+}

@@ -1,0 +1,126 @@
+"""A large JPEG brought down with its resample and encode running behind its decode.
+
+Decoding a 12 MP photo at half its size takes about 25 ms, most of it entropy decoding, which
+runs on one core and which no DCT scale avoids: it is the floor. Decoding whole pictures
+(simplejpeg), the resample (about 6 ms) and the encode (about 3) could only start once it
+ended. Here the decoder (`_jpegrows`, libjpeg's scanline API) hands over a band of rows at a
+time; a helper thread resamples (`resample.Bands`) and encodes each band of the result as soon
+as the rows under it are in, on the other core, so little is left once the last row is
+decoded. The same decoder, the same resample to the bit, the same encoder settings as the
+whole-picture way.
+
+`_jpegrows` is compiled where libjpeg's headers are installed (setup.py); without it, or in a
+process where libvips cannot run, `streams()` is False and the caller decodes whole pictures.
+Pure Python over C libraries: no Django, no Celery.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Executor
+
+import numpy as np
+
+from controlplane.imaging.errors import CorruptImage
+from controlplane.imaging.resample import Bands, vips_usable
+
+try:
+    from controlplane.imaging import _jpegrows
+except ImportError:  # not compiled here: no libjpeg headers at install time
+    _jpegrows = None
+
+# Decoded rows handed over at a time: 64 rows of a 12 MP photo at half size are about 1 ms of
+# decoding, so the resample follows closely, at a few dozen hand-overs a picture.
+BAND = 64
+# Each band of the resample costs about 0.35 ms over its share of a whole one (libvips sets up
+# its pipeline for each region asked of it): the result is taken in about this many bands, the
+# last one whatever is left once the decode ends.
+OUT_BANDS = 8
+
+
+def compiled() -> bool:
+    """Whether the row-by-row decoder and encoder were built in this installation."""
+    return _jpegrows is not None
+
+
+def streams() -> bool:
+    """Whether a downscale can run its resample and encode behind its decode here."""
+    return _jpegrows is not None and vips_usable()
+
+
+class _Progress:
+    """Rows decoded so far, from the decoding thread to the one resampling behind it."""
+
+    def __init__(self):
+        self._changed = threading.Condition()
+        self.decoded = 0
+        self.abandoned = False
+
+    def reached(self, rows: int) -> None:
+        with self._changed:
+            self.decoded = rows
+            self._changed.notify()
+
+    def abandon(self) -> None:
+        with self._changed:
+            self.abandoned = True
+            self._changed.notify()
+
+    def beyond(self, rows: int) -> int:
+        """Once more than `rows` are decoded, how many (0 once the decode is abandoned)."""
+        with self._changed:
+            self._changed.wait_for(lambda: self.decoded > rows or self.abandoned)
+            return 0 if self.abandoned else self.decoded
+
+
+def downscale(data: bytes, scale: int, size: tuple[int, int], *, quality: int,
+              helpers: Executor) -> tuple[bytes, bytearray]:
+    """The colour JPEG `data` decoded at 1/`scale`, resampled to `size` and encoded as a
+    baseline 4:2:0 JPEG at `quality`: the JPEG and the resampled picture's RGB rows.
+    CorruptImage for truncated or corrupt data (any warning of libjpeg's), as a whole decode
+    refuses it. The decode runs on this thread; the rest on one of `helpers`, behind it."""
+    try:
+        decoder = _jpegrows.Decoder(data, scale)
+    except ValueError as exc:
+        raise CorruptImage(f"image data is truncated or corrupt: {exc}") from None
+    if decoder.channels != 3:
+        raise ValueError("downscale() takes colour JPEGs")
+    # Zeroed (pages the decoder touches first; calloc'd, so nothing is written twice): a band
+    # resampled too early would read black, never another request's pixels.
+    source = np.zeros((decoder.height, decoder.width, 3), np.uint8)
+    progress = _Progress()
+    behind = helpers.submit(_resample_and_encode, source, size, quality, progress)
+    try:
+        decoded = 0
+        while decoded < decoder.height:
+            decoded += decoder.read(source[decoded:decoded + BAND])
+            progress.reached(decoded)
+        decoder.finish()
+    except ValueError as exc:
+        progress.abandon()
+        raise CorruptImage(f"image data is truncated or corrupt: {exc}") from None
+    except BaseException:
+        progress.abandon()
+        raise
+    return behind.result()
+
+
+def _resample_and_encode(source: np.ndarray, size: tuple[int, int], quality: int,
+                         progress: _Progress) -> tuple[bytes, bytearray] | None:
+    rows, columns = source.shape[:2]
+    bands = Bands(source, columns, rows, size)
+    encoder = _jpegrows.Encoder(size[0], size[1], quality)
+    stride = size[0] * 3
+    resampled = bytearray(stride * size[1])
+    done, decoded = 0, 0
+    while done < size[1]:
+        decoded = progress.beyond(decoded)
+        if not decoded:
+            return None  # the decode failed: its caller has the error
+        end = bands.ready(decoded)
+        if end - done >= size[1] // OUT_BANDS or end == size[1]:
+            band = bands.rows(done, end)
+            resampled[done * stride:end * stride] = band
+            encoder.write(band)
+            done = end
+    return encoder.finish(), resampled

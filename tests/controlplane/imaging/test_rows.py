@@ -1,0 +1,237 @@
+"""A large JPEG's resample and encode run behind its decode, a band of rows at a time: the
+picture the engine gets is the one the whole-picture way makes, and what a whole decode
+refuses is refused."""
+
+from __future__ import annotations
+
+import io
+import os
+import sysconfig
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import simplejpeg
+from PIL import Image, ImageDraw, ImageFilter
+
+from controlplane.imaging import rows
+from controlplane.imaging.errors import CorruptImage
+from controlplane.imaging.policy import Policy, _dct_scale, normalise, plan_tiles
+from controlplane.imaging.resample import bicubic_rgb
+
+HEADERS = any(os.path.exists(os.path.join(folder, "jpeglib.h"))
+              for folder in ("/usr/include", "/usr/local/include", sysconfig.get_paths()["include"]))
+needs_rows = pytest.mark.skipif(not rows.compiled(), reason="built only where libjpeg's headers are installed")
+POLICY = Policy(max_input_pixels=60_000_000)
+LOW = Policy(max_input_pixels=60_000_000, default_detail="low")
+
+
+def photo(width: int, height: int, *, quality: int = 90, **save) -> bytes:
+    """A photo-like JPEG: gradients, edges and grain, so every band of it differs."""
+    image = Image.linear_gradient("L").resize((width, height)).convert("RGB")
+    draw = ImageDraw.Draw(image)
+    for k in range(0, width, max(1, width // 23)):
+        draw.line([(k, 0), (width - k, height)], fill=(k % 255, 90, 200 - k % 200), width=5)
+        draw.ellipse([k, k % height, k + width // 9, k % height + height // 7], fill=(40, k % 255, 120))
+    grain = Image.effect_noise((width, height), 40).filter(ImageFilter.GaussianBlur(1))
+    image = Image.blend(image, Image.merge("RGB", (grain, grain, grain)), 0.2)
+    buffer = io.BytesIO()
+    image.save(buffer, "JPEG", quality=quality, **save)
+    return buffer.getvalue()
+
+
+@pytest.fixture(scope="module")
+def helpers():
+    with ThreadPoolExecutor(2) as pool:
+        yield pool
+
+
+def target(data: bytes, policy: Policy = POLICY) -> tuple[int, int, int]:
+    opened = Image.open(io.BytesIO(data))
+    plan = plan_tiles(*opened.size, policy, policy.pixel_cap(None))
+    return plan.width, plan.height, _dct_scale(opened.size, (plan.width, plan.height))
+
+
+def test_the_row_decoder_is_built_wherever_libjpegs_headers_are():
+    """On a machine with libjpeg's headers (this one, CI's) the install compiles it: the
+    streamed path is not skipped there by a build that quietly failed."""
+    if HEADERS:
+        assert rows.compiled()
+
+
+@needs_rows
+@pytest.mark.parametrize("width, height, policy", [
+    (4000, 3000, POLICY),  # a phone's photo: decoded at 1/2, the common case
+    (3000, 4000, POLICY),  # portrait
+    (2401, 1799, POLICY),  # odd sides: the DCT scale rounds up
+    (6000, 4000, LOW),     # low detail: decoded at 1/8, brought down by more than 2 (libvips shrinks first)
+    (8000, 1000, POLICY),  # wide: few rows of many columns
+])
+def test_each_band_is_the_whole_pictures_resample_to_the_bit(width, height, policy, helpers):
+    data = photo(width, height)
+    columns, lines, scale = target(data, policy)
+    assert scale > 1
+    encoded, streamed = rows.downscale(data, scale, (columns, lines), quality=85, helpers=helpers)
+    whole = simplejpeg.decode_jpeg(data, colorspace="RGB", strict=True,
+                                   min_width=-(-width // scale), min_height=-(-height // scale))
+    expected = bicubic_rgb(whole, whole.shape[1], whole.shape[0], (columns, lines))
+    assert bytes(streamed) == expected
+    sent = simplejpeg.decode_jpeg(encoded).astype(int)
+    assert sent.shape == (lines, columns, 3)
+    # The JPEG is that picture within its loss, as the whole-picture encoder makes it.
+    reference = simplejpeg.decode_jpeg(simplejpeg.encode_jpeg(
+        np.frombuffer(expected, np.uint8).reshape(lines, columns, 3), quality=85, colorspace="RGB",
+        colorsubsampling="420", fastdct=False)).astype(int)
+    exact = np.frombuffer(expected, np.uint8).reshape(lines, columns, 3).astype(int)
+    assert abs(np.abs(sent - exact).mean() - np.abs(reference - exact).mean()) < 0.1
+    opened = Image.open(io.BytesIO(encoded))
+    assert opened.info.get("progressive") is None and opened.layer[0][1:3] == (2, 2)  # baseline, 4:2:0
+
+
+@pytest.mark.parametrize("source, size", [
+    ((2000, 1500), (1156, 867)),  # a 12 MP photo at half scale to the pixel cap
+    ((1200, 900), (1156, 867)),   # hardly reduced
+    ((1000, 1500), (333, 500)),   # by 3: libvips shrinks by whole rows before its cubic
+    ((750, 1000), (100, 133)),    # by 7.5
+])
+def test_a_band_reads_no_input_row_beyond_those_it_waits_for(source, size):
+    """Each band is computed with only the rows it waits for decoded (the rest still zero),
+    and is the whole picture's resample there to the bit."""
+    from controlplane.imaging.resample import Bands
+
+    width, height = source
+    full = simplejpeg.decode_jpeg(photo(width, height), colorspace="RGB")
+    expected = np.frombuffer(bicubic_rgb(full, width, height, size), np.uint8).reshape(size[1], size[0], 3)
+    partial = np.zeros_like(full)
+    bands = Bands(partial, width, height, size)
+    done = 0
+    for decoded in [*range(16, height, 16), height]:
+        partial[:decoded] = full[:decoded]
+        end = bands.ready(decoded)
+        assert bands.reads(end) <= decoded and end >= done
+        if end > done:
+            band = np.frombuffer(bands.rows(done, end), np.uint8).reshape(end - done, size[0], 3)
+            assert np.array_equal(band, expected[done:end]), f"rows {done}..{end} with {decoded} decoded"
+            done = end
+    assert done == size[1]
+
+
+@needs_rows
+def test_a_photo_normalised_streamed_is_the_one_normalised_whole(monkeypatch):
+    """Same size, same fingerprint, the same pixels within JPEG's loss, whether the machine
+    built the row decoder or not."""
+    data = photo(4000, 3000)
+    streamed = normalise(data, POLICY)
+    monkeypatch.setattr(rows, "_jpegrows", None)  # as on a machine without libjpeg's headers
+    assert not rows.streams()
+    whole = normalise(data, POLICY)
+    assert (streamed.width, streamed.height, streamed.mime) == (whole.width, whole.height, "image/jpeg")
+    assert streamed.fingerprint == whole.fingerprint
+    a, b = (simplejpeg.decode_jpeg(image.data).astype(int) for image in (streamed, whole))
+    assert np.abs(a - b).mean() < 1.0
+
+
+def _damaged() -> dict[str, bytes]:
+    data = photo(2400, 1800)
+    middle = len(data) // 2
+    progressive = photo(2400, 1800, progressive=True)
+    return {
+        "cut in its pixels": data[:middle],
+        "cut before its end marker": data[:-2],
+        "cut near its end": data[:-400],
+        "garbage in its pixels": data[:middle] + bytes(range(256)) * 8 + data[middle + 2048:],
+        "a progressive photo cut in its scans": progressive[:len(progressive) * 2 // 3],
+    }
+
+
+@needs_rows
+@pytest.mark.parametrize("damage", list(_damaged()))
+def test_what_a_strict_whole_decode_refuses_the_row_decoder_refuses(damage, helpers):
+    data = _damaged()[damage]
+    with pytest.raises(ValueError):
+        simplejpeg.decode_jpeg(data, colorspace="RGB", strict=True, min_width=1200, min_height=900)
+    with pytest.raises(CorruptImage):
+        rows.downscale(data, 2, (1156, 867), quality=85, helpers=helpers)
+    with pytest.raises(CorruptImage):
+        normalise(data, POLICY)
+
+
+@needs_rows
+def test_a_progressive_photo_is_decoded_by_rows_too(helpers):
+    """A progressive JPEG's scans are all read before its first row; its rows come out the same."""
+    data = photo(2400, 1800, progressive=True)
+    _, streamed = rows.downscale(data, 2, (1156, 867), quality=85, helpers=helpers)
+    whole = simplejpeg.decode_jpeg(data, colorspace="RGB", strict=True, min_width=1200, min_height=900)
+    assert bytes(streamed) == bicubic_rgb(whole, 1200, 900, (1156, 867))
+
+
+@needs_rows
+def test_the_decoder_refuses_misuse_with_an_error_never_a_crash():
+    from controlplane.imaging import _jpegrows
+
+    data = photo(640, 480)
+    for bad in (b"", b"\xff\xd8", b"not a jpeg at all", data[:300]):
+        with pytest.raises(ValueError):
+            _jpegrows.Decoder(bad, 2)
+    with pytest.raises(ValueError):
+        _jpegrows.Decoder(data, 3)  # not a DCT scale
+    decoder = _jpegrows.Decoder(data, 2)
+    assert (decoder.width, decoder.height, decoder.channels) == (320, 240, 3)
+    with pytest.raises(ValueError):
+        decoder.finish()  # before its rows
+    band = np.zeros((100, 320, 3), np.uint8)
+    assert decoder.read(band) == 100
+    assert decoder.read(np.zeros((2, 10, 3), np.uint8)) == 0  # a buffer too small for one row
+    assert decoder.read(band) == 100 and decoder.read(band) == 40
+    decoder.finish()
+    with pytest.raises(ValueError):
+        decoder.read(band)  # finished
+    with pytest.raises(TypeError):
+        decoder.read(b"read-only")
+    encoder = _jpegrows.Encoder(32, 4, 85)
+    with pytest.raises(ValueError):
+        encoder.write(b"\x00" * 50)  # not whole rows
+    with pytest.raises(ValueError):
+        encoder.write(b"\x00" * 32 * 3 * 5)  # more rows than the picture has
+    with pytest.raises(ValueError):
+        encoder.finish()  # before its rows
+    encoder.write(b"\x80" * 32 * 3 * 4)
+    assert Image.open(io.BytesIO(encoder.finish())).size == (32, 4)
+    for width, height, quality in ((0, 4, 85), (4, 70000, 85), (4, 4, 0), (4, 4, 101)):
+        with pytest.raises(ValueError):
+            _jpegrows.Encoder(width, height, quality)
+
+
+@needs_rows
+def test_a_second_thread_on_a_decoder_in_use_is_refused():
+    from controlplane.imaging import _jpegrows
+
+    data = photo(4000, 3000)
+    decoder = _jpegrows.Decoder(data, 1)
+    whole = np.zeros((decoder.height, decoder.width, 3), np.uint8)
+    outcomes = []
+
+    def other():
+        try:
+            outcomes.append(decoder.read(np.zeros((16, decoder.width, 3), np.uint8)))
+        except RuntimeError as exc:
+            outcomes.append(str(exc))
+
+    started = threading.Thread(target=decoder.read, args=(whole,))
+    started.start()
+    while started.is_alive():  # a whole 12 MP decode: tens of milliseconds with the GIL released
+        other()
+    started.join()
+    assert "the decoder is in use by another thread" in outcomes
+
+
+@needs_rows
+def test_a_failed_decode_leaves_the_helper_free(helpers):
+    """The helper resampling behind a decode that fails stops; the next picture is served."""
+    broken = photo(2400, 1800)[:60_000]
+    for _ in range(4):  # more failures than the pool has threads
+        with pytest.raises(CorruptImage):
+            rows.downscale(broken, 2, (1156, 867), quality=85, helpers=helpers)
+    encoded, _ = rows.downscale(photo(2400, 1800), 2, (1156, 867), quality=85, helpers=helpers)
+    assert Image.open(io.BytesIO(encoded)).size == (1156, 867)
