@@ -338,17 +338,22 @@ def _downscaled(image: Image.Image, data: bytes, policy: Policy, size: tuple[int
     by libjpeg-turbo. Decoded at a reduced scale (the photo is at least four times the pixels
     it is brought to: its entropy decoding dominates) where the row-by-row decoder is built
     (rows.py), the resample and encode run on a helper thread behind the decode, a band at a
-    time (a 12 MP photo: 35.5 ms in all against 40.6); otherwise the decode is whole,
+    time (a 12 MP photo: 35.5 ms in all against 40.6), while a core is free for them
+    (rows.turn); otherwise the decode is whole,
     the resample on every core, and the encode on a helper thread while this one fingerprints.
     The pixels go from decoder to resampler to encoder as they are: the only Pillow image made
     is the fingerprint's. The same pixels, the same encoder settings (baseline, 4:2:0, the
     policy's quality) as the general path, which decodes and encodes through Pillow."""
     scale = _dct_scale(image.size, size)
-    if scale > 1 and rows.streams():
-        encoded, pixels = rows.downscale(data, scale, size, quality=policy.output_quality, helpers=_helpers())
+    with rows.turn() as behind:  # counted while it decodes, whichever way
+        streamed = scale > 1 and behind
+        if streamed:
+            encoded, pixels = rows.downscale(data, scale, size, quality=policy.output_quality, helpers=_helpers())
+        else:
+            raw = decode_jpeg(data, image, scale)
+    if streamed:
         ident = fingerprint(Image.frombuffer("RGB", size, pixels, "raw", "RGB", 0, 1), index)
     else:
-        raw = decode_jpeg(data, image, scale)
         pixels = bicubic_rgb(raw, raw.shape[1], raw.shape[0], size)
         encoding = _helpers().submit(simplejpeg.encode_jpeg, np.frombuffer(pixels, np.uint8).reshape(size[1], size[0], 3),
                                      quality=policy.output_quality, colorspace="RGB", colorsubsampling="420",

@@ -16,13 +16,15 @@ Pure Python over C libraries: no Django, no Celery.
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 from concurrent.futures import Executor
 
 import numpy as np
 
 from controlplane.imaging.errors import CorruptImage
-from controlplane.imaging.resample import Bands, vips_usable
+from controlplane.imaging.resample import CORES, Bands, vips_usable
 
 try:
     from controlplane.imaging import _jpegrows
@@ -44,8 +46,32 @@ def compiled() -> bool:
 
 
 def streams() -> bool:
-    """Whether a downscale can run its resample and encode behind its decode here."""
-    return _jpegrows is not None and vips_usable()
+    """Whether a downscale can run its resample and encode behind its decode here: the row
+    decoder is built, libvips can run in this process, and there is a core besides the
+    decode's for them."""
+    return _jpegrows is not None and vips_usable() and CORES > 1
+
+
+_running = 0
+_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def turn() -> Iterator[bool]:
+    """A downscale's turn: whether it may run its resample and encode behind its decode. Only
+    while it has a core to itself besides the decode's (no more downscales running in this
+    process than cores less one): where every core is busy, bands cost more CPU than a whole
+    resample (libvips sets up its pipeline for each) and would only take turns with the
+    decodes."""
+    global _running
+    with _lock:
+        free = _running < CORES - 1
+        _running += 1
+    try:
+        yield free and streams()
+    finally:
+        with _lock:
+            _running -= 1
 
 
 class _Progress:

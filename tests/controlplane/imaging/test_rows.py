@@ -235,3 +235,29 @@ def test_a_failed_decode_leaves_the_helper_free(helpers):
             rows.downscale(broken, 2, (1156, 867), quality=85, helpers=helpers)
     encoded, _ = rows.downscale(photo(2400, 1800), 2, (1156, 867), quality=85, helpers=helpers)
     assert Image.open(io.BytesIO(encoded)).size == (1156, 867)
+
+
+@needs_rows
+def test_a_downscale_runs_behind_its_decode_only_while_a_core_is_free_for_it(monkeypatch):
+    """While every core but one already decodes a photo, the next is decoded whole (bands
+    would cost CPU and only take turns with the decodes); the picture is the same either way."""
+    import contextlib
+
+    from controlplane.imaging.resample import CORES
+
+    if CORES < 2:
+        assert not rows.streams()
+        return
+    data = photo(4000, 3000)
+    streamed = []
+    original = rows.downscale
+    monkeypatch.setattr(rows, "downscale", lambda *a, **k: streamed.append(True) or original(*a, **k))
+    alone = normalise(data, POLICY)
+    assert streamed == [True]
+    with contextlib.ExitStack() as running:
+        assert all(running.enter_context(rows.turn()) for _ in range(CORES - 1))
+        assert not running.enter_context(rows.turn())
+        busy = normalise(data, POLICY)
+    assert streamed == [True]  # decoded whole while the cores were taken
+    assert normalise(data, POLICY) and streamed == [True, True]  # and behind its decode once they are free
+    assert (busy.width, busy.height, busy.fingerprint) == (alone.width, alone.height, alone.fingerprint)
