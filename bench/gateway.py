@@ -35,6 +35,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -267,6 +268,42 @@ def image_steps(image: bytes, repeats: int = 10) -> dict[str, float]:
     return timings
 
 
+def decode_floor(image: bytes) -> Callable[[], object]:
+    """The floor of an image's work: the JPEG decoded at the DCT scale the policy's cap allows,
+    by simplejpeg (libjpeg-turbo), the fastest whole-picture decoder at hand."""
+    from PIL import Image
+
+    from controlplane.imaging.decode import decode_jpeg
+    from controlplane.imaging.policy import Policy, _dct_scale, plan_tiles
+
+    policy = Policy(max_pixels=1_003_520, max_input_pixels=60_000_000)
+    opened = Image.open(io.BytesIO(image))
+    plan = plan_tiles(opened.width, opened.height, policy, policy.max_pixels)
+    scale = _dct_scale(opened.size, (plan.width, plan.height))
+    return lambda: decode_jpeg(image, opened, scale)
+
+
+def added_over_floor(gateway_url: str, key: str, direct_url: str, image: bytes, *, rounds: int = 6,
+                     count: int = 20) -> list[tuple[float, float]]:
+    """(the gateway's added p50, the decode alone's median) in seconds, for each of `rounds`
+    taken in turn at concurrency 1: `count` requests direct, `count` through the gateway, and
+    the decode alone `count` times, so that each ratio is taken within the same minute (this
+    machine's speed drifts by tens of per cent between minutes)."""
+    floor = decode_floor(image)
+    figures = []
+    for _ in range(rounds):
+        direct = asyncio.run(load(direct_url, "fake", "vlm", image, 1, count))
+        through = asyncio.run(load(gateway_url, key, "vlm", image, 1, count))
+        floor()
+        decodes = []
+        for _ in range(count):
+            started = time.perf_counter()
+            floor()
+            decodes.append(time.perf_counter() - started)
+        figures.append((through["p50"] - direct["p50"], statistics.median(decodes)))
+    return figures
+
+
 def _each_round(more: list[float], less: list[float]) -> str:
     """The median of the rounds' differences (seconds), and each round's, in milliseconds."""
     differences = [a - b for a, b in zip(more, less, strict=True)]
@@ -369,6 +406,13 @@ def main() -> None:
             gateway_added = statistics.median(added_p50[("gateway", payload, 1)])
             print(f"{payload}: the gateway's added p50 at concurrency 1 is {1000 * gateway_added:.1f} ms, "
                   f"{gateway_added / steps['decode (floor)']:.2f}x the decode alone")
+            if payload == "12mp":
+                rounds = added_over_floor(targets["gateway"][0], key, targets["direct"][0], images[payload])
+                ratios = [added / floor for added, floor in rounds]
+                print(f"{payload}, concurrency 1, rounds of 20 requests direct, 20 through the gateway and 20 "
+                      f"decodes alone taken in turn: the gateway's added p50 over the decode alone, median "
+                      f"{statistics.median(ratios):.2f}x ("
+                      + ", ".join(f"{1000 * added:.1f}/{1000 * floor:.1f} ms" for added, floor in rounds) + ")")
         for name, process in (("gateway", gateway.process), ("gw-nokeep", gateway.untuned)):
             print(f"{name} peak resident memory: {status_kb('VmHWM', process.pid) / 1024:.0f} MB")
     finally:

@@ -69,6 +69,7 @@ class Bands:
             scaled = scaled.embed(0, 0, *size, extend="copy")
         self.scaled, self.size, self.height = scaled, size, height
         self.factor = height / size[1]
+        self._region = None
 
     def reads(self, end: int) -> int:
         """How many input rows from the top output rows [0, `end`) may read: a bound above the
@@ -90,9 +91,13 @@ class Bands:
         return end
 
     def rows(self, start: int, end: int) -> bytes:
-        """Output rows [`start`, `end`), RGB, once `reads(end)` input rows are in."""
-        with _threads(others=1):
-            return self.scaled.crop(0, start, self.size[0], end - start).write_to_memory()
+        """Output rows [`start`, `end`), RGB, once `reads(end)` input rows are in: computed on
+        the calling thread through one region of the result (a crop written to memory per band
+        instead built a pipeline and its threads each time: 26 ms in 24 bands, where the region
+        takes 10)."""
+        if self._region is None:
+            self._region = pyvips.Region.new(self.scaled)
+        return self._region.fetch(0, start, self.size[0], end - start)
 
 
 def bicubic_rgb(pixels, width: int, height: int, size: tuple[int, int]) -> bytes:
