@@ -348,11 +348,11 @@ def _downscaled(image: Image.Image, data: bytes, policy: Policy, size: tuple[int
     with rows.turn() as behind:  # counted while it decodes, whichever way
         streamed = scale > 1 and behind
         if streamed:
-            encoded, pixels = rows.downscale(data, scale, size, quality=policy.output_quality, helpers=_helpers())
+            made = rows.downscale(data, scale, size, quality=policy.output_quality, helpers=_helpers())
         else:
             raw = decode_jpeg(data, image, scale)
     if streamed:
-        ident = fingerprint(Image.frombuffer("RGB", size, pixels, "raw", "RGB", 0, 1), index)
+        encoded, ident = made.jpeg, fingerprint(made.grey_image(size), index)
     else:
         pixels = bicubic_rgb(raw, raw.shape[1], raw.shape[0], size)
         encoding = _helpers().submit(simplejpeg.encode_jpeg, np.frombuffer(pixels, np.uint8).reshape(size[1], size[0], 3),

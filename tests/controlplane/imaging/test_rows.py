@@ -72,11 +72,15 @@ def test_each_band_is_the_whole_pictures_resample_to_the_bit(width, height, poli
     data = photo(width, height)
     columns, lines, scale = target(data, policy)
     assert scale > 1
-    encoded, streamed = rows.downscale(data, scale, (columns, lines), quality=85, helpers=helpers)
+    made = rows.downscale(data, scale, (columns, lines), quality=85, helpers=helpers)
+    encoded, streamed = made.jpeg, made.rgb
     whole = simplejpeg.decode_jpeg(data, colorspace="RGB", strict=True,
                                    min_width=-(-width // scale), min_height=-(-height // scale))
     expected = bicubic_rgb(whole, whole.shape[1], whole.shape[0], (columns, lines))
     assert bytes(streamed) == expected
+    # Its grey, made a band at a time, is Pillow's grey of the whole (what the fingerprint reads).
+    picture = Image.frombytes("RGB", (columns, lines), expected)
+    assert made.grey_image((columns, lines)).tobytes() == picture.convert("L").tobytes()
     sent = simplejpeg.decode_jpeg(encoded).astype(int)
     assert sent.shape == (lines, columns, 3)
     # The JPEG is that picture within its loss, as the whole-picture encoder makes it.
@@ -161,7 +165,7 @@ def test_what_a_strict_whole_decode_refuses_the_row_decoder_refuses(damage, help
 def test_a_progressive_photo_is_decoded_by_rows_too(helpers):
     """A progressive JPEG's scans are all read before its first row; its rows come out the same."""
     data = photo(2400, 1800, progressive=True)
-    _, streamed = rows.downscale(data, 2, (1156, 867), quality=85, helpers=helpers)
+    streamed = rows.downscale(data, 2, (1156, 867), quality=85, helpers=helpers).rgb
     whole = simplejpeg.decode_jpeg(data, colorspace="RGB", strict=True, min_width=1200, min_height=900)
     assert bytes(streamed) == bicubic_rgb(whole, 1200, 900, (1156, 867))
 
@@ -233,8 +237,8 @@ def test_a_failed_decode_leaves_the_helper_free(helpers):
     for _ in range(4):  # more failures than the pool has threads
         with pytest.raises(CorruptImage):
             rows.downscale(broken, 2, (1156, 867), quality=85, helpers=helpers)
-    encoded, _ = rows.downscale(photo(2400, 1800), 2, (1156, 867), quality=85, helpers=helpers)
-    assert Image.open(io.BytesIO(encoded)).size == (1156, 867)
+    made = rows.downscale(photo(2400, 1800), 2, (1156, 867), quality=85, helpers=helpers)
+    assert Image.open(io.BytesIO(made.jpeg)).size == (1156, 867)
 
 
 @needs_rows
