@@ -331,7 +331,9 @@ def test_the_gateway_killed_under_load_loses_no_usage_and_bills_cut_streams_as_r
                  timeout=60, what="runlocal to restart the gateway")
         time.sleep(4)
     cut_streams = [answer for answer in load.answers if answer.error and answer.request_id]
-    assert cut_streams and all(answer.content_at for answer in cut_streams)
+    # The stream that had received for a while was cut; another may have been cut after its
+    # headers and before its first chunk (billed at nothing: it received nothing).
+    assert any(answer.content_at for answer in cut_streams)
     _metered_as_answered(chaos, load.answers, cut=cut)
 
 
