@@ -17,6 +17,7 @@ Pure Python over C libraries: no Django, no Celery.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from collections.abc import Iterator
 from concurrent.futures import Executor
@@ -26,7 +27,7 @@ import numpy as np
 from PIL import Image
 
 from controlplane.imaging.errors import CorruptImage
-from controlplane.imaging.resample import CORES, Bands, vips_usable
+from controlplane.imaging.resample import Bands, vips_usable
 
 try:
     from controlplane.imaging import _jpegrows
@@ -52,7 +53,12 @@ def streams() -> bool:
     """Whether a downscale can run its resample and encode behind its decode here: the row
     decoder is built, libvips can run in this process, and there is a core besides the
     decode's for them."""
-    return _jpegrows is not None and vips_usable() and CORES > 1
+    return _jpegrows is not None and vips_usable() and _cores() > 1
+
+
+def _cores() -> int:
+    """The cores this process may run on now (it may have been pinned since it started)."""
+    return len(os.sched_getaffinity(0))
 
 
 _running = 0
@@ -68,7 +74,7 @@ def turn() -> Iterator[bool]:
     decodes."""
     global _running
     with _lock:
-        free = _running < CORES - 1
+        free = _running < _cores() - 1
         _running += 1
     try:
         yield free and streams()

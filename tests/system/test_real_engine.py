@@ -60,6 +60,8 @@ CASES = {
     "three images": dict(images=[image_bytes(800, 600), image_bytes(300, 300), image_bytes(1024, 200)]),
     "receipt cut into tiles": dict(images=[image_bytes(400, 12000)]),  # past the policy's aspect bound
     "low detail": dict(images=[image_bytes(1920, 1080)], detail="low"),
+    # Decoded at half size, its resample and encode behind the decode (imaging/rows.py).
+    "phone photo (12 MP)": dict(images=[image_bytes(4000, 3000)]),
 }
 
 

@@ -247,9 +247,8 @@ def test_a_downscale_runs_behind_its_decode_only_while_a_core_is_free_for_it(mon
     would cost CPU and only take turns with the decodes); the picture is the same either way."""
     import contextlib
 
-    from controlplane.imaging.resample import CORES
-
-    if CORES < 2:
+    cores = len(os.sched_getaffinity(0))
+    if cores < 2:
         assert not rows.streams()
         return
     data = photo(4000, 3000)
@@ -259,9 +258,32 @@ def test_a_downscale_runs_behind_its_decode_only_while_a_core_is_free_for_it(mon
     alone = normalise(data, POLICY)
     assert streamed == [True]
     with contextlib.ExitStack() as running:
-        assert all(running.enter_context(rows.turn()) for _ in range(CORES - 1))
+        assert all(running.enter_context(rows.turn()) for _ in range(cores - 1))
         assert not running.enter_context(rows.turn())
         busy = normalise(data, POLICY)
     assert streamed == [True]  # decoded whole while the cores were taken
     assert normalise(data, POLICY) and streamed == [True, True]  # and behind its decode once they are free
     assert (busy.width, busy.height, busy.fingerprint) == (alone.width, alone.height, alone.fingerprint)
+
+
+def _streams_once_pinned(results) -> None:
+    import controlplane.imaging.policy  # noqa: F401  everything imported, as a server's worker has it
+
+    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+    results.put((rows.compiled(), rows.streams()))
+
+
+@needs_rows
+def test_a_process_pinned_to_one_core_decodes_whole():
+    """Nothing can run behind a decode on the decode's own core: a process pinned to one after
+    it started (its modules imported on two) decodes whole pictures."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")  # a fresh process: libvips never ran in it
+    results = context.Queue()
+    child = context.Process(target=_streams_once_pinned, args=(results,))
+    child.start()
+    try:
+        assert results.get(timeout=60) == (True, False)
+    finally:
+        child.join(timeout=5)
