@@ -137,7 +137,7 @@ static PyObject *decoder_read(Decoder *self, PyObject *args) {
     JDIMENSION left = self->cinfo.output_height - self->cinfo.output_scanline;
     if (wanted > left) wanted = left;
     JDIMENSION done = 0;
-    int failed = 0;
+    int failed = 0, stalled = 0;
     self->busy = 1;
     Py_BEGIN_ALLOW_THREADS
     if (setjmp(self->failure.escape)) {
@@ -147,14 +147,19 @@ static PyObject *decoder_read(Decoder *self, PyObject *args) {
             JSAMPROW rows[16];
             JDIMENSION ask = wanted - done < 16 ? wanted - done : 16, i;
             for (i = 0; i < ask; i++) rows[i] = (JSAMPROW)((unsigned char *)out.buf + (size_t)(done + i) * stride);
-            done += jpeg_read_scanlines(&self->cinfo, rows, ask);
+            JDIMENSION got = jpeg_read_scanlines(&self->cinfo, rows, ask);
+            if (got == 0) {  /* never from a memory source short of an error; never spin on it */
+                stalled = 1;
+                break;
+            }
+            done += got;
         }
     }
     Py_END_ALLOW_THREADS
     self->busy = 0;
     PyBuffer_Release(&out);
-    if (failed) {
-        PyErr_Format(PyExc_ValueError, "%s", self->failure.message);
+    if (failed || stalled) {
+        PyErr_Format(PyExc_ValueError, "%s", failed ? self->failure.message : "the decoder gave no rows");
         decoder_release(self);
         return NULL;
     }
@@ -363,7 +368,7 @@ static PyObject *encoder_write(Encoder *self, PyObject *args) {
         return NULL;
     }
     JDIMENSION done = 0;
-    int failed = 0;
+    int failed = 0, stalled = 0;
     self->busy = 1;
     Py_BEGIN_ALLOW_THREADS
     if (setjmp(self->failure.escape)) {
@@ -373,14 +378,19 @@ static PyObject *encoder_write(Encoder *self, PyObject *args) {
             JSAMPROW rows[16];
             JDIMENSION ask = count - done < 16 ? count - done : 16, i;
             for (i = 0; i < ask; i++) rows[i] = (JSAMPROW)((unsigned char *)rows_in.buf + (size_t)(done + i) * stride);
-            done += jpeg_write_scanlines(&self->cinfo, rows, ask);
+            JDIMENSION put = jpeg_write_scanlines(&self->cinfo, rows, ask);
+            if (put == 0) {  /* never to a destination that grows, short of an error */
+                stalled = 1;
+                break;
+            }
+            done += put;
         }
     }
     Py_END_ALLOW_THREADS
     self->busy = 0;
     PyBuffer_Release(&rows_in);
-    if (failed) {
-        PyErr_Format(PyExc_ValueError, "%s", self->failure.message);
+    if (failed || stalled) {
+        PyErr_Format(PyExc_ValueError, "%s", failed ? self->failure.message : "the encoder took no rows");
         encoder_release(self);
         return NULL;
     }

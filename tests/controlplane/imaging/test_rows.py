@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import os
+import random
 import sysconfig
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -159,6 +160,49 @@ def test_what_a_strict_whole_decode_refuses_the_row_decoder_refuses(damage, help
         rows.downscale(data, 2, (1156, 867), quality=85, helpers=helpers)
     with pytest.raises(CorruptImage):
         normalise(data, POLICY)
+
+
+def _mangled(count: int, seed: int = 7):
+    """A photo broken in `count` ways, each its own: bits flipped, cut short, garbage inserted,
+    a run zeroed."""
+    rng, whole = random.Random(seed), photo(800, 600)
+    for _ in range(count):
+        data = bytearray(whole)
+        kind = rng.choice(["flip", "cut", "garbage", "zero"])
+        if kind == "flip":
+            for _ in range(rng.randint(1, 8)):
+                data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
+        elif kind == "cut":
+            data = data[:rng.randrange(len(data))]
+        elif kind == "garbage":
+            at = rng.randrange(len(data))
+            data[at:at] = rng.randbytes(rng.randint(1, 300))
+        else:
+            at = rng.randrange(len(data))
+            data[at:at + 200] = bytes(200)
+        yield kind, bytes(data)
+
+
+@needs_rows
+def test_a_mangled_photo_is_refused_or_decoded_as_a_strict_whole_decode_does(helpers):
+    """Untrusted bytes through C: two hundred broken photos, each refused (CorruptImage) exactly
+    when simplejpeg's strict decode refuses it, and never a crash, a hang or another error."""
+    differing = []
+    for kind, data in _mangled(200):
+        try:
+            simplejpeg.decode_jpeg(data, colorspace="RGB", strict=True, min_width=400, min_height=300)
+            whole = True
+        except ValueError:
+            whole = False
+        try:
+            made = rows.downscale(data, 2, (390, 290), quality=85, helpers=helpers)
+            assert Image.open(io.BytesIO(made.jpeg)).size == (390, 290)
+            streamed = True
+        except CorruptImage:
+            streamed = False
+        if whole != streamed:
+            differing.append((kind, whole, streamed))
+    assert differing == []
 
 
 @needs_rows
