@@ -41,17 +41,20 @@ def wait_for(check, *, timeout: float, interval: float = 0.2, what: str = "condi
 class RedisServer:
     """A redis-server process of the test's own, with no persistence."""
 
-    def __init__(self):
+    def __init__(self, *, password: str | None = None, unix_socket: str | None = None):
         self.port, self.process = free_port(), None
+        self.password, self.unix_socket = password, unix_socket
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        return f"redis://{f':{self.password}@' if self.password else ''}127.0.0.1:{self.port}/0"
 
     def start(self) -> None:
+        options = [*(["--requirepass", self.password] if self.password else []),
+                   *(["--unixsocket", self.unix_socket] if self.unix_socket else [])]
         self.process = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             *options], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         wait_for(lambda: redis.Redis.from_url(self.url).ping(), timeout=10, what="the test's Redis")
 
     def kill(self) -> None:

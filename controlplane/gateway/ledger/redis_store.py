@@ -256,6 +256,13 @@ class RedisLedger:
 
         return async_redis(self.url)
 
+    def _scripts(self):
+        """What runs the ledger's scripts, two or three a request: one connection every
+        request shares (redis_clients.script_redis)."""
+        from controlplane.redis_clients import script_redis
+
+        return script_redis(self.url)
+
     def _quota_keys(self, tenant_id: int, window: str, now: dt.datetime) -> list[str]:
         base = f"{self.prefix}:quota:{tenant_id}"
         return [f"{base}:{window}:image_tokens", f"{base}:{window}:total_tokens",
@@ -267,11 +274,11 @@ class RedisLedger:
         """Count one request of API key `key_id` this minute, unless it has had `limit`
         already (then False, counting nothing)."""
         counter = f"{self.prefix}:keyrpm:{key_id}:{minute_window(now)}"
-        return bool(await _eval(self._client(), _KEY_RATE, 1, counter, limit))
+        return bool(await _eval(self._scripts(), _KEY_RATE, 1, counter, limit))
 
     async def key_rate_return(self, key_id: int, now: dt.datetime) -> None:
         """Give back the request `key_rate` counted (its request was refused after all)."""
-        await _eval(self._client(), _KEY_RATE_RETURN, 1, f"{self.prefix}:keyrpm:{key_id}:{minute_window(now)}")
+        await _eval(self._scripts(), _KEY_RATE_RETURN, 1, f"{self.prefix}:keyrpm:{key_id}:{minute_window(now)}")
 
     # -- admit -----------------------------------------------------------------------------
 
@@ -312,14 +319,14 @@ class RedisLedger:
         quota = [0, 0, 0, -1, -1, -1, -1] if limits is None else [
             ask.image_tokens, ask.total_tokens, int(ask.large),
             *(-1 if getattr(limits, name) is None else getattr(limits, name) for name in _ORDER)]
-        client = self._client()
+        client, scripts = self._client(), self._scripts()
         for _attempt in range(2):
-            outcome = await _eval(client, _ADMIT, 8, *keys, *quota, *journal, "1" if limits else "0")
+            outcome = await _eval(scripts, _ADMIT, 8, *keys, *quota, *journal, "1" if limits else "0")
             if outcome == -1:  # the period's first request (or Redis lost them): start from what is metered
                 await self.keep_safe()  # what Redis lost is in the database first
                 image_used, total_used = await self._used(client, tenant_id, limits.period, now)
                 ttl = seconds_to_period_end(limits.period, now) + 2 * 86400
-                await _eval(client, _SEED, 3, keys[0], keys[1], keys[4], image_used, total_used, uuid.uuid4().hex, ttl)
+                await _eval(scripts, _SEED, 3, keys[0], keys[1], keys[4], image_used, total_used, uuid.uuid4().hex, ttl)
                 continue
             if outcome:
                 raise refusal(_ORDER[outcome - 1], limits, now)
@@ -349,7 +356,7 @@ class RedisLedger:
     async def settle(self, reservation: Reservation, *, image_tokens: int, total_tokens: int) -> None:
         """Correct a reservation to what was used (release it: 0 and 0)."""
         keys, args = self._settle_call(reservation, image_tokens, total_tokens)
-        await _eval(self._client(), _SETTLE, 5, *keys, *args)
+        await _eval(self._scripts(), _SETTLE, 5, *keys, *args)
 
     # -- beat ------------------------------------------------------------------------------
 
@@ -357,7 +364,7 @@ class RedisLedger:
         now, args = time.time(), []
         for flight in flights:
             args += [flight.record.request_id, _beat(flight, now)]
-        await _eval(self._client(), _BEAT, 2, self.inflight, self.beats, *args)
+        await _eval(self._scripts(), _BEAT, 2, self.inflight, self.beats, *args)
 
     # -- finish ----------------------------------------------------------------------------
 
@@ -382,7 +389,7 @@ class RedisLedger:
             await self._mark()
         try:
             with once_written(written, "EVALSHA", "EVAL"):
-                await _eval(self._client(), _FINISH, len(keys), *keys, *args)
+                await _eval(self._scripts(), _FINISH, len(keys), *keys, *args)
             _remember(record)
         except Exception:  # Redis unreachable: the database is slower, but nothing is lost
             log.exception("usage journal unavailable; writing %s to the database", record.request_id)

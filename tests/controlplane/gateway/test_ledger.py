@@ -47,6 +47,27 @@ def test_a_refused_request_leaves_no_entry_and_an_admitted_one_holds_both(world,
     ledger._live.clear()
 
 
+def _commands_sent(monkeypatch) -> list[str]:
+    """The name of each command the gateway sends Redis from now on, by either of its clients
+    (the scripts' shared connection, and redis-py's pool for the rest)."""
+    from controlplane import redis_clients
+
+    calls = []
+    pooled, shared = redis.asyncio.Redis.execute_command, redis_clients._Multiplexed._execute
+
+    async def counted(self, *args, **options):
+        calls.append(args[0])
+        return await pooled(self, *args, **options)
+
+    async def counted_shared(self, *args):
+        calls.append(args[0])
+        return await shared(self, *args)
+
+    monkeypatch.setattr(redis.asyncio.Redis, "execute_command", counted)
+    monkeypatch.setattr(redis_clients._Multiplexed, "_execute", counted_shared)
+    return calls
+
+
 @pytest.fixture
 def own_redis(settings):
     """A Redis of the test's own: its script cache is the server's, which the tests running
@@ -62,14 +83,7 @@ def own_redis(settings):
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.parametrize("mode", ["redis"], indirect=True)
 def test_admitting_and_journaling_is_one_round_trip_to_redis(world, own_redis, mode, monkeypatch):  # noqa: F811
-    calls = []
-    original = redis.asyncio.Redis.execute_command
-
-    async def counted(self, *args, **options):
-        calls.append(args[0])
-        return await original(self, *args, **options)
-
-    monkeypatch.setattr(redis.asyncio.Redis, "execute_command", counted)
+    calls = _commands_sent(monkeypatch)
     async_to_sync(ledger.admit)(_record(world, "req-first"), LIMITS, Ask(0, 100, False))
     assert calls.count("EVALSHA") + calls.count("EVAL") >= 2  # the period's first: its counters started
     calls.clear()
@@ -94,14 +108,7 @@ def test_a_request_costs_two_round_trips_to_the_ledger_admitted_with_its_engine_
     Quota.objects.create(tenant=routed.alice, period="day", total_tokens=10**6)
     body = {"model": "text", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
     assert post(client, routed.alice_key, body).status_code == 200  # the period's counters started
-    calls = []
-    original = redis.asyncio.Redis.execute_command
-
-    async def counted(self, *args, **options):
-        calls.append(args[0])
-        return await original(self, *args, **options)
-
-    monkeypatch.setattr(redis.asyncio.Redis, "execute_command", counted)
+    calls = _commands_sent(monkeypatch)
     response = post(client, routed.alice_key, body)
     assert response.status_code == 200
     assert calls == ["EVALSHA", "EVALSHA"]  # admit (with the engine chosen), finish
