@@ -14,6 +14,7 @@ import collections
 import contextlib
 import contextvars
 import functools
+import socket
 import weakref
 
 import hiredis
@@ -237,6 +238,12 @@ class _Connection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            # A connection dropped on the way without a word (idle, behind a firewall) is found
+            # out by the kernel, not only by the next command's timeout.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def data_received(self, data: bytes) -> None:
         self.reader.feed(data)
