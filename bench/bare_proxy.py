@@ -11,8 +11,9 @@ round trips to Redis, as the gateway makes them: one written before forwarding, 
 awaited beside the engine's work and before the answer is relayed (the gateway admits and
 journals the request), and one after the engine's answer, written before the answer leaves and
 its reply awaited after (the gateway hands the usage over), each an EVALSHA of a script that
-touches one key, through the gateway's Redis client (controlplane.redis_clients: its bounded
-pool and timeouts): what those round trips cost whatever the scripts do. No authentication, no
+touches one key, through the client the gateway runs its scripts with (controlplane.redis_clients:
+one connection the requests share, its timeouts): what those round trips cost whatever the
+scripts do. No authentication, no
 checks, no counting, no usage.
 
 Without REDIS_URL it is a bare pass-through proxy; with it, the gateway's design with none of
@@ -30,7 +31,7 @@ import django
 
 # Settings are read only when a request is served, after django.setup() below.
 from controlplane.gateway import upstream
-from controlplane.redis_clients import async_redis, once_written, until_written
+from controlplane.redis_clients import async_redis, once_written, script_redis, until_written
 
 _SCRIPT = "return redis.call('INCR', KEYS[1])"
 
@@ -43,11 +44,10 @@ class BareProxy:
 
     async def _round_trip(self, written: asyncio.Future | None = None) -> None:
         if self.redis_url:
-            client = async_redis(self.redis_url)
             if self.sha is None:
-                self.sha = await client.script_load(_SCRIPT)
+                self.sha = await async_redis(self.redis_url).script_load(_SCRIPT)
             with once_written(written, "EVALSHA"):
-                await client.evalsha(self.sha, 1, "bench:bare-proxy")
+                await script_redis(self.redis_url).evalsha(self.sha, 1, "bench:bare-proxy")
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
