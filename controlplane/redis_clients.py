@@ -187,7 +187,9 @@ class _Connection(asyncio.Protocol):
     def __init__(self, loop: asyncio.AbstractEventLoop, timeout: float):
         self.loop, self.timeout = loop, timeout
         self.reader = hiredis.Reader()
-        self.waiting: collections.deque[tuple[asyncio.Future, float]] = collections.deque()
+        # [the caller's answer, its deadline (once written)], oldest first: as Redis replies.
+        self.waiting: collections.deque[list] = collections.deque()
+        self.queued: list[list] = []  # the entries of this turn's write, not yet written
         self.outgoing: list[bytes] = []
         self.written: list[asyncio.Future] = []  # told once this turn's write is in the kernel's buffer
         self.transport: asyncio.Transport | None = None
@@ -197,19 +199,18 @@ class _Connection(asyncio.Protocol):
 
     def send(self, args: tuple, written: asyncio.Future | None) -> asyncio.Future:
         if self.failed is not None:
-            raise self.failed
+            raise _copy(self.failed)
         packed = _pack(*args)  # DataError for what Redis cannot take, before anything is queued
         answer = self.loop.create_future()
-        deadline = self.loop.time() + self.timeout
-        self.waiting.append((answer, deadline))
+        entry = [answer, None]
+        self.waiting.append(entry)
+        self.queued.append(entry)
         self.outgoing += packed
         if written is not None:
             self.written.append(written)
         if not self.flushing:
             self.flushing = True
             self.loop.call_soon(self._flush)
-        if self.watch is None:
-            self.watch = self.loop.call_at(deadline, self._check)
         return answer
 
     def _flush(self) -> None:
@@ -218,10 +219,19 @@ class _Connection(asyncio.Protocol):
             return
         outgoing, self.outgoing = self.outgoing, []
         written, self.written = self.written, []
+        queued, self.queued = self.queued, []
         self.transport.writelines(outgoing)
-        # All of it in the kernel's buffer: it reaches Redis even if this process dies now.
-        # Otherwise each caller is told when its command ends (until_written).
-        if not self.transport.get_write_buffer_size():
+        # Each command may go unanswered for the timeout from when it was written (as the
+        # pooled clients count it), not from when it was queued behind a busy loop.
+        deadline = self.loop.time() + self.timeout
+        for entry in queued:
+            entry[1] = deadline
+        if self.watch is None:
+            self.watch = self.loop.call_at(deadline, self._check)
+        # All of it in the kernel's buffer, the connection still open (a failed send empties
+        # the buffer too): it reaches Redis even if this process dies now. Otherwise each
+        # caller is told when its command ends (until_written).
+        if not self.transport.is_closing() and not self.transport.get_write_buffer_size():
             for future in written:
                 if not future.done():
                     future.set_result(None)
@@ -230,20 +240,22 @@ class _Connection(asyncio.Protocol):
         self.watch = None
         if not self.waiting:
             return
-        deadline = self.waiting[0][1]  # the oldest command not yet answered
-        if deadline <= self.loop.time():
+        deadline = self.waiting[0][1]  # the oldest command not yet answered (None: not yet written)
+        if deadline is not None and deadline <= self.loop.time():
             self._fail(redis.exceptions.TimeoutError("Timeout reading from Redis"))
         else:
-            self.watch = self.loop.call_at(deadline, self._check)
+            self.watch = self.loop.call_at(deadline or self.loop.time() + self.timeout, self._check)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-            # A connection dropped on the way without a word (idle, behind a firewall) is found
-            # out by the kernel, not only by the next command's timeout.
+            # A connection dropped on the way without a word (idle, behind a firewall) is
+            # found out by the kernel within a minute, not by the next request's timeout.
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            for option, value in (("TCP_KEEPIDLE", 30), ("TCP_KEEPINTVL", 10), ("TCP_KEEPCNT", 3)):
+                if hasattr(socket, option):
+                    sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
 
     def data_received(self, data: bytes) -> None:
         self.reader.feed(data)
@@ -253,7 +265,11 @@ class _Connection(asyncio.Protocol):
                 if answer.done():  # its caller gave up
                     continue
                 if isinstance(reply, hiredis.ReplyError):
-                    answer.set_exception(BaseParser.parse_error(str(reply)))
+                    try:
+                        error = BaseParser.parse_error(str(reply))
+                    except Exception:  # noqa: BLE001 - a reply redis-py cannot classify is still an error
+                        error = redis.exceptions.ResponseError(str(reply))
+                    answer.set_exception(error)
                 else:
                     answer.set_result(reply)
         except (hiredis.ProtocolError, IndexError) as exc:  # not Redis, or a reply never asked for
@@ -273,8 +289,12 @@ class _Connection(asyncio.Protocol):
         while self.waiting:
             answer, _ = self.waiting.popleft()
             if not answer.done():
-                answer.set_exception(self.failed)
-        self.written, self.outgoing = [], []  # their callers are told as their commands fail
+                answer.set_exception(_copy(self.failed))  # each its own: tracebacks do not mix
+        self.written, self.outgoing, self.queued = [], [], []  # their callers are told as their commands fail
+
+
+def _copy(error: Exception) -> Exception:
+    return type(error)(*error.args)
 
 
 def sync_redis(url: str) -> redis.Redis:

@@ -240,3 +240,78 @@ def test_a_script_is_told_written_once_it_is_on_its_way_before_redis_replies(set
         assert _on_the_shared_connection(relay.url, body) == (True, [b"marked-script"])
     finally:
         relay.close()
+
+
+def test_a_script_whose_write_fails_is_not_told_written():
+    """The connection reset under it (RST, seen before the next poll): its bytes never reached
+    the kernel, so what waits on it being on its way hears only of its failure."""
+    import socket
+    import struct
+    import threading
+    import time
+
+    from controlplane.redis_clients import once_written
+
+    server = socket.create_server(("127.0.0.1", 0))
+    accepted = []
+    threading.Thread(target=lambda: accepted.append(server.accept()[0]), daemon=True).start()
+
+    async def body(client):
+        await client._connected()
+        while not accepted:
+            await asyncio.sleep(0.01)
+        accepted[0].setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        accepted[0].close()
+        time.sleep(0.2)  # the loop busy: the reset is there before its next poll
+        written = asyncio.get_running_loop().create_future()
+
+        async def finish():
+            with once_written(written, "EVALSHA"):
+                return await client.evalsha("0" * 40, 0)
+
+        sending = asyncio.ensure_future(finish())
+        await asyncio.wait({written, sending}, return_when=asyncio.FIRST_COMPLETED)
+        told_written = written.done()
+        with pytest.raises(redis.exceptions.ConnectionError):
+            await sending
+        return told_written
+
+    try:
+        assert _on_the_shared_connection(f"redis://127.0.0.1:{server.getsockname()[1]}/0", body) is False
+    finally:
+        server.close()
+
+
+def test_an_error_reply_redis_py_cannot_classify_is_that_callers_error():
+    """An error that looks like a cluster redirection but is not one fails its own caller, at
+    once: it does not break the connection and leave the caller waiting past every bound."""
+    skip_without_redis()
+
+    async def body(client):
+        with pytest.raises(redis.exceptions.ResponseError, match="ASK me"):
+            await asyncio.wait_for(client.eval("return redis.error_reply('ASK me')", 0), 5)
+        return await client.eval(_ECHO, 0, "next"), client._connection.failed
+
+    assert _on_the_shared_connection(settings.REDIS_URL, body) == ([b"next"], None)
+
+
+def test_a_script_queued_behind_a_busy_loop_has_the_whole_timeout_once_written():
+    """As the pooled clients count it: from when the command is written, not from when it was
+    queued while the event loop was busy for longer than the timeout."""
+    import time
+
+    skip_without_redis()
+
+    async def body(client):
+        await client.eval(_ECHO, 0, "connected")
+        queued = asyncio.ensure_future(client.eval(_ECHO, 0, "queued"))
+        await asyncio.sleep(0)  # queued, not yet written
+        time.sleep(1.3)  # the loop busy past the timeout
+        return await queued
+
+    before = settings.REDIS_TIMEOUT_S
+    settings.REDIS_TIMEOUT_S = 1
+    try:
+        assert _on_the_shared_connection(settings.REDIS_URL, body) == [b"queued"]
+    finally:
+        settings.REDIS_TIMEOUT_S = before
