@@ -72,45 +72,61 @@ static void decoder_release(Decoder *self) {
 
 static int decoder_init(Decoder *self, PyObject *args, PyObject *kwds) {
     static char *names[] = {"data", "scale", "grey", NULL};
-    int scale = 1, grey = 0;
+    int scale = 1, grey = 0, failed = 0, colour = 1;
+    Py_buffer data;
+    /* The arguments first, into locals: converting them runs Python code, which must find
+       this object as it was. */
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "y*|ip", names, &data, &scale, &grey)) return -1;
     if (self->busy) {
+        PyBuffer_Release(&data);
         PyErr_SetString(PyExc_RuntimeError, "the decoder is in use by another thread");
         return -1;
     }
-    decoder_release(self);
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "y*|ip", names, &self->data, &scale, &grey)) return -1;
     if (scale != 1 && scale != 2 && scale != 4 && scale != 8) {
+        PyBuffer_Release(&data);
         PyErr_SetString(PyExc_ValueError, "scale must be 1, 2, 4 or 8");
-        decoder_release(self);
         return -1;
     }
-    if (self->data.len <= 0 || (unsigned long long)self->data.len > 0xFFFFFFFFull) {
+    if (data.len <= 0 || (unsigned long long)data.len > 0xFFFFFFFFull) {
+        PyBuffer_Release(&data);
         PyErr_SetString(PyExc_ValueError, "JPEG data is empty or larger than 4 GiB");
-        decoder_release(self);
         return -1;
     }
+    decoder_release(self);
+    self->data = data;
     failure_init(&self->failure);
     self->cinfo.err = &self->failure.pub;
-    if (setjmp(self->failure.escape)) {
-        PyErr_Format(PyExc_ValueError, "%s", self->failure.message);
-        decoder_release(self);
-        return -1;
-    }
     jpeg_create_decompress(&self->cinfo);
     self->live = 1;
-    jpeg_mem_src(&self->cinfo, (const unsigned char *)self->data.buf, (unsigned long)self->data.len);
-    jpeg_read_header(&self->cinfo, TRUE);
-    if (self->cinfo.jpeg_color_space != JCS_YCbCr && self->cinfo.jpeg_color_space != JCS_GRAYSCALE
-            && self->cinfo.jpeg_color_space != JCS_RGB) {
-        PyErr_SetString(PyExc_ValueError, "only YCbCr, RGB and greyscale JPEGs are decoded here");
+    self->busy = 1;
+    /* The header, and for a progressive JPEG every scan (libjpeg reads them all before its
+       first row), with the GIL released: tens of milliseconds for a large photo. */
+    Py_BEGIN_ALLOW_THREADS
+    if (setjmp(self->failure.escape)) {
+        failed = 1;
+    } else {
+        jpeg_mem_src(&self->cinfo, (const unsigned char *)self->data.buf, (unsigned long)self->data.len);
+        jpeg_read_header(&self->cinfo, TRUE);
+        if (self->cinfo.jpeg_color_space != JCS_YCbCr && self->cinfo.jpeg_color_space != JCS_GRAYSCALE
+                && self->cinfo.jpeg_color_space != JCS_RGB) {
+            colour = 0;
+        } else {
+            self->cinfo.out_color_space =
+                grey || self->cinfo.jpeg_color_space == JCS_GRAYSCALE ? JCS_GRAYSCALE : JCS_RGB;
+            self->cinfo.scale_num = 1;
+            self->cinfo.scale_denom = (unsigned int)scale;
+            self->cinfo.dct_method = JDCT_ISLOW;  /* what TurboJPEG (simplejpeg) uses unless told otherwise */
+            jpeg_start_decompress(&self->cinfo);
+        }
+    }
+    Py_END_ALLOW_THREADS
+    self->busy = 0;
+    if (failed || !colour) {
+        if (failed) PyErr_Format(PyExc_ValueError, "%s", self->failure.message);
+        else PyErr_SetString(PyExc_ValueError, "only YCbCr, RGB and greyscale JPEGs are decoded here");
         decoder_release(self);
         return -1;
     }
-    self->cinfo.out_color_space = grey || self->cinfo.jpeg_color_space == JCS_GRAYSCALE ? JCS_GRAYSCALE : JCS_RGB;
-    self->cinfo.scale_num = 1;
-    self->cinfo.scale_denom = (unsigned int)scale;
-    self->cinfo.dct_method = JDCT_ISLOW;  /* what TurboJPEG (simplejpeg) uses unless told otherwise */
-    jpeg_start_decompress(&self->cinfo);
     return 0;
 }
 
@@ -180,15 +196,21 @@ static PyObject *decoder_finish(Decoder *self, PyObject *unused) {
         PyErr_SetString(PyExc_ValueError, "finish() before every row was read");
         return NULL;
     }
+    int failed = 0;
+    self->busy = 1;
+    Py_BEGIN_ALLOW_THREADS
     if (setjmp(self->failure.escape)) {
-        PyErr_Format(PyExc_ValueError, "%s", self->failure.message);
-        decoder_release(self);
-        return NULL;
+        failed = 1;
+    } else {
+        /* Reads on to the end of the image: a scan after the last one needed, or the EOI
+           marker, truncated or corrupt is refused here. */
+        jpeg_finish_decompress(&self->cinfo);
     }
-    /* Reads on to the end of the image: a scan after the last one needed, or the EOI marker,
-       truncated or corrupt is refused here. */
-    jpeg_finish_decompress(&self->cinfo);
+    Py_END_ALLOW_THREADS
+    self->busy = 0;
+    if (failed) PyErr_Format(PyExc_ValueError, "%s", self->failure.message);
     decoder_release(self);
+    if (failed) return NULL;
     Py_RETURN_NONE;
 }
 

@@ -109,9 +109,41 @@ def open_image(data: bytes, *, allowed_formats: tuple[str, ...], max_input_pixel
     except (OSError, SyntaxError, ValueError, EOFError, RuntimeError, struct.error, IndexError,
             KeyError, TypeError) as exc:
         raise CorruptImage(f"image header could not be read: {exc}") from None
+    if image.format in ("JPEG", "MPO") and _frame_marker(data) not in _DCT_FRAMES:
+        # Lossless and hierarchical JPEG: no DCT to scale, and libjpeg-turbo's scaled decode
+        # of a lossless one brought the process down.
+        raise UnsupportedFormat("lossless and hierarchical JPEGs are not supported; send a baseline or "
+                                "progressive JPEG, or a PNG")
     # For a GIF this is the canvas: a tiny frame on a huge canvas is still a huge image.
     check_input_size(*image.size, max_input_pixels)
     return image
+
+
+# Start-of-frame markers of the DCT processes: baseline, extended, progressive (Huffman), and
+# extended and progressive (arithmetic).
+_DCT_FRAMES = {0xC0, 0xC1, 0xC2, 0xC9, 0xCA}
+_FRAMES = {0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}
+
+
+def _frame_marker(data: bytes) -> int | None:
+    """The JPEG's start-of-frame marker (its coding process), from its segments, or None."""
+    at = 2
+    while at + 4 <= len(data):
+        if data[at] != 0xFF:
+            return None
+        marker = data[at + 1]
+        if marker == 0xFF:  # fill byte
+            at += 1
+            continue
+        if marker in _FRAMES:
+            return marker
+        if marker in (0xD8, 0x01) or 0xD0 <= marker <= 0xD7:  # no length
+            at += 2
+            continue
+        if marker in (0xD9, 0xDA):  # the end, or a scan before any frame
+            return None
+        at += 2 + int.from_bytes(data[at + 2:at + 4], "big")
+    return None
 
 
 def check_input_size(width: int, height: int, max_input_pixels: int) -> None:

@@ -22,9 +22,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
-import numpy as np
 import pybase64  # SIMD base64: a 12 MP photo's data URL in ~0.2 ms instead of ~7
-import simplejpeg
 from PIL import Image
 
 from controlplane.imaging import rows
@@ -346,7 +344,7 @@ def _downscaled(image: Image.Image, data: bytes, policy: Policy, size: tuple[int
     policy's quality) as the general path, which decodes and encodes through Pillow."""
     scale = _dct_scale(image.size, size)
     with rows.turn() as behind:  # counted while it decodes, whichever way
-        streamed = scale > 1 and behind
+        streamed = scale > 1 and behind and rows.standard_sampling(image)
         if streamed:
             made = rows.downscale(data, scale, size, quality=policy.output_quality, helpers=_helpers())
         else:
@@ -355,9 +353,7 @@ def _downscaled(image: Image.Image, data: bytes, policy: Policy, size: tuple[int
         encoded, ident = made.jpeg, fingerprint(made.grey_image(size), index)
     else:
         pixels = bicubic_rgb(raw, raw.shape[1], raw.shape[0], size)
-        encoding = _helpers().submit(simplejpeg.encode_jpeg, np.frombuffer(pixels, np.uint8).reshape(size[1], size[0], 3),
-                                     quality=policy.output_quality, colorspace="RGB", colorsubsampling="420",
-                                     fastdct=False)
+        encoding = _helpers().submit(rows.encode, pixels, size, policy.output_quality)
         ident = fingerprint(Image.frombytes("RGB", size, pixels), index)
         encoded = encoding.result()
     return NormalisedImage(

@@ -166,7 +166,7 @@ def _resample_and_encode(source: np.ndarray, size: tuple[int, int], quality: int
         if not decoded:
             return None  # the decode failed: its caller has the error
         end = bands.ready(decoded)
-        if end - done >= size[1] // OUT_BANDS or end == size[1]:
+        if end > done and (end - done >= max(1, size[1] // OUT_BANDS) or end == size[1]):
             band = bands.rows(done, end)
             encoder.write(band)
             rgb[done * width * 3:end * width * 3] = band
@@ -174,3 +174,30 @@ def _resample_and_encode(source: np.ndarray, size: tuple[int, int], quality: int
                 "RGB", (width, end - done), band, "raw", "RGB", 0, 1).convert("L").tobytes()
             done = end
     return Downscaled(encoder.finish(), rgb, grey)
+
+
+# The sampling layouts libjpeg-turbo's whole-picture API (simplejpeg) takes: luma (h, v) with
+# chroma at (1, 1). It refuses others, which the scanline API would decode: a photo in one of
+# those is decoded whole, so that whether it is taken does not depend on a core being free.
+_STANDARD_LUMA = {(1, 1), (2, 1), (1, 2), (2, 2), (4, 1), (1, 4)}
+
+
+def standard_sampling(image: Image.Image) -> bool:
+    """Whether the colour JPEG `image` (opened by Pillow) has a layout both decoders take."""
+    layers = getattr(image, "layer", None) or []
+    return (len(layers) == 3 and tuple(layers[0][1:3]) in _STANDARD_LUMA
+            and all(tuple(layer[1:3]) == (1, 1) for layer in layers[1:]))
+
+
+def encode(pixels, size: tuple[int, int], quality: int) -> bytes:
+    """RGB rows of `size` as a baseline 4:2:0 JPEG at `quality`, by the encoder the streamed
+    path uses where it is built (so that a photo's bytes, which key the engines' caches, do
+    not depend on which path it took), else by simplejpeg."""
+    if _jpegrows is None:
+        import simplejpeg
+
+        return simplejpeg.encode_jpeg(np.frombuffer(pixels, np.uint8).reshape(size[1], size[0], 3),
+                                      quality=quality, colorspace="RGB", colorsubsampling="420", fastdct=False)
+    encoder = _jpegrows.Encoder(size[0], size[1], quality)
+    encoder.write(pixels)
+    return encoder.finish()

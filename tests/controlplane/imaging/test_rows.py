@@ -331,3 +331,139 @@ def test_a_process_pinned_to_one_core_decodes_whole():
         assert results.get(timeout=60) == (True, False)
     finally:
         child.join(timeout=5)
+
+
+def _lossless_jpeg(pixels: np.ndarray) -> bytes:
+    """A lossless JPEG (SOF3, predictor 1, 8 bits, three components) of `pixels`."""
+    import struct
+
+    height, width, _ = pixels.shape
+    values = pixels.astype(np.int32)
+    predicted = np.empty_like(values)
+    predicted[:, 1:] = values[:, :-1]
+    predicted[0, 0] = 128
+    predicted[1:, 0] = values[:-1, 0]
+    differences = (values - predicted).reshape(-1)
+    magnitude = np.abs(differences)
+    category = np.zeros_like(magnitude)
+    nonzero = magnitude > 0
+    category[nonzero] = np.floor(np.log2(magnitude[nonzero])).astype(np.int32) + 1
+    extra = np.where(differences >= 0, differences, differences - 1) & ((1 << category) - 1)
+    length = 5 + category
+    aligned = ((category << category) | extra) << (13 - length)
+    bits = ((aligned[:, None] >> np.arange(12, -1, -1)) & 1).astype(np.uint8)
+    stream = bits[np.arange(13)[None, :] < length[:, None]]
+    stream = np.concatenate([stream, np.ones((-len(stream)) % 8, np.uint8)])
+    scan = np.packbits(stream).tobytes().replace(b"\xff", b"\xff\x00")
+    frame = b"\xff\xc3" + struct.pack(">HBHHB", 17, 8, height, width, 3) + b"".join(bytes([i, 0x11, 0]) for i in (1, 2, 3))
+    table = b"\xff\xc4" + struct.pack(">H", 36) + b"\x00" + bytes([0, 0, 0, 0, 17] + [0] * 11) + bytes(range(17))
+    start = b"\xff\xda" + struct.pack(">HB", 12, 3) + b"".join(bytes([i, 0]) for i in (1, 2, 3)) + bytes([1, 0, 0])
+    return b"\xff\xd8" + frame + table + start + scan + b"\xff\xd9"
+
+
+def _normalised_in_a_child(data: bytes, detail: str | None, queue) -> None:
+    from controlplane.imaging.errors import ImageError
+
+    try:
+        result = normalise(data, Policy(), detail=detail)
+        queue.put(("ok", result.width, result.height))
+    except ImageError as exc:
+        queue.put(("refused", type(exc).__name__, str(exc)))
+
+
+@pytest.mark.parametrize("detail", ["high", "low"])  # sent as it came (its check decodes at 1/4); brought down
+def test_a_lossless_jpeg_is_refused_with_a_reason_and_never_brings_the_process_down(detail):
+    """libjpeg-turbo's scaled decode of a lossless JPEG crashed the process it ran in."""
+    import multiprocessing
+
+    pixels = np.asarray(Image.open(io.BytesIO(photo(800, 600))).convert("RGB"))
+    data = _lossless_jpeg(pixels)
+    assert Image.open(io.BytesIO(data)).format == "JPEG"
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    child = context.Process(target=_normalised_in_a_child, args=(data, detail, queue))
+    child.start()
+    child.join(60)
+    assert child.exitcode == 0, f"the process died (exit code {child.exitcode})"
+    outcome = queue.get(timeout=5)
+    assert outcome[:2] == ("refused", "UnsupportedFormat") and "lossless" in outcome[2]
+
+
+@needs_rows
+def test_a_photo_brought_down_to_fewer_rows_than_bands_is_made(helpers):
+    """A tiny target from a large photo: fewer output rows than the bands it is taken in."""
+    made = rows.downscale(photo(4000, 3000), 8, (26, 19), quality=85, helpers=helpers)
+    assert Image.open(io.BytesIO(made.jpeg)).size == (26, 19)
+    tiny = normalise(photo(4000, 3000), Policy(max_pixels=500, min_pixels=100))
+    assert tiny.width * tiny.height <= 500
+
+
+@needs_rows
+def test_a_photo_in_a_sampling_layout_the_whole_decoder_refuses_is_decoded_whole(monkeypatch):
+    """libjpeg-turbo's whole-picture API (simplejpeg) refuses layouts such as luma at 3x1 that
+    the scanline API decodes: such a photo is never streamed, even with a core free, so that
+    whether it is taken does not depend on the load."""
+    from tests.controlplane.imaging.test_fingerprint import picture
+
+    for subsampling in (0, 1, 2):  # 4:4:4, 4:2:2, 4:2:0
+        buffer = io.BytesIO()
+        picture(2).resize((400, 300)).save(buffer, "JPEG", subsampling=subsampling)
+        assert rows.standard_sampling(Image.open(buffer))
+    data = bytearray(photo(4000, 3000))
+    at = data.index(b"\xff\xc0")  # the frame header: each component's id, sampling, table
+    data[at + 11] = 0x31  # luma at 3x1
+    data = bytes(data)
+    assert [layer[1:3] for layer in Image.open(io.BytesIO(data)).layer] == [(3, 1), (1, 1), (1, 1)]
+    assert not rows.standard_sampling(Image.open(io.BytesIO(data)))
+    streamed = []
+    original = rows.downscale
+    monkeypatch.setattr(rows, "downscale", lambda *a, **k: streamed.append(True) or original(*a, **k))
+    with pytest.raises(CorruptImage):  # its scan was coded for 2x2: corrupt to either decoder
+        normalise(data, POLICY)
+    assert streamed == []
+
+
+@needs_rows
+def test_a_photos_bytes_do_not_depend_on_the_path_it_took():
+    """The same upload gives the same JPEG whether its resample ran behind its decode or not:
+    its bytes key the engines' caches."""
+    import contextlib
+
+    data = photo(4000, 3000)
+    alone = normalise(data, POLICY).data
+    with contextlib.ExitStack() as running:
+        for _ in range(len(os.sched_getaffinity(0))):
+            running.enter_context(rows.turn())
+        busy = normalise(data, POLICY).data
+    assert alone == busy
+
+
+@needs_rows
+def test_a_progressive_photos_scans_are_read_with_the_gil_released():
+    """libjpeg reads every scan of a progressive JPEG before its first row: that happens with
+    the GIL released, so the gateway's event loop runs meanwhile."""
+    import time
+
+    from controlplane.imaging import _jpegrows
+
+    data = photo(4000, 3000, progressive=True)
+    gaps, running = [], threading.Event()
+
+    def tick():
+        last = time.perf_counter()
+        while not running.is_set():
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+            time.sleep(0.0005)
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    time.sleep(0.02)
+    started = time.perf_counter()
+    _jpegrows.Decoder(data, 2)
+    took = time.perf_counter() - started
+    running.set()
+    ticker.join()
+    assert took > 0.02  # the scans were read here
+    assert max(gaps) < took / 2
