@@ -56,7 +56,8 @@ class Bands:
     `pixels`) to exactly `size`, as `bicubic_rgb` makes it, computed a band of output rows at
     a time: each band as soon as the input rows it reads are in. libvips computes only the
     region asked of it, reading only the input rows under its kernel; the pipeline is the
-    whole picture's, so the bands together are its result to the bit."""
+    whole picture's, so the bands together are its result: to the bit on common camera sizes
+    (on a few size pairs a row can differ by one level, by where its band starts)."""
 
     def __init__(self, pixels, width: int, height: int, size: tuple[int, int]):
         global _used_in

@@ -6,7 +6,7 @@ runs on one core and which no DCT scale avoids: it is the floor. Decoding whole 
 ended. Here the decoder (`_jpegrows`, libjpeg's scanline API) hands over a band of rows at a
 time; a helper thread resamples (`resample.Bands`) and encodes each band of the result as soon
 as the rows under it are in, on the other core, so little is left once the last row is
-decoded. The same decoder, the same resample to the bit, the same encoder settings as the
+decoded. The same decoder, the same resample (to the bit on common sizes), the same encoder as the
 whole-picture way.
 
 `_jpegrows` is compiled where libjpeg's headers are installed (setup.py); without it, or in a
