@@ -256,21 +256,20 @@ def test_a_second_thread_on_a_decoder_in_use_is_refused():
     from controlplane.imaging import _jpegrows
 
     data = photo(4000, 3000)
-    decoder = _jpegrows.Decoder(data, 1)
-    whole = np.zeros((decoder.height, decoder.width, 3), np.uint8)
     outcomes = []
-
-    def other():
-        try:
-            outcomes.append(decoder.read(np.zeros((16, decoder.width, 3), np.uint8)))
-        except RuntimeError as exc:
-            outcomes.append(str(exc))
-
-    started = threading.Thread(target=decoder.read, args=(whole,))
-    started.start()
-    while started.is_alive():  # a whole 12 MP decode: tens of milliseconds with the GIL released
-        other()
-    started.join()
+    for _ in range(5):  # each a whole 12 MP decode, tens of milliseconds with the GIL released
+        decoder = _jpegrows.Decoder(data, 1)
+        whole = np.zeros((decoder.height, decoder.width, 3), np.uint8)
+        started = threading.Thread(target=decoder.read, args=(whole,))
+        started.start()
+        while started.is_alive():
+            try:
+                outcomes.append(decoder.read(np.zeros((16, decoder.width, 3), np.uint8)))
+            except RuntimeError as exc:
+                outcomes.append(str(exc))
+        started.join()
+        if "the decoder is in use by another thread" in outcomes:
+            break
     assert "the decoder is in use by another thread" in outcomes
 
 
