@@ -26,16 +26,15 @@ _lock = threading.Lock()
 
 
 @contextlib.contextmanager
-def _threads(others: int = 0):
+def _threads():
     """libvips' threads for the resample about to start: every core when it is the only one
     running in this process (a 12 MP photo's resample in 3.6 ms on two cores where one took
     6.2), one each when as many run as there are cores (more threads would only take turns).
-    `others`: cores this process keeps busy besides (a decode the resample runs behind).
     libvips reads the setting as each resample starts, so one already running keeps its own."""
     global _running
     with _lock:
         _running += 1
-        pyvips.concurrency_set(max(1, CORES + 1 - _running - others))
+        pyvips.concurrency_set(max(1, CORES + 1 - _running))
     try:
         yield
     finally:
