@@ -43,6 +43,20 @@ static void failure_message(j_common_ptr cinfo, int level) {
 
 static void failure_quiet(j_common_ptr cinfo) { (void)cinfo; }
 
+/* Whether an object may start a call: set up and not ended (ValueError otherwise), and no other
+   thread inside one (RuntimeError). `what`: "decoder" or "encoder". */
+static int ready(int live, int busy, const char *what) {
+    if (!live) {
+        PyErr_Format(PyExc_ValueError, "the %s has finished or failed", what);
+        return 0;
+    }
+    if (busy) {
+        PyErr_Format(PyExc_RuntimeError, "the %s is in use by another thread", what);
+        return 0;
+    }
+    return 1;
+}
+
 static void failure_init(Failure *failure) {
     jpeg_std_error(&failure->pub);
     failure->pub.error_exit = failure_exit;
@@ -138,14 +152,8 @@ static void decoder_dealloc(Decoder *self) {
 static PyObject *decoder_read(Decoder *self, PyObject *args) {
     Py_buffer out;
     if (!PyArg_ParseTuple(args, "w*", &out)) return NULL;
-    if (!self->live) {
+    if (!ready(self->live, self->busy, "decoder")) {
         PyBuffer_Release(&out);
-        PyErr_SetString(PyExc_ValueError, "the decoder has finished or failed");
-        return NULL;
-    }
-    if (self->busy) {
-        PyBuffer_Release(&out);
-        PyErr_SetString(PyExc_RuntimeError, "the decoder is in use by another thread");
         return NULL;
     }
     size_t stride = (size_t)self->cinfo.output_width * (size_t)self->cinfo.output_components;
@@ -184,14 +192,7 @@ static PyObject *decoder_read(Decoder *self, PyObject *args) {
 
 static PyObject *decoder_finish(Decoder *self, PyObject *unused) {
     (void)unused;
-    if (!self->live) {
-        PyErr_SetString(PyExc_ValueError, "the decoder has finished or failed");
-        return NULL;
-    }
-    if (self->busy) {
-        PyErr_SetString(PyExc_RuntimeError, "the decoder is in use by another thread");
-        return NULL;
-    }
+    if (!ready(self->live, self->busy, "decoder")) return NULL;
     if (self->cinfo.output_scanline < self->cinfo.output_height) {
         PyErr_SetString(PyExc_ValueError, "finish() before every row was read");
         return NULL;
@@ -367,14 +368,8 @@ static void encoder_dealloc(Encoder *self) {
 static PyObject *encoder_write(Encoder *self, PyObject *args) {
     Py_buffer rows_in;
     if (!PyArg_ParseTuple(args, "y*", &rows_in)) return NULL;
-    if (!self->live) {
+    if (!ready(self->live, self->busy, "encoder")) {
         PyBuffer_Release(&rows_in);
-        PyErr_SetString(PyExc_ValueError, "the encoder has finished or failed");
-        return NULL;
-    }
-    if (self->busy) {
-        PyBuffer_Release(&rows_in);
-        PyErr_SetString(PyExc_RuntimeError, "the encoder is in use by another thread");
         return NULL;
     }
     size_t stride = (size_t)self->cinfo.image_width * 3;
@@ -421,14 +416,7 @@ static PyObject *encoder_write(Encoder *self, PyObject *args) {
 
 static PyObject *encoder_finish(Encoder *self, PyObject *unused) {
     (void)unused;
-    if (!self->live) {
-        PyErr_SetString(PyExc_ValueError, "the encoder has finished or failed");
-        return NULL;
-    }
-    if (self->busy) {
-        PyErr_SetString(PyExc_RuntimeError, "the encoder is in use by another thread");
-        return NULL;
-    }
+    if (!ready(self->live, self->busy, "encoder")) return NULL;
     if (self->cinfo.next_scanline < self->cinfo.image_height) {
         PyErr_SetString(PyExc_ValueError, "finish() before every row was written");
         return NULL;
