@@ -129,54 +129,47 @@ def test_arguments_reach_redis_as_given_on_the_shared_connection_and_bad_ones_ar
     assert after == [b"next"] and failed is None  # the same connection, not left half-written
 
 
-def test_a_redis_that_stops_answering_fails_every_waiting_command_in_bounds_and_the_next_reconnects():
+@pytest.fixture
+def own_redis():
+    """A redis-server of the test's own, to pause or kill."""
     from tests.system.harness import RedisServer
 
     skip_without_redis()
     server = RedisServer()
     server.start()
-    try:
-        async def body(client):
-            assert await client.eval(_ECHO, 0, "before") == [b"before"]
-            first = client._connection
-            server.pause()
-            started = asyncio.get_running_loop().time()
-            outcomes = await asyncio.gather(*(client.eval(_ECHO, 0, n) for n in range(5)), return_exceptions=True)
-            waited = asyncio.get_running_loop().time() - started
-            server.resume()
-            return outcomes, waited, await client.eval(_ECHO, 0, "again"), client._connection is not first
-
-        settings_timeout = settings.REDIS_TIMEOUT_S
-        settings.REDIS_TIMEOUT_S = 1
-        try:
-            outcomes, waited, again, reconnected = _on_the_shared_connection(server.url, body)
-        finally:
-            settings.REDIS_TIMEOUT_S = settings_timeout
-        assert all(isinstance(outcome, redis.exceptions.TimeoutError) for outcome in outcomes)
-        assert 1 <= waited < 3
-        assert again == [b"again"] and reconnected
-    finally:
-        server.kill()
+    yield server
+    server.kill()
 
 
-def test_a_redis_that_restarts_fails_what_was_waiting_and_the_next_command_reconnects():
-    from tests.system.harness import RedisServer
+def test_a_redis_that_stops_answering_fails_every_waiting_command_in_bounds_and_the_next_reconnects(
+        own_redis, settings):
+    async def body(client):
+        assert await client.eval(_ECHO, 0, "before") == [b"before"]
+        first = client._connection
+        own_redis.pause()
+        started = asyncio.get_running_loop().time()
+        outcomes = await asyncio.gather(*(client.eval(_ECHO, 0, n) for n in range(5)), return_exceptions=True)
+        waited = asyncio.get_running_loop().time() - started
+        own_redis.resume()
+        return outcomes, waited, await client.eval(_ECHO, 0, "again"), client._connection is not first
 
-    skip_without_redis()
-    server = RedisServer()
-    server.start()
-    try:
-        async def body(client):
-            assert await client.eval(_ECHO, 0, "before") == [b"before"]
-            server.kill()
-            with pytest.raises(redis.exceptions.ConnectionError):
-                await client.eval(_ECHO, 0, "while down")
-            server.start()
-            return await client.eval(_ECHO, 0, "after")
+    settings.REDIS_TIMEOUT_S = 1
+    outcomes, waited, again, reconnected = _on_the_shared_connection(own_redis.url, body)
+    assert all(isinstance(outcome, redis.exceptions.TimeoutError) for outcome in outcomes)
+    assert 1 <= waited < 3
+    assert again == [b"again"] and reconnected
 
-        assert _on_the_shared_connection(server.url, body) == [b"after"]
-    finally:
-        server.kill()
+
+def test_a_redis_that_restarts_fails_what_was_waiting_and_the_next_command_reconnects(own_redis):
+    async def body(client):
+        assert await client.eval(_ECHO, 0, "before") == [b"before"]
+        own_redis.kill()
+        with pytest.raises(redis.exceptions.ConnectionError):
+            await client.eval(_ECHO, 0, "while down")
+        own_redis.start()
+        return await client.eval(_ECHO, 0, "after")
+
+    assert _on_the_shared_connection(own_redis.url, body) == [b"after"]
 
 
 def test_a_redis_that_cannot_be_reached_is_a_connection_error():
@@ -295,7 +288,7 @@ def test_an_error_reply_redis_py_cannot_classify_is_that_callers_error():
     assert _on_the_shared_connection(settings.REDIS_URL, body) == ([b"next"], None)
 
 
-def test_a_script_queued_behind_a_busy_loop_has_the_whole_timeout_once_written():
+def test_a_script_queued_behind_a_busy_loop_has_the_whole_timeout_once_written(settings):
     """As the pooled clients count it: from when the command is written, not from when it was
     queued while the event loop was busy for longer than the timeout."""
     import time
@@ -309,9 +302,5 @@ def test_a_script_queued_behind_a_busy_loop_has_the_whole_timeout_once_written()
         time.sleep(1.3)  # the loop busy past the timeout
         return await queued
 
-    before = settings.REDIS_TIMEOUT_S
     settings.REDIS_TIMEOUT_S = 1
-    try:
-        assert _on_the_shared_connection(settings.REDIS_URL, body) == [b"queued"]
-    finally:
-        settings.REDIS_TIMEOUT_S = before
+    assert _on_the_shared_connection(settings.REDIS_URL, body) == [b"queued"]
