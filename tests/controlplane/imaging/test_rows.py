@@ -466,3 +466,29 @@ def test_a_progressive_photos_scans_are_read_with_the_gil_released():
     ticker.join()
     assert took > 0.02  # the scans were read here
     assert max(gaps) < took / 2
+
+
+@needs_rows
+def test_a_decoder_whose_arguments_reenter_it_keeps_hold_of_the_data_it_decodes():
+    """Converting an argument runs Python code, which may call __init__ again: the decoder left
+    live must still hold the bytes it reads (they cannot be freed under it)."""
+    from controlplane.imaging import _jpegrows
+
+    data = bytearray(photo(320, 240))
+    decoder = _jpegrows.Decoder(bytes(data), 2)
+
+    class Scale:
+        def __index__(self):
+            decoder.__init__(data, 2)  # re-entered while the outer call converts its arguments
+            return 2
+
+    class Grey:
+        def __bool__(self):
+            raise RuntimeError("refused")
+
+    with pytest.raises(RuntimeError):
+        decoder.__init__(bytes(data), Scale(), Grey())
+    with pytest.raises(BufferError):
+        data.clear()  # still exported to the decoder reading it
+    assert decoder.read(np.zeros((decoder.height, decoder.width, 3), np.uint8)) == 120
+    decoder.finish()
