@@ -39,14 +39,30 @@ def _low_frequencies(pixels: bytes) -> list[float]:
     return (_COS @ grid @ _COS.T).ravel().tolist()
 
 
-def perceptual_bits(image: Image.Image) -> int:
-    grey = image.convert("L").resize((_SIDE, _SIDE), Image.Resampling.BOX)
-    coefficients = _low_frequencies(grey.tobytes())[1:]  # drop DC: overall brightness
+def narrowed(grey: Image.Image) -> bytes:
+    """The first of the thumbnail's two passes: each row of the grey picture `grey` brought
+    to 32 columns. Row by row, so that a picture's can be made a band of rows at a time, while
+    it is decoded (the bands' joined are the whole's)."""
+    return grey.resize((_SIDE, grey.height), Image.Resampling.BOX).tobytes()
+
+
+def narrowed_bits(rows: bytes, height: int) -> int:
+    """The bits of a picture `height` rows high from its `narrowed` rows."""
+    # The second pass. Two passes of Pillow's BOX resize, the rows first, where one call would
+    # choose its own order (columns first for a tall picture), so that a band at a time
+    # gives the same bits as the whole.
+    thumbnail = Image.frombytes("L", (_SIDE, height), rows).resize((_SIDE, _SIDE), Image.Resampling.BOX)
+    coefficients = _low_frequencies(thumbnail.tobytes())[1:]  # drop DC: overall brightness
     median = sorted(coefficients)[len(coefficients) // 2]
     bits = 0
     for value in coefficients:
         bits = (bits << 1) | (value > median)
     return bits
+
+
+def perceptual_bits(image: Image.Image) -> int:
+    grey = image.convert("L")
+    return narrowed_bits(narrowed(grey), grey.height)
 
 
 def _ident(width: int, height: int, bits: int) -> str:
@@ -58,10 +74,14 @@ def fingerprint(image: Image.Image, index: FingerprintIndex | None = None, *,
                 size: tuple[int, int] | None = None) -> str:
     """32 hex characters identifying the picture at its normalised size (`size`, when `image`
     is a smaller copy of it: the low frequencies the bits keep are the same)."""
+    return fingerprint_of_bits(perceptual_bits(image), size or image.size, index)
+
+
+def fingerprint_of_bits(bits: int, size: tuple[int, int], index: FingerprintIndex | ScopedIndex | None = None) -> str:
+    """`fingerprint` of a picture of `size` whose `perceptual_bits` are `bits`."""
     if index is not None:
-        return index.canonical(image, size=size)
-    width, height = size or image.size
-    return _ident(width, height, perceptual_bits(image))
+        return index.lookup(size[0], size[1], bits)
+    return _ident(size[0], size[1], bits)
 
 
 class FingerprintIndex:
@@ -128,3 +148,6 @@ class ScopedIndex:
 
     def canonical(self, image: Image.Image, *, size: tuple[int, int] | None = None) -> str:
         return self.index.canonical(image, scope=self.scope, size=size)
+
+    def lookup(self, width: int, height: int, bits: int) -> str:
+        return self.index.lookup(width, height, bits, scope=self.scope)

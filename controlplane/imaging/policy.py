@@ -39,7 +39,7 @@ from controlplane.imaging.decode import (
     upright,
 )
 from controlplane.imaging.errors import CorruptImage, ImageTooLarge, InvalidDataURL, PolicyViolation
-from controlplane.imaging.fingerprint import FingerprintIndex, fingerprint
+from controlplane.imaging.fingerprint import FingerprintIndex, fingerprint, fingerprint_of_bits, narrowed_bits
 from controlplane.imaging.resample import CORES, bicubic, bicubic_rgb
 
 __all__ = ["SUPPORTED_FORMATS", "NormalisedImage", "Policy", "decode_data_url", "fit_within",
@@ -350,7 +350,7 @@ def _downscaled(image: Image.Image, data: bytes, policy: Policy, size: tuple[int
         else:
             raw = decode_jpeg(data, image, scale)
     if streamed:
-        encoded, ident = made.jpeg, fingerprint(made.grey_image(size), index)
+        encoded, ident = made.jpeg, fingerprint_of_bits(narrowed_bits(made.narrow, size[1]), size, index)
     else:
         pixels = bicubic_rgb(raw, raw.shape[1], raw.shape[0], size)
         encoding = _helpers().submit(rows.encode, pixels, size, policy.output_quality)

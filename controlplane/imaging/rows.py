@@ -27,6 +27,7 @@ import numpy as np
 from PIL import Image
 
 from controlplane.imaging.errors import CorruptImage
+from controlplane.imaging.fingerprint import narrowed
 from controlplane.imaging.resample import Bands, vips_usable
 
 try:
@@ -112,20 +113,16 @@ class _Progress:
 class Downscaled:
     jpeg: bytes
     rgb: bytearray  # the resampled picture's rows
-    grey: bytearray  # the same as Pillow's convert("L") makes them, for its fingerprint
-
-    def grey_image(self, size: tuple[int, int]) -> Image.Image:
-        """The grey picture, sharing this memory (what a fingerprint is made of)."""
-        return Image.frombuffer("L", size, self.grey, "raw", "L", 0, 1)
+    narrow: bytearray  # its grey's fingerprint.narrowed rows (the thumbnail's first pass)
 
 
 def downscale(data: bytes, scale: int, size: tuple[int, int], *, quality: int,
               helpers: Executor) -> Downscaled:
     """The colour JPEG `data` decoded at 1/`scale`, resampled to `size` and encoded as a
-    baseline 4:2:0 JPEG at `quality`: the JPEG, the resampled picture's RGB rows, and their
-    grey (each band's, as it is made, so that only the fingerprint's thumbnail is left once
-    the decode ends: an RGB picture made whole for it cost 0.9 ms to unpack and 0.5 to turn
-    grey). CorruptImage for truncated or corrupt data (any warning of libjpeg's), as a whole
+    baseline 4:2:0 JPEG at `quality`: the JPEG, the resampled picture's RGB rows, and the
+    first pass of its fingerprint's thumbnail (each band's, as it is made, so that only a pass
+    over 32 columns is left once the decode ends: the thumbnail of the whole took about 1 ms
+    after it, and turning the whole grey 0.5). CorruptImage for truncated or corrupt data (any warning of libjpeg's), as a whole
     decode refuses it. The decode runs on this thread; the rest on one of `helpers`, behind it."""
     try:
         decoder = _jpegrows.Decoder(data, scale)
@@ -159,7 +156,7 @@ def _resample_and_encode(source: np.ndarray, size: tuple[int, int], quality: int
     bands = Bands(source, columns, rows, size)
     encoder = _jpegrows.Encoder(size[0], size[1], quality)
     width = size[0]
-    rgb, grey = bytearray(width * 3 * size[1]), bytearray(width * size[1])
+    rgb, narrow = bytearray(width * 3 * size[1]), bytearray()
     done, decoded = 0, 0
     while done < size[1]:
         decoded = progress.beyond(decoded)
@@ -170,10 +167,9 @@ def _resample_and_encode(source: np.ndarray, size: tuple[int, int], quality: int
             band = bands.rows(done, end)
             encoder.write(band)
             rgb[done * width * 3:end * width * 3] = band
-            grey[done * width:end * width] = Image.frombuffer(
-                "RGB", (width, end - done), band, "raw", "RGB", 0, 1).convert("L").tobytes()
+            narrow += narrowed(Image.frombuffer("RGB", (width, end - done), band, "raw", "RGB", 0, 1).convert("L"))
             done = end
-    return Downscaled(encoder.finish(), rgb, grey)
+    return Downscaled(encoder.finish(), rgb, narrow)
 
 
 # The sampling layouts libjpeg-turbo's whole-picture API (simplejpeg) takes: luma (h, v) with

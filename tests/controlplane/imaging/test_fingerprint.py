@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import io
 import itertools
+import random
 
 import pytest
 from PIL import Image, ImageDraw
 
-from controlplane.imaging.fingerprint import FingerprintIndex, perceptual_bits
+from controlplane.imaging.fingerprint import FingerprintIndex, narrowed, narrowed_bits, perceptual_bits
 from controlplane.imaging.policy import Policy, normalise
 
 ENCODINGS = [("PNG", {}), ("BMP", {}), ("JPEG", {"quality": 95}), ("JPEG", {"quality": 85}),
@@ -59,6 +60,19 @@ def test_a_lossless_re_encoding_has_the_same_fingerprint_even_without_an_index()
     png = normalise(encoded(CORPUS[0], "PNG", {}), Policy()).fingerprint
     bmp = normalise(encoded(CORPUS[0], "BMP", {}), Policy()).fingerprint
     assert png == bmp
+
+
+@pytest.mark.parametrize("size", [(1156, 867), (867, 1156), (300, 2000), (2000, 120), (20, 700), (700, 20)])
+def test_the_thumbnail_made_a_band_of_rows_at_a_time_has_the_bits_of_the_whole(size):
+    # How a large photo's fingerprint is made while it is decoded: the first pass a band at a
+    # time, the second once its rows are all in. Tall pictures too, which Pillow's one-call
+    # resize would take columns first.
+    rng = random.Random(size[0] * size[1])
+    grey = picture(size[0] % 7).resize(size).convert("L")
+    cuts = sorted({0, size[1], *(rng.randrange(size[1]) for _ in range(6))})
+    rows = b"".join(narrowed(grey.crop((0, top, size[0], bottom))) for top, bottom in zip(cuts, cuts[1:]))
+    assert rows == narrowed(grey)
+    assert narrowed_bits(rows, size[1]) == perceptual_bits(grey) == perceptual_bits(grey.convert("RGB"))
 
 
 def test_the_same_picture_at_another_size_is_another_fingerprint():

@@ -18,6 +18,7 @@ from PIL import Image, ImageDraw, ImageFilter
 
 from controlplane.imaging import rows
 from controlplane.imaging.errors import CorruptImage
+from controlplane.imaging.fingerprint import narrowed, narrowed_bits, perceptual_bits
 from controlplane.imaging.policy import Policy, _dct_scale, normalise, plan_tiles
 from controlplane.imaging.resample import bicubic_rgb
 
@@ -79,9 +80,12 @@ def test_each_band_is_the_whole_pictures_resample_to_the_bit(width, height, poli
                                    min_width=-(-width // scale), min_height=-(-height // scale))
     expected = bicubic_rgb(whole, whole.shape[1], whole.shape[0], (columns, lines))
     assert bytes(streamed) == expected
-    # Its grey, made a band at a time, is Pillow's grey of the whole (what the fingerprint reads).
-    picture = Image.frombytes("RGB", (columns, lines), expected)
-    assert made.grey_image((columns, lines)).tobytes() == picture.convert("L").tobytes()
+    # The first pass of its fingerprint's thumbnail, made a band at a time, is the whole
+    # grey picture's, and so are the bits (a portrait's too, which Pillow's one-call resize of
+    # the whole would take columns first).
+    grey = Image.frombytes("RGB", (columns, lines), expected).convert("L")
+    assert bytes(made.narrow) == narrowed(grey)
+    assert narrowed_bits(made.narrow, lines) == perceptual_bits(grey)
     sent = simplejpeg.decode_jpeg(encoded).astype(int)
     assert sent.shape == (lines, columns, 3)
     # The JPEG is that picture within its loss, as the whole-picture encoder makes it.
