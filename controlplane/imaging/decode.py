@@ -62,13 +62,20 @@ def _payload(region: bytes):
     return _PAYLOAD.match(region, min(starts)) if starts else None
 
 
-def sniff_problem(data: bytes) -> None:
-    """Refuse what is not a raster image before Pillow looks at it."""
+def sniff_problem(data: bytes, *, documents: bool = True) -> None:
+    """Refuse what is not a raster image before Pillow looks at it, and (unless not
+    `documents`: the caller searches for them itself) a polyglot."""
     if not data:
         raise CorruptImage("image data is empty (zero bytes)")
     if _SVG.match(data[:4096]):
         raise UnsupportedFormat("SVG (vector) images are not supported; send a raster image "
                                 "such as PNG or JPEG")
+    if documents and (found := embedded_document(data)) is not None:
+        raise found
+
+
+def embedded_document(data: bytes) -> PolyglotImage | None:
+    """The refusal of image data that carries a document other parsers would read, or None."""
     # Polyglots put their document where other parsers look: at the start, in metadata
     # near the start, or appended after the image. (Anything hidden inside the pixel data
     # is discarded when the image is re-encoded.) Scanning the head and the tail keeps
@@ -77,15 +84,18 @@ def sniff_problem(data: bytes) -> None:
     regions = (data,) if len(data) <= 2 * window else (data[:window], data[-window:])
     payload = next((m for m in map(_payload, regions) if m is not None), None)
     if payload is not None:
-        raise PolyglotImage(f"image data carries an embedded {payload.group(0)[:8]!r}… document; "
-                            "polyglot files are refused")
+        return PolyglotImage(f"image data carries an embedded {payload.group(0)[:8]!r}… document; "
+                             "polyglot files are refused")
     if _ZIP_DIRECTORY_END in data[-65_557:]:
-        raise PolyglotImage("image data carries an embedded ZIP archive; polyglot files are refused")
+        return PolyglotImage("image data carries an embedded ZIP archive; polyglot files are refused")
+    return None
 
 
-def open_image(data: bytes, *, allowed_formats: tuple[str, ...], max_input_pixels: int) -> Image.Image:
-    """Open `data` lazily (header only) and check its format and pixel count."""
-    sniff_problem(data)
+def open_image(data: bytes, *, allowed_formats: tuple[str, ...], max_input_pixels: int,
+               documents: bool = True) -> Image.Image:
+    """Open `data` lazily (header only) and check its format and pixel count (and whether it
+    carries a document, unless not `documents`)."""
+    sniff_problem(data, documents=documents)
     try:
         with warnings.catch_warnings():
             # Our own cap below decides; Pillow's bomb warning would only add noise.

@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Executor
 from dataclasses import dataclass
 
@@ -117,13 +117,16 @@ class Downscaled:
 
 
 def downscale(data: bytes, scale: int, size: tuple[int, int], *, quality: int,
-              helpers: Executor) -> Downscaled:
+              helpers: Executor, beside: Callable[[], object] | None = None) -> Downscaled:
     """The colour JPEG `data` decoded at 1/`scale`, resampled to `size` and encoded as a
     baseline 4:2:0 JPEG at `quality`: the JPEG, the resampled picture's RGB rows, and the
     first pass of its fingerprint's thumbnail (each band's, as it is made, so that only a pass
     over 32 columns is left once the decode ends: the thumbnail of the whole took about 1 ms
-    after it, and turning the whole grey 0.5). CorruptImage for truncated or corrupt data (any warning of libjpeg's), as a whole
-    decode refuses it. The decode runs on this thread; the rest on one of `helpers`, behind it."""
+    after it, and turning the whole grey 0.5). CorruptImage for truncated or corrupt data
+    (any warning of libjpeg's), as a whole decode refuses it. The decode runs on this thread;
+    the rest on one of `helpers`, behind it, after `beside()`: work of the caller's that need
+    not wait for the decode, done by the time this returns (a failed decode may leave it
+    running, or never started)."""
     try:
         decoder = _jpegrows.Decoder(data, scale)
     except ValueError as exc:
@@ -134,7 +137,7 @@ def downscale(data: bytes, scale: int, size: tuple[int, int], *, quality: int,
     # resampled too early would read black, never another request's pixels.
     source = np.zeros((decoder.height, decoder.width, 3), np.uint8)
     progress = _Progress()
-    behind = helpers.submit(_resample_and_encode, source, size, quality, progress)
+    behind = helpers.submit(_resample_and_encode, source, size, quality, progress, beside)
     try:
         decoded = 0
         while decoded < decoder.height:
@@ -151,7 +154,9 @@ def downscale(data: bytes, scale: int, size: tuple[int, int], *, quality: int,
 
 
 def _resample_and_encode(source: np.ndarray, size: tuple[int, int], quality: int,
-                         progress: _Progress) -> Downscaled | None:
+                         progress: _Progress, beside: Callable[[], object] | None) -> Downscaled | None:
+    if beside is not None:
+        beside()  # while the first rows are decoded
     rows, columns = source.shape[:2]
     bands = Bands(source, columns, rows, size)
     encoder = _jpegrows.Encoder(size[0], size[1], quality)

@@ -11,6 +11,7 @@ from PIL import Image
 
 from controlplane.imaging.decode import _PAYLOAD, PolyglotImage, _payload
 from controlplane.imaging.errors import UnsupportedFormat
+from controlplane.imaging.fingerprint import FingerprintIndex
 from controlplane.imaging.policy import Policy, normalise
 from tests.images import image_bytes
 
@@ -42,6 +43,23 @@ def test_a_polyglot_that_is_also_broken_is_refused_as_a_polyglot(photo):
     broken = PHOTOS[photo][:len(PHOTOS[photo]) // 2]
     with pytest.raises(PolyglotImage):
         normalise(broken + b"<script>fetch('/steal')</script>", Policy())
+
+
+@pytest.mark.parametrize("photo", PHOTOS)
+def test_a_refused_polyglot_leaves_no_fingerprint_behind(photo):
+    """A large photo's search for documents runs beside its decode: the verdict still comes
+    before the picture is fingerprinted, so a refused picture is not remembered."""
+    index = FingerprintIndex()
+    with pytest.raises(PolyglotImage):
+        normalise(PHOTOS[photo] + b"<script>fetch('/steal')</script>", Policy(), index=index)
+    assert len(index) == 0
+    normalise(PHOTOS[photo], Policy(), index=index)
+    assert len(index) == 1
+
+
+def test_a_polyglot_over_the_size_limit_is_refused_as_a_polyglot():
+    with pytest.raises(PolyglotImage):
+        normalise(PHOTOS["downscaled"] + b"%PDF-1.7\n1 0 obj<<>>endobj", Policy(max_input_pixels=1_000_000))
 
 
 # Pieces of payloads, whole and broken, in either case, among bytes of every value.
