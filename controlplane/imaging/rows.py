@@ -43,6 +43,10 @@ BAND = 64
 # result in 24 bands took 9.7 ms of one core, where the whole at once took 11.4), so bands can
 # be small and the last one short.
 OUT_BANDS = 24
+# The last FINAL rows are decoded FINAL_STEP at a time and their bands taken however small,
+# so that less is left to resample and encode once the decode ends (1.5 ms left after a
+# 12 MP photo's last rows with 64-row steps to the end; 1.2 this way).
+FINAL, FINAL_STEP = 128, 16
 
 
 def compiled() -> bool:
@@ -141,7 +145,8 @@ def downscale(data: bytes, scale: int, size: tuple[int, int], *, quality: int,
     try:
         decoded = 0
         while decoded < decoder.height:
-            decoded += decoder.read(source[decoded:decoded + BAND])
+            step = BAND if decoder.height - decoded > FINAL else FINAL_STEP
+            decoded += decoder.read(source[decoded:decoded + step])
             progress.reached(decoded)
         decoder.finish()
     except ValueError as exc:
@@ -168,7 +173,8 @@ def _resample_and_encode(source: np.ndarray, size: tuple[int, int], quality: int
         if not decoded:
             return None  # the decode failed: its caller has the error
         end = bands.ready(decoded)
-        if end > done and (end - done >= max(1, size[1] // OUT_BANDS) or end == size[1]):
+        least = max(1, size[1] // OUT_BANDS) if decoded < rows - FINAL else 1
+        if end > done and (end - done >= least or end == size[1]):
             band = bands.rows(done, end)
             encoder.write(band)
             rgb[done * width * 3:end * width * 3] = band
