@@ -241,10 +241,11 @@ def normalise_tiles(data: bytes, policy: Policy, *, detail: str | None = None,
     passed (format, size, orientation, embedded documents), its decode left to its `checked()`:
     the caller may send it meanwhile, and must not answer before it has passed.
     """
+    cap = policy.pixel_cap(detail)  # a bad detail first, as before
     sniff_problem(data, documents=False)  # empty, or SVG: refused as such, polyglot or not
     documents = _Documents(data)
     try:
-        return _normalised_tiles(data, policy, detail, index, check_later, documents)
+        return _normalised_tiles(data, policy, cap, index, check_later, documents)
     except Exception:
         # A polyglot is refused as a polyglot, whatever else is wrong with it, and whichever
         # way it went (its search may have run beside a large photo's decode).
@@ -273,9 +274,8 @@ class _Documents:
             raise found
 
 
-def _normalised_tiles(data: bytes, policy: Policy, detail: str | None, index: FingerprintIndex | None,
+def _normalised_tiles(data: bytes, policy: Policy, cap: int, index: FingerprintIndex | None,
                       check_later: bool, documents: _Documents) -> list[NormalisedImage]:
-    cap = policy.pixel_cap(detail)
     image = open_image(data, allowed_formats=policy.allowed_formats,
                        max_input_pixels=policy.max_input_pixels, documents=False)
     fmt = source_format(image)

@@ -231,9 +231,16 @@ def test_auto_detail_follows_the_policy_default():
 
 
 @pytest.mark.parametrize("detail", ["medium", "HIGH", ""])
-def test_invalid_detail_is_a_policy_violation(detail):
+@pytest.mark.parametrize("data", [
+    image_bytes(32, 32),
+    image_bytes(2400, 1800, "JPEG") + b"<script>fetch('/steal')</script>",  # a large polyglot
+    b"",
+    b'<svg xmlns="http://www.w3.org/2000/svg"/>',
+], ids=["image", "large polyglot", "empty", "svg"])
+def test_invalid_detail_is_a_policy_violation(detail, data):
+    """Whatever the image: the request's own field is refused first, as it always was."""
     with pytest.raises(PolicyViolation, match="detail"):
-        normalise(image_bytes(32, 32), STANDARD, detail=detail)
+        normalise(data, STANDARD, detail=detail)
 
 
 def test_aspect_ratio_beyond_the_policy_is_a_policy_violation():
