@@ -121,7 +121,7 @@ class Downscaled:
 
 
 def downscale(data: bytes, scale: int, size: tuple[int, int], *, quality: int,
-              helpers: Executor, beside: Callable[[], object] | None = None) -> Downscaled:
+              helpers: Executor, beside: Callable[[], object] | None = None) -> Downscaled | None:
     """The colour JPEG `data` decoded at 1/`scale`, resampled to `size` and encoded as a
     baseline 4:2:0 JPEG at `quality`: the JPEG, the resampled picture's RGB rows, and the
     first pass of its fingerprint's thumbnail (each band's, as it is made, so that only a pass
@@ -129,8 +129,9 @@ def downscale(data: bytes, scale: int, size: tuple[int, int], *, quality: int,
     after it, and turning the whole grey 0.5). CorruptImage for truncated or corrupt data
     (any warning of libjpeg's), as a whole decode refuses it. The decode runs on this thread;
     the rest on one of `helpers`, behind it, after `beside()`: work of the caller's that need
-    not wait for the decode, done by the time this returns (a failed decode may leave it
-    running, or never started)."""
+    not wait for the decode (a failed decode may leave it running, or never started; if it
+    raises, the caller must run it again). When it returns anything but None (a refusal), the
+    decode stops where it is and this returns None."""
     try:
         decoder = _jpegrows.Decoder(data, scale)
     except ValueError as exc:
@@ -144,11 +145,12 @@ def downscale(data: bytes, scale: int, size: tuple[int, int], *, quality: int,
     behind = helpers.submit(_resample_and_encode, source, size, quality, progress, beside)
     try:
         decoded = 0
-        while decoded < decoder.height:
+        while decoded < decoder.height and not progress.abandoned:
             step = BAND if decoder.height - decoded > FINAL else FINAL_STEP
             decoded += decoder.read(source[decoded:decoded + step])
             progress.reached(decoded)
-        decoder.finish()
+        if not progress.abandoned:
+            decoder.finish()
     except ValueError as exc:
         progress.abandon()
         raise CorruptImage(f"image data is truncated or corrupt: {exc}") from None
@@ -161,7 +163,13 @@ def downscale(data: bytes, scale: int, size: tuple[int, int], *, quality: int,
 def _resample_and_encode(source: np.ndarray, size: tuple[int, int], quality: int,
                          progress: _Progress, beside: Callable[[], object] | None) -> Downscaled | None:
     if beside is not None:
-        beside()  # while the first rows are decoded
+        try:
+            refused = beside()  # while the first rows are decoded
+        except Exception:  # noqa: BLE001 - its caller runs it again, and has its error then
+            refused = None
+        if refused is not None:
+            progress.abandon()  # the caller refuses the photo: decoding the rest would be waste
+            return None
     rows, columns = source.shape[:2]
     bands = Bands(source, columns, rows, size)
     encoder = _jpegrows.Encoder(size[0], size[1], quality)

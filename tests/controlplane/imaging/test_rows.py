@@ -289,6 +289,36 @@ def test_a_failed_decode_leaves_the_helper_free(helpers):
 
 
 @needs_rows
+def test_a_photo_refused_beside_its_decode_is_not_decoded_to_its_end(helpers):
+    """What runs beside the decode (the search for embedded documents) may refuse the photo:
+    the decode then stops, and a hostile upload costs its refusal, not a whole downscale. Its
+    last rows are corrupt, so only a decode that stopped early comes back without an error."""
+    data = photo(4000, 3000)
+    broken_at_its_end = data[:len(data) * 9 // 10] + data[-2:]
+    outcomes = []
+    for _ in range(5):  # the helper starts within the 30 ms decode on all but the busiest machine
+        try:
+            outcomes.append(rows.downscale(broken_at_its_end, 2, (1156, 867), quality=85, helpers=helpers,
+                                           beside=lambda: "refused"))
+        except CorruptImage:
+            outcomes.append("decoded to the corrupt end")
+        if None in outcomes:
+            break
+    assert None in outcomes
+
+
+@needs_rows
+def test_a_failure_of_the_work_beside_a_decode_leaves_it_to_the_caller(helpers):
+    """The search beside the decode failing (out of memory, say) does not fail the photo: its
+    caller runs the search again itself (policy._Documents)."""
+    def failing():
+        raise MemoryError
+
+    made = rows.downscale(photo(2400, 1800), 2, (1156, 867), quality=85, helpers=helpers, beside=failing)
+    assert Image.open(io.BytesIO(made.jpeg)).size == (1156, 867)
+
+
+@needs_rows
 def test_a_downscale_runs_behind_its_decode_only_while_a_core_is_free_for_it(monkeypatch):
     """While every core but one already decodes a photo, the next is decoded whole (bands
     would cost CPU and only take turns with the decodes); the picture is the same either way."""
