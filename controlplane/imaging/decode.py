@@ -92,10 +92,12 @@ def embedded_document(data: bytes) -> PolyglotImage | None:
 
 
 def open_image(data: bytes, *, allowed_formats: tuple[str, ...], max_input_pixels: int,
-               documents: bool = True) -> Image.Image:
-    """Open `data` lazily (header only) and check its format and pixel count (and whether it
-    carries a document, unless not `documents`)."""
-    sniff_problem(data, documents=documents)
+               sniffed: bool = False) -> Image.Image:
+    """Open `data` lazily (header only) and check its format and pixel count, after
+    `sniff_problem` (unless `sniffed`: the caller has refused what is not a raster image, and
+    searches for documents itself)."""
+    if not sniffed:
+        sniff_problem(data)
     try:
         with warnings.catch_warnings():
             # Our own cap below decides; Pillow's bomb warning would only add noise.

@@ -146,8 +146,5 @@ class ScopedIndex:
     def __init__(self, index: FingerprintIndex, scope: str):
         self.index, self.scope = index, scope
 
-    def canonical(self, image: Image.Image, *, size: tuple[int, int] | None = None) -> str:
-        return self.index.canonical(image, scope=self.scope, size=size)
-
     def lookup(self, width: int, height: int, bits: int) -> str:
         return self.index.lookup(width, height, bits, scope=self.scope)

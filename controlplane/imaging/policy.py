@@ -277,7 +277,7 @@ class _Documents:
 def _normalised_tiles(data: bytes, policy: Policy, cap: int, index: FingerprintIndex | None,
                       check_later: bool, documents: _Documents) -> list[NormalisedImage]:
     image = open_image(data, allowed_formats=policy.allowed_formats,
-                       max_input_pixels=policy.max_input_pixels, documents=False)
+                       max_input_pixels=policy.max_input_pixels, sniffed=True)
     fmt = source_format(image)
     turn = orientation(image)
     stored_w, stored_h = image.size
@@ -389,8 +389,8 @@ def _downscaled(image: Image.Image, data: bytes, policy: Policy, size: tuple[int
         else:
             documents.refuse()
             raw = decode_jpeg(data, image, scale)
-    documents.refuse()  # searched beside the decode: nothing is fingerprinted or sent before
     if streamed:
+        documents.refuse()  # searched beside the decode: nothing is fingerprinted or sent before
         encoded, ident = made.jpeg, fingerprint_of_bits(narrowed_bits(made.narrow, size[1]), size, index)
     else:
         pixels = bicubic_rgb(raw, raw.shape[1], raw.shape[0], size)
