@@ -110,3 +110,39 @@ def test_a_server_stopping_finishes_the_hand_overs_still_awaiting_redis_before_i
     assert waited, "the server stopped without waiting for the hand-over's reply"
     assert sent == ["lifespan.startup.complete", "lifespan.shutdown.complete"]
     assert remembered
+
+
+def test_a_plain_answer_is_metered_in_full_before_its_status_line_leaves(routed, held):
+    """A gateway killed between a plain answer's status line and its body (the server writes
+    them apart) leaves a client with a 200 and no body; the answer was recorded as given, in
+    full, before a byte of it left, as a stream is billed for what it had relayed."""
+    direct = redis.Redis.from_url(django_settings.REDIS_URL)  # Redis itself, not through the relay
+    body = orjson.dumps({"model": "text", "max_tokens": 4, "messages": [{"role": "user", "content": "hello there"}]})
+    at_status_line, sent = [], []
+
+    async def scenario():
+        requests = [{"type": "http.request", "body": body, "more_body": False}]
+
+        async def receive():
+            if requests:
+                return requests.pop()
+            await asyncio.Event().wait()  # the client stays until the answer is sent
+
+        async def send(message):
+            if message["type"] == "http.response.start":
+                at_status_line.extend(orjson.loads(fields[b"record"]) for _, fields in direct.xrange(stream_key()))
+            sent.append(message)
+
+        scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "query_string": b"",
+                 "headers": [(b"authorization", f"Bearer {routed.alice_key}".encode()),
+                             (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]}
+        await application(scope, receive, send)
+        held.release()
+        await asyncio.wait_for(asyncio.gather(*handlers._background), 30)
+
+    async_to_sync(scenario)()
+    start, answer = sent[0], orjson.loads(sent[1]["body"])
+    assert start["status"] == 200
+    request_id = dict(start["headers"])[b"x-request-id"].decode()
+    assert [(r["request_id"], r["status"], r["output_tokens"]) for r in at_status_line] == [
+        (request_id, "ok", answer["usage"]["completion_tokens"])]
