@@ -116,7 +116,8 @@ def test_a_plain_answer_is_metered_in_full_before_its_status_line_leaves(routed,
     """A gateway killed between a plain answer's status line and its body (the server writes
     them apart) leaves a client with a 200 and no body; the answer was recorded as given, in
     full, before a byte of it left, as a stream is billed for what it had relayed."""
-    direct = redis.Redis.from_url(django_settings.REDIS_URL)  # Redis itself, not through the relay
+    # Through the relay, which holds only the replies to hand-overs: reading the stream is not held.
+    direct = redis.Redis.from_url(django_settings.REDIS_URL)
     body = orjson.dumps({"model": "text", "max_tokens": 4, "messages": [{"role": "user", "content": "hello there"}]})
     at_status_line, sent = [], []
 
