@@ -8,6 +8,7 @@ import shutil
 import httpx
 import openai
 import pytest
+from playwright.sync_api import TimeoutError as PlaywrightTimeoutError
 from playwright.sync_api import expect, sync_playwright
 
 from tests.images import data_url, image_bytes
@@ -185,6 +186,7 @@ def test_an_operator_is_asked_before_stopping_an_engine_and_the_fleet_page_updat
     instance = row.get_attribute("data-instance")
     asked = []
     page.on("dialog", lambda dialog: (asked.append(dialog.message), dialog.dismiss()))
+    page.route("**/fleet/*/stop/", lambda route: route.abort())  # if it were sent unasked, the fleet keeps it
     row.get_by_role("button", name="Stop").click()
     assert asked and asked[0].startswith(f"Stop #{instance} now?")
     expect(page.locator(f'#instances tr[data-instance="{instance}"] td').nth(3)).to_have_text("running")
@@ -192,6 +194,29 @@ def test_an_operator_is_asked_before_stopping_an_engine_and_the_fleet_page_updat
     page.evaluate("document.querySelector('[data-live] #events').dataset.seen = 'yes'")
     page.wait_for_function("!document.querySelector('[data-live] #events').dataset.seen", timeout=30_000)
     assert page.evaluate("window.notReloaded") is True
+
+
+def test_no_engine_is_stopped_unasked_while_the_page_that_asks_is_still_loading(system, page):
+    # The script that asks before a destructive form is sent arrives late (a slow link). Until it
+    # has run, no Stop button may be pressed; a stop sent unasked is caught here, never reaching
+    # the fleet (the system is shared by the other tests).
+    _login(page, system.base_url, "operator", "operator")
+    held, stops = [], []
+    page.route("**/static/js/confirm*.js", lambda route: held.append(route))
+    page.route("**/fleet/*/stop/", lambda route: (stops.append(route.request.url), route.abort()))
+    page.goto(f"{system.base_url}/fleet/", wait_until="commit")
+    try:
+        page.locator("#instances button", has_text="Stop").first.click(timeout=3_000)
+    except PlaywrightTimeoutError:
+        pass  # nothing to press yet: the page is not shown before it can ask
+    assert stops == []
+    for route in held:
+        route.continue_()
+    asked = []
+    page.on("dialog", lambda dialog: (asked.append(dialog.message), dialog.dismiss()))
+    page.locator("#instances button", has_text="Stop").first.click()
+    assert asked and asked[0].startswith("Stop #")
+    assert stops == []
 
 
 def test_a_tenant_admin_makes_a_key_for_one_model_that_the_gateway_holds_to_it(system, page):
