@@ -71,6 +71,7 @@ bench: $(STAMP_DIR)/.installed-bench engine-cpu
 	$(PY) -m bench.imaging
 	$(PY) -m bench.gateway
 	$(PY) -m bench.engine_path
+	$(PY) -m bench.engine_path --pin
 	$(PY) -m bench.metering
 	$(PY) -m bench.request_log
 
