@@ -8,9 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import os
-import threading
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from controlplane.imaging.errors import ImageError
@@ -98,39 +95,8 @@ class Prepared:
         return self.images
 
     async def _checked(self, pending: list[PreparedImage]) -> list[PreparedImage]:
-        await asyncio.get_running_loop().run_in_executor(_checkers(), _check, pending)
+        await asyncio.to_thread(_check, pending)
         return self.images
-
-
-# The checks an image sent as it came gets beside the engine's work (its every scan decoded,
-# its fingerprint) are on no request's path while the engine works: they run on threads of
-# their own at this niceness, so that on a shared host they give way to what is on a path (the
-# event loop, a large image's resize, the engine's own API server decoding this very image,
-# and a CPU engine, which runs at 10) and take what is left over. Never starved: the kernel
-# still gives them a share, and an answer waits for its images' checks.
-CHECK_NICE = 15
-_checker_pool: tuple[int, ThreadPoolExecutor] | None = None
-_checker_lock = threading.Lock()
-
-
-def _checker_priority() -> None:
-    thread = threading.get_native_id()
-    try:  # never raised back: a gateway run nicer than this keeps its own niceness
-        os.setpriority(os.PRIO_PROCESS, thread, max(CHECK_NICE, os.getpriority(os.PRIO_PROCESS, thread)))
-    except OSError:
-        pass  # a platform without per-thread priorities: the check runs as before
-
-
-def _checkers() -> ThreadPoolExecutor:
-    """One pool per process, made on first use (a child forked from a process that had one
-    would wait for ever on threads that are gone)."""
-    global _checker_pool
-    with _checker_lock:
-        if _checker_pool is None or _checker_pool[0] != os.getpid():
-            _checker_pool = (os.getpid(), ThreadPoolExecutor(max_workers=os.cpu_count() or 1,
-                                                            thread_name_prefix="image-check",
-                                                            initializer=_checker_priority))
-        return _checker_pool[1]
 
 
 def _check(pending: list[PreparedImage]) -> None:
