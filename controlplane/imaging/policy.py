@@ -42,7 +42,12 @@ from controlplane.imaging.decode import (
     upright,
 )
 from controlplane.imaging.errors import CorruptImage, ImageTooLarge, InvalidDataURL, PolicyViolation
-from controlplane.imaging.fingerprint import FingerprintIndex, fingerprint, fingerprint_of_bits, narrowed_bits
+from controlplane.imaging.fingerprint import (
+    FingerprintIndex,
+    fingerprint,
+    fingerprint_of_bits,
+    narrowed_bits,
+)
 from controlplane.imaging.resample import CORES, bicubic, bicubic_rgb
 
 __all__ = ["SUPPORTED_FORMATS", "NormalisedImage", "Policy", "decode_data_url", "fit_within",

@@ -9,7 +9,12 @@ import random
 import pytest
 from PIL import Image, ImageDraw
 
-from controlplane.imaging.fingerprint import FingerprintIndex, narrowed, narrowed_bits, perceptual_bits
+from controlplane.imaging.fingerprint import (
+    FingerprintIndex,
+    narrowed,
+    narrowed_bits,
+    perceptual_bits,
+)
 from controlplane.imaging.policy import Policy, normalise
 
 ENCODINGS = [("PNG", {}), ("BMP", {}), ("JPEG", {"quality": 95}), ("JPEG", {"quality": 85}),
@@ -70,7 +75,7 @@ def test_the_thumbnail_made_a_band_of_rows_at_a_time_has_the_bits_of_the_whole(s
     rng = random.Random(size[0] * size[1])
     grey = picture(size[0] % 7).resize(size).convert("L")
     cuts = sorted({0, size[1], *(rng.randrange(size[1]) for _ in range(6))})
-    rows = b"".join(narrowed(grey.crop((0, top, size[0], bottom))) for top, bottom in zip(cuts, cuts[1:]))
+    rows = b"".join(narrowed(grey.crop((0, top, size[0], bottom))) for top, bottom in itertools.pairwise(cuts))
     assert rows == narrowed(grey)
     assert narrowed_bits(rows, size[1]) == perceptual_bits(grey) == perceptual_bits(grey.convert("RGB"))
 
