@@ -286,6 +286,9 @@ GATEWAY_STALE_MAX_S = env_int("GATEWAY_STALE_MAX_S", 600, minimum=0)
 # Free heap a gateway process keeps for the next image instead of returning it (0: glibc's
 # defaults); see controlplane/gateway/memory.py.
 GATEWAY_HEAP_KEEP_MB = env_int("GATEWAY_HEAP_KEEP_MB", 256, minimum=0)
+# What pictures a tenant sent became, kept by each gateway process for the requests that send
+# them again (a chat resends its images on every turn); 0 keeps none. See gateway/repeats.py.
+GATEWAY_REPEATS_MB = env_int("GATEWAY_REPEATS_MB", 128, minimum=0)
 # Each gateway process refreshes its in-flight journal this often; an entry not refreshed for
 # GATEWAY_JOURNAL_STALE_S belongs to a dead gateway and is recorded as interrupted.
 GATEWAY_HEARTBEAT_S = env_int("GATEWAY_HEARTBEAT_S", 5, minimum=1)

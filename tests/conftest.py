@@ -75,6 +75,7 @@ def _fresh_gateway_caches():
     redis_store._handed.clear()  # what earlier tests handed over is theirs
     ledger._finished.clear()  # and the requests they finished (ids repeat from test to test)
     handlers._beside = handlers._Beside()  # and what their admissions taught the gateway
+    handlers.repeats.clear()  # and the pictures they sent (tenant ids repeat too)
     yield
     state.clear_caches()
     redis_store._handed.clear()

@@ -41,7 +41,7 @@ def render() -> str:
     for name, (help_text, attribute) in per_instance.items():
         out += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge"]
         out += [_line(name, {"instance": i.pk, "tier": i.tier.name}, getattr(i, attribute)) for i in instances]
-    requests, image_tokens, disagreements = counters.snapshot()
+    requests, image_tokens, disagreements, pictures = counters.snapshot()
     out += ["# HELP vlmcp_gateway_requests_total Requests this gateway process answered.",
             "# TYPE vlmcp_gateway_requests_total counter"]
     out += [_line("vlmcp_gateway_requests_total", {"tier": t, "status": s}, n) for (t, s), n in sorted(requests.items())]
@@ -53,6 +53,11 @@ def render() -> str:
             "# TYPE vlmcp_gateway_image_token_disagreements_total counter"]
     out += [_line("vlmcp_gateway_image_token_disagreements_total", {"tier": t}, n)
             for t, n in sorted(disagreements.items())]
+    out += ["# HELP vlmcp_gateway_images_total Pictures this gateway process prepared for engines: new, or "
+            "again (sent before by the same tenant, under the same policy: what they became was kept).",
+            "# TYPE vlmcp_gateway_images_total counter"]
+    out += [_line("vlmcp_gateway_images_total", {"tier": t, "prepared": how}, n)
+            for (t, how), n in sorted(pictures.items())]
     out += ["# HELP vlmcp_usage_image_tokens_today Image tokens metered today (UTC), from the rollups.",
             "# TYPE vlmcp_usage_image_tokens_today gauge"]
     today = DailyUsage.objects.filter(day=timezone.now().date()).values("tier__name").annotate(

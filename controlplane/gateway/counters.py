@@ -9,6 +9,7 @@ _lock = threading.Lock()
 requests: Counter = Counter()  # (tier, status) -> requests answered
 image_tokens: Counter = Counter()  # tier -> image tokens sent to engines
 disagreements: Counter = Counter()  # tier -> answers whose engine image count differed
+pictures: Counter = Counter()  # (tier, "new" or "again") -> pictures prepared for engines
 
 
 def count(*, tier: str, status: str, images: int = 0, disagree: bool = False) -> None:
@@ -20,6 +21,12 @@ def count(*, tier: str, status: str, images: int = 0, disagree: bool = False) ->
             disagreements[tier] += 1
 
 
-def snapshot() -> tuple[dict, dict, dict]:
+def picture(*, tier: str, again: bool) -> None:
+    """A picture prepared for an engine: `again` when what it became before was taken."""
     with _lock:
-        return dict(requests), dict(image_tokens), dict(disagreements)
+        pictures[(tier, "again" if again else "new")] += 1
+
+
+def snapshot() -> tuple[dict, dict, dict, dict]:
+    with _lock:
+        return dict(requests), dict(image_tokens), dict(disagreements), dict(pictures)

@@ -28,6 +28,7 @@ from controlplane.gateway.prepare import (
     prepare,
     validate_body,
 )
+from controlplane.gateway.repeats import Repeats
 from controlplane.imaging.tokens import engine_image_tokens
 from controlplane.metering.services import UsageRecord
 from controlplane.redis_clients import until_written
@@ -39,6 +40,8 @@ LARGE_BODY = 1 << 20
 # image request carries parse in half orjson's time, small bodies as fast, and an integer past
 # 64 bits, which orjson reads as a float, goes on as it came. The engine's answers are read by
 # orjson.
+# What pictures sent before became, for the requests that send them again.
+repeats = Repeats(settings.GATEWAY_REPEATS_MB * 1024 * 1024)
 _read_json = msgspec.json.Decoder().decode
 _write_json = msgspec.json.Encoder().encode
 _background: set[asyncio.Task] = set()
@@ -174,7 +177,7 @@ async def _chat_completions(request: Request, request_id: str):
     try:
         try:
             prepared = await prepare(body, tier, max_image_bytes=settings.GATEWAY_MAX_BODY_BYTES,
-                                     scope=str(key.tenant_id))
+                                     scope=str(key.tenant_id), repeats=repeats)
         except RequestInvalid as exc:
             raise GatewayError(400, str(exc), code=exc.code, param=exc.param) from None
         if tier.require_moderation and prepared.images:

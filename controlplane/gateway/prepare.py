@@ -7,9 +7,10 @@ multimodal UUIDs are dropped, image and text tokens are counted before anything 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 from dataclasses import dataclass, field
 
+from controlplane.gateway import counters
+from controlplane.gateway.repeats import Key, Repeats, digest
 from controlplane.imaging.errors import ImageError
 from controlplane.imaging.fetch import FetchPolicy
 from controlplane.imaging.fingerprint import FingerprintIndex
@@ -62,6 +63,9 @@ class PreparedImage:
     # A digest of the bytes the engine is sent: the engine that was sent them has their encoding
     # in its caches (vLLM's are keyed by the pixels, so a re-encoding of the picture would miss).
     key: str = ""
+    # Where it is kept for the requests that send its picture again, once its check has passed
+    # (an image sent as it came, whose check runs beside the engine).
+    keep: tuple[Repeats, Key] | None = None
 
 
 @dataclass
@@ -105,6 +109,9 @@ def _check(pending: list[PreparedImage]) -> None:
             prepared.image = prepared.image.checked()
         except ImageError as exc:
             raise RequestInvalid(f"image {prepared.number}: {exc}", param="messages", code=exc.code) from None
+        if prepared.keep is not None:
+            repeats, key = prepared.keep
+            repeats.put(key, ((prepared.image, prepared.key),))
 
 
 # What a tenant may send. Everything else (vLLM's mm_processor_kwargs, chat_template,
@@ -259,18 +266,41 @@ def validate_body(body) -> None:
         raise RequestInvalid(f"min_tokens {least} exceeds max_tokens {most}", param="min_tokens")
 
 
+@dataclass(frozen=True)
+class _Picture:
+    images: tuple[tuple[NormalisedImage, str], ...]  # each image it became, and its `digest`
+    again: bool = False  # what it became when it was sent before (nothing was decoded)
+    keep: tuple[Repeats, Key] | None = None  # where to keep it once its check has passed
+
+
 def _image_tiles(url: str, policy: Policy, detail, fetch: FetchPolicy | None, max_bytes: int,
-                 scope: str) -> list[tuple[NormalisedImage, str]]:
+                 scope: str, repeats: Repeats | None) -> _Picture:
     """Intake and normalise in one trip to a worker thread (CPU work, off the event loop): each
-    image the picture becomes, and the digest of its bytes. An image sent as it came is checked
-    later (Prepared.check_images), beside the request's trip to the engine."""
+    image the picture becomes, and the digest of its bytes; or what it became when this tenant
+    sent it before (`repeats`). An image sent as it came is checked later
+    (Prepared.check_images), beside the request's trip to the engine, and kept once it passed."""
     data = image_source_bytes(url, max_bytes=max_bytes, fetch=fetch)
+    key = None
+    if repeats is not None and repeats.max_bytes:
+        key = Key.of(data, scope=scope, policy=policy, cap=policy.pixel_cap(detail))  # a bad detail refused here
+        if (kept := repeats.get(key)) is not None:
+            for image, _ in kept:  # its fingerprint stays among the tenant's recent pictures
+                index_of_pictures.touch(image.fingerprint, scope=scope)
+            return _Picture(kept, again=True)
     tiles = normalise_tiles(data, policy, detail=detail, index=index_of_pictures.scoped(scope), check_later=True)
-    return [(tile, hashlib.sha256(tile.data).hexdigest()[:32]) for tile in tiles]
+    images = tuple((tile, digest(tile.data)) for tile in tiles)
+    if key is None:
+        return _Picture(images)
+    if any(tile.check is not None for tile in tiles):
+        return _Picture(images, keep=(repeats, key))
+    repeats.put(key, images)
+    return _Picture(images)
 
 
-async def prepare(body: dict, tier: TierSpec, *, max_image_bytes: int, scope: str = "") -> Prepared:
-    """`scope`: whose request it is (a tenant's pictures are recognised among its own only)."""
+async def prepare(body: dict, tier: TierSpec, *, max_image_bytes: int, scope: str = "",
+                  repeats: Repeats | None = None) -> Prepared:
+    """`scope`: whose request it is (a tenant's pictures are recognised among its own only).
+    `repeats`: what pictures sent before became, for those sent again (none kept without)."""
     parts = image_parts(body["messages"])
     if parts and tier.kind != "vision":
         raise RequestInvalid(f"model {tier.name} does not accept images", param="messages",
@@ -289,7 +319,8 @@ async def prepare(body: dict, tier: TierSpec, *, max_image_bytes: int, scope: st
         )
     prepared = Prepared(body=body)
     if parts:
-        await _prepare_images(prepared, parts, tier, max_image_bytes=max_image_bytes, scope=scope)
+        await _prepare_images(prepared, parts, tier, max_image_bytes=max_image_bytes, scope=scope,
+                              repeats=repeats)
     _lay_out(prepared, tier)
     # Always bounded: without a limit the engine would generate up to the rest of its context.
     room = tier.max_model_len - prepared.text_tokens - prepared.image_tokens
@@ -303,7 +334,7 @@ async def prepare(body: dict, tier: TierSpec, *, max_image_bytes: int, scope: st
 
 
 async def _prepare_images(prepared: Prepared, parts: list[dict], tier: TierSpec, *, max_image_bytes: int,
-                          scope: str) -> None:
+                          scope: str, repeats: Repeats | None) -> None:
     body = prepared.body
     policy = tier.policy
     if len(parts) > policy.max_images_per_request:
@@ -322,23 +353,26 @@ async def _prepare_images(prepared: Prepared, parts: list[dict], tier: TierSpec,
         if not isinstance(url, str) or not url:
             raise RequestInvalid(f"image {index + 1} has no url", param="messages")
         try:
-            tiles = await asyncio.to_thread(_image_tiles, url, policy, detail, tier.fetch_policy, max_image_bytes,
-                                            scope)
+            picture = await asyncio.to_thread(_image_tiles, url, policy, detail, tier.fetch_policy, max_image_bytes,
+                                              scope, repeats)
         except ImageError as exc:
             raise RequestInvalid(f"image {index + 1}: {exc}", param="messages", code=exc.code) from None
+        tiles = picture.images
         total_pixels += tiles[0][0].source_width * tiles[0][0].source_height
         if total_pixels > policy.max_total_pixels:
             raise RequestInvalid(
                 f"images in this request exceed {policy.max_total_pixels} pixels in total",
                 param="messages", code="image_too_large",
             )
-        for tile, digest in tiles:
+        for tile, sent in tiles:
             try:
                 tokens = count_image_tokens(tier.family, tile.width, tile.height, **tier.processor_options)
             except ValueError as exc:
                 raise RequestInvalid(f"image {index + 1}: {exc}", param="messages",
                                      code="image_policy_violation") from None
-            prepared.images.append(PreparedImage(image=tile, tokens=tokens, number=index + 1, key=digest))
+            prepared.images.append(PreparedImage(image=tile, tokens=tokens, number=index + 1, key=sent,
+                                                 keep=picture.keep))
+        counters.picture(tier=tier.name, again=picture.again)
         # What the engine receives: the normalised image (or its tiles, in reading order),
         # without the client's multimodal UUID or detail hint.
         replacements[id(part)] = [{"type": "image_url", "image_url": {"url": t.data_url()}} for t, _ in tiles]

@@ -118,6 +118,13 @@ class FingerprintIndex:
         width, height = size or image.size
         return self.lookup(width, height, perceptual_bits(image), scope=scope)
 
+    def touch(self, ident: str, *, scope: str = "") -> None:
+        """A picture known as `ident` seen again, without its bits taken again: the last it is
+        forgotten (nothing, if it has been already)."""
+        with self._lock:
+            if (scope, ident) in self._items:
+                self._items.move_to_end((scope, ident))
+
     def lookup(self, width: int, height: int, bits: int, *, scope: str = "") -> str:
         with self._lock:
             return self._lookup(scope, width, height, bits)
