@@ -14,8 +14,11 @@ gateway makes them), run right after the gateway in each round, so that what the
 work adds is each round's gateway figure less the floor's; a third, the floor with its
 admission's reply awaited before forwarding, shows what running the admission beside the
 engine's work saves. For text, a 1 MP
-JPEG and a 12 MP JPEG (base64 data URLs), at concurrency 1 and 32, it reports the added p50
-and p99 latency over the direct call and requests per second; it also times the image
+JPEG and a 12 MP JPEG (base64 data URLs; every image request a picture of its own, `stamped`),
+at concurrency 1 and 32, it reports the added p50
+and p99 latency over the direct call and requests per second; then, for each JPEG, what the
+gateway adds to a picture sent again (what it became the first time is kept) against a new
+one, in turn; it also times the image
 library's normalise alone on each image, and the size of the body each proxy forwarded. For the
 images, a second gateway process with glibc's malloc defaults (GATEWAY_HEAP_KEEP_MB=0) shows
 what keeping freed image buffers is worth, and each gateway's peak resident memory its price.
@@ -26,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+import itertools
 import json
 import os
 import shutil
@@ -77,6 +81,17 @@ def jpeg(width: int, height: int) -> bytes:
     from bench.imaging import encoded, photo
 
     return encoded(photo(width, height), "JPEG", quality=90)
+
+
+_stamps = itertools.count()
+
+
+def stamped(image: bytes) -> bytes:
+    """The JPEG with a comment of its own after its start marker: bytes no request of the run
+    sent before (the gateway keeps what a picture sent again became: GATEWAY_REPEATS_MB), the
+    same pixels (the same work for every proxy and engine)."""
+    text = f"bench picture {next(_stamps)}".encode()
+    return image[:2] + b"\xff\xfe" + (len(text) + 2).to_bytes(2, "big") + text + image[2:]
 
 
 def messages(image: bytes | None) -> list:
@@ -211,11 +226,16 @@ def start_litellm(upstream_port: int, folder: Path | None = None) -> tuple[subpr
     return process, port, "sk-bench-litellm"
 
 
-async def load(url: str, key: str, model: str, image: bytes | None, concurrency: int, count: int):
-    body = json.dumps({"model": model, "max_tokens": 8, "messages": messages(image)}).encode()
+async def load(url: str, key: str, model: str, image: bytes | None, concurrency: int, count: int, *,
+               again: bool = False):
+    """Each image request a picture of its own (`stamped`), or with `again` the same one."""
+    def body() -> bytes:
+        sent = image if image is None or again else stamped(image)
+        return json.dumps({"model": model, "max_tokens": 8, "messages": messages(sent)}).encode()
     headers = {"Authorization": f"Bearer {key}"}
-    await send(url, headers, [body], 1)  # warm up caches
-    latencies, elapsed = await send(url, headers, [body] * count, concurrency)
+    await send(url, headers, [body()], 1)  # warm up caches (with `again`: the picture to be sent again)
+    bodies = [body() for _ in range(count)] if image is not None and not again else [body()] * count
+    latencies, elapsed = await send(url, headers, bodies, concurrency)
     latencies.sort()
     return {"p50": statistics.median(latencies), "p99": latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
             "rps": len(latencies) / elapsed}
@@ -413,6 +433,19 @@ def main() -> None:
                       f"decodes alone taken in turn: the gateway's added p50 over the decode alone, median "
                       f"{statistics.median(ratios):.2f}x ("
                       + ", ".join(f"{1000 * added:.1f}/{1000 * floor:.1f} ms" for added, floor in rounds) + ")")
+        for payload in ("1mp", "12mp"):
+            # A picture sent again (a chat resends its images on every turn): what it became the
+            # first time is taken, against a new picture each request, in turn, three rounds.
+            new, again = [], []
+            for _round in range(3):
+                direct = asyncio.run(load(targets["direct"][0], "fake", "vlm", images[payload], 1, 20))
+                for added, repeat in ((new, False), (again, True)):
+                    through = asyncio.run(load(targets["gateway"][0], key, "vlm", images[payload], 1, 20, again=repeat))
+                    added.append(through["p50"] - direct["p50"])
+            print(f"{payload}, concurrency 1, the gateway's added p50 for a picture sent again "
+                  f"{1000 * statistics.median(again):.1f} ms, for a new one {1000 * statistics.median(new):.1f} ms "
+                  f"(medians of 3 rounds of 20 each: " + ", ".join(
+                      f"{1000 * a:.1f}/{1000 * n:.1f}" for a, n in zip(again, new, strict=True)) + ")")
         for name, process in (("gateway", gateway.process), ("gw-nokeep", gateway.untuned)):
             print(f"{name} peak resident memory: {status_kb('VmHWM', process.pid) / 1024:.0f} MB")
     finally:
