@@ -47,6 +47,97 @@ def test_a_failed_load_fails_every_request_waiting_on_it_and_the_next_one_tries_
     assert len(loads) == 2
 
 
+def test_an_entry_near_the_end_of_its_life_is_reloaded_while_requests_go_on_with_it():
+    """Keys, tiers and engines are reloaded in the background near the end of their life: with
+    a request every second (one long image request at a time), none waits on the database for
+    them (one in two waited for the engines' two-second entry, several milliseconds each), and
+    none is served an entry older than its life (a revoked key still stops in time)."""
+    cache, loads = TTLCache(seconds=1.0), []
+    release = threading.Event()
+
+    def load():
+        loads.append(1)
+        if len(loads) > 1:
+            release.wait(5)  # the reload is slow: nobody may wait for it
+        return f"load {len(loads)}"
+
+    async def requests():
+        first = await cache.fetch("key", load)
+        await asyncio.sleep(0.8)  # less than a quarter of its life left, still fresh
+        second = await asyncio.wait_for(cache.fetch("key", load), timeout=0.1)
+        await asyncio.sleep(2 * TTLCache.RELOAD_AFTER_S)  # the reload begun, after the request went on
+        third = await asyncio.wait_for(cache.fetch("key", load), timeout=0.05)  # the reload under way: not another
+        release.set()
+        for _ in range(100):
+            if cache.get("key") == "load 2":
+                break
+            await asyncio.sleep(0.01)
+        return first, second, third
+
+    assert asyncio.run(requests()) == ("load 1", "load 1", "load 1")
+    assert (len(loads), cache.get("key")) == (2, "load 2")
+
+
+def test_an_entry_past_its_life_is_waited_for_as_before():
+    cache, loads = TTLCache(seconds=0.1), []
+
+    def load():
+        loads.append(1)
+        return f"load {len(loads)}"
+
+    async def requests():
+        first = await cache.fetch("key", load)
+        await asyncio.sleep(0.15)  # expired: no request goes on with it
+        return first, await cache.fetch("key", load)
+
+    assert asyncio.run(requests()) == ("load 1", "load 2")
+
+
+def test_a_reload_ahead_that_fails_leaves_the_entry_and_is_not_tried_on_every_request():
+    cache, loads = TTLCache(seconds=1.0), []
+
+    def load():
+        loads.append(1)
+        if len(loads) > 1:
+            raise ConnectionError("the database does not answer")
+        return "load 1"
+
+    async def requests():
+        await cache.fetch("key", load)
+        await asyncio.sleep(0.8)
+        seen = []
+        for _ in range(10):
+            seen.append(await cache.fetch("key", load))
+            await asyncio.sleep(0.015)
+        return seen
+
+    assert asyncio.run(requests()) == ["load 1"] * 10
+    assert len(loads) == 2  # one reload tried, then not again for TTLCache.RETRY_S
+
+
+def test_a_reload_that_ends_after_the_cache_was_cleared_is_dropped():
+    cache, release = TTLCache(seconds=1.0), threading.Event()
+    loads = []
+
+    def load():
+        loads.append(1)
+        if len(loads) > 1:
+            release.wait(5)
+        return f"load {len(loads)}"
+
+    async def requests():
+        await cache.fetch("key", load)
+        await asyncio.sleep(0.8)
+        await cache.fetch("key", load)
+        await asyncio.sleep(2 * TTLCache.RELOAD_AFTER_S)  # the reload begun
+        cache.clear()
+        release.set()
+        await asyncio.sleep(0.1)
+
+    asyncio.run(requests())
+    assert cache.get("key") is None
+
+
 @pytest.fixture(autouse=True)
 def _fresh_gateway_caches():  # these tests need no database
     yield
