@@ -249,10 +249,10 @@ def measure(paths: dict, processes: dict, pictures: Pictures, size: str, concurr
     return rows
 
 
-def run(quick: bool, pinned: bool) -> None:
+def run(quick: bool, pinned: bool, cases: set[str] | None = None) -> None:
     from workers.engines.cpu import install, tiny_model
 
-    counts = QUICK if quick else COUNTS
+    counts = {case: n for case, n in (QUICK if quick else COUNTS).items() if cases is None or case[0] in cases}
     python = install.ensure()
     model = tiny_model.ensure(python)
     engine_port = free_port()
@@ -316,7 +316,7 @@ def report(results: dict, validation: float) -> None:
         return "met" if ok else "MISSED"
 
     print("\nissue 16's targets")
-    if ("again", 1, "gateway") in results:
+    if ("again", 1, "gateway") in results and ("text", 1, "gateway") in results:
         image, text = (paired(results[case, 1, "gateway"]["latencies"], results[case, 1, "direct"]["latencies"])
                        for case in ("again", "text"))
         low, high = interval(image, text)
@@ -324,7 +324,7 @@ def report(results: dict, validation: float) -> None:
               f"warm), c=1, paired by round: the gateway over direct {1000 * statistics.median(image):+.1f} ms; "
               f"beyond the text overhead {1000 * (statistics.median(image) - statistics.median(text)):+.1f} ms "
               f"(90 % interval {1000 * low:+.1f} to {1000 * high:+.1f})")
-    for concurrency in CONCURRENCY:
+    for concurrency in (c for c in CONCURRENCY if ("12mp", c, "gateway") in results):
         gw, lite, direct = (results["12mp", concurrency, name] for name in ("gateway", "litellm", "direct"))
         share_lite = gw["outside"] / lite["outside"]
         share_direct = gw["outside"] / direct["outside"]
@@ -333,7 +333,7 @@ def report(results: dict, validation: float) -> None:
               f"{share_lite:.2f}x LiteLLM's path ({lite['outside']:.3f}; target <= 0.50, {verdict(share_lite <= 0.5)}), "
               f"{share_direct:.2f}x direct ({direct['outside']:.3f}; target <= 0.67, "
               f"{verdict(share_direct <= 2 / 3)}); p50 gateway/direct {p50:.2f} (target < 1, {verdict(p50 < 1)})")
-    for concurrency in CONCURRENCY:
+    for concurrency in (c for c in CONCURRENCY if ("1mp", c, "gateway") in results and ("text", c, "gateway") in results):
         added = results["1mp", concurrency, "gateway"]["p50"] - results["1mp", concurrency, "direct"]["p50"]
         text = results["text", concurrency, "gateway"]["p50"] - results["text", concurrency, "direct"]["p50"]
         print(f"1mp c={concurrency}: gateway p50 - direct p50 = {1000 * added:+.1f} ms; text overhead "
@@ -342,6 +342,8 @@ def report(results: dict, validation: float) -> None:
               f"and normalise, which forwards it as sent) takes {1000 * validation:.1f} ms alone")
     # One request at a time, each round sends one request down every path back to back: the
     # gateway's time over direct in the same round leaves out the engine's drift between rounds.
+    if ("1mp", 1, "gateway") not in results or ("text", 1, "gateway") not in results:
+        return
     image, text = (paired(results[case, 1, "gateway"]["latencies"], results[case, 1, "direct"]["latencies"])
                    for case in ("1mp", "text"))
     low, high = interval(image, text)
@@ -368,12 +370,13 @@ def interval(image: list[float], text: list[float], share: float = 0.9, draws: i
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a few requests per case (a development run)")
+    parser.add_argument("--cases", help=f"only these cases, comma-separated (of {', '.join(SIZES)})")
     parser.add_argument("--pin", action="store_true",
                         help="the engine core alone on CPU 0, every other process on CPU 1 (a GPU host's shape)")
     args = parser.parse_args(argv)
     # A SIGTERM unwinds like Ctrl-C does, through run's cleanup.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    run(args.quick, args.pin)
+    run(args.quick, args.pin, set(args.cases.split(",")) if args.cases else None)
 
 
 if __name__ == "__main__":
