@@ -316,14 +316,9 @@ def report(results: dict, validation: float) -> None:
         return "met" if ok else "MISSED"
 
     print("\nissue 16's targets")
-    if ("again", 1, "gateway") in results and ("text", 1, "gateway") in results:
-        image, text = (paired(results[case, 1, "gateway"]["latencies"], results[case, 1, "direct"]["latencies"])
-                       for case in ("again", "text"))
-        low, high = interval(image, text)
+    if (line := beyond_text(results, "again")) is not None:
         print(f"1mp sent again (one picture resent, as a chat resends it on each turn; every path's caches "
-              f"warm), c=1, paired by round: the gateway over direct {1000 * statistics.median(image):+.1f} ms; "
-              f"beyond the text overhead {1000 * (statistics.median(image) - statistics.median(text)):+.1f} ms "
-              f"(90 % interval {1000 * low:+.1f} to {1000 * high:+.1f})")
+              f"warm), c=1, paired by round: {line}")
     for concurrency in (c for c in CONCURRENCY if ("12mp", c, "gateway") in results):
         gw, lite, direct = (results["12mp", concurrency, name] for name in ("gateway", "litellm", "direct"))
         share_lite = gw["outside"] / lite["outside"]
@@ -340,17 +335,24 @@ def report(results: dict, validation: float) -> None:
               f"(the same for text) {1000 * text:+.1f} ms (target: no more, {verdict(added <= max(text, 0.0))}); "
               f"beyond the text overhead {1000 * (added - text):+.1f} ms, where validating the image (base64 "
               f"and normalise, which forwards it as sent) takes {1000 * validation:.1f} ms alone")
-    # One request at a time, each round sends one request down every path back to back: the
-    # gateway's time over direct in the same round leaves out the engine's drift between rounds.
-    if ("1mp", 1, "gateway") not in results or ("text", 1, "gateway") not in results:
-        return
-    image, text = (paired(results[case, 1, "gateway"]["latencies"], results[case, 1, "direct"]["latencies"])
-                   for case in ("1mp", "text"))
+    if (line := beyond_text(results, "1mp")) is not None:
+        print(f"1mp c=1, paired by round: {line}")
+
+
+def beyond_text(results: dict, case: str) -> str | None:
+    """`case` at concurrency 1 against the text overhead. One request at a time, each round
+    sends one request down every path back to back: the gateway's time over direct in the same
+    round leaves out the engine's drift between rounds. The medians, and a bootstrap interval
+    of their difference."""
+    if (case, 1, "gateway") not in results or ("text", 1, "gateway") not in results:
+        return None
+    image, text = (paired(results[name, 1, "gateway"]["latencies"], results[name, 1, "direct"]["latencies"])
+                   for name in (case, "text"))
     low, high = interval(image, text)
-    print(f"1mp c=1, paired by round: the gateway over direct {1000 * statistics.median(image):+.1f} ms, on "
-          f"text {1000 * statistics.median(text):+.1f} ms; beyond the text overhead "
-          f"{1000 * (statistics.median(image) - statistics.median(text)):+.1f} ms (90 % interval "
-          f"{1000 * low:+.1f} to {1000 * high:+.1f}: {'no more than the text overhead' if low <= 0 else 'more'})")
+    image_ms, text_ms = 1000 * statistics.median(image), 1000 * statistics.median(text)
+    return (f"the gateway over direct {image_ms:+.1f} ms, on text {text_ms:+.1f} ms; beyond the text overhead "
+            f"{image_ms - text_ms:+.1f} ms (90 % interval {1000 * low:+.1f} to {1000 * high:+.1f}: "
+            f"{'no more than the text overhead' if low <= 0 else 'more'})")
 
 
 def paired(gateway: list[float], direct: list[float]) -> list[float]:
