@@ -36,12 +36,12 @@ from controlplane.redis_clients import until_written
 log = logging.getLogger(__name__)
 AUTO = "auto"
 LARGE_BODY = 1 << 20
+# What pictures sent before became, for the requests that send them again.
+repeats = Repeats(settings.GATEWAY_REPEATS_MB * 1024 * 1024)
 # A tenant's body is read, and the engine's written, by msgspec: the megabytes of base64 an
 # image request carries parse in half orjson's time, small bodies as fast, and an integer past
 # 64 bits, which orjson reads as a float, goes on as it came. The engine's answers are read by
 # orjson.
-# What pictures sent before became, for the requests that send them again.
-repeats = Repeats(settings.GATEWAY_REPEATS_MB * 1024 * 1024)
 _read_json = msgspec.json.Decoder().decode
 _write_json = msgspec.json.Encoder().encode
 _background: set[asyncio.Task] = set()

@@ -63,9 +63,6 @@ class Repeats:
         self._bytes = 0
         self._lock = threading.Lock()  # pictures are prepared on several threads
 
-    def __len__(self) -> int:
-        return len(self._kept)
-
     @property
     def bytes(self) -> int:
         return self._bytes
