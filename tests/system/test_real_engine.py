@@ -274,6 +274,20 @@ def test_a_repeated_image_is_served_from_the_real_engines_prefix_cache(client, s
     assert event.cache_savings > 0
 
 
+def test_a_downscaled_photo_sent_again_reaches_the_real_engine_as_the_same_image(client, system_db):
+    """The second time the gateway takes what the photo became the first time (gateway/repeats.py):
+    the real engine counts the same image tokens, finds the prompt in its prefix cache (the
+    same bytes), and the two requests are metered alike."""
+    messages = _content(image_bytes(2000, 1500, color=(200, 120, 30)), text="And this one?")
+    (first, first_id), (second, second_id) = _ask(client, messages), _ask(client, messages)
+    assert first.usage.prompt_tokens_details.multimodal_tokens == \
+        second.usage.prompt_tokens_details.multimodal_tokens == {"image": 1230}
+    assert second.usage.prompt_tokens_details.cached_tokens > 0
+    lines = [metered(system_db, request_id).images.get() for request_id in (first_id, second_id)]
+    seen = ("source_width", "source_height", "width", "height", "tokens", "fingerprint")
+    assert [getattr(lines[1], name) for name in seen] == [getattr(lines[0], name) for name in seen]
+
+
 def test_the_real_engines_metrics_are_scraped_into_samples(client, system_db, real_engine):
     _ask(client, _content(image_bytes(640, 480)))
 
