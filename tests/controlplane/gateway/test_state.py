@@ -47,7 +47,21 @@ def test_a_failed_load_fails_every_request_waiting_on_it_and_the_next_one_tries_
     assert len(loads) == 2
 
 
-def test_an_entry_near_the_end_of_its_life_is_reloaded_while_requests_go_on_with_it():
+@pytest.fixture
+def clock(monkeypatch):
+    """The caches' clock, moved on by hand (asyncio's own, for the waits, runs as it does): an
+    entry's age does not depend on how busy the machine is."""
+    import time
+    import types
+
+    from controlplane.gateway import state
+
+    moved = [0.0]
+    monkeypatch.setattr(state, "time", types.SimpleNamespace(monotonic=lambda: time.monotonic() + moved[0]))
+    return moved
+
+
+def test_an_entry_near_the_end_of_its_life_is_reloaded_while_requests_go_on_with_it(clock):
     """Keys, tiers and engines are reloaded in the background near the end of their life: with
     a request every second (one long image request at a time), none waits on the database for
     them (one in two waited for the engines' two-second entry, several milliseconds each), and
@@ -63,7 +77,7 @@ def test_an_entry_near_the_end_of_its_life_is_reloaded_while_requests_go_on_with
 
     async def requests():
         first = await cache.fetch("key", load)
-        await asyncio.sleep(0.8)  # less than a quarter of its life left, still fresh
+        clock[0] += 0.8  # less than a quarter of its life left, still fresh
         second = await asyncio.wait_for(cache.fetch("key", load), timeout=0.1)
         await asyncio.sleep(2 * TTLCache.RELOAD_AFTER_S)  # the reload begun, after the request went on
         third = await asyncio.wait_for(cache.fetch("key", load), timeout=0.05)  # the reload under way: not another
@@ -93,7 +107,7 @@ def test_an_entry_past_its_life_is_waited_for_as_before():
     assert asyncio.run(requests()) == ("load 1", "load 2")
 
 
-def test_a_reload_ahead_that_fails_leaves_the_entry_and_is_not_tried_on_every_request():
+def test_a_reload_ahead_that_fails_leaves_the_entry_and_is_not_tried_on_every_request(clock):
     cache, loads = TTLCache(seconds=1.0), []
 
     def load():
@@ -104,7 +118,7 @@ def test_a_reload_ahead_that_fails_leaves_the_entry_and_is_not_tried_on_every_re
 
     async def requests():
         await cache.fetch("key", load)
-        await asyncio.sleep(0.8)
+        clock[0] += 0.8
         seen = []
         for _ in range(10):
             seen.append(await cache.fetch("key", load))
@@ -115,7 +129,7 @@ def test_a_reload_ahead_that_fails_leaves_the_entry_and_is_not_tried_on_every_re
     assert len(loads) == 2  # one reload tried, then not again for TTLCache.RETRY_S
 
 
-def test_a_reload_that_ends_after_the_cache_was_cleared_is_dropped():
+def test_a_reload_that_ends_after_the_cache_was_cleared_is_dropped(clock):
     cache, release = TTLCache(seconds=1.0), threading.Event()
     loads = []
 
@@ -127,7 +141,7 @@ def test_a_reload_that_ends_after_the_cache_was_cleared_is_dropped():
 
     async def requests():
         await cache.fetch("key", load)
-        await asyncio.sleep(0.8)
+        clock[0] += 0.8
         await cache.fetch("key", load)
         await asyncio.sleep(2 * TTLCache.RELOAD_AFTER_S)  # the reload begun
         cache.clear()
