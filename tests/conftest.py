@@ -95,3 +95,17 @@ def skip_without_postgresql():
 
     if settings.EMBEDDED_DATABASE:
         pytest.skip("embedded mode: a PostgreSQL property")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """The gateway keeps one pooled engine session per event loop, and the tests run many
+    loops, closed under their sessions. Those left are closed here, where no loop runs, so
+    that none is collected at exit reporting itself unclosed (on a stream pytest has closed)."""
+    from controlplane.gateway import upstream
+
+    for pooled in list(upstream._engines.values()):
+        if not pooled.closed:
+            connector = pooled.connector
+            pooled.detach()
+            if connector is not None:
+                connector._close()  # synchronous; on a loop already closed it only marks itself closed
