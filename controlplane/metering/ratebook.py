@@ -18,7 +18,7 @@ import datetime as dt
 from collections.abc import Iterable
 from decimal import Decimal
 
-from controlplane.metering.rating import Priced, Rates, Usage, image_price, price
+from controlplane.metering.rating import Rates, Usage, image_price, price
 
 
 class NoRate(LookupError):
@@ -94,12 +94,19 @@ class RateBook:
                       output_tokens: int, unlined: tuple[int, int] = (0, 0)) -> Decimal:
         """What `rating.price_parts(...).total` gives at this rate, each part priced by
         `rating` once and remembered: the ingest prices thousands of requests a second, with
-        few distinct image, text and output counts among them."""
-        parts = [self.image_price(rate_id, tokens, cached) for tokens, cached in images]
+        few distinct image, text and output counts among them. (The parts are whole
+        micro-units, so their sum is exact in any order.)"""
+        parts, total = self._parts, Decimal(0)
+        for key in ((rate_id, "text_tokens", text_tokens), (rate_id, "output_tokens", output_tokens)):
+            part = parts.get(key)
+            total += self._part(*key) if part is None else part
+        remembered = self._images
+        for tokens, cached in images:
+            part = remembered.get((rate_id, tokens, cached))
+            total += self.image_price(rate_id, tokens, cached) if part is None else part
         if unlined[0]:
-            parts.append(price(Usage(image_tokens=unlined[0], cached_image_tokens=unlined[1]), self.rates(rate_id)))
-        return Priced(images=tuple(parts), text=self._part(rate_id, "text_tokens", text_tokens),
-                      output=self._part(rate_id, "output_tokens", output_tokens)).total
+            total += price(Usage(image_tokens=unlined[0], cached_image_tokens=unlined[1]), self.rates(rate_id))
+        return total
 
     def _part(self, rate_id: int, kind: str, tokens: int) -> Decimal:
         key = (rate_id, kind, tokens)
