@@ -253,11 +253,41 @@ def bench_ingest(world: World, count: int, naive_count: int) -> None:
                               ("naive: usage_record per event, no stream", naive_count, naive_s),
                               ("usage_ingest of redelivered entries", again, again_s)):
         print(f"  {label:44} {n:8,} {seconds:8.2f} {n / seconds:9,.0f}")
+    _print_floor_without_checks(world, count)
     ingest_s, floor_s = statistics.median(ingest), statistics.median(floor)
     print(f"  ingest vs naive: {count / ingest_s / (naive_count / naive_s):.1f}x; "
           f"ingest vs its floor (PostgreSQL alone): {floor_s / ingest_s:.2f}x; stored {stored:,} of {total:,}; "
           f"two consumers at once took {' and '.join(f'{n:,}' for n in pair_done)} entries and stored "
           f"{pair_kept:,} events of {count:,}\n")
+
+
+def _print_floor_without_checks(world: World, count: int) -> None:
+    """Where the floor's time goes: the same COPY with PostgreSQL's foreign-key triggers off
+    (session_replication_role, a superuser's setting the bench's database allows), set against
+    it with them on, each batch in turn. Only a measure: the product keeps every key checked,
+    the second check of what reaches an invoice."""
+    from django.db import connection
+
+    from controlplane.metering.outbox import BATCH
+    from controlplane.metering.services import usage_rows, usage_rows_store
+
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT rolsuper FROM pg_roles WHERE rolname = current_user")
+        if not cursor.fetchone()[0]:
+            return
+    seconds = {"origin": 0.0, "replica": 0.0}
+    for n, batch in enumerate(_batches(usage_records(world, 2 * count, "unchecked"), BATCH)):
+        role = ("origin", "replica")[n % 2]
+        rows = usage_rows(batch)
+        with connection.cursor() as cursor:
+            cursor.execute(f"SET session_replication_role = {role}")
+        seconds[role] += _timed(lambda rows=rows: usage_rows_store(rows))[0]
+    with connection.cursor() as cursor:
+        cursor.execute("SET session_replication_role = origin")
+    print(f"  {'floor again, batches in turn: keys checked':44} {count:8,} {seconds['origin']:8.2f} "
+          f"{count / seconds['origin']:9,.0f}")
+    print(f"  {'           the same without the key checks':44} {count:8,} {seconds['replica']:8.2f} "
+          f"{count / seconds['replica']:9,.0f}   (what PostgreSQL's per-row foreign-key triggers cost)")
 
 
 def _drain_child(ready, start, queue) -> None:
