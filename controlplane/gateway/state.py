@@ -68,16 +68,18 @@ class TTLCache:
     with it (still fresh): while requests keep coming none waits on the database, and the
     reload runs once that request has been sent on, not beside its own work (at one request a
     second, as with long image requests, one in two had waited for the engines' entry: several
-    milliseconds of ORM each). An expired entry stays behind: when the database cannot
-    refresh it, it is served stale (for at most GATEWAY_STALE_MAX_S), and the refresh is
-    tried again after RETRY_S rather than on every request."""
+    milliseconds of ORM each). A reload ahead that fails is tried again after RETRY_S, and the
+    entry still ends when its life does. An expired entry stays behind: when the database
+    cannot refresh it, it is served stale (for at most GATEWAY_STALE_MAX_S), and the refresh
+    is tried again after RETRY_S rather than on every request."""
 
     RETRY_S = 1.0
     RELOAD_AFTER_S = 0.05
 
     def __init__(self, seconds: float, max_items: int = 10_000):
         self.seconds, self.max_items = seconds, max_items
-        self._items: dict = {}  # key -> [fresh until, value, refresh not before]
+        # key -> [fresh until, value, served stale until (a load failed), reload ahead not before]
+        self._items: dict = {}
         self._loading: dict = {}  # key -> the load under way, which requests arriving meanwhile await
         self._ahead: set = set()  # keys whose reload ahead of expiry is due to start
         self._generation = 0  # cleared: a reload begun before is dropped
@@ -93,12 +95,12 @@ class TTLCache:
             # Drop the expired, then the oldest tenth: a flood of random keys must not flush
             # the valid ones (and send every lookup to the database).
             now = time.monotonic()
-            for stale in [k for k, (expiry, _, _) in self._items.items() if expiry < now]:
+            for stale in [k for k, (expiry, *_) in self._items.items() if expiry < now]:
                 del self._items[stale]
             for oldest in list(self._items)[: max(1, len(self._items) // 10)]:
                 del self._items[oldest]
         self._items.pop(key, None)
-        self._items[key] = [time.monotonic() + self.seconds, value, 0.0]
+        self._items[key] = [time.monotonic() + self.seconds, value, 0.0, 0.0]
 
     async def fetch(self, key, load):
         """The entry, loaded with `load` (a function run on the database thread) when not
@@ -106,7 +108,7 @@ class TTLCache:
         now = time.monotonic()
         item = self._items.get(key)
         if item is not None and (item[0] >= now or item[2] > now):
-            if item[0] >= now and item[0] - now < self.seconds / 4 and item[2] <= now:
+            if item[0] >= now and item[0] - now < self.seconds / 4 and item[3] <= now:
                 self._reload_ahead(key, load, item)
             return item[1]
         loading = self._load(key, load)
@@ -143,7 +145,7 @@ class TTLCache:
             if done.cancelled() or generation != self._generation:
                 return
             if done.exception() is not None:
-                item[2] = time.monotonic() + self.RETRY_S
+                item[3] = time.monotonic() + self.RETRY_S  # not a licence to outlive its life
                 log.debug("reloading %r ahead of its expiry failed: %r", key, done.exception())
             elif self._items.get(key) is item:  # not replaced meanwhile by a load a request awaited
                 self.put(key, done.result())

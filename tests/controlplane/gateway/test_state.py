@@ -129,6 +129,33 @@ def test_a_reload_ahead_that_fails_leaves_the_entry_and_is_not_tried_on_every_re
     assert len(loads) == 2  # one reload tried, then not again for TTLCache.RETRY_S
 
 
+def test_an_entry_whose_reload_ahead_failed_is_not_served_past_its_life_once_the_database_answers(clock):
+    """A key revoked while the database blinked: its reload ahead failed, and the database is
+    back before the entry's life ends. The next request after that end loads it again (and
+    finds it gone); it is not served what was known before for the reload's retry delay."""
+    cache, answers = TTLCache(seconds=1.0), ["valid", ConnectionError("the database does not answer"), "revoked"]
+
+    def load():
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    async def requests():
+        first = await cache.fetch("key", load)
+        clock[0] += 0.8  # near its end: reloaded ahead, and that reload fails
+        second = await cache.fetch("key", load)
+        for _ in range(100):
+            if len(answers) == 1:
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.01)  # its failure noted
+        clock[0] += 0.25  # past its life, well within TTLCache.RETRY_S of the failure
+        return first, second, await cache.fetch("key", load)
+
+    assert asyncio.run(requests()) == ("valid", "valid", "revoked")
+
+
 def test_a_reload_that_ends_after_the_cache_was_cleared_is_dropped(clock):
     cache, release = TTLCache(seconds=1.0), threading.Event()
     loads = []
