@@ -232,20 +232,31 @@ def _stored_request_ids(request_ids: list[str]) -> set[str]:
 def _copy_rows(rows: list[tuple[dict, list[dict]]]) -> None:
     """Events and their images by COPY, the fastest way into PostgreSQL (bulk_create's
     INSERT spends most of its time building model instances and SQL): the events' ids come
-    from their sequence in one query, so the images can name their event in the same pass."""
+    from their sequence in one query, so the images can name their event in the same pass.
+    In COPY's binary format, each column sent as its type: psycopg packs the values in half
+    the Python time the text format takes (the writer shares the worker with the next batch's
+    pricing), and nothing is lost or rounded (bench/metering and the tests compare)."""
     events, images = UsageEvent._meta.db_table, UsageImage._meta.db_table
+    event_columns = ["id", "recorded_at", *rows[0][0]]
+    first_image = next((lines[0] for _, lines in rows if lines), None)
+    image_columns = ["event_id", *first_image] if first_image is not None else []
     with connection.cursor() as cursor:
         cursor.execute("SELECT nextval(pg_get_serial_sequence(%s, 'id')) FROM generate_series(1, %s)",
                        [events, len(rows)])
         ids = [pk for (pk,) in cursor.fetchall()]
+        cursor.execute("SELECT attrelid::regclass::text, attname, atttypid FROM pg_attribute "
+                       "WHERE attrelid IN (%s::regclass, %s::regclass) AND attnum > 0 AND NOT attisdropped",
+                       [events, images])
+        types = {(table.strip('"'), column): oid for table, column, oid in cursor.fetchall()}
         recorded, raw = timezone.now(), cursor.cursor
         # Every row's values are in the order of its keys, which _usage_values writes alike.
-        with raw.copy(f"COPY {events} (id, recorded_at, {', '.join(rows[0][0])}) FROM STDIN") as copy:
+        with raw.copy(f"COPY {events} ({', '.join(event_columns)}) FROM STDIN (FORMAT BINARY)") as copy:
+            copy.set_types([types[events, column] for column in event_columns])
             for pk, (event, _) in zip(ids, rows, strict=True):
                 copy.write_row((pk, recorded, *event.values()))
-        first_image = next((lines[0] for _, lines in rows if lines), None)
-        if first_image is not None:
-            with raw.copy(f"COPY {images} (event_id, {', '.join(first_image)}) FROM STDIN") as copy:
+        if image_columns:
+            with raw.copy(f"COPY {images} ({', '.join(image_columns)}) FROM STDIN (FORMAT BINARY)") as copy:
+                copy.set_types([types[images, column] for column in image_columns])
                 for pk, (_, lines) in zip(ids, rows, strict=True):
                     for line in lines:
                         copy.write_row((pk, *line.values()))

@@ -119,6 +119,49 @@ def test_recording_the_same_request_twice_keeps_one_event(world):
     assert UsageImage.objects.filter(event=stored).count() == 1
 
 
+def test_a_batch_stores_what_one_by_one_stores_whatever_the_values(world):
+    """The ingest's bulk path (COPY, each column sent as its type) keeps every value of an
+    event and its images as the one-by-one path does: text with tabs, newlines and emoji,
+    empty fields, another time zone to the microsecond, counts at their columns' limits, a
+    tile of a long picture."""
+    from controlplane.metering.services import ImageLine, usage_record_many
+
+    key = api_key_create(tenant=world.bob, name="odd").api_key
+    tile = ImageLine("PNG", 28, 9000, 28, 1400, "f" * 32, 3, 7)
+    cases = [
+        dict(text_tokens=2**31 - 1, output_tokens=10**9, created_at=dt.datetime(
+            2026, 1, 1, 0, 0, 0, 1, tzinfo=dt.timezone(dt.timedelta(hours=5, minutes=30)))),
+        dict(api_key_id=key.pk, images=[(tile, 4, 4)], image_tokens=4, cached_tokens=4, cached_image_tokens=4,
+             prepare_ms=0, ttft_ms=123_456, engine_image_tokens=0, image_tokens_disagree=True),
+        dict(status="error", http_status=502, counted_prompt_tokens=2**31 - 1, prompt_estimated=False,
+             stream=True, queue_ms=None),
+    ]
+
+    now = timezone.now()
+
+    def records(prefix):
+        return [UsageRecord(request_id=f"{prefix}\t{n}\\ é 😀\n", tenant_id=world.bob.pk, tier_id=world.vision.pk,
+                            **{"api_key_id": None, "text_tokens": 17, "output_tokens": 3, "created_at": now, **case})
+                for n, case in enumerate(cases)]
+
+    for record in records("one"):
+        usage_record(record=record)
+    assert usage_record_many(records=records("many")) == len(cases)
+
+    def stored(prefix):
+        events = UsageEvent.objects.filter(request_id__startswith=prefix).order_by("request_id")
+        return [({k: v for k, v in event.items() if k not in ("id", "recorded_at", "request_id")},
+                 [{k: v for k, v in image.items() if k not in ("id", "event_id")}
+                  for image in UsageImage.objects.filter(event_id=event["id"]).order_by("position").values()])
+                for event in events.values()]
+
+    one, many = stored("one"), stored("many")
+    assert len(one) == len(cases) and many == one
+    assert [e["request_id"][4:] for e in UsageEvent.objects.filter(request_id__startswith="many")
+            .order_by("request_id").values("request_id")] == [f"\t{n}\\ é 😀\n" for n in range(len(cases))]
+    assert one[0][0]["created_at"] == cases[0]["created_at"]
+
+
 # --- rollup_daily ------------------------------------------------------------------------
 
 
