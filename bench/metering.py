@@ -42,7 +42,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.proc import status_kb
+from bench.proc import descendants, status_kb, tree_cpu_seconds
 
 ROOT = Path(__file__).resolve().parent.parent
 PG = "postgres://postgres@127.0.0.1:5432"
@@ -215,14 +215,17 @@ def bench_ingest(world: World, count: int, naive_count: int) -> None:
     # of rows read and priced beforehand and written by the same COPY in the same batches
     # (PostgreSQL's own work: eleven indexes and five foreign keys a row), on the table as big.
     put, ingest, floor, stored = [], [], [], 0
+    cpu = {"ingest": [], "floor": []}  # (this process, PostgreSQL) CPU seconds a round
+    postgres = _postmaster()
     for round_ in range(INGEST_ROUNDS):
         records = usage_records(world, count, f"stream{round_}")
         put.append(_timed(lambda records=records: asyncio.run(_put_all(records)))[0])
-        seconds, done = _timed(drain)
+        seconds, done = _cpu_timed(drain, postgres, cpu["ingest"])
         ingest.append(seconds)
         stored += done
         priced = [usage_rows(batch) for batch in _batches(usage_records(world, count, f"floor{round_}"), BATCH)]
-        floor.append(_timed(lambda priced=priced: [usage_rows_store(rows) for rows in priced])[0])
+        floor.append(_cpu_timed(lambda priced=priced: [usage_rows_store(rows) for rows in priced], postgres,
+                                cpu["floor"])[0])
     # Two consumers at once, each its own process (as two workers' ingest tasks), on one stream.
     both = usage_records(world, count, "pair")
     asyncio.run(_put_all(both))
@@ -253,12 +256,41 @@ def bench_ingest(world: World, count: int, naive_count: int) -> None:
                               ("naive: usage_record per event, no stream", naive_count, naive_s),
                               ("usage_ingest of redelivered entries", again, again_s)):
         print(f"  {label:44} {n:8,} {seconds:8.2f} {n / seconds:9,.0f}")
+    mine, theirs = ([statistics.median(c[i] for c in cpu["ingest"]) * 1e6 / count for i in (0, 1)],
+                    [statistics.median(c[i] for c in cpu["floor"]) * 1e6 / count for i in (0, 1)])
+    print(f"  CPU an event (median round): the ingest {mine[0]:.1f} µs in this process (reading, pricing, "
+          f"packing rows) and {mine[1]:.1f} µs in PostgreSQL; the floor {theirs[0]:.1f} and {theirs[1]:.1f}")
     _print_floor_without_checks(world, count)
     ingest_s, floor_s = statistics.median(ingest), statistics.median(floor)
     print(f"  ingest vs naive: {count / ingest_s / (naive_count / naive_s):.1f}x; "
           f"ingest vs its floor (PostgreSQL alone): {floor_s / ingest_s:.2f}x; stored {stored:,} of {total:,}; "
           f"two consumers at once took {' and '.join(f'{n:,}' for n in pair_done)} entries and stored "
           f"{pair_kept:,} events of {count:,}\n")
+
+
+def _postmaster() -> int:
+    """PostgreSQL's postmaster: the parent of this connection's backend."""
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_backend_pid()")
+        backend = cursor.fetchone()[0]
+    with open(f"/proc/{backend}/stat", "rb") as stat:
+        return int(stat.read().rsplit(b")", 1)[1].split()[1])
+
+
+def _cpu_timed(fn, postgres: int, into: list) -> tuple[float, object]:
+    """_timed, and the CPU seconds this process and PostgreSQL spent meanwhile (appended to `into`)."""
+    before = set(descendants(postgres))
+    mine, theirs = time.process_time(), tree_cpu_seconds(postgres)
+    seconds, result = _timed(fn)
+    mine = time.process_time() - mine
+    # A backend the work opened and closed counts once the postmaster has reaped it.
+    deadline = time.monotonic() + 5
+    while set(descendants(postgres)) - before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    into.append((mine, tree_cpu_seconds(postgres) - theirs))
+    return seconds, result
 
 
 def _print_floor_without_checks(world: World, count: int) -> None:

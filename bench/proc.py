@@ -28,6 +28,18 @@ def cpu_seconds(pid: int | str) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
 
 
+def tree_cpu_seconds(pid: int) -> float:
+    """CPU time of a process, of its live descendants, and of the children it has reaped
+    (cutime, cstime): PostgreSQL's whole work from its postmaster, including backends that
+    have ended meanwhile."""
+    try:
+        fields = _stat(pid)
+    except (FileNotFoundError, ProcessLookupError):
+        return 0.0
+    reaped = (int(fields[13]) + int(fields[14])) / os.sysconf("SC_CLK_TCK")
+    return reaped + sum(cpu_seconds(each) for each in descendants(pid))
+
+
 def children(pid: int) -> list[int]:
     """The live processes whose parent is `pid`."""
     found = []
