@@ -244,10 +244,10 @@ def _copy_rows(rows: list[tuple[dict, list[dict]]]) -> None:
         cursor.execute("SELECT nextval(pg_get_serial_sequence(%s, 'id')) FROM generate_series(1, %s)",
                        [events, len(rows)])
         ids = [pk for (pk,) in cursor.fetchall()]
-        cursor.execute("SELECT attrelid::regclass::text, attname, atttypid FROM pg_attribute "
+        cursor.execute("SELECT attrelid = %s::regclass, attname, atttypid FROM pg_attribute "
                        "WHERE attrelid IN (%s::regclass, %s::regclass) AND attnum > 0 AND NOT attisdropped",
-                       [events, images])
-        types = {(table.strip('"'), column): oid for table, column, oid in cursor.fetchall()}
+                       [events, events, images])
+        types = {(events if of_events else images, column): oid for of_events, column, oid in cursor.fetchall()}
         recorded, raw = timezone.now(), cursor.cursor
         # Every row's values are in the order of its keys, which _usage_values writes alike.
         with raw.copy(f"COPY {events} ({', '.join(event_columns)}) FROM STDIN (FORMAT BINARY)") as copy:
