@@ -308,14 +308,16 @@ def _print_floor_without_checks(world: World, count: int) -> None:
         if not cursor.fetchone()[0]:
             return
     seconds = {"origin": 0.0, "replica": 0.0}
-    for n, batch in enumerate(_batches(usage_records(world, 2 * count, "unchecked"), BATCH)):
-        role = ("origin", "replica")[n % 2]
-        rows = usage_rows(batch)
+    try:
+        for n, batch in enumerate(_batches(usage_records(world, 2 * count, "unchecked"), min(BATCH, count // 2))):
+            role = ("origin", "replica")[n % 2]
+            rows = usage_rows(batch)
+            with connection.cursor() as cursor:
+                cursor.execute(f"SET session_replication_role = {role}")
+            seconds[role] += _timed(lambda rows=rows: usage_rows_store(rows))[0]
+    finally:
         with connection.cursor() as cursor:
-            cursor.execute(f"SET session_replication_role = {role}")
-        seconds[role] += _timed(lambda rows=rows: usage_rows_store(rows))[0]
-    with connection.cursor() as cursor:
-        cursor.execute("SET session_replication_role = origin")
+            cursor.execute("SET session_replication_role = origin")
     print(f"  {'floor again, batches in turn: keys checked':44} {count:8,} {seconds['origin']:8.2f} "
           f"{count / seconds['origin']:9,.0f}")
     print(f"  {'           the same without the key checks':44} {count:8,} {seconds['replica']:8.2f} "

@@ -235,7 +235,7 @@ def _copy_rows(rows: list[tuple[dict, list[dict]]]) -> None:
     from their sequence in one query, so the images can name their event in the same pass.
     In COPY's binary format, each column sent as its type: psycopg packs the values in half
     the Python time the text format takes (the writer shares the worker with the next batch's
-    pricing), and nothing is lost or rounded (bench/metering and the tests compare)."""
+    pricing), and nothing is lost or rounded (a test compares it with one by one)."""
     events, images = UsageEvent._meta.db_table, UsageImage._meta.db_table
     event_columns = ["id", "recorded_at", *rows[0][0]]
     first_image = next((lines[0] for _, lines in rows if lines), None)
@@ -298,9 +298,10 @@ def _usage_values(record: UsageRecord, tier: ModelTier, book: RateBook) -> tuple
     record.images = _lines(record.images)
     lines, unlined = _priced_lines(record)
     cached_image = unlined[1]
-    images = []
+    images, kept = [], []
     for position, ((image, tokens, _), (_, cached)) in enumerate(zip(record.images, lines, strict=True)):
         cached_image += cached
+        kept.append((image, tokens, cached))
         images.append({
             "position": position,
             "source_format": image.source_format,
@@ -315,9 +316,7 @@ def _usage_values(record: UsageRecord, tier: ModelTier, book: RateBook) -> tuple
             "cached": cached > 0,
             "cached_tokens": cached,
         })
-    if lines:
-        record.images = [(image, tokens, cached) for (image, tokens, _), (_, cached)
-                         in zip(record.images, lines, strict=True)]
+    record.images = kept
     rated, cost, savings, rate_id = True, 0, 0, None
     if is_billable(record):
         try:
