@@ -42,7 +42,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.proc import descendants, status_kb, tree_cpu_seconds
+from bench.proc import descendants, parent, status_kb, tree_cpu_seconds
 
 ROOT = Path(__file__).resolve().parent.parent
 PG = "postgres://postgres@127.0.0.1:5432"
@@ -274,9 +274,7 @@ def _postmaster() -> int:
 
     with connection.cursor() as cursor:
         cursor.execute("SELECT pg_backend_pid()")
-        backend = cursor.fetchone()[0]
-    with open(f"/proc/{backend}/stat", "rb") as stat:
-        return int(stat.read().rsplit(b")", 1)[1].split()[1])
+        return parent(cursor.fetchone()[0])
 
 
 def _cpu_timed(fn, postgres: int, into: list) -> tuple[float, object]:

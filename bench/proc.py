@@ -40,13 +40,18 @@ def tree_cpu_seconds(pid: int) -> float:
     return reaped + sum(cpu_seconds(each) for each in descendants(pid))
 
 
+def parent(pid: int | str) -> int:
+    """The process's parent's pid."""
+    return int(_stat(pid)[1])
+
+
 def children(pid: int) -> list[int]:
     """The live processes whose parent is `pid`."""
     found = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
-                if int(_stat(entry)[1]) == pid:
+                if parent(entry) == pid:
                     found.append(int(entry))
             except (FileNotFoundError, ProcessLookupError, IndexError):
                 continue

@@ -96,14 +96,9 @@ class RateBook:
         `rating` once and remembered: the ingest prices thousands of requests a second, with
         few distinct image, text and output counts among them. (The parts are whole
         micro-units, so their sum is exact in any order.)"""
-        parts, total = self._parts, Decimal(0)
-        for key in ((rate_id, "text_tokens", text_tokens), (rate_id, "output_tokens", output_tokens)):
-            part = parts.get(key)
-            total += self._part(*key) if part is None else part
-        remembered = self._images
+        total = self._part(rate_id, "text_tokens", text_tokens) + self._part(rate_id, "output_tokens", output_tokens)
         for tokens, cached in images:
-            part = remembered.get((rate_id, tokens, cached))
-            total += self.image_price(rate_id, tokens, cached) if part is None else part
+            total += self.image_price(rate_id, tokens, cached)
         if unlined[0]:
             total += price(Usage(image_tokens=unlined[0], cached_image_tokens=unlined[1]), self.rates(rate_id))
         return total
