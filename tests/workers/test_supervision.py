@@ -72,7 +72,9 @@ def test_a_killed_engine_is_restarted_after_a_backoff(agent):
     os.kill(first_pid, signal.SIGKILL)
     _reconcile_until(agent, lambda i: i.actual_state == "crashed", "the crash to be noticed", timeout=10)
     assert agent.restart_count == 1
-    assert 9 <= (agent.next_start_at - timezone.now()).total_seconds() <= 10
+    # restarted 10 s after the crash was noticed (however long the rest of that pass took)
+    assert "restart 1 in 10s" in agent.events.first().reason
+    assert 0 < (agent.next_start_at - timezone.now()).total_seconds() <= 10
 
     supervision.node_reconcile(agent.node.name)  # still inside the backoff: nothing starts
     agent.refresh_from_db()

@@ -46,7 +46,7 @@ def test_a_closed_loop_keeps_its_workers_busy_and_stops_when_told(engine_port):
 
     async def on_tick(progress):
         ticks.append(progress)
-        return len(ticks) >= 3  # stop on the third tick, long before the 30 s are up
+        return len(ticks) >= 10  # stop on the tenth tick (2 s: requests of 12 tokens end), long before 30 s
 
     stages, stopped = asyncio.run(loadgen.run_sweep(
         target(engine_port), lambda: spec.spec(next(counter)), arrival="closed", levels=[3, 3],

@@ -119,7 +119,7 @@ def test_cancelling_a_queued_run_stops_it_before_it_starts(world, instance):
 
 @pytest.mark.django_db(transaction=True)
 def test_cancelling_a_running_run_stops_it_and_keeps_what_it_measured(world, instance):
-    profile = make_profile(world.vision, sweep=[2, 2, 2], stage_duration_s=2.0)
+    profile = make_profile(world.vision, sweep=[2, 2, 2, 2, 2], stage_duration_s=2.0)
     run = BenchmarkRun.objects.create(profile=profile)
 
     def work():
@@ -140,7 +140,9 @@ def test_cancelling_a_running_run_stops_it_and_keeps_what_it_measured(world, ins
     worker.join(timeout=30)
     run.refresh_from_db()
     assert run.state == "cancelled", run.log
-    assert 1 <= len(run.results["stages"]) < 3
+    # Stopped within a stage or two of the cancel (a stage cut short keeps its figures), on a
+    # loaded machine too: never the whole sweep.
+    assert 1 <= len(run.results["stages"]) < 5
     assert run.results["stages"][0]["requests"] > 0
     assert run.progress < 1.0 and "cancel requested" in run.log
 

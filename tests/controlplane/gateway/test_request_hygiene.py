@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 
+import httpx
 import pytest
 from asgiref.sync import async_to_sync, sync_to_async
 from django.test import AsyncClient
@@ -84,7 +85,7 @@ def test_max_tokens_never_runs_past_the_context():
 
 @pytest.mark.django_db(transaction=True)
 def test_a_client_that_leaves_before_the_engine_answers_is_metered_and_frees_the_instance(world):
-    # An engine that takes ~2 s to answer; the client gives up after 0.5 s.
+    # An engine that takes ~2 s to answer; the client gives up once the engine runs its request.
     with simulator(name="text", family="qwen2", images=None, extra=("--sim-decode-ms-per-token", "100")) as port:
         node = Node.objects.create(name="slow", queue="node.slow", last_seen_at=timezone.now())
         instance = EngineInstance.objects.create(tier=world.text, node=node, port=port, actual_state="running",
@@ -96,7 +97,15 @@ def test_a_client_that_leaves_before_the_engine_answers_is_metered_and_frees_the
                 "/v1/chat/completions", content_type="application/json",
                 data=json.dumps({"model": "text", "max_tokens": 20, "messages": [{"role": "user", "content": "hi"}]}),
                 headers={"Authorization": f"Bearer {world.alice_key}"}))
-            await asyncio.sleep(0.5)
+            async with httpx.AsyncClient() as engine:
+                for _ in range(250):
+                    metrics = (await engine.get(f"http://127.0.0.1:{port}/metrics")).text.splitlines()
+                    if any(line.startswith("vllm:num_requests_running") and float(line.split()[-1]) >= 1
+                           for line in metrics):
+                        break
+                    await asyncio.sleep(0.02)
+                else:
+                    raise AssertionError("the engine never ran the request")
             request.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await request

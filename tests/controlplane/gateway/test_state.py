@@ -49,15 +49,15 @@ def test_a_failed_load_fails_every_request_waiting_on_it_and_the_next_one_tries_
 
 @pytest.fixture
 def clock(monkeypatch):
-    """The caches' clock, moved on by hand (asyncio's own, for the waits, runs as it does): an
-    entry's age does not depend on how busy the machine is."""
+    """The caches' clock, stopped and moved on only by hand (asyncio's own, for the waits, runs
+    as it does): an entry's age does not depend on how busy the machine is."""
     import time
     import types
 
     from controlplane.gateway import state
 
-    moved = [0.0]
-    monkeypatch.setattr(state, "time", types.SimpleNamespace(monotonic=lambda: time.monotonic() + moved[0]))
+    moved, start = [0.0], time.monotonic()
+    monkeypatch.setattr(state, "time", types.SimpleNamespace(monotonic=lambda: start + moved[0]))
     return moved
 
 

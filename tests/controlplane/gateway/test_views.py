@@ -397,7 +397,9 @@ def test_with_priority_scheduling_text_runs_ahead_of_images(client, world):
     world.vision.engine_settings = {**world.vision.engine_settings, "scheduling_policy": "priority"}
     world.vision.save()
     # One sequence slot and a slow decode: requests queue, and the engine orders the queue.
-    extra = ("--scheduling-policy", "priority", "--max-num-seqs", "1", "--sim-decode-ms-per-token", "20")
+    # Each image holds the slot ~0.6 s: the text, sent 50 ms after them, reaches the queue
+    # before the first one ends even when the gateway prepares the images slowly.
+    extra = ("--scheduling-policy", "priority", "--max-num-seqs", "1", "--sim-decode-ms-per-token", "60")
     with simulator(name="vlm-lite", extra=extra) as port:
         node = Node.objects.create(name="prio", queue="node.prio", last_seen_at=timezone.now())
         EngineInstance.objects.create(tier=world.vision, node=node, port=port, actual_state="running",
