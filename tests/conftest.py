@@ -103,9 +103,4 @@ def pytest_sessionfinish(session, exitstatus):
     that none is collected at exit reporting itself unclosed (on a stream pytest has closed)."""
     from controlplane.gateway import upstream
 
-    for pooled in list(upstream._engines.values()):
-        if not pooled.closed:
-            connector = pooled.connector
-            pooled.detach()
-            if connector is not None:
-                connector._close()  # synchronous; on a loop already closed it only marks itself closed
+    upstream.close_after_loops_ended()

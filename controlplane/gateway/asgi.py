@@ -12,7 +12,7 @@ from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.db import close_old_connections
 
-from controlplane.gateway import handlers
+from controlplane.gateway import handlers, upstream
 from controlplane.gateway.errors import error_response
 from controlplane.gateway.http import Request, Response
 from controlplane.gateway.memory import keep_freed_buffers
@@ -86,6 +86,7 @@ async def lifespan(receive, send) -> None:
             await send({"type": "lifespan.startup.complete"})
         elif message["type"] == "lifespan.shutdown":
             await handlers.drain()
+            await upstream.close()
             await send({"type": "lifespan.shutdown.complete"})
             return
 

@@ -66,6 +66,33 @@ def _engine_session() -> aiohttp.ClientSession:
     return session
 
 
+async def close() -> None:
+    """Close this event loop's pooled connections, to engines and to other services: the
+    server's last act once every request is answered, so that no engine is left holding a
+    connection to a gateway that is gone until it finds it idle."""
+    loop = asyncio.get_running_loop()
+    session, pooled = _engines.pop(loop, None), _clients.pop(loop, None)
+    if session is not None and not session.closed:
+        await session.close()
+    if pooled is not None and not pooled.is_closed:
+        await pooled.aclose()
+
+
+def close_after_loops_ended() -> None:
+    """Let go of the engine sessions pooled by event loops that have ended without closing
+    them (a process that ran many loops, as a test run does), so that none is reported
+    unclosed when the process exits. With their loop gone nothing can run a close: each is
+    marked closed, and its sockets close as they are collected."""
+    for loop, session in list(_engines.items()):
+        if loop.is_running() or session.closed:
+            continue
+        connector = session.connector
+        session.detach()
+        del _engines[loop]
+        if connector is not None:
+            connector._close()  # aiohttp's synchronous close: on a closed loop it only marks itself
+
+
 class EngineResponse:
     """An engine's answer once its headers arrived: read whole, or line by line."""
 

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
 import pytest
 from asgiref.sync import async_to_sync
+from django.utils import timezone
 
 from controlplane.asgi import application
+from controlplane.fleet.models import EngineInstance, Node
+from tests.engines import simulator
 
 pytestmark = pytest.mark.django_db
 
@@ -44,3 +49,50 @@ def test_the_gateway_process_keeps_freed_image_buffers_unless_told_not_to():
     # glibc accepts the tuning (a refused value would leave every request faulting in fresh pages)
     assert keep_freed_buffers(256) is True
     assert keep_freed_buffers(0) is False  # GATEWAY_HEAP_KEEP_MB=0: glibc's defaults
+
+
+def _connections_to(port: int) -> int:
+    """Established TCP connections to 127.0.0.1:`port` on this machine (the engine's side)."""
+    count = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as rows:
+            for row in list(rows)[1:]:
+                local, state = row.split()[1], row.split()[3]
+                count += state == "01" and int(local.rsplit(":", 1)[1], 16) == port
+    return count
+
+
+def test_a_server_stopping_closes_its_connections_to_the_engines(world):
+    """A gateway replica taken out of service lets go of the connections it pooled to the
+    engines as it stops, instead of leaving each engine to find them idle later."""
+    with simulator(family="qwen2", name="text", images=None) as port:
+        node = Node.objects.create(name="local", address="127.0.0.1", queue="node.local",
+                                   last_seen_at=timezone.now())
+        EngineInstance.objects.create(tier=world.text, node=node, port=port, actual_state="running",
+                                      healthy=True, last_health_at=timezone.now())
+
+        async def scenario():
+            transport = httpx.ASGITransport(app=application)
+            async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1", timeout=60) as client:
+                answer = await client.post("/v1/chat/completions", headers={"Authorization": f"Bearer {world.alice_key}"},
+                                           json={"model": "text", "max_tokens": 4,
+                                                 "messages": [{"role": "user", "content": "hello there"}]})
+            pooled = _connections_to(port)
+            messages, sent = asyncio.Queue(), []
+            for message in ("lifespan.startup", "lifespan.shutdown"):
+                messages.put_nowait({"type": message})
+
+            async def send(message):
+                sent.append(message["type"])
+
+            await asyncio.wait_for(application({"type": "lifespan"}, messages.get, send), 30)
+            for _ in range(100):  # the engine's side sees the close as soon as it is made
+                if not _connections_to(port):
+                    break
+                await asyncio.sleep(0.02)
+            return answer.status_code, pooled, sent, _connections_to(port)
+
+        status, pooled, sent, left = async_to_sync(scenario)()
+    assert status == 200 and pooled >= 1  # the answer came over a pooled connection
+    assert sent == ["lifespan.startup.complete", "lifespan.shutdown.complete"]
+    assert left == 0
