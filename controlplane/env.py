@@ -123,19 +123,19 @@ def parse_database_url(url: str) -> DatabaseConfig:
     )
 
 
-def validate_redis_url(url: str) -> str:
+def validate_redis_url(url: str, name: str = "REDIS_URL") -> str:
     parts = urlsplit(url)
     if parts.scheme not in ("redis", "rediss", "unix"):
-        raise EnvError(f"REDIS_URL scheme {parts.scheme!r} is not redis://, rediss:// or unix://")
+        raise EnvError(f"{name} scheme {parts.scheme!r} is not redis://, rediss:// or unix://")
     if parts.scheme != "unix" and not parts.hostname:
-        raise EnvError(f"REDIS_URL {url!r} has no host")
+        raise EnvError(f"{name} {url!r} has no host")
     try:
         _ = parts.port  # urllib only checks the port when asked for it
     except ValueError:
-        raise EnvError(f"REDIS_URL {url!r} has an invalid port") from None
+        raise EnvError(f"{name} {url!r} has an invalid port") from None
     db = parts.path.lstrip("/")
     if parts.scheme != "unix" and db and not db.isdigit():
-        raise EnvError(f"REDIS_URL {url!r}: the database must be a number")
+        raise EnvError(f"{name} {url!r}: the database must be a number")
     return url
 
 

@@ -289,6 +289,13 @@ GATEWAY_HEAP_KEEP_MB = env_int("GATEWAY_HEAP_KEEP_MB", 256, minimum=0)
 # What pictures a tenant sent became, kept by each gateway process for the requests that send
 # them again (a chat resends its images on every turn); 0 keeps none. See gateway/repeats.py.
 GATEWAY_REPEATS_MB = env_int("GATEWAY_REPEATS_MB", 128, minimum=0)
+# And in a Redis every replica reads, for replicas a load balancer spreads a chat's turns over:
+# a Redis of its own that evicts (maxmemory, allkeys-lru), not REDIS_URL's; unset keeps none.
+# Entries live GATEWAY_SHARED_REPEATS_TTL_S after they were last written.
+GATEWAY_SHARED_REPEATS_URL = env_str("GATEWAY_SHARED_REPEATS_URL")
+if GATEWAY_SHARED_REPEATS_URL:
+    validate_redis_url(GATEWAY_SHARED_REPEATS_URL, "GATEWAY_SHARED_REPEATS_URL")
+GATEWAY_SHARED_REPEATS_TTL_S = env_int("GATEWAY_SHARED_REPEATS_TTL_S", 900, minimum=1)
 # Each gateway process refreshes its in-flight journal this often; an entry not refreshed for
 # GATEWAY_JOURNAL_STALE_S belongs to a dead gateway and is recorded as interrupted.
 GATEWAY_HEARTBEAT_S = env_int("GATEWAY_HEARTBEAT_S", 5, minimum=1)

@@ -58,6 +58,12 @@ def render() -> str:
             "# TYPE vlmcp_gateway_images_total counter"]
     out += [_line("vlmcp_gateway_images_total", {"tier": t, "prepared": how}, n)
             for (t, how), n in sorted(pictures.items())]
+    out += ["# HELP vlmcp_gateway_shared_pictures_total What the store of pictures the gateway replicas "
+            "share did for this process: hit, miss, failed (unreachable or slow: the picture is prepared "
+            "here), dropped (too many waiting to be written).",
+            "# TYPE vlmcp_gateway_shared_pictures_total counter"]
+    out += [_line("vlmcp_gateway_shared_pictures_total", {"outcome": outcome}, n)
+            for outcome, n in sorted(counters.shared_snapshot().items())]
     out += ["# HELP vlmcp_usage_image_tokens_today Image tokens metered today (UTC), from the rollups.",
             "# TYPE vlmcp_usage_image_tokens_today gauge"]
     today = DailyUsage.objects.filter(day=timezone.now().date()).values("tier__name").annotate(

@@ -28,7 +28,7 @@ from controlplane.gateway.prepare import (
     prepare,
     validate_body,
 )
-from controlplane.gateway.repeats import Repeats
+from controlplane.gateway.repeats import Repeats, Shared
 from controlplane.imaging.tokens import engine_image_tokens
 from controlplane.metering.services import UsageRecord
 from controlplane.redis_clients import until_written
@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 AUTO = "auto"
 LARGE_BODY = 1 << 20
 # What pictures sent before became, for the requests that send them again.
-repeats = Repeats(settings.GATEWAY_REPEATS_MB * 1024 * 1024)
+repeats = Repeats(settings.GATEWAY_REPEATS_MB * 1024 * 1024, shared=Shared.from_settings())
 # A tenant's body is read, and the engine's written, by msgspec: the megabytes of base64 an
 # image request carries parse in half orjson's time, small bodies as fast, and an integer past
 # 64 bits, which orjson reads as a float, goes on as it came. The engine's answers are read by

@@ -13,20 +13,33 @@ checked again. Kept:
 - by the XXH3-128 of the bytes (0.24 ms for a 12 MP photo, where a SHA-256 takes 2): a
   collision, were one ever crafted, could only be among one tenant's own pictures, and what
   is sent and billed is then what the policy made of the picture kept, checked as any other;
-- in memory, each process its own (replicas behind a load balancer each keep theirs), the
-  least recently sent forgotten past GATEWAY_REPEATS_MB of images.
+- in memory, each process its own, the least recently sent forgotten past GATEWAY_REPEATS_MB
+  of images;
+- and, with GATEWAY_SHARED_REPEATS_URL, in a Redis every replica reads (`Shared`): replicas
+  behind a load balancer that spreads a chat's turns over them find what another made of the
+  picture. Each replica still keeps its own first; the shared one is asked only when it has
+  none, and anything wrong with it (down, slow, an entry that does not read back whole) is a
+  picture not found there, never a request refused.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Hashable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import orjson
+import redis
 import xxhash
 
+from controlplane.gateway import counters
 from controlplane.imaging.policy import NormalisedImage
+
+log = logging.getLogger(__name__)
 
 _ENTRY = 512  # bytes an entry costs beyond its images' data, roughly
 
@@ -55,10 +68,11 @@ Prepared = tuple[tuple[NormalisedImage, str], ...]  # its images, each with its 
 
 
 class Repeats:
-    """What pictures became, least recently sent forgotten first past `max_bytes` of images."""
+    """What pictures became, least recently sent forgotten first past `max_bytes` of images;
+    behind them, with `shared`, what every replica made of them."""
 
-    def __init__(self, max_bytes: int):
-        self.max_bytes = max_bytes
+    def __init__(self, max_bytes: int, shared: Shared | None = None):
+        self.max_bytes, self.shared = max_bytes, shared
         self._kept: OrderedDict[Key, Prepared] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()  # pictures are prepared on several threads
@@ -72,11 +86,19 @@ class Repeats:
             found = self._kept.get(key)
             if found is not None:
                 self._kept.move_to_end(key)
-            return found
+                return found
+        if self.shared is not None and (found := self.shared.get(key)) is not None:
+            self._keep(key, found)
+        return found
 
     def put(self, key: Key, images: Prepared) -> None:
         if any(image.check is not None for image, _ in images):
             raise ValueError("an image is kept only once its check has passed")
+        self._keep(key, images)
+        if self.shared is not None:
+            self.shared.put(key, images)
+
+    def _keep(self, key: Key, images: Prepared) -> None:
         cost = _cost(images)
         if cost > self.max_bytes:
             return
@@ -97,3 +119,115 @@ class Repeats:
 
 def _cost(images: Prepared) -> int:
     return sum(len(image.data) for image, _ in images) + _ENTRY
+
+
+class Shared:
+    """What pictures became, in a Redis every gateway replica reads and writes.
+
+    An entry is the images' bytes and what is known of them, under a key naming the deployment,
+    the format, and the picture as `Key` does (tenant, policy, detail, bytes), for `ttl_s`
+    after it was last written: a chat's turns come minutes apart. Meant for a Redis of its own
+    that evicts what it must (`maxmemory` with `allkeys-lru`), not the ledger's: a cache must
+    never take the memory the usage in flight needs.
+
+    Asked on the thread preparing the picture, and bounded: a reply not in `timeout_s` is a
+    picture not found, and after any failure the Redis is left alone for PAUSE_S, so a Redis
+    that is down costs a request nothing but the first timeout. Written on a thread of its own,
+    at most MAX_WRITING entries waiting (more are dropped): the answer never waits on it. An
+    entry is taken only if it reads back whole, each image's bytes matching their digest."""
+
+    FORMAT = 1  # what a picture becomes changed: entries made before are another picture's
+    PAUSE_S = 5.0
+    MAX_WRITING = 16
+
+    def __init__(self, url: str, *, prefix: str, ttl_s: int, timeout_s: float = 0.1):
+        self.prefix, self.ttl_s = f"{prefix}:repeats:{self.FORMAT}:", ttl_s
+        self._client = redis.Redis(connection_pool=redis.BlockingConnectionPool.from_url(
+            url, max_connections=64, timeout=timeout_s, socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s))
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="shared-repeats")
+        self._writing = 0
+        self._lock = threading.Lock()
+        self._resting_until = 0.0
+
+    @classmethod
+    def from_settings(cls) -> Shared | None:
+        from django.conf import settings
+
+        from controlplane.redis_clients import key_prefix
+
+        url = settings.GATEWAY_SHARED_REPEATS_URL
+        return cls(url, prefix=key_prefix(), ttl_s=settings.GATEWAY_SHARED_REPEATS_TTL_S) if url else None
+
+    def name(self, key: Key) -> str:
+        what = f"{key.scope}\0{key.policy!r}\0{key.cap}\0{key.size}\0".encode() + key.digest
+        return self.prefix + xxhash.xxh3_128_hexdigest(what)
+
+    def get(self, key: Key) -> Prepared | None:
+        if time.monotonic() < self._resting_until:
+            return None
+        try:
+            blob = self._client.get(self.name(key))
+        except redis.RedisError as exc:
+            self._failed("read", exc)
+            return None
+        found = None if blob is None else unpacked(blob)
+        counters.shared_picture("hit" if found is not None else "miss")
+        return found
+
+    def put(self, key: Key, images: Prepared) -> None:
+        if time.monotonic() < self._resting_until:
+            return
+        with self._lock:
+            dropped = self._writing >= self.MAX_WRITING
+            self._writing += not dropped
+        if dropped:
+            counters.shared_picture("dropped")
+            return
+        self._writer.submit(self._write, self.name(key), images)
+
+    def _write(self, name: str, images: Prepared) -> None:
+        try:
+            self._client.set(name, packed(images), ex=self.ttl_s)
+        except redis.RedisError as exc:
+            self._failed("write", exc)
+        finally:
+            with self._lock:
+                self._writing -= 1
+
+    def _failed(self, doing: str, exc: Exception) -> None:
+        counters.shared_picture("failed")
+        with self._lock:
+            resting = time.monotonic() < self._resting_until
+            self._resting_until = time.monotonic() + self.PAUSE_S
+        if not resting:
+            log.warning("the shared store of pictures failed to %s (%s); left alone for %ss", doing, exc,
+                        self.PAUSE_S)
+
+_FIELDS = ("source_format", "source_width", "source_height", "width", "height", "mime", "fingerprint", "tile",
+           "tiles")
+
+
+def packed(images: Prepared) -> bytes:
+    """Images as one entry: the length of a JSON head, the head (each image's fields, digest
+    and length), then each image's bytes."""
+    head = orjson.dumps([{**{name: getattr(image, name) for name in _FIELDS}, "digest": key, "length": len(image.data)}
+                         for image, key in images])
+    return len(head).to_bytes(4, "big") + head + b"".join(image.data for image, _ in images)
+
+
+def unpacked(blob: bytes) -> Prepared | None:
+    """The images of an entry, or None when it does not read back whole: a head that does not
+    parse, lengths that do not add up, bytes that do not match their digest."""
+    try:
+        size = int.from_bytes(blob[:4], "big")
+        head, at, images = orjson.loads(blob[4:4 + size]), 4 + size, []
+        for fields in head:
+            data = blob[at:at + fields["length"]]
+            at += fields["length"]
+            if len(data) != fields["length"] or digest(data) != fields["digest"]:
+                return None
+            images.append((NormalisedImage(data=data, **{name: fields[name] for name in _FIELDS}), fields["digest"]))
+    except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
+        return None
+    return tuple(images) if images and at == len(blob) else None

@@ -11,8 +11,12 @@ import pytest
 from django.db import connections
 
 from controlplane.benchmarks.models import BenchmarkRun
-from controlplane.benchmarks.services import (benchmark_cancel, benchmark_execute, benchmark_start,
-                                              workload_for)
+from controlplane.benchmarks.services import (
+    benchmark_cancel,
+    benchmark_execute,
+    benchmark_start,
+    workload_for,
+)
 from controlplane.benchmarks.tasks import benchmark_run
 from controlplane.metering.models import UsageEvent
 from controlplane.tenants.models import ApiKey

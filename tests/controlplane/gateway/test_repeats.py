@@ -145,3 +145,130 @@ def test_the_same_bytes_are_another_picture_for_another_tenant_policy_or_detail(
     assert same != Key.of(WHOLE, scope="2", policy=policy, cap=policy.pixel_cap(None))
     assert same != Key.of(WHOLE, scope="1", policy=Policy(max_long_edge=2048), cap=policy.pixel_cap(None))
     assert same != Key.of(WHOLE, scope="1", policy=policy, cap=policy.pixel_cap("low"))
+
+
+# Replicas behind a load balancer: each keeps its own, and with GATEWAY_SHARED_REPEATS_URL they
+# share one Redis, so a chat's next turn on another replica finds what the first made of it.
+
+
+def _shared(prefix: str, url: str | None = None):
+    """A replica's own client of the shared store."""
+    from django.conf import settings
+
+    from controlplane.gateway.repeats import Shared
+
+    return Shared(url or settings.REDIS_URL, prefix=prefix, ttl_s=60)
+
+
+def _prefix() -> str:
+    import uuid
+
+    return f"tests-{uuid.uuid4().hex}"
+
+
+def _shared_outcomes(client) -> dict[str, float]:
+    from workers.engines.metrics import parse
+
+    series = parse(client.get("/metrics").content.decode())
+    return {labels["outcome"]: value for labels, value in series.get("vlmcp_gateway_shared_pictures_total", [])}
+
+
+def _until_written(shared, count: int = 1) -> None:
+    """Entries are written on a thread of their own, after the answer."""
+    import time
+
+    for _ in range(200):
+        if len(shared._client.keys(shared.prefix + "*")) >= count:
+            return
+        time.sleep(0.01)
+    raise AssertionError("the picture never reached the shared store")
+
+
+@pytest.mark.parametrize("picture", [LARGE, WHOLE], ids=["downscaled", "sent-as-it-came"])
+def test_a_picture_one_replica_prepared_is_taken_by_another_from_the_store_they_share(
+        client, routed, ledger_mode, metrics, monkeypatch, picture):  # noqa: F811
+    from controlplane.gateway import handlers
+    from controlplane.gateway.repeats import Repeats
+    from tests.conftest import skip_without_redis
+
+    skip_without_redis()
+    prefix = _prefix()
+    one, other = _shared(prefix), _shared(prefix)
+    before, outcomes = _counted(client), _shared_outcomes(client)
+
+    monkeypatch.setattr(handlers, "repeats", Repeats(10**8, shared=one))
+    first = post(client, routed.alice_key, _ask(data_url(picture)))
+    assert first.status_code == 200, first.content
+    _until_written(one)
+    monkeypatch.setattr(handlers, "repeats", Repeats(10**8, shared=other))
+    second = post(client, routed.alice_key, _ask(data_url(picture)))
+    assert second.status_code == 200, second.content
+    assert _since(client, before) == (1, 1)  # the second replica decoded and checked nothing
+    assert _shared_outcomes(client).get("hit", 0) - outcomes.get("hit", 0) == 1
+    tokens = [r.json()["usage"]["prompt_tokens_details"]["image_tokens"] for r in (first, second)]
+    assert tokens[0] == tokens[1] > 0
+    ingested()
+    (a,), (b,) = _lines(first), _lines(second)
+    seen = ("source_width", "source_height", "width", "height", "tokens", "fingerprint")
+    assert [getattr(b, name) for name in seen] == [getattr(a, name) for name in seen] and b.fingerprint
+    # and never another tenant's: bob sending the same bytes has them prepared for him
+    assert post(client, routed.bob_key, _ask(data_url(picture))).status_code == 200
+    assert _since(client, before) == (2, 1)
+
+
+@pytest.mark.parametrize("store", ["down", "silent"])
+def test_a_shared_store_down_or_silent_costs_a_request_nothing_but_its_picture_prepared_here(
+        client, routed, ledger_mode, metrics, monkeypatch, store):  # noqa: F811
+    import socket
+
+    from controlplane.gateway import handlers
+    from controlplane.gateway.repeats import Repeats, Shared
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    if store == "silent":
+        listener.listen(16)  # connections are taken, and nothing is ever answered
+    port = listener.getsockname()[1]
+    if store == "down":
+        listener.close()  # nothing listens there: refused
+    monkeypatch.setattr(Shared, "PAUSE_S", 60.0)
+    monkeypatch.setattr(handlers, "repeats", Repeats(10**8, shared=_shared(_prefix(), f"redis://127.0.0.1:{port}/0")))
+    try:
+        before, outcomes = _counted(client), _shared_outcomes(client)
+        pictures = [LARGE, image_bytes(2000, 1500), image_bytes(1600, 1600)]  # none kept by this replica
+        answers = [post(client, routed.alice_key, _ask(data_url(picture))).status_code for picture in pictures]
+    finally:
+        listener.close()
+    assert answers == [200, 200, 200]
+    assert _since(client, before) == (3, 0)
+    # The first request found it failing (refused at once, or silent for its 0.1 s); the
+    # replica then left it alone: not asked again, nothing written to it.
+    assert _shared_outcomes(client).get("failed", 0) - outcomes.get("failed", 0) == 1
+
+
+def test_an_entry_of_the_shared_store_is_taken_only_if_it_reads_back_whole():
+    from controlplane.gateway.repeats import digest, packed, unpacked
+
+    tiles = tuple((tile, digest(tile.data)) for tile in normalise_tiles(image_bytes(200, 5000), Policy()))
+    assert len(tiles) > 1  # a long picture cut in tiles: several images in one entry
+    entry = packed(tiles)
+    assert unpacked(entry) == tiles
+    flipped = bytearray(entry)
+    flipped[-10] ^= 0x01  # a bit of the last image's bytes
+    for broken in (entry[:-1], entry + b"x", bytes(flipped), b"", b"\x00\x00\x00\x05nope!", entry[:4] + b"{}" + entry[6:]):
+        assert unpacked(broken) is None
+
+
+def test_replicas_name_a_picture_alike_in_the_shared_store_and_never_across_tenants_or_policies():
+    from controlplane.gateway.repeats import Key, Shared
+
+    one, other = (Shared("redis://127.0.0.1:6379/0", prefix="p", ttl_s=60) for _ in range(2))
+    policy = Policy()
+    key = Key.of(WHOLE, scope="1", policy=policy, cap=policy.max_pixels)
+    assert one.name(key) == other.name(Key.of(bytes(WHOLE), scope="1", policy=Policy(), cap=policy.max_pixels))
+    for another in (Key.of(WHOLE, scope="2", policy=policy, cap=policy.max_pixels),
+                    Key.of(WHOLE, scope="1", policy=Policy(output_quality=90), cap=policy.max_pixels),
+                    Key.of(WHOLE, scope="1", policy=policy, cap=policy.low_detail_max_pixels),
+                    Key.of(LARGE, scope="1", policy=policy, cap=policy.max_pixels)):
+        assert one.name(another) != one.name(key)
+    assert Shared("redis://127.0.0.1:6379/0", prefix="q", ttl_s=60).name(key) != one.name(key)
