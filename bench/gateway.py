@@ -18,7 +18,8 @@ JPEG and a 12 MP JPEG (base64 data URLs; every image request a picture of its ow
 at concurrency 1 and 32, it reports the added p50
 and p99 latency over the direct call and requests per second; then, for each JPEG, what the
 gateway adds to a picture sent again (what it became the first time is kept) against a new
-one, in turn; it also times the image
+one, in turn, and, on two more gateway processes sharing pictures through a Redis
+(GATEWAY_SHARED_REPEATS_URL), a picture sent to one replica and then to the other; it also times the image
 library's normalise alone on each image, and the size of the body each proxy forwarded. For the
 images, a second gateway process with glibc's malloc defaults (GATEWAY_HEAP_KEEP_MB=0) shows
 what keeping freed image buffers is worth, and each gateway's peak resident memory its price.
@@ -51,6 +52,7 @@ from bench.wire import send
 ROOT = Path(__file__).resolve().parent.parent
 PG = "postgres://postgres@127.0.0.1:5432"
 REDIS = "redis://127.0.0.1:6379/13"
+PICTURES = "redis://127.0.0.1:6379/12"  # the store of pictures the replicas share, the bench's own
 COUNTS = {("text", 1): 400, ("text", 32): 3000, ("1mp", 1): 60, ("1mp", 32): 240,
           ("12mp", 1): 60, ("12mp", 32): 64}
 TEXT_ROUNDS = 3
@@ -153,6 +155,15 @@ class Gateway:
         self.untuned = self._serve(port, {**self.env, "GATEWAY_HEAP_KEEP_MB": "0"})
         return port
 
+    def start_replicas(self) -> tuple[int, int]:
+        """Two more gateway processes on the same data sharing pictures through a Redis
+        (GATEWAY_SHARED_REPEATS_URL), as replicas behind a load balancer would."""
+        env = {**self.env, "GATEWAY_SHARED_REPEATS_URL": PICTURES}
+        ports = free_port(), free_port()
+        for port in ports:
+            self._serve(port, env)
+        return ports
+
     def _seed(self) -> str:
         from django.utils import timezone
 
@@ -197,6 +208,7 @@ class Gateway:
         import redis
 
         redis.Redis.from_url(self.redis_url).flushdb()
+        redis.Redis.from_url(PICTURES).flushdb()
         from django.db import connections
 
         connections.close_all()
@@ -239,6 +251,18 @@ async def load(url: str, key: str, model: str, image: bytes | None, concurrency:
     latencies.sort()
     return {"p50": statistics.median(latencies), "p99": latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
             "rps": len(latencies) / elapsed}
+
+
+async def shared_again(replicas: list[str], key: str, image: bytes, count: int) -> float:
+    """The p50 of `count` pictures, each new, sent to the first replica and then, once it has
+    had time to share it, to the second (at concurrency 1)."""
+    headers = {"Authorization": f"Bearer {key}"}
+    bodies = [json.dumps({"model": "vlm", "max_tokens": 8, "messages": messages(stamped(image))}).encode()
+              for _ in range(count)]
+    await send(replicas[0], headers, bodies, 1)
+    await asyncio.sleep(0.5)  # the first replica writes what it made after its answers
+    latencies, _ = await send(replicas[1], headers, bodies, 1)
+    return statistics.median(latencies)
 
 
 def image_steps(image: bytes, repeats: int = 10) -> dict[str, float]:
@@ -346,6 +370,7 @@ def main() -> None:
     try:
         key = gateway.start()
         untuned_port = gateway.start_untuned()
+        replicas = [f"http://127.0.0.1:{port}/v1/chat/completions" for port in gateway.start_replicas()]
         litellm, litellm_port, litellm_key = start_litellm(upstream_port)
         bare_port, floor_port, awaited_port = free_port(), free_port(), free_port()
         for port, redis_url in ((bare_port, ()), (floor_port, (REDIS,)),
@@ -460,6 +485,23 @@ def main() -> None:
                   f"{1000 * statistics.median(again):.1f} ms, for a new one {1000 * statistics.median(new):.1f} ms "
                   f"(medians of 3 rounds of 20 each: " + ", ".join(
                       f"{1000 * a:.1f}/{1000 * n:.1f}" for a, n in zip(again, new, strict=True)) + ")")
+        for payload in ("1mp", "12mp"):
+            # Sent again, but to another replica: found in the store the replicas share.
+            new, elsewhere, here = [], [], []
+            for _round in range(3):
+                direct = asyncio.run(load(targets["direct"][0], "fake", "vlm", images[payload], 1, 20))
+                fresh = asyncio.run(load(replicas[1], key, "vlm", images[payload], 1, 20))
+                moved = asyncio.run(shared_again(replicas, key, images[payload], 20))
+                again = asyncio.run(load(replicas[1], key, "vlm", images[payload], 1, 20, again=True))
+                new.append(fresh["p50"] - direct["p50"])
+                elsewhere.append(moved - direct["p50"])
+                here.append(again["p50"] - direct["p50"])
+            print(f"{payload}, concurrency 1, two replicas sharing pictures: the gateway's added p50 for a picture "
+                  f"sent before to the other replica {1000 * statistics.median(elsewhere):.1f} ms, to the same "
+                  f"replica {1000 * statistics.median(here):.1f}, a new one {1000 * statistics.median(new):.1f} "
+                  f"(medians of 3 rounds of 20 each: " + ", ".join(
+                      f"{1000 * e:.1f}/{1000 * h:.1f}/{1000 * n:.1f}"
+                      for e, h, n in zip(elsewhere, here, new, strict=True)) + ")")
         for name, process in (("gateway", gateway.process), ("gw-nokeep", gateway.untuned)):
             print(f"{name} peak resident memory: {status_kb('VmHWM', process.pid) / 1024:.0f} MB")
     finally:

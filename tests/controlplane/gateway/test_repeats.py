@@ -188,10 +188,11 @@ def _until_written(shared, count: int = 1) -> None:
 def test_a_picture_one_replica_prepared_is_taken_by_another_from_the_store_they_share(
         client, routed, ledger_mode, metrics, monkeypatch, picture):  # noqa: F811
     from controlplane.gateway import handlers
-    from controlplane.gateway.repeats import Repeats
+    from controlplane.gateway.repeats import Repeats, Shared
     from tests.conftest import skip_without_redis
 
     skip_without_redis()
+    monkeypatch.setattr(Shared, "MIN_BYTES", 0)  # these pictures are small
     prefix = _prefix()
     one, other = _shared(prefix), _shared(prefix)
     before, outcomes = _counted(client), _shared_outcomes(client)
@@ -232,6 +233,7 @@ def test_a_shared_store_down_or_silent_costs_a_request_nothing_but_its_picture_p
     if store == "down":
         listener.close()  # nothing listens there: refused
     monkeypatch.setattr(Shared, "PAUSE_S", 60.0)
+    monkeypatch.setattr(Shared, "MIN_BYTES", 0)  # these pictures are small
     monkeypatch.setattr(handlers, "repeats", Repeats(10**8, shared=_shared(_prefix(), f"redis://127.0.0.1:{port}/0")))
     try:
         before, outcomes = _counted(client), _shared_outcomes(client)
@@ -272,3 +274,18 @@ def test_replicas_name_a_picture_alike_in_the_shared_store_and_never_across_tena
                     Key.of(LARGE, scope="1", policy=policy, cap=policy.max_pixels)):
         assert one.name(another) != one.name(key)
     assert Shared("redis://127.0.0.1:6379/0", prefix="q", ttl_s=60).name(key) != one.name(key)
+
+
+def test_a_picture_cheaper_to_prepare_than_to_share_is_neither_asked_for_nor_written(
+        client, routed, ledger_mode, metrics, monkeypatch):  # noqa: F811
+    from controlplane.gateway import handlers
+    from controlplane.gateway.repeats import Repeats, Shared
+
+    shared = _shared(_prefix(), "redis://127.0.0.1:1/0")  # were it asked, it would fail
+    monkeypatch.setattr(handlers, "repeats", Repeats(10**8, shared=shared))
+    before, outcomes = _counted(client), _shared_outcomes(client)
+    assert len(LARGE) < Shared.MIN_BYTES
+    for _ in range(2):
+        assert post(client, routed.alice_key, _ask(data_url(LARGE))).status_code == 200
+    assert _since(client, before) == (1, 1)  # kept by the replica all the same
+    assert _shared_outcomes(client) == outcomes  # the store was never asked, nor written to
