@@ -291,7 +291,7 @@ GATEWAY_HEAP_KEEP_MB = env_int("GATEWAY_HEAP_KEEP_MB", 256, minimum=0)
 GATEWAY_REPEATS_MB = env_int("GATEWAY_REPEATS_MB", 128, minimum=0)
 # And in a Redis every replica reads, for replicas a load balancer spreads a chat's turns over:
 # a Redis of its own that evicts (maxmemory, allkeys-lru), not REDIS_URL's; unset keeps none.
-# Entries live GATEWAY_SHARED_REPEATS_TTL_S after they were last written.
+# Entries live GATEWAY_SHARED_REPEATS_TTL_S after they were last asked for or written.
 GATEWAY_SHARED_REPEATS_URL = env_str("GATEWAY_SHARED_REPEATS_URL")
 if GATEWAY_SHARED_REPEATS_URL:
     validate_redis_url(GATEWAY_SHARED_REPEATS_URL, "GATEWAY_SHARED_REPEATS_URL")

@@ -129,7 +129,7 @@ class Shared:
 
     An entry is the images' bytes and what is known of them, under a key naming the deployment,
     the format, and the picture as `Key` does (tenant, policy, detail, bytes), for `ttl_s`
-    after it was last written: a chat's turns come minutes apart. Meant for a Redis of its own
+    after it was last asked for or written: a chat's turns come minutes apart. Meant for a Redis of its own
     that evicts what it must (`maxmemory` with `allkeys-lru`), not the ledger's: a cache must
     never take the memory the usage in flight needs.
 
@@ -176,7 +176,7 @@ class Shared:
         if time.monotonic() < self._resting_until:
             return None
         try:
-            blob = self._client.get(self.name(key))
+            blob = self._client.getex(self.name(key), ex=self.ttl_s)  # a picture in use stays
         except redis.RedisError as exc:
             self._failed("read", exc)
             return None

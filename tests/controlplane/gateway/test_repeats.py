@@ -151,13 +151,13 @@ def test_the_same_bytes_are_another_picture_for_another_tenant_policy_or_detail(
 # share one Redis, so a chat's next turn on another replica finds what the first made of it.
 
 
-def _shared(prefix: str, url: str | None = None):
+def _shared(prefix: str, url: str | None = None, ttl_s: int = 60):
     """A replica's own client of the shared store."""
     from django.conf import settings
 
     from controlplane.gateway.repeats import Shared
 
-    return Shared(url or settings.REDIS_URL, prefix=prefix, ttl_s=60)
+    return Shared(url or settings.REDIS_URL, prefix=prefix, ttl_s=ttl_s)
 
 
 def _prefix() -> str:
@@ -194,7 +194,7 @@ def test_a_picture_one_replica_prepared_is_taken_by_another_from_the_store_they_
     skip_without_redis()
     monkeypatch.setattr(Shared, "MIN_BYTES", 0)  # these pictures are small
     prefix = _prefix()
-    one, other = _shared(prefix), _shared(prefix)
+    one, other = _shared(prefix), _shared(prefix, ttl_s=600)
     before, outcomes = _counted(client), _shared_outcomes(client)
 
     monkeypatch.setattr(handlers, "repeats", Repeats(10**8, shared=one))
@@ -206,6 +206,8 @@ def test_a_picture_one_replica_prepared_is_taken_by_another_from_the_store_they_
     assert second.status_code == 200, second.content
     assert _since(client, before) == (1, 1)  # the second replica decoded and checked nothing
     assert _shared_outcomes(client).get("hit", 0) - outcomes.get("hit", 0) == 1
+    (entry,) = one._client.keys(prefix + "*")
+    assert one._client.ttl(entry) > 60  # a picture in use lives on from when it was last asked for
     tokens = [r.json()["usage"]["prompt_tokens_details"]["image_tokens"] for r in (first, second)]
     assert tokens[0] == tokens[1] > 0
     ingested()
