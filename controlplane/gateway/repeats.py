@@ -24,6 +24,7 @@ checked again. Kept:
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -31,6 +32,7 @@ from collections import OrderedDict
 from collections.abc import Hashable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 import orjson
 import redis
@@ -127,37 +129,44 @@ def _cost(images: Prepared) -> int:
 class Shared:
     """What pictures became, in a Redis every gateway replica reads and writes.
 
-    An entry is the images' bytes and what is known of them, under a key naming the deployment,
-    the format, and the picture as `Key` does (tenant, policy, detail, bytes), for `ttl_s`
-    after it was last asked for or written: a chat's turns come minutes apart. Meant for a Redis of its own
-    that evicts what it must (`maxmemory` with `allkeys-lru`), not the ledger's: a cache must
-    never take the memory the usage in flight needs.
+    An entry is the images' bytes and what is known of them, for `ttl_s` after it was last
+    asked for or written (a chat's turns come minutes apart). Its name carries the deployment's
+    prefix, the code that made it (`maker`: entries an older release made are another
+    picture's), the tenant, detail cap and size in the clear (two tenants' pictures never share
+    a name, whatever the hash), and a hash of the policy and the bytes' digest; its head
+    carries the tenant, cap and size again, compared on reading. Meant for a Redis of its own
+    (6.2 or later) that evicts what it must (`maxmemory` with `allkeys-lru`), not the
+    ledger's: a cache must never take the memory the usage in flight needs.
 
-    Asked on the thread preparing the picture, and bounded: a reply not in `timeout_s` is a
-    picture not found, and after any failure the Redis is left alone for PAUSE_S, so a Redis
-    that is down costs a request nothing but the first timeout. Written on a thread of its own,
-    at most MAX_WRITING entries waiting (more are dropped): the answer never waits on it. An
-    entry is taken only if it reads back whole, each image's bytes matching their digest.
+    Asked on the thread preparing the picture, and bounded: a reply not in READ_TIMEOUT_S, or
+    anything wrong with it, is a picture not found, and after a failure the store is not asked
+    for PAUSE_S, so a store that is down costs a request nothing but the first timeout.
+    Written on a thread of its own (a few megabytes may take longer than a read: WRITE_TIMEOUT_S),
+    at most MAX_WRITING entries waiting (more are dropped), none while writes rest after a
+    failure: the answer never waits on it. An entry is taken only if it reads back whole and
+    as written: its fields of their types, its images' bytes matching their digests.
 
     Only pictures of MIN_BYTES or more are shared. Preparing a picture costs about its bytes
     (their entropy decoding): a 1 MP photo's 260 KB take 2-4 ms, which a round trip to the
     store and a write of the entry beside the answer would take back (1 ms more a new 1 MP
     picture in bench/gateway), where a 12 MP photo's 2-3 MB take 25-35 ms."""
 
-    FORMAT = 1
-    MIN_BYTES = 512 * 1024  # what a picture becomes changed: entries made before are another picture's
+    MIN_BYTES = 512 * 1024
     PAUSE_S = 5.0
     MAX_WRITING = 16
+    READ_TIMEOUT_S = 0.1
+    WRITE_TIMEOUT_S = 2.0
 
-    def __init__(self, url: str, *, prefix: str, ttl_s: int, timeout_s: float = 0.1):
-        self.prefix, self.ttl_s = f"{prefix}:repeats:{self.FORMAT}:", ttl_s
-        self._client = redis.Redis(connection_pool=redis.BlockingConnectionPool.from_url(
-            url, max_connections=64, timeout=timeout_s, socket_timeout=timeout_s,
-            socket_connect_timeout=timeout_s))
-        self._writer = ThreadPoolExecutor(1, thread_name_prefix="shared-repeats")
+    def __init__(self, url: str, *, prefix: str, ttl_s: int):
+        self.prefix, self.ttl_s = f"{prefix}:repeats:{maker()}:", ttl_s
+        self._reads, self._writes = (redis.Redis(connection_pool=redis.BlockingConnectionPool.from_url(
+            url, max_connections=connections, timeout=timeout, socket_timeout=timeout,
+            socket_connect_timeout=timeout)) for connections, timeout in
+            ((64, self.READ_TIMEOUT_S), (1, self.WRITE_TIMEOUT_S)))
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="shared-pictures")
         self._writing = 0
         self._lock = threading.Lock()
-        self._resting_until = 0.0
+        self._reads_rest_until = self._writes_rest_until = 0.0
 
     @classmethod
     def from_settings(cls) -> Shared | None:
@@ -169,36 +178,37 @@ class Shared:
         return cls(url, prefix=key_prefix(), ttl_s=settings.GATEWAY_SHARED_REPEATS_TTL_S) if url else None
 
     def name(self, key: Key) -> str:
-        what = f"{key.scope}\0{key.policy!r}\0{key.cap}\0{key.size}\0".encode() + key.digest
-        return self.prefix + xxhash.xxh3_128_hexdigest(what)
+        picture = xxhash.xxh3_128_hexdigest(repr(key.policy).encode() + b"\0" + key.digest)
+        return f"{self.prefix}{key.scope}:{key.cap}:{key.size}:{picture}"
 
     def get(self, key: Key) -> Prepared | None:
-        if time.monotonic() < self._resting_until:
+        if time.monotonic() < self._reads_rest_until:
             return None
         try:
-            blob = self._client.getex(self.name(key), ex=self.ttl_s)  # a picture in use stays
-        except redis.RedisError as exc:
+            blob = self._reads.getex(self.name(key), ex=self.ttl_s)  # a picture in use stays
+            found = None if blob is None else unpacked(blob, key)
+        except Exception as exc:  # noqa: BLE001 - whatever it is, the picture is prepared here
             self._failed("read", exc)
             return None
-        found = None if blob is None else unpacked(blob)
         counters.shared_picture("hit" if found is not None else "miss")
         return found
 
     def put(self, key: Key, images: Prepared) -> None:
-        if time.monotonic() < self._resting_until:
-            return
         with self._lock:
-            dropped = self._writing >= self.MAX_WRITING
+            dropped = self._writing >= self.MAX_WRITING or time.monotonic() < self._writes_rest_until
             self._writing += not dropped
         if dropped:
             counters.shared_picture("dropped")
             return
-        self._writer.submit(self._write, self.name(key), images)
+        self._writer.submit(self._write, self.name(key), packed(images, key))
 
-    def _write(self, name: str, images: Prepared) -> None:
+    def _write(self, name: str, entry: bytes) -> None:
         try:
-            self._client.set(name, packed(images), ex=self.ttl_s)
-        except redis.RedisError as exc:
+            if time.monotonic() < self._writes_rest_until:  # a write before this one failed
+                counters.shared_picture("dropped")
+            else:
+                self._writes.set(name, entry, ex=self.ttl_s)
+        except Exception as exc:  # noqa: BLE001 - a thread of its own: nothing above it to tell
             self._failed("write", exc)
         finally:
             with self._lock:
@@ -206,37 +216,72 @@ class Shared:
 
     def _failed(self, doing: str, exc: Exception) -> None:
         counters.shared_picture("failed")
+        attribute = "_reads_rest_until" if doing == "read" else "_writes_rest_until"
         with self._lock:
-            resting = time.monotonic() < self._resting_until
-            self._resting_until = time.monotonic() + self.PAUSE_S
+            resting = time.monotonic() < getattr(self, attribute)
+            setattr(self, attribute, time.monotonic() + self.PAUSE_S)
         if not resting:
-            log.warning("the shared store of pictures failed to %s (%s); left alone for %ss", doing, exc,
-                        self.PAUSE_S)
-
-_FIELDS = ("source_format", "source_width", "source_height", "width", "height", "mime", "fingerprint", "tile",
-           "tiles")
+            log.warning("the shared store of pictures failed to %s (%s: %s); not asked to for %ss", doing,
+                        type(exc).__name__, exc, self.PAUSE_S)
 
 
-def packed(images: Prepared) -> bytes:
-    """Images as one entry: the length of a JSON head, the head (each image's fields, digest
-    and length), then each image's bytes."""
-    head = orjson.dumps([{**{name: getattr(image, name) for name in _FIELDS}, "digest": key, "length": len(image.data)}
-                         for image, key in images])
+@functools.cache
+def maker() -> str:
+    """Which code makes what a picture becomes: the image library's own source and the
+    decoders' versions, hashed. Entries made by another release are never taken for this
+    one's, though no one remembered to say what changed."""
+    import PIL
+    import simplejpeg
+
+    import controlplane.imaging
+
+    package = Path(controlplane.imaging.__file__).parent
+    made = xxhash.xxh3_64(f"{PIL.__version__} {simplejpeg.__version__}".encode())
+    for path in sorted([*package.rglob("*.py"), *package.glob("*.c")]):
+        made.update(path.relative_to(package).as_posix().encode() + b"\0" + path.read_bytes())
+    return made.hexdigest()
+
+
+_TEXT = ("source_format", "mime", "fingerprint")
+_NUMBERS = ("source_width", "source_height", "width", "height", "tile", "tiles")
+
+
+def packed(images: Prepared, key: Key) -> bytes:
+    """Images as one entry: the length of a JSON head, the head (whose picture, and each
+    image's fields, digest and length), then each image's bytes."""
+    head = orjson.dumps({"scope": key.scope, "cap": key.cap, "size": key.size, "images": [
+        {**{name: getattr(image, name) for name in (*_TEXT, *_NUMBERS)}, "digest": image_key, "length": len(image.data)}
+        for image, image_key in images]})
     return len(head).to_bytes(4, "big") + head + b"".join(image.data for image, _ in images)
 
 
-def unpacked(blob: bytes) -> Prepared | None:
-    """The images of an entry, or None when it does not read back whole: a head that does not
-    parse, lengths that do not add up, bytes that do not match their digest."""
+def unpacked(blob: bytes, key: Key) -> Prepared | None:
+    """The images of `key`'s entry, or None when it does not read back whole and as written:
+    a head that does not parse or names another picture, fields not of their types, lengths
+    that do not add up, bytes that do not match their digest."""
     try:
         size = int.from_bytes(blob[:4], "big")
-        head, at, images = orjson.loads(blob[4:4 + size]), 4 + size, []
-        for fields in head:
-            data = blob[at:at + fields["length"]]
-            at += fields["length"]
-            if len(data) != fields["length"] or digest(data) != fields["digest"]:
-                return None
-            images.append((NormalisedImage(data=data, **{name: fields[name] for name in _FIELDS}), fields["digest"]))
-    except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
+        head = orjson.loads(blob[4:4 + size])
+    except (orjson.JSONDecodeError, TypeError, ValueError):
         return None
+    if not isinstance(head, dict) or (head.get("scope"), head.get("cap"), head.get("size")) != (
+            key.scope, key.cap, key.size) or not isinstance(head.get("images"), list):
+        return None
+    images, at, count = [], 4 + size, len(head["images"])
+    for position, fields in enumerate(head["images"]):
+        if not isinstance(fields, dict) or not all(isinstance(fields.get(name), str) for name in (*_TEXT, "digest")) \
+                or not all(_count(fields.get(name)) for name in (*_NUMBERS, "length")):
+            return None
+        if fields["tile"] != position or fields["tiles"] != count or not fields["width"] or not fields["height"]:
+            return None
+        data = blob[at:at + fields["length"]]
+        at += fields["length"]
+        if len(data) != fields["length"] or digest(data) != fields["digest"]:
+            return None
+        images.append((NormalisedImage(data=data, **{name: fields[name] for name in (*_TEXT, *_NUMBERS)}),
+                       fields["digest"]))
     return tuple(images) if images and at == len(blob) else None
+
+
+def _count(value) -> bool:
+    return type(value) is int and value >= 0

@@ -6,6 +6,8 @@ happens at /metrics."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from controlplane.imaging.policy import Policy, normalise, normalise_tiles
@@ -178,7 +180,7 @@ def _until_written(shared, count: int = 1) -> None:
     import time
 
     for _ in range(200):
-        if len(shared._client.keys(shared.prefix + "*")) >= count:
+        if len(shared._reads.keys(shared.prefix + "*")) >= count:
             return
         time.sleep(0.01)
     raise AssertionError("the picture never reached the shared store")
@@ -206,8 +208,8 @@ def test_a_picture_one_replica_prepared_is_taken_by_another_from_the_store_they_
     assert second.status_code == 200, second.content
     assert _since(client, before) == (1, 1)  # the second replica decoded and checked nothing
     assert _shared_outcomes(client).get("hit", 0) - outcomes.get("hit", 0) == 1
-    (entry,) = one._client.keys(prefix + "*")
-    assert one._client.ttl(entry) > 60  # a picture in use lives on from when it was last asked for
+    (entry,) = one._reads.keys(prefix + "*")
+    assert one._reads.ttl(entry) > 60  # a picture in use lives on from when it was last asked for
     tokens = [r.json()["usage"]["prompt_tokens_details"]["image_tokens"] for r in (first, second)]
     assert tokens[0] == tokens[1] > 0
     ingested()
@@ -223,6 +225,7 @@ def test_a_picture_one_replica_prepared_is_taken_by_another_from_the_store_they_
 def test_a_shared_store_down_or_silent_costs_a_request_nothing_but_its_picture_prepared_here(
         client, routed, ledger_mode, metrics, monkeypatch, store):  # noqa: F811
     import socket
+    import time
 
     from controlplane.gateway import handlers
     from controlplane.gateway.repeats import Repeats, Shared
@@ -236,46 +239,92 @@ def test_a_shared_store_down_or_silent_costs_a_request_nothing_but_its_picture_p
         listener.close()  # nothing listens there: refused
     monkeypatch.setattr(Shared, "PAUSE_S", 60.0)
     monkeypatch.setattr(Shared, "MIN_BYTES", 0)  # these pictures are small
-    monkeypatch.setattr(handlers, "repeats", Repeats(10**8, shared=_shared(_prefix(), f"redis://127.0.0.1:{port}/0")))
+    monkeypatch.setattr(Shared, "WRITE_TIMEOUT_S", 0.3)
+    shared = _shared(_prefix(), f"redis://127.0.0.1:{port}/0")
+    monkeypatch.setattr(handlers, "repeats", Repeats(10**8, shared=shared))
     try:
         before, outcomes = _counted(client), _shared_outcomes(client)
         pictures = [LARGE, image_bytes(2000, 1500), image_bytes(1600, 1600)]  # none kept by this replica
         answers = [post(client, routed.alice_key, _ask(data_url(picture))).status_code for picture in pictures]
+        for _ in range(250):  # the writes, on a thread of their own, are over
+            if not shared._writing:
+                break
+            time.sleep(0.02)
     finally:
         listener.close()
     assert answers == [200, 200, 200]
     assert _since(client, before) == (3, 0)
-    # The first request found it failing (refused at once, or silent for its 0.1 s); the
-    # replica then left it alone: not asked again, nothing written to it.
-    assert _shared_outcomes(client).get("failed", 0) - outcomes.get("failed", 0) == 1
+    # The first request found it failing (refused at once, or silent for its 0.1 s), and so
+    # did the first write; the replica then left it alone: not asked again, nothing written.
+    assert _shared_outcomes(client).get("failed", 0) - outcomes.get("failed", 0) == 2
 
 
-def test_an_entry_of_the_shared_store_is_taken_only_if_it_reads_back_whole():
-    from controlplane.gateway.repeats import digest, packed, unpacked
+def test_an_entry_of_the_shared_store_is_taken_only_if_it_reads_back_whole_and_as_written():
+    import orjson
 
-    tiles = tuple((tile, digest(tile.data)) for tile in normalise_tiles(image_bytes(200, 5000), Policy()))
+    from controlplane.gateway.repeats import Key, digest, packed, unpacked
+
+    long = image_bytes(200, 5000)
+    tiles = tuple((tile, digest(tile.data)) for tile in normalise_tiles(long, Policy()))
     assert len(tiles) > 1  # a long picture cut in tiles: several images in one entry
-    entry = packed(tiles)
-    assert unpacked(entry) == tiles
+    key = Key.of(long, scope="7", policy=Policy(), cap=Policy().max_pixels)
+    entry = packed(tiles, key)
+    assert unpacked(entry, key) == tiles
+    for another in (Key.of(long, scope="8", policy=Policy(), cap=Policy().max_pixels),
+                    Key.of(long, scope="7", policy=Policy(), cap=Policy().low_detail_max_pixels)):
+        assert unpacked(entry, another) is None  # an entry of another tenant's or detail's picture
+
     flipped = bytearray(entry)
     flipped[-10] ^= 0x01  # a bit of the last image's bytes
-    for broken in (entry[:-1], entry + b"x", bytes(flipped), b"", b"\x00\x00\x00\x05nope!", entry[:4] + b"{}" + entry[6:]):
-        assert unpacked(broken) is None
+    broken = [entry[:-1], entry + b"x", bytes(flipped), b"", b"\x00\x00\x00\x05nope!", b"\xff\xff\xff\xff{}"]
+
+    def rewritten(change) -> bytes:
+        """The entry with its head changed by `change`, well formed otherwise."""
+        size = int.from_bytes(entry[:4], "big")
+        head = orjson.loads(entry[4:4 + size])
+        change(head)
+        new = orjson.dumps(head)
+        return len(new).to_bytes(4, "big") + new + entry[4 + size:]
+
+    def image_field(name, value):
+        return lambda head: head["images"][0].__setitem__(name, value)
+
+    assert unpacked(rewritten(lambda head: None), key) == tiles  # rewriting alone changes nothing
+    broken += [rewritten(change) for change in (
+        image_field("source_width", "800"), image_field("fingerprint", [1]), image_field("tile", -1),
+        image_field("tiles", "2"), image_field("width", True), image_field("height", 0), image_field("tile", 1),
+        image_field("length", 1.5), image_field("mime", None), lambda head: head.pop("scope"),
+        lambda head: head.__setitem__("images", {}), lambda head: head["images"].__setitem__(0, []))]
+    for blob in broken:
+        assert unpacked(blob, key) is None
 
 
 def test_replicas_name_a_picture_alike_in_the_shared_store_and_never_across_tenants_or_policies():
+    import subprocess
+    import sys
+
     from controlplane.gateway.repeats import Key, Shared
 
     one, other = (Shared("redis://127.0.0.1:6379/0", prefix="p", ttl_s=60) for _ in range(2))
     policy = Policy()
     key = Key.of(WHOLE, scope="1", policy=policy, cap=policy.max_pixels)
     assert one.name(key) == other.name(Key.of(bytes(WHOLE), scope="1", policy=Policy(), cap=policy.max_pixels))
+    # and in another process, its string hashes salted otherwise: another replica
+    script = ("import os, django; os.environ.setdefault('DJANGO_SETTINGS_MODULE', 'tests.settings'); django.setup(); "
+              "from controlplane.gateway.repeats import Key, Shared; from controlplane.imaging.policy import Policy; "
+              "from tests.images import image_bytes; "
+              "print(Shared('redis://127.0.0.1:6379/0', prefix='p', ttl_s=60).name("
+              "Key.of(image_bytes(800, 600), scope='1', policy=Policy(), cap=Policy().max_pixels)))")
+    elsewhere = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
+                               env={**os.environ, "PYTHONHASHSEED": "12345"}).stdout.strip()
+    assert elsewhere == one.name(key)
     for another in (Key.of(WHOLE, scope="2", policy=policy, cap=policy.max_pixels),
                     Key.of(WHOLE, scope="1", policy=Policy(output_quality=90), cap=policy.max_pixels),
                     Key.of(WHOLE, scope="1", policy=policy, cap=policy.low_detail_max_pixels),
                     Key.of(LARGE, scope="1", policy=policy, cap=policy.max_pixels)):
         assert one.name(another) != one.name(key)
     assert Shared("redis://127.0.0.1:6379/0", prefix="q", ttl_s=60).name(key) != one.name(key)
+    assert one.name(key).startswith("p:repeats:") and ":1:" in one.name(key)  # the tenant in the clear
 
 
 def test_a_picture_cheaper_to_prepare_than_to_share_is_neither_asked_for_nor_written(
