@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -18,9 +19,27 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A port nothing is bound to, for a server a test starts, outside the kernel's range of
+    ephemeral ports. A port bound to 0 and let go comes from that range, where any outgoing
+    connection (to Redis, to PostgreSQL, to an engine) may take it as its own before the
+    server binds it: CI saw a whole system's web server refused its port for a minute. Each
+    test worker draws from a range of its own."""
+    ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0]) \
+        if Path("/proc/sys/net/ipv4/ip_local_port_range").exists() else 32768
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    workers = max(worker + 1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    low, high = 10_000, max(10_100, ephemeral)  # below it: ENGINE_PORT_BASE's 8100 and on stay clear
+    share = (high - low) // workers
+    first = low + worker * share
+    for _ in range(200):
+        port = random.randrange(first, first + share)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port between {first} and {first + share}")
 
 
 def wait_for(check, *, timeout: float, interval: float = 0.2, what: str = "condition"):
