@@ -22,7 +22,7 @@ def free_port() -> int:
     """A port nothing is bound to, for a server a test starts, outside the kernel's range of
     ephemeral ports. A port bound to 0 and let go comes from that range, where any outgoing
     connection (to Redis, to PostgreSQL, to an engine) may take it as its own before the
-    server binds it: CI saw a whole system's web server refused its port for a minute. Each
+    server binds it: a whole system's web server was once refused its port for a minute. Each
     test worker draws from a range of its own."""
     ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0]) \
         if Path("/proc/sys/net/ipv4/ip_local_port_range").exists() else 32768
