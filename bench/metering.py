@@ -261,6 +261,7 @@ def bench_ingest(world: World, count: int, naive_count: int) -> None:
     print(f"  CPU an event (median round): the ingest {mine[0]:.1f} µs in this process (reading, pricing, "
           f"packing rows) and {mine[1]:.1f} µs in PostgreSQL; the floor {theirs[0]:.1f} and {theirs[1]:.1f}")
     _print_floor_without_checks(world, count)
+    _print_floor_without_indexes(world, count)
     ingest_s, floor_s = statistics.median(ingest), statistics.median(floor)
     print(f"  ingest vs naive: {count / ingest_s / (naive_count / naive_s):.1f}x; "
           f"ingest vs its floor (PostgreSQL alone): {floor_s / ingest_s:.2f}x; stored {stored:,} of {total:,}; "
@@ -320,6 +321,40 @@ def _print_floor_without_checks(world: World, count: int) -> None:
           f"{count / seconds['origin']:9,.0f}")
     print(f"  {'           the same without the key checks':44} {count:8,} {seconds['replica']:8.2f} "
           f"{count / seconds['replica']:9,.0f}   (what PostgreSQL's per-row foreign-key triggers cost)")
+
+
+def _print_floor_without_indexes(world: World, count: int) -> None:
+    """And what the secondary indexes cost: batches in turn, every other one written in a
+    transaction that drops the events' and images' indexes other than their keys and the
+    request id's (DDL is transactional in PostgreSQL) and is rolled back, the other in one that
+    keeps them and is rolled back as well. The foreign keys are checked at commit (Django makes
+    them deferred), so neither of these checks them: this is the COPY and its indexes alone.
+    Only a measure: each index serves a page or a check."""
+    from django.db import connection, transaction
+
+    from controlplane.metering.models import UsageEvent, UsageImage
+    from controlplane.metering.outbox import BATCH
+    from controlplane.metering.services import usage_rows, usage_rows_store
+
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT indexrelid::regclass::text FROM pg_index WHERE indrelid IN (%s::regclass, "
+                       "%s::regclass) AND NOT indisunique", [UsageEvent._meta.db_table, UsageImage._meta.db_table])
+        secondary = [name for (name,) in cursor.fetchall()]
+    seconds = {"kept": 0.0, "dropped": 0.0}
+    for n, batch in enumerate(_batches(usage_records(world, 2 * count, "unindexed"), min(BATCH, count // 2))):
+        dropped = n % 2 == 1
+        rows = usage_rows(batch)
+        with transaction.atomic():
+            if dropped:
+                with connection.cursor() as cursor:
+                    for name in secondary:
+                        cursor.execute(f"DROP INDEX {name}")
+            seconds["dropped" if dropped else "kept"] += _timed(lambda rows=rows: usage_rows_store(rows))[0]
+            transaction.set_rollback(True)
+    print(f"  {'floor rolled back (no key checks), in turn':44} {count:8,} {seconds['kept']:8.2f} "
+          f"{count / seconds['kept']:9,.0f}")
+    print(f"  {f'           without its {len(secondary)} secondary indexes':44} {count:8,} "
+          f"{seconds['dropped']:8.2f} {count / seconds['dropped']:9,.0f}   (what maintaining them costs)")
 
 
 def _drain_child(ready, start, queue) -> None:
