@@ -240,6 +240,12 @@ def test_settings_refuse_a_malformed_debug_flag(tmp_path):
     assert "DEBUG='maybe' is not a boolean" in result.stderr
 
 
+def test_settings_refuse_a_shared_pictures_url_that_is_not_redis_by_its_name(tmp_path):
+    result = _setup_django(_settings_env(tmp_path, DEBUG="true", GATEWAY_SHARED_REPEATS_URL="http://cache:6379/0"))
+    assert result.returncode != 0
+    assert "GATEWAY_SHARED_REPEATS_URL scheme 'http'" in result.stderr
+
+
 def _race_for_key(path, queue):
     queue.put(local_secret_key(path))
 
