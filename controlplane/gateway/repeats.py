@@ -200,14 +200,15 @@ class Shared:
         if dropped:
             counters.shared_picture("dropped")
             return
-        self._writer.submit(self._write, self.name(key), packed(images, key))
+        self._writer.submit(self._write, key, images)
 
-    def _write(self, name: str, entry: bytes) -> None:
+    def _write(self, key: Key, images: Prepared) -> None:
+        """On the writer's thread: the entry packed (a copy of megabytes) off the request's."""
         try:
             if time.monotonic() < self._writes_rest_until:  # a write before this one failed
                 counters.shared_picture("dropped")
             else:
-                self._writes.set(name, entry, ex=self.ttl_s)
+                self._writes.set(self.name(key), packed(images, key), ex=self.ttl_s)
         except Exception as exc:  # noqa: BLE001 - a thread of its own: nothing above it to tell
             self._failed("write", exc)
         finally:
