@@ -292,6 +292,24 @@ def _cpu_timed(fn, postgres: int, into: list) -> tuple[float, object]:
     return seconds, result
 
 
+def _in_turn(world: World, count: int, label: str, first, second) -> tuple[float, float]:
+    """Seconds `2 * count` fresh events took written by `first(rows)` and by `second(rows)`,
+    batch by batch in turn (this machine's speed drifts between minutes)."""
+    from controlplane.metering.outbox import BATCH
+    from controlplane.metering.services import usage_rows
+
+    seconds = [0.0, 0.0]
+    for n, batch in enumerate(_batches(usage_records(world, 2 * count, label), min(BATCH, count // 2))):
+        rows = usage_rows(batch)
+        seconds[n % 2] += _timed(lambda rows=rows, write=(first, second)[n % 2]: write(rows))[0]
+    return seconds[0], seconds[1]
+
+
+def _print_in_turn(count: int, first: tuple[str, float], second: tuple[str, float], what: str) -> None:
+    for (label, seconds), note in ((first, ""), (second, f"   ({what})")):
+        print(f"  {label:44} {count:8,} {seconds:8.2f} {count / seconds:9,.0f}{note}")
+
+
 def _print_floor_without_checks(world: World, count: int) -> None:
     """Where the floor's time goes: the same COPY with PostgreSQL's foreign-key triggers off
     (session_replication_role, a superuser's setting the bench's database allows), set against
@@ -299,28 +317,28 @@ def _print_floor_without_checks(world: World, count: int) -> None:
     the second check of what reaches an invoice."""
     from django.db import connection
 
-    from controlplane.metering.outbox import BATCH
-    from controlplane.metering.services import usage_rows, usage_rows_store
+    from controlplane.metering.services import usage_rows_store
 
     with connection.cursor() as cursor:
         cursor.execute("SELECT rolsuper FROM pg_roles WHERE rolname = current_user")
         if not cursor.fetchone()[0]:
             return
-    seconds = {"origin": 0.0, "replica": 0.0}
-    try:
-        for n, batch in enumerate(_batches(usage_records(world, 2 * count, "unchecked"), min(BATCH, count // 2))):
-            role = ("origin", "replica")[n % 2]
-            rows = usage_rows(batch)
+
+    def as_role(role: str):
+        def write(rows):
             with connection.cursor() as cursor:
                 cursor.execute(f"SET session_replication_role = {role}")
-            seconds[role] += _timed(lambda rows=rows: usage_rows_store(rows))[0]
+            usage_rows_store(rows)
+        return write
+
+    try:
+        checked, unchecked = _in_turn(world, count, "unchecked", as_role("origin"), as_role("replica"))
     finally:
         with connection.cursor() as cursor:
             cursor.execute("SET session_replication_role = origin")
-    print(f"  {'floor again, batches in turn: keys checked':44} {count:8,} {seconds['origin']:8.2f} "
-          f"{count / seconds['origin']:9,.0f}")
-    print(f"  {'           the same without the key checks':44} {count:8,} {seconds['replica']:8.2f} "
-          f"{count / seconds['replica']:9,.0f}   (what PostgreSQL's per-row foreign-key triggers cost)")
+    _print_in_turn(count, ("floor again, batches in turn: keys checked", checked),
+                   ("           the same without the key checks", unchecked),
+                   "what PostgreSQL's per-row foreign-key triggers cost")
 
 
 def _print_floor_without_indexes(world: World, count: int) -> None:
@@ -333,28 +351,27 @@ def _print_floor_without_indexes(world: World, count: int) -> None:
     from django.db import connection, transaction
 
     from controlplane.metering.models import UsageEvent, UsageImage
-    from controlplane.metering.outbox import BATCH
-    from controlplane.metering.services import usage_rows, usage_rows_store
+    from controlplane.metering.services import usage_rows_store
 
     with connection.cursor() as cursor:
         cursor.execute("SELECT indexrelid::regclass::text FROM pg_index WHERE indrelid IN (%s::regclass, "
                        "%s::regclass) AND NOT indisunique", [UsageEvent._meta.db_table, UsageImage._meta.db_table])
         secondary = [name for (name,) in cursor.fetchall()]
-    seconds = {"kept": 0.0, "dropped": 0.0}
-    for n, batch in enumerate(_batches(usage_records(world, 2 * count, "unindexed"), min(BATCH, count // 2))):
-        dropped = n % 2 == 1
-        rows = usage_rows(batch)
-        with transaction.atomic():
-            if dropped:
+
+    def rolled_back(dropping: list[str]):
+        def write(rows):
+            with transaction.atomic():
                 with connection.cursor() as cursor:
-                    for name in secondary:
+                    for name in dropping:
                         cursor.execute(f"DROP INDEX {name}")
-            seconds["dropped" if dropped else "kept"] += _timed(lambda rows=rows: usage_rows_store(rows))[0]
-            transaction.set_rollback(True)
-    print(f"  {'floor rolled back (no key checks), in turn':44} {count:8,} {seconds['kept']:8.2f} "
-          f"{count / seconds['kept']:9,.0f}")
-    print(f"  {f'           without its {len(secondary)} secondary indexes':44} {count:8,} "
-          f"{seconds['dropped']:8.2f} {count / seconds['dropped']:9,.0f}   (what maintaining them costs)")
+                usage_rows_store(rows)
+                transaction.set_rollback(True)
+        return write
+
+    kept, dropped = _in_turn(world, count, "unindexed", rolled_back([]), rolled_back(secondary))
+    _print_in_turn(count, ("floor rolled back (no key checks), in turn", kept),
+                   (f"           without its {len(secondary)} secondary indexes", dropped),
+                   "what maintaining them costs")
 
 
 def _drain_child(ready, start, queue) -> None:
