@@ -16,9 +16,11 @@ from controlplane.imaging.fetch import FetchPolicy
 from controlplane.imaging.fingerprint import FingerprintIndex
 from controlplane.imaging.intake import image_source_bytes
 from controlplane.imaging.policy import NormalisedImage, Policy, normalise_tiles
+from controlplane.imaging.resample import CORES
 from controlplane.imaging.tokens import count_image_tokens, image_markers
 from controlplane.prompts import TemplateError
 from controlplane.textcount import image_positions, prompt_text_tokens
+from controlplane.threads import Threads
 
 # Re-encodings of a picture this process has seen get that picture's fingerprint.
 index_of_pictures = FingerprintIndex()
@@ -99,8 +101,14 @@ class Prepared:
         return self.images
 
     async def _checked(self, pending: list[PreparedImage]) -> list[PreparedImage]:
-        await asyncio.to_thread(_check, pending)
+        await asyncio.get_running_loop().run_in_executor(_checkers(), _check, pending)
         return self.images
+
+
+# The checks run beside the engine's work and need only be done by its answer, tens or
+# hundreds of milliseconds away: in the background, so that on a core the gateway shares with
+# the engine's API server they never delay its handling of the request they belong to.
+_checkers = Threads("checks", CORES, background=True)
 
 
 def _check(pending: list[PreparedImage]) -> None:

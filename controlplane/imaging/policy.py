@@ -14,12 +14,10 @@ import binascii
 import functools
 import io
 import math
-import os
 import re
 import struct
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
 import pybase64  # SIMD base64: a 12 MP photo's data URL in ~0.2 ms instead of ~7
@@ -49,6 +47,7 @@ from controlplane.imaging.fingerprint import (
     narrowed_bits,
 )
 from controlplane.imaging.resample import CORES, bicubic, bicubic_rgb
+from controlplane.threads import Threads
 
 __all__ = ["SUPPORTED_FORMATS", "NormalisedImage", "Policy", "decode_data_url", "fit_within",
            "normalise", "normalise_tiles", "plan_tiles", "sent_sizes"]
@@ -351,19 +350,9 @@ def _check_sent(data: bytes, image: Image.Image, index: FingerprintIndex | None)
     return fingerprint(small, index, size=image.size)
 
 
-_pool: tuple[int, ThreadPoolExecutor] | None = None
-_pool_lock = threading.Lock()
-
-
-def _helpers() -> ThreadPoolExecutor:
-    """Threads for the work of a picture that can run beside the rest of it (its re-encode,
-    beside its fingerprint): one per core. Each process its own, made on first use: a child forked after its parent had them would
-    otherwise hold a pool whose threads are gone, and wait on it for ever."""
-    global _pool
-    with _pool_lock:
-        if _pool is None or _pool[0] != os.getpid():
-            _pool = (os.getpid(), ThreadPoolExecutor(max_workers=CORES, thread_name_prefix="imaging"))
-        return _pool[1]
+# Threads for the work of a picture that can run beside the rest of it (its re-encode, beside
+# its fingerprint): one per core.
+_helpers = Threads("imaging", CORES)
 
 
 def _downscales_whole(image: Image.Image, turn: int, plan: TilePlan) -> bool:
