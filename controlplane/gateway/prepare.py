@@ -7,10 +7,11 @@ multimodal UUIDs are dropped, image and text tokens are counted before anything 
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from controlplane.gateway import counters
-from controlplane.gateway.repeats import Key, Repeats, digest
+from controlplane.gateway.repeats import Key, Picture, Repeats, digest
 from controlplane.imaging.errors import ImageError
 from controlplane.imaging.fetch import FetchPolicy
 from controlplane.imaging.fingerprint import FingerprintIndex
@@ -65,9 +66,9 @@ class PreparedImage:
     # A digest of the bytes the engine is sent: the engine that was sent them has their encoding
     # in its caches (vLLM's are keyed by the pixels, so a re-encoding of the picture would miss).
     key: str = ""
-    # Where it is kept for the requests that send its picture again, once its check has passed
-    # (an image sent as it came, whose check runs beside the engine).
-    keep: tuple[Repeats, Key] | None = None
+    # An image sent as it came: its picture's check (started as soon as it was known to go as
+    # it came, running beside the rest of the request), and which of the picture's images it is.
+    checking: tuple[Future, int] | None = None
 
 
 @dataclass
@@ -87,8 +88,8 @@ class Prepared:
         return sum(p.tokens for p in self.images)
 
     def check_images(self) -> None:
-        """Start the checks left for later, in one trip to a worker thread."""
-        pending = [p for p in self.images if p.image.check is not None]
+        """Gather the checks of the images sent as they came, which have been running since."""
+        pending = [p for p in self.images if p.checking is not None]
         if pending and self.checking is None:
             self.checking = asyncio.ensure_future(self._checked(pending))
             # Never waited on when the request ends before it is answered (the client left).
@@ -101,7 +102,12 @@ class Prepared:
         return self.images
 
     async def _checked(self, pending: list[PreparedImage]) -> list[PreparedImage]:
-        await asyncio.get_running_loop().run_in_executor(_checkers(), _check, pending)
+        for prepared in pending:
+            checking, tile = prepared.checking
+            try:
+                prepared.image = (await asyncio.wrap_future(checking))[tile][0]
+            except ImageError as exc:
+                raise RequestInvalid(f"image {prepared.number}: {exc}", param="messages", code=exc.code) from None
         return self.images
 
 
@@ -111,15 +117,14 @@ class Prepared:
 _checkers = Threads("checks", CORES, background=True)
 
 
-def _check(pending: list[PreparedImage]) -> None:
-    for prepared in pending:
-        try:
-            prepared.image = prepared.image.checked()
-        except ImageError as exc:
-            raise RequestInvalid(f"image {prepared.number}: {exc}", param="messages", code=exc.code) from None
-        if prepared.keep is not None:
-            repeats, key = prepared.keep
-            repeats.put(key, ((prepared.image, prepared.key),))
+def _check(images: Picture, keep: tuple[Repeats, Key] | None) -> Picture:
+    """A picture's images sent as they came, checked (ImageError for the first that fails);
+    kept for the requests that send it again once they all passed."""
+    checked = tuple((image.checked(), sent) for image, sent in images)
+    if keep is not None:
+        repeats, key = keep
+        repeats.put(key, checked)
+    return checked
 
 
 # What a tenant may send. Everything else (vLLM's mm_processor_kwargs, chat_template,
@@ -276,17 +281,18 @@ def validate_body(body) -> None:
 
 @dataclass(frozen=True)
 class _Picture:
-    images: tuple[tuple[NormalisedImage, str], ...]  # each image it became, and its `digest`
+    images: Picture  # each image it became, and its `digest`
     again: bool = False  # what it became when it was sent before (nothing was decoded)
-    keep: tuple[Repeats, Key] | None = None  # where to keep it once its check has passed
+    checking: Future | None = None  # the check of an image sent as it came: its images checked
 
 
 def _image_tiles(url: str, policy: Policy, detail, fetch: FetchPolicy | None, max_bytes: int,
                  scope: str, repeats: Repeats | None) -> _Picture:
     """Intake and normalise in one trip to a worker thread (CPU work, off the event loop): each
     image the picture becomes, and the digest of its bytes; or what it became when this tenant
-    sent it before (`repeats`). An image sent as it came is checked later
-    (Prepared.check_images), beside the request's trip to the engine, and kept once it passed."""
+    sent it before (`repeats`). An image sent as it came has its check started here, on a
+    thread of its own, to run beside the rest of the request and its trip to the engine
+    (Prepared.check_images); it is kept once it passed."""
     data = image_source_bytes(url, max_bytes=max_bytes, fetch=fetch)
     key = None
     if repeats is not None and repeats.max_bytes:
@@ -297,11 +303,10 @@ def _image_tiles(url: str, policy: Policy, detail, fetch: FetchPolicy | None, ma
             return _Picture(kept, again=True)
     tiles = normalise_tiles(data, policy, detail=detail, index=index_of_pictures.scoped(scope), check_later=True)
     images = tuple((tile, digest(tile.data)) for tile in tiles)
-    if key is None:
-        return _Picture(images)
     if any(tile.check is not None for tile in tiles):
-        return _Picture(images, keep=(repeats, key))
-    repeats.put(key, images)
+        return _Picture(images, checking=_checkers().submit(_check, images, None if key is None else (repeats, key)))
+    if key is not None:
+        repeats.put(key, images)
     return _Picture(images)
 
 
@@ -372,14 +377,15 @@ async def _prepare_images(prepared: Prepared, parts: list[dict], tier: TierSpec,
                 f"images in this request exceed {policy.max_total_pixels} pixels in total",
                 param="messages", code="image_too_large",
             )
-        for tile, sent in tiles:
+        for number, (tile, sent) in enumerate(tiles):
             try:
                 tokens = count_image_tokens(tier.family, tile.width, tile.height, **tier.processor_options)
             except ValueError as exc:
                 raise RequestInvalid(f"image {index + 1}: {exc}", param="messages",
                                      code="image_policy_violation") from None
-            prepared.images.append(PreparedImage(image=tile, tokens=tokens, number=index + 1, key=sent,
-                                                 keep=picture.keep))
+            prepared.images.append(PreparedImage(
+                image=tile, tokens=tokens, number=index + 1, key=sent,
+                checking=None if tile.check is None else (picture.checking, number)))
         counters.picture(tier=tier.name, again=picture.again)
         # What the engine receives: the normalised image (or its tiles, in reading order),
         # without the client's multimodal UUID or detail hint.

@@ -66,7 +66,7 @@ def digest(data: bytes) -> str:
     return xxhash.xxh3_128_hexdigest(data)
 
 
-Prepared = tuple[tuple[NormalisedImage, str], ...]  # its images, each with its `digest`
+Picture = tuple[tuple[NormalisedImage, str], ...]  # its images, each with its `digest`
 
 
 class Repeats:
@@ -75,7 +75,7 @@ class Repeats:
 
     def __init__(self, max_bytes: int, shared: Shared | None = None):
         self.max_bytes, self.shared = max_bytes, shared
-        self._kept: OrderedDict[Key, Prepared] = OrderedDict()
+        self._kept: OrderedDict[Key, Picture] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()  # pictures are prepared on several threads
 
@@ -83,7 +83,7 @@ class Repeats:
     def bytes(self) -> int:
         return self._bytes
 
-    def get(self, key: Key) -> Prepared | None:
+    def get(self, key: Key) -> Picture | None:
         with self._lock:
             found = self._kept.get(key)
             if found is not None:
@@ -93,7 +93,7 @@ class Repeats:
             self._keep(key, found)
         return found
 
-    def put(self, key: Key, images: Prepared) -> None:
+    def put(self, key: Key, images: Picture) -> None:
         if any(image.check is not None for image, _ in images):
             raise ValueError("an image is kept only once its check has passed")
         self._keep(key, images)
@@ -103,7 +103,7 @@ class Repeats:
     def _sharing(self, key: Key) -> bool:
         return self.shared is not None and key.size >= self.shared.MIN_BYTES
 
-    def _keep(self, key: Key, images: Prepared) -> None:
+    def _keep(self, key: Key, images: Picture) -> None:
         cost = _cost(images)
         if cost > self.max_bytes:
             return
@@ -122,7 +122,7 @@ class Repeats:
             self._bytes = 0
 
 
-def _cost(images: Prepared) -> int:
+def _cost(images: Picture) -> int:
     return sum(len(image.data) for image, _ in images) + _ENTRY
 
 
@@ -181,7 +181,7 @@ class Shared:
         picture = xxhash.xxh3_128_hexdigest(repr(key.policy).encode() + b"\0" + key.digest)
         return f"{self.prefix}{key.scope}:{key.cap}:{key.size}:{picture}"
 
-    def get(self, key: Key) -> Prepared | None:
+    def get(self, key: Key) -> Picture | None:
         if time.monotonic() < self._reads_rest_until:
             return None
         try:
@@ -193,7 +193,7 @@ class Shared:
         counters.shared_picture("hit" if found is not None else "miss")
         return found
 
-    def put(self, key: Key, images: Prepared) -> None:
+    def put(self, key: Key, images: Picture) -> None:
         with self._lock:
             dropped = self._writing >= self.MAX_WRITING or time.monotonic() < self._writes_rest_until
             self._writing += not dropped
@@ -202,7 +202,7 @@ class Shared:
             return
         self._writer.submit(self._write, key, images)
 
-    def _write(self, key: Key, images: Prepared) -> None:
+    def _write(self, key: Key, images: Picture) -> None:
         """On the writer's thread: the entry packed (a copy of megabytes) off the request's."""
         try:
             if time.monotonic() < self._writes_rest_until:  # a write before this one failed
@@ -247,7 +247,7 @@ _TEXT = ("source_format", "mime", "fingerprint")
 _NUMBERS = ("source_width", "source_height", "width", "height", "tile", "tiles")
 
 
-def packed(images: Prepared, key: Key) -> bytes:
+def packed(images: Picture, key: Key) -> bytes:
     """Images as one entry: the length of a JSON head, the head (whose picture, and each
     image's fields, digest and length), then each image's bytes."""
     head = orjson.dumps({"scope": key.scope, "cap": key.cap, "size": key.size, "images": [
@@ -256,7 +256,7 @@ def packed(images: Prepared, key: Key) -> bytes:
     return len(head).to_bytes(4, "big") + head + b"".join(image.data for image, _ in images)
 
 
-def unpacked(blob: bytes, key: Key) -> Prepared | None:
+def unpacked(blob: bytes, key: Key) -> Picture | None:
     """The images of `key`'s entry, or None when it does not read back whole and as written:
     a head that does not parse or names another picture, fields not of their types, lengths
     that do not add up, bytes that do not match their digest."""
