@@ -276,7 +276,14 @@ def image_steps(image: bytes, repeats: int = 10) -> dict[str, float]:
     from controlplane.imaging.decode import as_image, decode_jpeg
     from controlplane.imaging.fingerprint import fingerprint
     from controlplane.imaging.intake import image_source_bytes
-    from controlplane.imaging.policy import Policy, _check_sent, _dct_scale, normalise, plan_tiles
+    from controlplane.imaging.policy import (
+        Policy,
+        _check_sent,
+        _dct_scale,
+        _Documents,
+        normalise,
+        plan_tiles,
+    )
     from controlplane.imaging.resample import bicubic
 
     policy = Policy(max_pixels=1_003_520, max_input_pixels=60_000_000)
@@ -302,10 +309,10 @@ def image_steps(image: bytes, repeats: int = 10) -> dict[str, float]:
         "base64 + normalise": lambda: normalise(image_source_bytes(url, max_bytes=10**8, fetch=None), policy),
     }
     if target == opened.size:
-        # Sent as it came: its check (every scan decoded at a quarter of its size, grey, and
-        # fingerprinted), and the part of it no check can skip: the entropy decoding of every
+        # Sent as it came: its check (its search for an embedded document, every scan decoded
+        # at a quarter of its size, grey, and fingerprinted), and the part of it no check can skip: the entropy decoding of every
         # scan, here at an eighth, where libjpeg-turbo transforms nothing but the DC terms.
-        steps["check"] = lambda: _check_sent(image, opened, None)
+        steps["check"] = lambda: _check_sent(image, opened, None, _Documents(image))
         steps["entropy decoding alone"] = lambda: decode_jpeg(image, opened, 8, grey=True)
     timings = {}
     for name, step in steps.items():

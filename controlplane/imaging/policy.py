@@ -241,9 +241,10 @@ def normalise_tiles(data: bytes, policy: Policy, *, detail: str | None = None,
     """Bring an untrusted image within `policy`; one image, or tiles for a long one.
 
     With an `index`, re-encodings of a picture seen before get that picture's fingerprint.
-    With `check_later`, an image sent as it came is returned once its header and bytes have
-    passed (format, size, orientation, embedded documents), its decode left to its `checked()`:
-    the caller may send it meanwhile, and must not answer before it has passed.
+    With `check_later`, an image sent as it came is returned once its header has passed
+    (format, size, orientation), its search for an embedded document and its decode left to
+    its `checked()`: the caller may send it meanwhile (to its own engine, whose decoder reads
+    the image and nothing after it), and must not answer before it has passed.
     """
     cap = policy.pixel_cap(detail)  # a bad detail first, as before
     sniff_problem(data, documents=False)  # empty, or SVG: refused as such, polyglot or not
@@ -289,10 +290,10 @@ def _normalised_tiles(data: bytes, policy: Policy, cap: int, index: FingerprintI
     plan = plan_tiles(width, height, policy, cap)
     if policy.output_format == "jpeg" and _downscales_whole(image, turn, plan):
         return [_downscaled(image, data, policy, (plan.width, plan.height), index=index, documents=documents)]
-    documents.refuse()
     if policy.output_format == "jpeg" and _passes_through(image, fmt, turn, plan, (width, height)):
-        sent = _as_sent(image, data, index=index)
+        sent = _as_sent(image, data, index=index, documents=documents)
         return [sent if check_later else sent.checked()]
+    documents.refuse()
     try:
         image.seek(0)  # the first frame of an animation
         pixels, raw = _decode_scaled(image, data, fmt, turn, (plan.width, plan.height))
@@ -328,16 +329,18 @@ def _upright_jpeg_whole(image: Image.Image, turn: int, plan: TilePlan) -> bool:
     return turbo_decodable(image) and turn == 1 and len(plan.boxes) == 1
 
 
-def _as_sent(image: Image.Image, data: bytes, *, index: FingerprintIndex | None) -> NormalisedImage:
-    """The image as it came, its check still to be done (`checked()`)."""
+def _as_sent(image: Image.Image, data: bytes, *, index: FingerprintIndex | None,
+             documents: _Documents) -> NormalisedImage:
+    """The image as it came, its check still to be done (`checked()`): its search for an
+    embedded document, then its decode."""
     width, height = image.size
     return NormalisedImage(
         source_format="JPEG", source_width=width, source_height=height, width=width, height=height,
-        data=data, mime="image/jpeg", fingerprint="", check=functools.partial(_check_sent, data, image, index),
+        data=data, mime="image/jpeg", fingerprint="", check=functools.partial(_check_sent, data, image, index, documents),
     )
 
 
-def _check_sent(data: bytes, image: Image.Image, index: FingerprintIndex | None) -> str:
+def _check_sent(data: bytes, image: Image.Image, index: FingerprintIndex | None, documents: _Documents) -> str:
     """An image sent as it came checked as the intake checks any other, and its fingerprint:
     every scan of the JPEG is decoded (truncated or corrupt data fails here as it would in a
     full decode), at a quarter of its size. Its fingerprint's bits are then within 4 of 63 of
@@ -345,7 +348,8 @@ def _check_sent(data: bytes, image: Image.Image, index: FingerprintIndex | None)
     at an eighth, libjpeg's scaled decode moves them by up to 10: another picture). Decoded to
     grey, what the fingerprint is made of: libjpeg-turbo then transforms only the luma, for the
     same bits (a 1 MP photo: 1.75 ms, fingerprint included, where colour took 2.0 and colour at
-    half size 2.7)."""
+    half size 2.7). A polyglot (`documents`, searched first) is refused as such, broken or not."""
+    documents.refuse()
     small = as_image(decode_jpeg(data, image, 4, grey=True))  # CorruptImage for anything but a whole JPEG
     return fingerprint(small, index, size=image.size)
 

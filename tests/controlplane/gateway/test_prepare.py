@@ -100,3 +100,16 @@ def test_an_image_is_checked_at_the_lowest_priority_leaving_the_cpu_to_the_engin
     others = [thread for thread in threading.enumerate() if thread.native_id not in before
               and not thread.name.startswith("checks") and thread.native_id is not None]
     assert all(_niceness(thread.native_id) == _niceness(threading.get_native_id()) for thread in others)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_polyglot_within_the_policy_is_refused_as_such_and_never_kept(client, routed, ledger_mode, stream):  # noqa: F811
+    """Sent as it came, its search for a document runs with its check, beside the engine: the
+    client still gets the polyglot's 400, at no cost, and sending it again is refused again."""
+    polyglot = WHOLE + b"<script>fetch('/steal')</script>"
+    for _ in range(2):
+        refused = post(client, routed.alice_key, _ask(data_url(polyglot), stream=stream))
+        assert refused.status_code == 400, refused.content
+        assert error_of(refused)["code"] == "polyglot_image" and "image 1" in error_of(refused)["message"]
+    ingested()
+    assert [event.cost for event in UsageEvent.objects.filter(tenant=routed.alice)] == [0, 0]
