@@ -61,7 +61,7 @@ REDIS = "redis://127.0.0.1:6379/11"
 TIER = "vlm"  # bench/gateway's vision tier; also the name vLLM serves and LiteLLM routes
 SIZES = {"text": None, "1mp": (1155, 866), "12mp": (4000, 3000), "again": (1155, 866)}
 CONCURRENCY = (1, 4)
-COUNTS = {("text", 1): 60, ("text", 4): 120, ("1mp", 1): 40, ("1mp", 4): 64, ("12mp", 1): 20, ("12mp", 4): 40,
+COUNTS = {("text", 1): 60, ("text", 4): 120, ("1mp", 1): 60, ("1mp", 4): 64, ("12mp", 1): 20, ("12mp", 4): 40,
           ("again", 1): 40}
 QUICK = {("text", 1): 8, ("text", 4): 8, ("1mp", 1): 4, ("1mp", 4): 8, ("12mp", 1): 3, ("12mp", 4): 4,
          ("again", 1): 4}

@@ -111,10 +111,9 @@ class Prepared:
         return self.images
 
 
-# The checks run beside the engine's work and need only be done by its answer, tens or
-# hundreds of milliseconds away: in the background, so that on a core the gateway shares with
-# the engine's API server they never delay its handling of the request they belong to.
-_checkers = Threads("checks", CORES, background=True)
+# The checks of images sent as they came, started from the intake's own thread as soon as it
+# knows (one per core: a check never waits behind another request's intake).
+_checkers = Threads("checks", CORES)
 
 
 def _check(images: Picture, keep: tuple[Repeats, Key] | None) -> Picture:

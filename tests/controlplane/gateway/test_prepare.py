@@ -78,30 +78,6 @@ def test_a_request_that_fails_at_its_engine_is_metered_with_its_images_fingerpri
     assert [line.fingerprint for line in lines] == [normalise(noise.getvalue(), Policy()).fingerprint] * 2
 
 
-def _niceness(thread_id: int) -> int:
-    """A thread's niceness as the kernel schedules it (/proc's stat, field 19)."""
-    with open(f"/proc/self/task/{thread_id}/stat") as stat:
-        return int(stat.read().rsplit(")", 1)[1].split()[16])
-
-
-def test_an_image_is_checked_at_the_lowest_priority_leaving_the_cpu_to_the_engine(client, routed, ledger_mode):  # noqa: F811
-    """The check needs only be done by the engine's answer: where the gateway shares a core
-    with the engine's API server (whose handling of the very same request is on its path),
-    the check must not take the core from it."""
-    import threading
-
-    before = {thread.native_id for thread in threading.enumerate()}
-    response = post(client, routed.alice_key, _ask(data_url(image_bytes(640, 480)), max_tokens=4))
-    assert response.status_code == 200
-    checkers = [thread for thread in threading.enumerate()
-                if thread.name.startswith("checks") and thread.is_alive()]
-    assert checkers, f"no thread checked the image (threads: {sorted(t.name for t in threading.enumerate())})"
-    assert {_niceness(thread.native_id) for thread in checkers} == {19}
-    others = [thread for thread in threading.enumerate() if thread.native_id not in before
-              and not thread.name.startswith("checks") and thread.native_id is not None]
-    assert all(_niceness(thread.native_id) == _niceness(threading.get_native_id()) for thread in others)
-
-
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_polyglot_within_the_policy_is_refused_as_such_and_never_kept(client, routed, ledger_mode, stream):  # noqa: F811
     """Sent as it came, its search for a document runs with its check, beside the engine: the
