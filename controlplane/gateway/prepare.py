@@ -289,8 +289,8 @@ def _image_tiles(url: str, policy: Policy, detail, fetch: FetchPolicy | None, ma
                  scope: str, repeats: Repeats | None) -> _Picture:
     """Intake and normalise in one trip to a worker thread (CPU work, off the event loop): each
     image the picture becomes, and the digest of its bytes; or what it became when this tenant
-    sent it before (`repeats`). An image sent as it came has its check started here, on a
-    thread of its own, to run beside the rest of the request and its trip to the engine
+    sent it before (`repeats`). An image sent as it came has its check started here, on the
+    checks' threads, to run beside the rest of the request and its trip to the engine
     (Prepared.check_images); it is kept once it passed."""
     data = image_source_bytes(url, max_bytes=max_bytes, fetch=fetch)
     key = None
@@ -330,16 +330,23 @@ async def prepare(body: dict, tier: TierSpec, *, max_image_bytes: int, scope: st
             param="max_tokens",
         )
     prepared = Prepared(body=body)
-    if parts:
-        await _prepare_images(prepared, parts, tier, max_image_bytes=max_image_bytes, scope=scope,
-                              repeats=repeats)
-    _lay_out(prepared, tier)
-    # Always bounded: without a limit the engine would generate up to the rest of its context.
-    room = tier.max_model_len - prepared.text_tokens - prepared.image_tokens
-    if room < 1:
-        raise RequestInvalid(
-            f"this request needs about {tier.max_model_len - room} prompt tokens; the model's context "
-            f"is {tier.max_model_len}", param="messages", code="context_length_exceeded")
+    try:
+        if parts:
+            await _prepare_images(prepared, parts, tier, max_image_bytes=max_image_bytes, scope=scope,
+                                  repeats=repeats)
+        _lay_out(prepared, tier)
+        # Always bounded: without a limit the engine would generate up to the rest of its context.
+        room = tier.max_model_len - prepared.text_tokens - prepared.image_tokens
+        if room < 1:
+            raise RequestInvalid(
+                f"this request needs about {tier.max_model_len - room} prompt tokens; the model's context "
+                f"is {tier.max_model_len}", param="messages", code="context_length_exceeded")
+    except RequestInvalid:
+        # Refused for something else: an image sent as it came that fails its check (a broken
+        # JPEG, a polyglot) is refused for that all the same, as it would have been at intake.
+        prepared.check_images()
+        await prepared.images_checked()
+        raise
     body["max_tokens"] = min(limit or tier.max_output_tokens, room)
     prepared.check_images()
     return prepared

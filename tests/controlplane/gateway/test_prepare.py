@@ -89,3 +89,21 @@ def test_a_polyglot_within_the_policy_is_refused_as_such_and_never_kept(client, 
         assert error_of(refused)["code"] == "polyglot_image" and "image 1" in error_of(refused)["message"]
     ingested()
     assert [event.cost for event in UsageEvent.objects.filter(tenant=routed.alice)] == [0, 0]
+
+
+@pytest.mark.parametrize("image, code", [(WHOLE + b"<script>fetch('/steal')</script>", "polyglot_image"),
+                                         (BROKEN, "corrupt_image")], ids=["polyglot", "broken"])
+@pytest.mark.parametrize("beside", ["an unreadable second image", "text past the context"])
+def test_an_image_failing_its_check_is_refused_for_it_whatever_else_the_request_gets_wrong(
+        client, routed, ledger_mode, beside, image, code):  # noqa: F811
+    """Its check (with its search for a document) runs after the request's other checks have
+    begun: a refusal for another reason must not hide it (it came first when a polyglot was
+    searched for at intake)."""
+    messages = image_message(data_url(image))
+    if beside == "an unreadable second image":
+        messages[0]["content"].append({"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}})
+    else:
+        messages[0]["content"].append({"type": "text", "text": "word " * 40_000})
+    refused = post(client, routed.alice_key, {"model": "vlm-lite", "max_tokens": 4, "messages": messages})
+    assert refused.status_code == 400, refused.content
+    assert error_of(refused)["code"] == code and "image 1" in error_of(refused)["message"]
