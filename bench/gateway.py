@@ -417,8 +417,10 @@ def main() -> None:
                 for name, (url, secret) in targets.items():
                     if name == "gw-nokeep" and image is None:
                         continue  # the malloc tuning matters for image buffers only
-                    if name in ("bare", "floor", "awaited") and image is not None:
+                    if name in ("floor", "awaited") and image is not None:
                         continue  # the floor of the text path: images are measured against the decode
+                    if name == "bare" and payload not in ("text", "1mp"):
+                        continue  # a bare proxy carrying a photo as it came: what its bytes cost a hop
                     before = httpx.get(f"http://127.0.0.1:{upstream_port}/stats").json()
                     tree = descendants(processes[name])
                     cpu = sum(map(cpu_seconds, tree))
@@ -467,10 +469,14 @@ def main() -> None:
             gateway_added = statistics.median(added_p50[("gateway", payload, 1)])
             if "check" in steps:  # sent as it came: target 2 asks that it cost no more than validating it
                 text = statistics.median(added_p50[("gateway", "text", 1)])
+                bare = statistics.median(added_p50[("bare", payload, 1)])
+                bare_text = statistics.median(added_p50[("bare", "text", 1)])
                 print(f"{payload}: the gateway's added p50 at concurrency 1 is {1000 * gateway_added:.1f} ms, "
                       f"{1000 * (gateway_added - text):.1f} beyond the text overhead ({1000 * text:.2f}), where "
                       f"validating it alone (base64 and normalise, its check included) takes "
-                      f"{1000 * steps['base64 + normalise']:.1f}")
+                      f"{1000 * steps['base64 + normalise']:.1f}; a bare proxy carrying the same body adds "
+                      f"{1000 * bare:.2f} ms, {1000 * (bare - bare_text):.2f} beyond its own on text "
+                      f"(what the body's {sent / 1024:.0f} KB cost a hop, whatever it does)")
             else:
                 print(f"{payload}: the gateway's added p50 at concurrency 1 is {1000 * gateway_added:.1f} ms, "
                       f"{gateway_added / steps['decode (floor)']:.2f}x the decode alone")
