@@ -30,7 +30,6 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Hashable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,6 +39,7 @@ import xxhash
 
 from controlplane.gateway import counters
 from controlplane.imaging.policy import NormalisedImage
+from controlplane.threads import Threads
 
 log = logging.getLogger(__name__)
 
@@ -163,7 +163,7 @@ class Shared:
             url, max_connections=connections, timeout=timeout, socket_timeout=timeout,
             socket_connect_timeout=timeout)) for connections, timeout in
             ((64, self.READ_TIMEOUT_S), (1, self.WRITE_TIMEOUT_S)))
-        self._writer = ThreadPoolExecutor(1, thread_name_prefix="shared-pictures")
+        self._writer = Threads("shared-pictures", 1)  # this process's own, as a forked child needs
         self._writing = 0
         self._lock = threading.Lock()
         self._reads_rest_until = self._writes_rest_until = 0.0
@@ -200,7 +200,7 @@ class Shared:
         if dropped:
             counters.shared_picture("dropped")
             return
-        self._writer.submit(self._write, key, images)
+        self._writer().submit(self._write, key, images)
 
     def _write(self, key: Key, images: Picture) -> None:
         """On the writer's thread: the entry packed (a copy of megabytes) off the request's."""
