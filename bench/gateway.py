@@ -310,8 +310,9 @@ def image_steps(image: bytes, repeats: int = 10) -> dict[str, float]:
     }
     if target == opened.size:
         # Sent as it came: its check (its search for an embedded document, every scan decoded
-        # at a quarter of its size, grey, and fingerprinted), and the part of it no check can skip: the entropy decoding of every
-        # scan, here at an eighth, where libjpeg-turbo transforms nothing but the DC terms.
+        # at a quarter of its size, grey, and fingerprinted), and the part of it no check can
+        # skip: the entropy decoding of every scan, here at an eighth, where libjpeg-turbo
+        # transforms nothing but the DC terms.
         steps["check"] = lambda: _check_sent(image, opened, None, _Documents(image))
         steps["entropy decoding alone"] = lambda: decode_jpeg(image, opened, 8, grey=True)
     timings = {}
