@@ -184,9 +184,14 @@ def test_a_photo_the_gateway_downscales_costs_what_vllm_would_charge_for_the_ori
         direct["usage"]["prompt_tokens_details"]["multimodal_tokens"] == {"image": 1230}
 
 
-def test_an_image_sent_before_its_check_and_failing_it_is_refused_and_the_engine_serves_on(client, system_db):
-    """A JPEG within the policy goes to vLLM while the gateway checks it; one cut short past
-    its header is answered with the gateway's 400 all the same, metered at no cost, and vLLM,
+@pytest.mark.parametrize("failing, code", [
+    (lambda photo: photo[:-20_000], "corrupt_image"),  # cut short past its header
+    (lambda photo: photo + b"<script>fetch('/steal')</script>", "polyglot_image"),  # searched for with the check
+], ids=["cut short", "polyglot"])
+def test_an_image_sent_before_its_check_and_failing_it_is_refused_and_the_engine_serves_on(
+        client, system_db, failing, code):
+    """A JPEG within the policy goes to vLLM while the gateway checks it; one that fails the
+    check is answered with the gateway's 400 all the same, metered at no cost, and vLLM,
     whose exchange was abandoned, serves the next request."""
     import io
 
@@ -195,8 +200,8 @@ def test_an_image_sent_before_its_check_and_failing_it_is_refused_and_the_engine
     photo = io.BytesIO()
     Image.effect_noise((800, 600), 80).convert("RGB").save(photo, "JPEG", quality=90)
     with pytest.raises(openai.BadRequestError) as refused:
-        _ask(client, _content(photo.getvalue()[:-20_000]))
-    assert refused.value.status_code == 400 and refused.value.code == "corrupt_image"
+        _ask(client, _content(failing(photo.getvalue())))
+    assert refused.value.status_code == 400 and refused.value.code == code
     event = metered(system_db, refused.value.response.headers["x-request-id"])
     assert (event.status, event.http_status, event.cost) == ("error", 400, 0)
     completion, _ = _ask(client, _content(photo.getvalue()))
