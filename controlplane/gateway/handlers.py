@@ -17,6 +17,7 @@ from django.utils import timezone
 
 from controlplane.catalog.routing import resolve_auto
 from controlplane.gateway import counters, ledger, moderation, routing, state, upstream
+from controlplane.gateway.body import read_body
 from controlplane.gateway.errors import GatewayError, error_response
 from controlplane.gateway.http import Request, Response, json_response
 from controlplane.gateway.ledger import Ask, Flight, Refused
@@ -29,21 +30,29 @@ from controlplane.gateway.prepare import (
     validate_body,
 )
 from controlplane.gateway.repeats import Repeats, Shared
+from controlplane.imaging.policy import DecodedDataURL
 from controlplane.imaging.tokens import engine_image_tokens
 from controlplane.metering.services import UsageRecord
 from controlplane.redis_clients import until_written
 
 log = logging.getLogger(__name__)
 AUTO = "auto"
-LARGE_BODY = 1 << 20
 # What pictures sent before became, for the requests that send them again.
 repeats = Repeats(settings.GATEWAY_REPEATS_MB * 1024 * 1024, shared=Shared.from_settings())
-# A tenant's body is read, and the engine's written, by msgspec: the megabytes of base64 an
-# image request carries parse in half orjson's time, small bodies as fast, and an integer past
-# 64 bits, which orjson reads as a float, goes on as it came. The engine's answers are read by
-# orjson.
-_read_json = msgspec.json.Decoder().decode
-_write_json = msgspec.json.Encoder().encode
+# A tenant's body is read (body.py), and the engine's written, by msgspec: the megabytes of
+# base64 an image request carries parse in half orjson's time, small bodies as fast, and an
+# integer past 64 bits, which orjson reads as a float, goes on as it came. The engine's answers
+# are read by orjson. A data URL decoded as the body was read is written as it came, should
+# one ever be sent on (prepare replaces every image it reads).
+
+
+def _as_written(value):
+    if isinstance(value, DecodedDataURL):
+        return str(value)
+    raise NotImplementedError  # msgspec's TypeError
+
+
+_write_json = msgspec.json.Encoder(enc_hook=_as_written).encode
 _background: set[asyncio.Task] = set()
 _tier_names: dict[int, str] = {}
 
@@ -154,8 +163,9 @@ async def _chat_completions(request: Request, request_id: str):
             raise GatewayError(413, f"request body exceeds {settings.GATEWAY_MAX_BODY_BYTES} bytes",
                                code="request_too_large")
         try:
-            # A body of megabytes (base64 images) is parsed off the event loop.
-            body = _read_json(raw) if len(raw) < LARGE_BODY else await asyncio.to_thread(_read_json, raw)
+            # On the event loop, a body of megabytes too: its parse holds the interpreter's lock
+            # throughout, on a worker thread as here, and its base64 is decoded where it lies.
+            body = read_body(raw)
         except (ValueError, UnicodeDecodeError):
             raise GatewayError(400, "the request body is not valid JSON", code="invalid_json") from None
         except RecursionError:

@@ -16,7 +16,7 @@ from controlplane.imaging.errors import ImageError
 from controlplane.imaging.fetch import FetchPolicy
 from controlplane.imaging.fingerprint import FingerprintIndex
 from controlplane.imaging.intake import image_source_bytes
-from controlplane.imaging.policy import NormalisedImage, Policy, normalise_tiles
+from controlplane.imaging.policy import DecodedDataURL, NormalisedImage, Policy, normalise_tiles
 from controlplane.imaging.resample import CORES
 from controlplane.imaging.tokens import count_image_tokens, image_markers
 from controlplane.prompts import TemplateError
@@ -285,7 +285,7 @@ class _Picture:
     checking: Future | None = None  # the check of an image sent as it came: its images checked
 
 
-def _image_tiles(url: str, policy: Policy, detail, fetch: FetchPolicy | None, max_bytes: int,
+def _image_tiles(url: str | DecodedDataURL, policy: Policy, detail, fetch: FetchPolicy | None, max_bytes: int,
                  scope: str, repeats: Repeats | None) -> _Picture:
     """Intake and normalise in one trip to a worker thread (CPU work, off the event loop): each
     image the picture becomes, and the digest of its bytes; or what it became when this tenant
@@ -369,7 +369,7 @@ async def _prepare_images(prepared: Prepared, parts: list[dict], tier: TierSpec,
         url, detail = (spec, None) if isinstance(spec, str) else (
             (spec.get("url"), spec.get("detail")) if isinstance(spec, dict) else (None, None)
         )
-        if not isinstance(url, str) or not url:
+        if not isinstance(url, str | DecodedDataURL) or not url:
             raise RequestInvalid(f"image {index + 1} has no url", param="messages")
         try:
             picture = await asyncio.to_thread(_image_tiles, url, policy, detail, tier.fetch_policy, max_image_bytes,

@@ -16,12 +16,13 @@ from controlplane.imaging.fetch import (
     fetch_image_bytes,
     system_resolver,
 )
-from controlplane.imaging.policy import decode_data_url
+from controlplane.imaging.policy import DecodedDataURL, decode_data_url
 
 
-def image_source_bytes(source: str | bytes, *, max_bytes: int, fetch: FetchPolicy | None,
+def image_source_bytes(source: str | bytes | DecodedDataURL, *, max_bytes: int, fetch: FetchPolicy | None,
                        resolver: Resolver = system_resolver) -> bytes:
-    """The bytes of an image given as raw bytes, a data URL, or an http(s) URL.
+    """The bytes of an image given as raw bytes, a data URL (or one decoded already), or an
+    http(s) URL.
 
     `fetch` None means URL fetching is off for this caller. Blocking: run it in a thread
     from async code.
@@ -30,6 +31,10 @@ def image_source_bytes(source: str | bytes, *, max_bytes: int, fetch: FetchPolic
         if len(source) > max_bytes:
             raise ImageTooLarge(f"image is larger than {max_bytes} bytes")
         return bytes(source)
+    if isinstance(source, DecodedDataURL):  # as `decode_data_url` refuses it by its size
+        if len(source.data) > max_bytes:
+            raise ImageTooLarge(f"image is larger than {max_bytes} bytes")
+        return source.data
     if not isinstance(source, str) or not source:
         raise InvalidDataURL("image_url must be a non-empty string")
     if source.startswith("data:"):

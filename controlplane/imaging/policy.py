@@ -49,8 +49,8 @@ from controlplane.imaging.fingerprint import (
 from controlplane.imaging.resample import CORES, bicubic, bicubic_rgb
 from controlplane.threads import Threads
 
-__all__ = ["SUPPORTED_FORMATS", "NormalisedImage", "Policy", "decode_data_url", "fit_within",
-           "normalise", "normalise_tiles", "plan_tiles", "sent_sizes"]
+__all__ = ["SUPPORTED_FORMATS", "DecodedDataURL", "NormalisedImage", "Policy", "decode_data_url",
+           "decoded_data_url", "fit_within", "normalise", "normalise_tiles", "plan_tiles", "sent_sizes"]
 
 _MIME = {"jpeg": "image/jpeg", "png": "image/png", "webp": "image/webp"}
 _DATA_URL = re.compile(r"^data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[\w.+-]+=[\w.+-]+)*)(?P<b64>;base64)?,")
@@ -127,6 +127,32 @@ def decode_data_url(url: str, *, max_bytes: int) -> bytes:
     if not data:
         raise CorruptImage("image data is empty (zero bytes)")
     return data
+
+
+@dataclass(frozen=True, eq=False)
+class DecodedDataURL:
+    """A base64 data URL decoded where its request's body was read (controlplane/gateway/body.py),
+    so that its megabytes are never made a string: its text as the body carried it, and its
+    bytes, exactly what `decode_data_url` returns for that text."""
+    text: memoryview  # ASCII
+    data: bytes
+
+    def __str__(self) -> str:
+        return str(self.text, "ascii")
+
+
+def decoded_data_url(text: memoryview) -> DecodedDataURL | None:
+    """The data URL `text` (bytes as a JSON string carried them, with no escape) decoded, or
+    None where `decode_data_url` would not return bytes for it: that is left to refuse it,
+    read as a string, with its own error."""
+    match = _DATA_URL.match(str(text[:256], "ascii", "replace"))
+    if match is None or not match.group("b64") or len(text) == match.end():
+        return None
+    try:
+        data = pybase64.b64decode(text[match.end():], validate=True)  # only the alphabet: ASCII
+    except (binascii.Error, ValueError):
+        return None
+    return DecodedDataURL(text, data) if data else None
 
 
 def fit_within(width: int, height: int, *, max_pixels: int, max_long_edge: int) -> tuple[int, int]:

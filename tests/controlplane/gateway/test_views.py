@@ -217,7 +217,7 @@ def test_bad_requests_get_a_clear_4xx(client, world, body, status, code):
 
 
 def _noise_png() -> bytes:
-    """A PNG of noise: over a megabyte (a body the gateway parses off its event loop)."""
+    """A PNG of noise: over a megabyte (a body whose base64 the gateway decodes where it lies)."""
     import io
 
     from PIL import Image

@@ -1,0 +1,91 @@
+"""Reading a tenant's request body: JSON, read by msgspec, its large images' base64 left out.
+
+A 12 MP photo's body is 3 MB, nearly all of it one string: the base64 of the photo. Read as
+JSON, that string is scanned for its end and its escapes, checked as UTF-8 and copied into a
+Python string (about 0.8 ms), only for its base64 to be decoded from it next. Instead, each
+large base64 data URL is found in the bytes and decoded there (base64 checks every character
+it reads: no quote, escape, control or non-ASCII character passes), and the JSON is read with a
+stand-in of its own in its place; the stand-in's string, found where the request's image URL is
+read from, is replaced by the decoded URL (`DecodedDataURL`).
+
+The result is what reading the whole body gives, with each such URL decoded: the bytes between
+the stand-in's quotes hold no quote or escape, whether or not they are a string of their own,
+so the body with the stand-ins is valid JSON exactly when the body is, and a stand-in read back
+whole, where an image's URL is, was the whole of that string. Whatever does not hold to that
+(a stand-in read anywhere else, a URL with an escape in it such as `\\/`, a body that is not
+valid JSON) has the whole body read as it came, for the same result or the same error.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+
+import msgspec
+
+from controlplane.gateway.prepare import IMAGE_TYPES
+from controlplane.imaging.policy import DecodedDataURL, decoded_data_url
+
+# Bodies from this size on are looked through for large images; below it, reading the whole
+# takes no longer than looking (a 1 MP photo's 263 KB: 0.07 ms).
+LARGE_BODY = 1 << 20
+_LARGE_URL = 64 * 1024  # characters of a data URL worth decoding where it lies
+_HEAD = re.compile(rb'data:[^"\\,]{0,240},')  # its media type and parameters, up to the comma
+
+_read_json = msgspec.json.Decoder().decode
+
+
+def read_body(raw: bytes) -> object:
+    """The JSON `raw`, read; ValueError (or RecursionError) as msgspec raises for the whole."""
+    found = _large_data_urls(raw) if len(raw) >= LARGE_BODY else []
+    if not found:
+        return _read_json(raw)
+    mark = secrets.token_hex(16)  # unguessable: no tenant can write it elsewhere in the body
+    pieces, stand_ins, end = [], {}, 0
+    for number, (start, stop, url) in enumerate(found):
+        stand_in = f"{mark}{number}"
+        pieces += (raw[end:start], stand_in.encode())
+        stand_ins[stand_in], end = url, stop
+    pieces.append(raw[end:])
+    try:
+        body = _read_json(b"".join(pieces))
+    except (ValueError, RecursionError):
+        return _read_json(raw)  # for its own error
+    if _put_back(body, stand_ins) < len(found):
+        return _read_json(raw)
+    return body
+
+
+def _large_data_urls(raw: bytes) -> list[tuple[int, int, DecodedDataURL]]:
+    """Where each large base64 data URL lies in `raw` (from after its opening quote to its
+    closing one), decoded."""
+    found, at = [], raw.find(b'"data:')
+    while at >= 0:
+        head = _HEAD.match(raw, at + 1)
+        stop = raw.find(b'"', head.end()) if head is not None else -1
+        url = None
+        if stop - (at + 1) >= _LARGE_URL:
+            url = decoded_data_url(memoryview(raw)[at + 1:stop])
+        if url is not None:
+            found.append((at + 1, stop, url))
+        at = raw.find(b'"data:', stop if url is not None else at + 1)
+    return found
+
+
+def _put_back(body: object, stand_ins: dict[str, DecodedDataURL]) -> int:
+    """Each stand-in read where the gateway reads an image's URL (prepare's image parts)
+    replaced by its URL: how many were."""
+    replaced = 0
+    messages = body.get("messages") if isinstance(body, dict) else None
+    for message in messages if isinstance(messages, list) else ():
+        content = message.get("content") if isinstance(message, dict) else None
+        for part in content if isinstance(content, list) else ():
+            if not isinstance(part, dict) or part.get("type") not in IMAGE_TYPES:
+                continue
+            key = "image_url" if part["type"] == "image_url" else "input_image"
+            holder, field = (part, key) if isinstance(part.get(key), str) else (part.get(key), "url")
+            url = holder.get(field) if isinstance(holder, dict) else None
+            if isinstance(url, str) and url in stand_ins:
+                holder[field] = stand_ins.pop(url)
+                replaced += 1
+    return replaced

@@ -1,0 +1,159 @@
+"""A large body is read with its images' base64 decoded where it lies, and reads exactly as the
+whole body read as JSON does (the same values, the same errors), whatever is written around,
+inside or instead of those images."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import msgspec
+import pytest
+
+from controlplane.gateway.body import LARGE_BODY, read_body
+from controlplane.imaging.errors import ImageTooLarge
+from controlplane.imaging.intake import image_source_bytes
+from controlplane.imaging.policy import DecodedDataURL, decode_data_url
+from tests.controlplane.gateway.test_views import engines, error_of, image_message, post, routed  # noqa: F401
+from tests.images import data_url
+
+PHOTO = random.Random(1).randbytes(900_000)  # base64 of 1.2 MB: a body the gateway looks through
+URL = data_url(PHOTO)
+OTHER = data_url(random.Random(2).randbytes(200_000), "image/png")
+
+
+def _plain(value):
+    """`value` with each decoded URL as the string it was."""
+    if isinstance(value, DecodedDataURL):
+        return str(value)
+    if isinstance(value, dict):
+        return {key: _plain(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_plain(item) for item in value]
+    return value
+
+
+def _read(raw: bytes):
+    """read_body(raw), having checked it reads as the whole body does: the same values, or the
+    same kind of error."""
+    assert len(raw) >= LARGE_BODY
+    try:
+        whole = msgspec.json.decode(raw)
+    except (ValueError, RecursionError) as exc:
+        with pytest.raises(type(exc)):
+            read_body(raw)
+        return None
+    read = read_body(raw)
+    assert _plain(read) == whole
+    return read
+
+
+def _body(*parts, **extra) -> bytes:
+    return json.dumps({"model": "vlm-lite", **extra, "messages": [{"role": "user", "content": list(parts)}]}).encode()
+
+
+def _urls(read) -> list:
+    return [part.get("image_url", part.get("input_image")) for part in read["messages"][0]["content"]
+            if part["type"] != "text"]
+
+
+def test_an_images_base64_is_decoded_where_it_lies():
+    read = _read(_body({"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": URL}}))
+    (url,) = _urls(read)
+    assert isinstance(url["url"], DecodedDataURL) and url["url"].data == PHOTO
+    assert image_source_bytes(url["url"], max_bytes=10**7, fetch=None) == decode_data_url(URL, max_bytes=10**7)
+
+
+@pytest.mark.parametrize("part", [
+    {"type": "image_url", "image_url": URL},  # the URL as the part's value
+    {"type": "input_image", "input_image": {"url": URL, "detail": "high"}},
+    {"type": "image_url", "image_url": {"url": data_url(PHOTO, "image/jpeg;name=cat.jpg")}},
+], ids=["bare string", "input_image", "with a parameter"])
+def test_every_way_of_writing_an_image_has_it_decoded(part):
+    read = _read(_body(part))
+    (url,) = _urls(read)
+    assert isinstance(url if isinstance(url, DecodedDataURL) else url["url"], DecodedDataURL)
+
+
+def test_several_images_each_come_back_in_their_place():
+    read = _read(_body({"type": "image_url", "image_url": {"url": URL}}, {"type": "text", "text": "and"},
+                       {"type": "image_url", "image_url": {"url": OTHER}}))
+    assert [url["url"].data for url in _urls(read)] == [PHOTO, decode_data_url(OTHER, max_bytes=10**7)]
+
+
+@pytest.mark.parametrize("raw", [
+    # Escaped slashes, as some JSON writers put them: read whole, the same URL.
+    _body({"type": "image_url", "image_url": {"url": URL}}).replace(b"/", b"\\/"),
+    # A data URL that is text, not an image: it stays text.
+    _body({"type": "text", "text": URL}),
+    _body({"type": "image_url", "image_url": {"url": OTHER}}, metadata={"source": URL}),
+    _body({"type": "text", "text": '"' + URL}),  # after an escaped quote, inside the text
+    _body({"type": "text", "text": 'see "' + URL + '" here'}),
+    # Under another part's key than the one its type reads.
+    _body({"type": "input_image", "image_url": {"url": URL}}),
+    # Not base64, or not all of it: refused later, read as the string it is.
+    _body({"type": "image_url", "image_url": {"url": URL[:5000] + "!" + URL[5000:]}}),
+    _body({"type": "image_url", "image_url": {"url": "data:image/png," + URL[30:]}}),
+    _body({"type": "image_url", "image_url": {"url": "data:image/jpeg;base64;base64," + URL[23:]}}),
+], ids=["escaped slashes", "in a text", "in metadata", "after an escaped quote", "quoted in a text",
+        "under another key", "a stray character", "not base64", "base64 twice"])
+def test_what_is_not_an_image_url_of_base64_reads_as_the_whole_does(raw):
+    read = _read(raw)
+    assert not any(isinstance(url, DecodedDataURL) or isinstance(url, dict) and isinstance(url.get("url"), DecodedDataURL)
+                   for url in _urls(read) if url is not None)
+
+
+def test_a_key_written_twice_reads_as_the_whole_does():
+    part = '{"type": "image_url", "image_url": {"url": "%s", "url": "%s"}}'
+    for first, last in ((URL, OTHER), (OTHER, URL)):
+        raw = ('{"model": "vlm-lite", "messages": [{"role": "user", "content": [%s]}]}' % (part % (first, last))).encode()
+        _read(raw)
+
+
+@pytest.mark.parametrize("raw", [
+    _body({"type": "image_url", "image_url": {"url": URL}}).replace(b"}]}]}", b"}]},]}"),  # a trailing comma
+    _body({"type": "image_url", "image_url": {"url": URL}}, user="\\ud800").replace(b"\\\\ud800", b"\\ud800"),
+    _body({"type": "image_url", "image_url": {"url": URL}}).replace(URL[4000:4004].encode(), b"AA\nA", 1),
+    _body({"type": "image_url", "image_url": {"url": URL}})[:-3],  # cut short
+    b"[" * 5000 + _body({"type": "image_url", "image_url": {"url": URL}}) + b"]" * 5000,
+], ids=["a trailing comma", "a lone surrogate", "a raw newline", "cut short", "nested too deep"])
+def test_a_body_that_is_not_json_is_refused_as_the_whole_is(raw):
+    assert _read(raw) is None
+
+
+def test_a_decoded_image_is_refused_by_its_size_as_its_string_is():
+    read = _read(_body({"type": "image_url", "image_url": {"url": URL}}))
+    with pytest.raises(ImageTooLarge) as decoded:
+        image_source_bytes(_urls(read)[0]["url"], max_bytes=len(PHOTO) - 1, fetch=None)
+    with pytest.raises(ImageTooLarge) as whole:
+        image_source_bytes(URL, max_bytes=len(PHOTO) - 1, fetch=None)
+    assert str(decoded.value) == str(whole.value)
+
+
+@pytest.mark.django_db
+def test_a_large_image_is_served_alike_with_its_slashes_escaped_or_not(client, routed):  # noqa: F811
+    body = json.dumps({"model": "vlm-lite", "max_tokens": 4, "messages": image_message(_large_png())}).encode()
+    assert len(body) > LARGE_BODY
+    plain, escaped = (post(client, routed.alice_key, raw) for raw in (body, body.replace(b"/", b"\\/")))
+    assert (plain.status_code, escaped.status_code) == (200, 200), (plain.content, escaped.content)
+    assert plain.json()["usage"]["prompt_tokens"] == escaped.json()["usage"]["prompt_tokens"]
+
+
+@pytest.mark.django_db
+def test_a_large_image_with_a_stray_character_is_refused_as_a_small_one_is(client, routed):  # noqa: F811
+    url = _large_png()
+    broken = url[:70_000] + "!" + url[70_000:]
+    response = post(client, routed.alice_key, {"model": "vlm-lite", "messages": image_message(broken)})
+    assert (response.status_code, error_of(response)["code"]) == (400, "invalid_image_url")
+    assert "image 1" in error_of(response)["message"]
+
+
+def _large_png() -> str:
+    """A PNG of noise, over a megabyte of base64."""
+    import io
+
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.effect_noise((900, 600), 90).convert("RGB").save(buffer, "PNG")
+    return data_url(buffer.getvalue(), "image/png")
