@@ -270,9 +270,13 @@ def image_steps(image: bytes, repeats: int = 10) -> dict[str, float]:
     `repeats`): the base64 data URL decoded, the JPEG decoded at the DCT scale the policy's cap
     allows (the floor: the pixels must be decoded), resampled, re-encoded and fingerprinted;
     and normalise whole, and with the base64 intake, as the gateway runs them; for an image the
-    policy sends as it came, its check and the entropy decoding in it."""
+    policy sends as it came, its check and the entropy decoding in it. And the request's body,
+    from its bytes to the image's, read as the gateway reads it (a large one with its base64
+    decoded where it lies: controlplane/gateway/body.py) and parsed whole before its base64."""
+    import msgspec
     from PIL import Image
 
+    from controlplane.gateway.body import read_body
     from controlplane.imaging.decode import as_image, decode_jpeg
     from controlplane.imaging.fingerprint import fingerprint
     from controlplane.imaging.intake import image_source_bytes
@@ -299,7 +303,15 @@ def image_steps(image: bytes, repeats: int = 10) -> dict[str, float]:
         out = io.BytesIO()
         resized.save(out, "JPEG", quality=85)
 
+    body = json.dumps({"model": "vlm", "max_tokens": 8, "messages": messages(image)}).encode()
+
+    def image_of(read):
+        return image_source_bytes(read(body)["messages"][0]["content"][1]["image_url"]["url"], max_bytes=10**8,
+                                  fetch=None)
+
     steps = {
+        "body to image bytes, as read": lambda: image_of(read_body),
+        "parsed whole, then base64": lambda: image_of(msgspec.json.decode),
         "base64": lambda: image_source_bytes(url, max_bytes=10**8, fetch=None),
         "decode (floor)": lambda: decode_jpeg(image, opened, _dct_scale(opened.size, target)),
         "resample": lambda: bicubic(decoded, target, pixels=raw) if decoded.size != target else None,

@@ -30,6 +30,7 @@ from controlplane.imaging.policy import DecodedDataURL, decoded_data_url
 # takes no longer than looking (a 1 MP photo's 263 KB: 0.07 ms).
 LARGE_BODY = 1 << 20
 _LARGE_URL = 64 * 1024  # characters of a data URL worth decoding where it lies
+_LOOKS = 64  # places a body may have a data URL in before it is read whole instead
 _HEAD = re.compile(rb'data:[^"\\,]{0,240},')  # its media type and parameters, up to the comma
 
 _read_json = msgspec.json.Decoder().decode
@@ -37,30 +38,38 @@ _read_json = msgspec.json.Decoder().decode
 
 def read_body(raw: bytes) -> object:
     """The JSON `raw`, read; ValueError (or RecursionError) as msgspec raises for the whole."""
-    found = _large_data_urls(raw) if len(raw) >= LARGE_BODY else []
+    body = _read_with_stand_ins(raw) if len(raw) >= LARGE_BODY else None
+    return _read_json(raw) if body is None else body
+
+
+def _read_with_stand_ins(raw: bytes) -> object | None:
+    """`raw` read with its large data URLs decoded, or None where it must be read whole (what
+    this made is let go of first: a body of megabytes is not held twice over)."""
+    found = _large_data_urls(raw)
     if not found:
-        return _read_json(raw)
+        return None
     mark = secrets.token_hex(16)  # unguessable: no tenant can write it elsewhere in the body
-    pieces, stand_ins, end = [], {}, 0
+    view, pieces, stand_ins, end = memoryview(raw), [], {}, 0
     for number, (start, stop, url) in enumerate(found):
         stand_in = f"{mark}{number}"
-        pieces += (raw[end:start], stand_in.encode())
+        pieces += (view[end:start], stand_in.encode())
         stand_ins[stand_in], end = url, stop
-    pieces.append(raw[end:])
+    pieces.append(view[end:])
     try:
         body = _read_json(b"".join(pieces))
     except (ValueError, RecursionError):
-        return _read_json(raw)  # for its own error
-    if _put_back(body, stand_ins) < len(found):
-        return _read_json(raw)
-    return body
+        return None  # read whole, for its own error
+    return body if _put_back(body, stand_ins) == len(found) else None
 
 
 def _large_data_urls(raw: bytes) -> list[tuple[int, int, DecodedDataURL]]:
     """Where each large base64 data URL lies in `raw` (from after its opening quote to its
-    closing one), decoded."""
+    closing one), decoded; none once `_LOOKS` places have been looked at (a body of countless
+    `"data:` is read whole, in msgspec's time, not looked through a step at a time)."""
     found, at = [], raw.find(b'"data:')
-    while at >= 0:
+    for _ in range(_LOOKS):
+        if at < 0:
+            return found
         head = _HEAD.match(raw, at + 1)
         stop = raw.find(b'"', head.end()) if head is not None else -1
         url = None
@@ -69,7 +78,7 @@ def _large_data_urls(raw: bytes) -> list[tuple[int, int, DecodedDataURL]]:
         if url is not None:
             found.append((at + 1, stop, url))
         at = raw.find(b'"data:', stop if url is not None else at + 1)
-    return found
+    return found if at < 0 else []
 
 
 def _put_back(body: object, stand_ins: dict[str, DecodedDataURL]) -> int:

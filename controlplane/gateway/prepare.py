@@ -366,7 +366,7 @@ async def _prepare_images(prepared: Prepared, parts: list[dict], tier: TierSpec,
     for index, part in enumerate(parts):
         key = "image_url" if part.get("type") == "image_url" else "input_image"
         spec = part.get(key)
-        url, detail = (spec, None) if isinstance(spec, str) else (
+        url, detail = (spec, None) if isinstance(spec, str | DecodedDataURL) else (
             (spec.get("url"), spec.get("detail")) if isinstance(spec, dict) else (None, None)
         )
         if not isinstance(url, str | DecodedDataURL) or not url:

@@ -14,6 +14,7 @@ from controlplane.gateway.body import LARGE_BODY, read_body
 from controlplane.imaging.errors import ImageTooLarge
 from controlplane.imaging.intake import image_source_bytes
 from controlplane.imaging.policy import DecodedDataURL, decode_data_url
+from controlplane.metering.models import UsageEvent
 from tests.controlplane.gateway.test_views import engines, error_of, image_message, post, routed  # noqa: F401
 from tests.images import data_url
 
@@ -103,6 +104,15 @@ def test_what_is_not_an_image_url_of_base64_reads_as_the_whole_does(raw):
                    for url in _urls(read) if url is not None)
 
 
+def test_a_body_of_countless_data_urls_is_read_whole():
+    # Looked through a place at a time, it would hold the event loop for far longer than
+    # msgspec takes to read it whole (8 MB of '"data:,",' took 0.45 s against 0.05).
+    few, many = ([{"type": "text", "text": "data:,"}] * count for count in (10, 100))
+    assert isinstance(_urls(_read(_body(*few, {"type": "image_url", "image_url": {"url": URL}})))[0]["url"],
+                      DecodedDataURL)
+    assert isinstance(_urls(_read(_body(*many, {"type": "image_url", "image_url": {"url": URL}})))[0]["url"], str)
+
+
 def test_a_key_written_twice_reads_as_the_whole_does():
     part = '{"type": "image_url", "image_url": {"url": "%s", "url": "%s"}}'
     for first, last in ((URL, OTHER), (OTHER, URL)):
@@ -137,6 +147,15 @@ def test_a_large_image_is_served_alike_with_its_slashes_escaped_or_not(client, r
     plain, escaped = (post(client, routed.alice_key, raw) for raw in (body, body.replace(b"/", b"\\/")))
     assert (plain.status_code, escaped.status_code) == (200, 200), (plain.content, escaped.content)
     assert plain.json()["usage"]["prompt_tokens"] == escaped.json()["usage"]["prompt_tokens"]
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("kind", ["image_url", "input_image"])
+def test_a_large_image_whose_url_is_the_parts_value_is_served(client, routed, kind):  # noqa: F811
+    message = {"role": "user", "content": [{"type": "text", "text": "what is this"}, {"type": kind, kind: _large_png()}]}
+    response = post(client, routed.alice_key, {"model": "vlm-lite", "max_tokens": 4, "messages": [message]})
+    assert response.status_code == 200, response.content
+    assert UsageEvent.objects.get(request_id=response["x-request-id"]).image_count == 1
 
 
 @pytest.mark.django_db
