@@ -42,7 +42,7 @@ def test_the_task_runs_a_sweep_against_an_instance_and_stores_figures_per_stage_
     assert {workload.spec(0).klass, workload.spec(1).klass} == {"image", "text"}
     assert {"text", "image"} <= set(results["stages"][0]["classes"])
     for n, stage in enumerate(results["stages"]):
-        assert stage["errors"] == 0 and stage["requests"] > 0
+        assert stage["errors"] == 0 and stage["requests"] > 0, stage["error_examples"]
         assert stage["throughput"]["requests_per_s"] > 0 and stage["throughput"]["output_tokens_per_s"] > 0
         assert stage["goodput"]["share"] == 1.0  # the SLOs are generous here
         sent = Counter(row[1] for row in results["samples"] if row[0] == n)
