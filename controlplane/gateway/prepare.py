@@ -285,21 +285,49 @@ class _Picture:
     checking: Future | None = None  # the check of an image sent as it came: its images checked
 
 
-def _image_tiles(url: str | DecodedDataURL, policy: Policy, detail, fetch: FetchPolicy | None, max_bytes: int,
-                 scope: str, repeats: Repeats | None) -> _Picture:
-    """Intake and normalise in one trip to a worker thread (CPU work, off the event loop): each
-    image the picture becomes, and the digest of its bytes; or what it became when this tenant
-    sent it before (`repeats`). An image sent as it came has its check started here, on the
+async def _picture(url: str | DecodedDataURL, policy: Policy, detail, fetch: FetchPolicy | None, max_bytes: int,
+                   scope: str, repeats: Repeats | None) -> _Picture:
+    """Each image the picture at `url` becomes, and the digest of its bytes; or what it became
+    when this tenant sent it before (`repeats`). A data URL's bytes are at hand (decoded as the
+    body was read, or here: a 1 MP photo's in 0.03 ms), so a picture this process kept is found
+    on the event loop: a picture sent again never waits for a worker thread behind the new
+    ones being prepared (and saves the trip, 0.1 ms). Everything else is done on one."""
+    if not (isinstance(url, DecodedDataURL) or url.startswith("data:")):
+        return await asyncio.to_thread(_fetched_tiles, url, policy, detail, fetch, max_bytes, scope, repeats)
+    data = image_source_bytes(url, max_bytes=max_bytes, fetch=None)
+    key = _key(data, policy, detail, scope, repeats)
+    if key is not None and (kept := repeats.kept_here(key)) is not None:
+        return _again(kept, scope)
+    return await asyncio.to_thread(_image_tiles, data, key, policy, detail, scope, repeats)
+
+
+def _fetched_tiles(url: str, policy: Policy, detail, fetch: FetchPolicy | None, max_bytes: int, scope: str,
+                   repeats: Repeats | None) -> _Picture:
+    data = image_source_bytes(url, max_bytes=max_bytes, fetch=fetch)
+    return _image_tiles(data, _key(data, policy, detail, scope, repeats), policy, detail, scope, repeats)
+
+
+def _key(data: bytes, policy: Policy, detail, scope: str, repeats: Repeats | None) -> Key | None:
+    """What the picture is kept under, when pictures are kept."""
+    if repeats is None or not repeats.max_bytes:
+        return None
+    return Key.of(data, scope=scope, policy=policy, cap=policy.pixel_cap(detail))  # a bad detail refused here
+
+
+def _again(kept: Picture, scope: str) -> _Picture:
+    for image, _ in kept:  # its fingerprint stays among the tenant's recent pictures
+        index_of_pictures.touch(image.fingerprint, scope=scope)
+    return _Picture(kept, again=True)
+
+
+def _image_tiles(data: bytes, key: Key | None, policy: Policy, detail, scope: str, repeats: Repeats | None) -> _Picture:
+    """Normalise, on a worker thread (CPU work, off the event loop): each image the picture
+    becomes, and the digest of its bytes; or what it became, kept by another replica
+    (`repeats`' shared store). An image sent as it came has its check started here, on the
     checks' threads, to run beside the rest of the request and its trip to the engine
     (Prepared.check_images); it is kept once it passed."""
-    data = image_source_bytes(url, max_bytes=max_bytes, fetch=fetch)
-    key = None
-    if repeats is not None and repeats.max_bytes:
-        key = Key.of(data, scope=scope, policy=policy, cap=policy.pixel_cap(detail))  # a bad detail refused here
-        if (kept := repeats.get(key)) is not None:
-            for image, _ in kept:  # its fingerprint stays among the tenant's recent pictures
-                index_of_pictures.touch(image.fingerprint, scope=scope)
-            return _Picture(kept, again=True)
+    if key is not None and (kept := repeats.get(key)) is not None:
+        return _again(kept, scope)
     tiles = normalise_tiles(data, policy, detail=detail, index=index_of_pictures.scoped(scope), check_later=True)
     images = tuple((tile, digest(tile.data)) for tile in tiles)
     if any(tile.check is not None for tile in tiles):
@@ -372,8 +400,7 @@ async def _prepare_images(prepared: Prepared, parts: list[dict], tier: TierSpec,
         if not isinstance(url, str | DecodedDataURL) or not url:
             raise RequestInvalid(f"image {index + 1} has no url", param="messages")
         try:
-            picture = await asyncio.to_thread(_image_tiles, url, policy, detail, tier.fetch_policy, max_image_bytes,
-                                              scope, repeats)
+            picture = await _picture(url, policy, detail, tier.fetch_policy, max_image_bytes, scope, repeats)
         except ImageError as exc:
             raise RequestInvalid(f"image {index + 1}: {exc}", param="messages", code=exc.code) from None
         tiles = picture.images

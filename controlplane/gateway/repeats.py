@@ -83,13 +83,19 @@ class Repeats:
     def bytes(self) -> int:
         return self._bytes
 
-    def get(self, key: Key) -> Picture | None:
+    def kept_here(self, key: Key) -> Picture | None:
+        """What the picture became in this process, if it is kept here (no trip to the shared
+        store: safe on the event loop)."""
         with self._lock:
             found = self._kept.get(key)
             if found is not None:
                 self._kept.move_to_end(key)
-                return found
-        if self._sharing(key) and (found := self.shared.get(key)) is not None:
+            return found
+
+    def get(self, key: Key) -> Picture | None:
+        """What the picture became, kept here or, failing that, in the shared store (blocking)."""
+        if (found := self.kept_here(key)) is None and self._sharing(key) \
+                and (found := self.shared.get(key)) is not None:
             self._keep(key, found)
         return found
 

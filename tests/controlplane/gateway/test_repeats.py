@@ -6,10 +6,15 @@ happens at /metrics."""
 
 from __future__ import annotations
 
+import asyncio
 import os
+import threading
 
+import httpx
 import pytest
+from asgiref.sync import async_to_sync
 
+from controlplane.asgi import application
 from controlplane.imaging.policy import Policy, normalise, normalise_tiles
 from controlplane.metering.models import UsageImage
 from tests.controlplane.gateway.conftest import ingested
@@ -72,6 +77,33 @@ def test_a_picture_sent_again_is_prepared_once_and_metered_alike(client, routed,
     seen = ("source_width", "source_height", "width", "height", "tokens", "fingerprint")
     assert [getattr(two, name) for name in seen] == [getattr(one, name) for name in seen]
     assert two.fingerprint != "" and two.width * two.height <= Policy().max_pixels
+
+
+@pytest.mark.parametrize("picture", [LARGE, WHOLE], ids=["downscaled", "sent-as-it-came"])
+def test_a_picture_sent_again_is_answered_while_every_worker_thread_is_busy(client, routed, ledger_mode, metrics,  # noqa: F811
+                                                                              picture):
+    # Worker threads prepare new pictures (a 12 MP photo's decode takes tens of milliseconds):
+    # one sent again needs none of them, and does not wait in their queue.
+    assert post(client, routed.alice_key, _ask(data_url(picture))).status_code == 200
+    before = _counted(client)
+
+    @async_to_sync
+    async def again_while_busy():
+        release, loop = threading.Event(), asyncio.get_running_loop()
+        busy = [loop.run_in_executor(None, release.wait, 60) for _ in range(64)]
+        try:  # through the production front (controlplane.asgi)
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=application),
+                                         base_url="http://127.0.0.1") as front:
+                sent = front.post("/v1/chat/completions", json=_ask(data_url(picture)),
+                                  headers={"Authorization": f"Bearer {routed.alice_key}"})
+                return await asyncio.wait_for(sent, 30)
+        finally:
+            release.set()
+            await asyncio.gather(*busy)
+
+    again = again_while_busy()
+    assert again.status_code == 200, again.text
+    assert _since(client, before) == (0, 1)
 
 
 def test_another_tenant_sending_the_same_picture_gets_it_prepared_for_them(client, routed, ledger_mode, metrics):  # noqa: F811
