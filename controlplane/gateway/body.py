@@ -23,7 +23,7 @@ import secrets
 
 import msgspec
 
-from controlplane.gateway.prepare import IMAGE_TYPES
+from controlplane.gateway.prepare import image_parts, image_url_place
 from controlplane.imaging.policy import DecodedDataURL, decoded_data_url
 
 # Bodies from this size on are looked through for large images; below it, reading the whole
@@ -82,19 +82,14 @@ def _large_data_urls(raw: bytes) -> list[tuple[int, int, DecodedDataURL]]:
 
 
 def _put_back(body: object, stand_ins: dict[str, DecodedDataURL]) -> int:
-    """Each stand-in read where the gateway reads an image's URL (prepare's image parts)
+    """Each stand-in read where the gateway reads an image's URL (prepare's `image_url_place`)
     replaced by its URL: how many were."""
     replaced = 0
     messages = body.get("messages") if isinstance(body, dict) else None
-    for message in messages if isinstance(messages, list) else ():
-        content = message.get("content") if isinstance(message, dict) else None
-        for part in content if isinstance(content, list) else ():
-            if not isinstance(part, dict) or part.get("type") not in IMAGE_TYPES:
-                continue
-            key = "image_url" if part["type"] == "image_url" else "input_image"
-            holder, field = (part, key) if isinstance(part.get(key), str) else (part.get(key), "url")
-            url = holder.get(field) if isinstance(holder, dict) else None
-            if isinstance(url, str) and url in stand_ins:
-                holder[field] = stand_ins.pop(url)
-                replaced += 1
+    for part in image_parts(messages) if isinstance(messages, list) else ():
+        holder, field = image_url_place(part)
+        url = None if holder is None else holder.get(field)
+        if isinstance(url, str) and url in stand_ins:
+            holder[field] = stand_ins.pop(url)
+            replaced += 1
     return replaced

@@ -204,6 +204,17 @@ def image_parts(messages: list) -> list[dict]:
     return found
 
 
+def image_url_place(part: dict) -> tuple[dict | None, str]:
+    """Where an image part's URL is read: the object holding it and its key there (the part
+    itself, when the URL is the part's value; else the object under the part's key, at "url"),
+    or None when there is no such object."""
+    key = "image_url" if part.get("type") == "image_url" else "input_image"
+    spec = part.get(key)
+    if isinstance(spec, str | DecodedDataURL):
+        return part, key
+    return (spec, "url") if isinstance(spec, dict) else (None, key)
+
+
 def _validate_content(index: int, content) -> None:
     if content is None or isinstance(content, str):
         return
@@ -392,11 +403,9 @@ async def _prepare_images(prepared: Prepared, parts: list[dict], tier: TierSpec,
     total_pixels = 0
     replacements: dict[int, list[dict]] = {}
     for index, part in enumerate(parts):
-        key = "image_url" if part.get("type") == "image_url" else "input_image"
-        spec = part.get(key)
-        url, detail = (spec, None) if isinstance(spec, str | DecodedDataURL) else (
-            (spec.get("url"), spec.get("detail")) if isinstance(spec, dict) else (None, None)
-        )
+        holder, field = image_url_place(part)
+        url = None if holder is None else holder.get(field)
+        detail = holder.get("detail") if holder is not None and holder is not part else None
         if not isinstance(url, str | DecodedDataURL) or not url:
             raise RequestInvalid(f"image {index + 1} has no url", param="messages")
         try:

@@ -27,14 +27,12 @@ def image_source_bytes(source: str | bytes | DecodedDataURL, *, max_bytes: int, 
     `fetch` None means URL fetching is off for this caller. Blocking: run it in a thread
     from async code.
     """
+    if isinstance(source, DecodedDataURL):  # refused by its size as `decode_data_url` would
+        source = source.data
     if isinstance(source, (bytes, bytearray, memoryview)):
         if len(source) > max_bytes:
             raise ImageTooLarge(f"image is larger than {max_bytes} bytes")
         return bytes(source)
-    if isinstance(source, DecodedDataURL):  # as `decode_data_url` refuses it by its size
-        if len(source.data) > max_bytes:
-            raise ImageTooLarge(f"image is larger than {max_bytes} bytes")
-        return source.data
     if not isinstance(source, str) or not source:
         raise InvalidDataURL("image_url must be a non-empty string")
     if source.startswith("data:"):
