@@ -15,6 +15,13 @@ def image_bytes(width, height, fmt="JPEG", mode="RGB", color=(180, 40, 30), **sa
     return buffer.getvalue()
 
 
+def noise_bytes(width, height, fmt="PNG", **save) -> bytes:
+    """A picture of noise: it compresses hardly at all (900x600 as a PNG: over a megabyte)."""
+    buffer = io.BytesIO()
+    Image.effect_noise((width, height), 90).convert("RGB").save(buffer, fmt, **save)
+    return buffer.getvalue()
+
+
 def data_url(data: bytes, mime="image/jpeg") -> str:
     return f"data:{mime};base64," + base64.b64encode(data).decode()
 

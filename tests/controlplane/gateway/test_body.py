@@ -16,11 +16,12 @@ from controlplane.imaging.intake import image_source_bytes
 from controlplane.imaging.policy import DecodedDataURL, decode_data_url
 from controlplane.metering.models import UsageEvent
 from tests.controlplane.gateway.test_views import engines, error_of, image_message, post, routed  # noqa: F401
-from tests.images import data_url
+from tests.images import data_url, noise_bytes
 
 PHOTO = random.Random(1).randbytes(900_000)  # base64 of 1.2 MB: a body the gateway looks through
 URL = data_url(PHOTO)
 OTHER = data_url(random.Random(2).randbytes(200_000), "image/png")
+LARGE_PNG = data_url(noise_bytes(900, 600), "image/png")  # over a megabyte of base64
 
 
 def _plain(value):
@@ -142,7 +143,7 @@ def test_a_decoded_image_is_refused_by_its_size_as_its_string_is():
 
 @pytest.mark.django_db
 def test_a_large_image_is_served_alike_with_its_slashes_escaped_or_not(client, routed):  # noqa: F811
-    body = json.dumps({"model": "vlm-lite", "max_tokens": 4, "messages": image_message(_large_png())}).encode()
+    body = json.dumps({"model": "vlm-lite", "max_tokens": 4, "messages": image_message(LARGE_PNG)}).encode()
     assert len(body) > LARGE_BODY
     plain, escaped = (post(client, routed.alice_key, raw) for raw in (body, body.replace(b"/", b"\\/")))
     assert (plain.status_code, escaped.status_code) == (200, 200), (plain.content, escaped.content)
@@ -152,7 +153,7 @@ def test_a_large_image_is_served_alike_with_its_slashes_escaped_or_not(client, r
 @pytest.mark.django_db
 @pytest.mark.parametrize("kind", ["image_url", "input_image"])
 def test_a_large_image_whose_url_is_the_parts_value_is_served(client, routed, kind):  # noqa: F811
-    message = {"role": "user", "content": [{"type": "text", "text": "what is this"}, {"type": kind, kind: _large_png()}]}
+    message = {"role": "user", "content": [{"type": "text", "text": "what is this"}, {"type": kind, kind: LARGE_PNG}]}
     response = post(client, routed.alice_key, {"model": "vlm-lite", "max_tokens": 4, "messages": [message]})
     assert response.status_code == 200, response.content
     assert UsageEvent.objects.get(request_id=response["x-request-id"]).image_count == 1
@@ -160,19 +161,7 @@ def test_a_large_image_whose_url_is_the_parts_value_is_served(client, routed, ki
 
 @pytest.mark.django_db
 def test_a_large_image_with_a_stray_character_is_refused_as_a_small_one_is(client, routed):  # noqa: F811
-    url = _large_png()
-    broken = url[:70_000] + "!" + url[70_000:]
+    broken = LARGE_PNG[:70_000] + "!" + LARGE_PNG[70_000:]
     response = post(client, routed.alice_key, {"model": "vlm-lite", "messages": image_message(broken)})
     assert (response.status_code, error_of(response)["code"]) == (400, "invalid_image_url")
     assert "image 1" in error_of(response)["message"]
-
-
-def _large_png() -> str:
-    """A PNG of noise, over a megabyte of base64."""
-    import io
-
-    from PIL import Image
-
-    buffer = io.BytesIO()
-    Image.effect_noise((900, 600), 90).convert("RGB").save(buffer, "PNG")
-    return data_url(buffer.getvalue(), "image/png")

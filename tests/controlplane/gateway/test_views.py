@@ -17,7 +17,7 @@ from controlplane.metering.models import UsageEvent
 from controlplane.tenants.services import api_key_revoke
 from tests.engines import simulator
 from tests.factories import VisionTierFactory
-from tests.images import data_url, image_bytes, serve_files
+from tests.images import data_url, image_bytes, noise_bytes, serve_files
 
 
 @pytest.fixture(scope="module")
@@ -216,18 +216,7 @@ def test_bad_requests_get_a_clear_4xx(client, world, body, status, code):
     assert error_of(response)["code"] == code
 
 
-def _noise_png() -> bytes:
-    """A PNG of noise: over a megabyte (a body whose base64 the gateway decodes where it lies)."""
-    import io
-
-    from PIL import Image
-
-    buffer = io.BytesIO()
-    Image.effect_noise((900, 600), 90).convert("RGB").save(buffer, "PNG")
-    return buffer.getvalue()
-
-
-_IMAGES = {"small": data_url(image_bytes(64, 48)), "megabytes": data_url(_noise_png(), "image/png")}
+_IMAGES = {"small": data_url(image_bytes(64, 48)), "megabytes": data_url(noise_bytes(900, 600), "image/png")}
 
 
 @pytest.mark.django_db
