@@ -21,7 +21,7 @@ import pytest
 from controlplane.fleet.models import EngineEvent, EngineInstance, EngineMetricSample
 from controlplane.imaging.tokens import engine_image_tokens
 from controlplane.metering.models import UsageEvent
-from tests.images import data_url, image_bytes
+from tests.images import data_url, image_bytes, noise_bytes
 from tests.system.conftest import REAL_TIER
 from tests.system.harness import wait_for
 from workers.supervision.liveness import scrape
@@ -62,6 +62,8 @@ CASES = {
     "low detail": dict(images=[image_bytes(1920, 1080)], detail="low"),
     # Decoded at half size, its resample and encode behind the decode (imaging/rows.py).
     "phone photo (12 MP)": dict(images=[image_bytes(4000, 3000)]),
+    # A body of megabytes: its base64 decoded where it lies in the body (gateway/body.py).
+    "grainy photo": dict(images=[noise_bytes(1600, 1200, "JPEG", quality=90)]),
 }
 
 
