@@ -9,7 +9,9 @@ policy's pixel cap passed to vLLM as --mm-processor-kwargs, --limit-mm-per-promp
 build's niceness), the tier's tokenizer published for the gateway. Our gateway runs as
 bench/gateway runs it (uvicorn, one worker, its own PostgreSQL database and Redis db) with a
 vision tier on a 1,003,520-pixel policy whose engine is that vLLM, registered by URL;
-LiteLLM's proxy (one worker, no database) points at the same vLLM.
+LiteLLM's proxy (one worker, no database) points at the same vLLM, and so does a bare
+pass-through proxy (bench/bare_proxy.py: served and connecting as the gateway is, doing nothing
+else), the floor under any proxy: what carrying a body through a Python hop costs on its own.
 
 For text, a 1 MP and a 12 MP JPEG as base64 data URLs (every request its own picture, made
 before the timing, so neither vLLM's multimodal cache nor its prefix cache can hit), at
@@ -43,6 +45,7 @@ import random
 import shutil
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -51,7 +54,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.gateway import Gateway, free_port, image_steps, messages, start_litellm
+from bench.gateway import Gateway, free_port, image_steps, messages, start_litellm, wait_http
 from bench.proc import children, command_line, cpu_seconds, descendants
 from bench.wire import send
 
@@ -67,6 +70,7 @@ QUICK = {("text", 1): 8, ("text", 4): 8, ("1mp", 1): 4, ("1mp", 4): 8, ("12mp", 
          ("again", 1): 4}
 MAX_TOKENS = 2
 ROUNDS = 2
+PROXIES = ("gateway", "litellm", "bare")  # the paths with a process of their own in front of vLLM
 # Carried in the engine's environment (as the fleet tags its engines), so that cleanup finds it
 # even when interrupted between its start and the return of its pid.
 MARKER = f"bench-engine-path/{os.getpid()}"
@@ -241,7 +245,7 @@ def measure(paths: dict, processes: dict, pictures: Pictures, size: str, concurr
     rows = {}
     for name, got in seen.items():
         cpu = {process: spent / count for process, spent in got["cpu"].items()}
-        proxy = cpu[name] if name in ("gateway", "litellm") else 0.0
+        proxy = cpu[name] if name in PROXIES else 0.0
         rows[name] = {"latencies": got["latencies"],
                       "p50": statistics.median(got["latencies"]), "p90": percentile(got["latencies"], 0.9),
                       "rps": count / got["elapsed"], "proxy": proxy, "api": cpu["api"], "core": cpu["core"],
@@ -258,28 +262,33 @@ def run(quick: bool, pinned: bool, cases: set[str] | None = None) -> None:
     engine_port = free_port()
     folder = Path(tempfile.mkdtemp(prefix="bench-engine-path-"))
     gateway = EngineGateway(engine_port, model, python)
-    litellm = None
+    litellm = bare = None
     try:
         key = gateway.start()
         engine = engine_start(engine_port, folder)
         litellm, litellm_port, litellm_key = start_litellm(engine_port, folder)
+        bare_port = free_port()
+        bare = subprocess.Popen([sys.executable, "-m", "bench.bare_proxy", str(bare_port),
+                                 f"http://127.0.0.1:{engine_port}"], cwd=ROOT)
+        wait_http(f"http://127.0.0.1:{bare_port}/health")
         engine_wait(engine, engine_port)
         paths = {
             "direct": (f"http://127.0.0.1:{engine_port}/v1/chat/completions", {}),
             "gateway": (f"http://127.0.0.1:{gateway.port}/v1/chat/completions", {"Authorization": f"Bearer {key}"}),
             "litellm": (f"http://127.0.0.1:{litellm_port}/v1/chat/completions",
                         {"Authorization": f"Bearer {litellm_key}"}),
+            "bare": (f"http://127.0.0.1:{bare_port}/v1/chat/completions", {}),
         }
         # The gateway and LiteLLM as process trees (in case either forks a worker); vLLM's
         # API server alone; its engine core with the worker it starts on CPU (its
         # multiprocessing executor), where the model, the vision encoder included, runs.
         processes = {"gateway": descendants(gateway.process.pid), "litellm": descendants(litellm.pid),
-                     "api": [engine.pid], "core": descendants(engine.core)}
+                     "bare": descendants(bare.pid), "api": [engine.pid], "core": descendants(engine.core)}
         for name, tree in processes.items():
             print(f"{name}: " + ", ".join(f"{pid} ({short(command_line(pid))})" for pid in tree))
         if pinned:
             pin(processes["core"], {0})
-            pin([pid for name in ("gateway", "litellm", "api") for pid in processes[name]] + [os.getpid()], {1})
+            pin([pid for name in (*PROXIES, "api") for pid in processes[name]] + [os.getpid()], {1})
             print("pinned: the engine core and its worker on CPU 0; vLLM's API server, the gateway, LiteLLM "
                   "and this client on CPU 1")
         pictures = Pictures()
@@ -300,14 +309,15 @@ def run(quick: bool, pinned: bool, cases: set[str] | None = None) -> None:
         validation = image_steps(pictures.next(*SIZES["1mp"]))["base64 + normalise"]
         report(results, validation)
     finally:
-        for step in (litellm and litellm.terminate, engine_stop, gateway.stop):
+        for step in (litellm and litellm.terminate, bare and bare.terminate, engine_stop, gateway.stop):
             if step:
                 try:
                     step()
                 except Exception as exc:  # clean up the rest whatever one step says
                     print(f"cleanup: {exc!r}", file=sys.stderr)
-        if litellm is not None:
-            litellm.wait(timeout=20)
+        for process in (litellm, bare):
+            if process is not None:
+                process.wait(timeout=20)
         shutil.rmtree(folder, ignore_errors=True)
 
 
@@ -342,28 +352,32 @@ def report(results: dict, validation: float) -> None:
               f"sent) takes {1000 * validation:.1f} ms alone")
     if (line := beyond_text(results, "1mp")) is not None:
         print(f"1mp c=1, paired by round: {line}")
+    for case in ("1mp", "again"):
+        if (line := beyond_text(results, case, path="bare")) is not None:
+            print(f"{case} c=1, paired by round, the floor under any proxy: {line}")
 
 
-def beyond_text(results: dict, case: str) -> str | None:
-    """`case` at concurrency 1 against the text overhead. One request at a time, each round
-    sends one request down every path back to back: the gateway's time over direct in the same
+def beyond_text(results: dict, case: str, path: str = "gateway") -> str | None:
+    """`case` at concurrency 1 against `path`'s text overhead. One request at a time, each round
+    sends one request down every path back to back: the path's time over direct in the same
     round leaves out the engine's drift between rounds. The medians, and a bootstrap interval
     of their difference."""
-    if (case, 1, "gateway") not in results or ("text", 1, "gateway") not in results:
+    if (case, 1, path) not in results or ("text", 1, path) not in results:
         return None
-    image, text = (paired(results[name, 1, "gateway"]["latencies"], results[name, 1, "direct"]["latencies"])
+    image, text = (paired(results[name, 1, path]["latencies"], results[name, 1, "direct"]["latencies"])
                    for name in (case, "text"))
     low, high = interval([(image, 1), (text, -1)])
     image_ms, text_ms = 1000 * statistics.median(image), 1000 * statistics.median(text)
-    return (f"the gateway over direct {image_ms:+.1f} ms, on text {text_ms:+.1f} ms; beyond the text overhead "
+    who = "the gateway" if path == "gateway" else f"the {path} proxy"
+    return (f"{who} over direct {image_ms:+.1f} ms, on text {text_ms:+.1f} ms; beyond the text overhead "
             f"{image_ms - text_ms:+.1f} ms (90 % interval {1000 * low:+.1f} to {1000 * high:+.1f}: "
             f"{'no more than the text overhead' if low <= 0 else 'more'})")
 
 
-def paired(gateway: list[float], direct: list[float]) -> list[float]:
-    """The gateway's latency less direct's, request by request in the order they were sent (at
+def paired(proxied: list[float], direct: list[float]) -> list[float]:
+    """A proxy's latency less direct's, request by request in the order they were sent (at
     concurrency 1, the nth of each path went in the same round)."""
-    return [ours - theirs for ours, theirs in zip(gateway, direct, strict=True)]
+    return [ours - theirs for ours, theirs in zip(proxied, direct, strict=True)]
 
 
 def interval(terms: list[tuple[list[float], int]], share: float = 0.9, draws: int = 4000) -> tuple[float, float]:
