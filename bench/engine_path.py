@@ -1,5 +1,5 @@
-"""The large-image path end to end: our gateway, LiteLLM's proxy and no proxy at all in front
-of one real vLLM CPU engine, with the CPU each process spends per request.
+"""The large-image path end to end: our gateway, LiteLLM's proxy, a bare pass-through proxy and
+no proxy at all in front of one real vLLM CPU engine, with the CPU each process spends per request.
 
     python -m bench.engine_path            (--quick for a short run; needs the bench extra)
 
