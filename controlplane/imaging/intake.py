@@ -24,8 +24,9 @@ def image_source_bytes(source: str | bytes | DecodedDataURL, *, max_bytes: int, 
     """The bytes of an image given as raw bytes, a data URL (or one decoded already), or an
     http(s) URL.
 
-    `fetch` None means URL fetching is off for this caller. Blocking: run it in a thread
-    from async code.
+    `fetch` None means URL fetching is off for this caller. Blocking for an http(s) URL (a
+    fetch): run that in a thread from async code. A data URL's base64 decodes within about a
+    millisecond (a 12 MP photo's in 0.2 to 0.9 ms, by machine), which the gateway does on its event loop.
     """
     if isinstance(source, DecodedDataURL):  # refused by its size as `decode_data_url` would
         source = source.data
