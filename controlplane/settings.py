@@ -315,6 +315,15 @@ GATEWAY_IMAGE_FETCH_TIMEOUT_S = float(env_int("GATEWAY_IMAGE_FETCH_TIMEOUT_S", 1
 GATEWAY_IMAGE_FETCH_MAX_BYTES = env_int("GATEWAY_IMAGE_FETCH_MAX_BYTES", 20 * 1024 * 1024, minimum=1024)
 # Private networks image URLs may point into (an internal image store). Empty: public only.
 GATEWAY_TRUSTED_IMAGE_NETWORKS = env_list("GATEWAY_TRUSTED_IMAGE_NETWORKS", [])
+# What decoding a request's pictures may cost, read from their headers before a pixel is
+# decoded, then enforced as they decode (controlplane/imaging/budget.py): a JPEG's scans (each
+# a pass of the decoder over the whole picture), the CPU time of one picture's decode and of
+# all of a request's (milliseconds), and the memory they hold (MB).
+GATEWAY_IMAGE_MAX_SCANS = env_int("GATEWAY_IMAGE_MAX_SCANS", 64, minimum=1)
+GATEWAY_IMAGE_CPU_MS = env_int("GATEWAY_IMAGE_CPU_MS", 2000, minimum=10)
+GATEWAY_REQUEST_IMAGE_CPU_MS = env_int("GATEWAY_REQUEST_IMAGE_CPU_MS", 4000, minimum=10)
+GATEWAY_IMAGE_DECODE_MB = env_int("GATEWAY_IMAGE_DECODE_MB", 512, minimum=16)
+GATEWAY_REQUEST_DECODE_MB = env_int("GATEWAY_REQUEST_DECODE_MB", 1024, minimum=16)
 # For tiers with engine_settings.require_moderation: an OpenAI-format /v1/moderations endpoint.
 MODERATION_URL = env_str("MODERATION_URL", "")
 MODERATION_API_KEY = env_str("MODERATION_API_KEY", "")

@@ -30,6 +30,7 @@ from controlplane.gateway.prepare import (
     validate_body,
 )
 from controlplane.gateway.repeats import Repeats, Shared
+from controlplane.imaging.budget import MB, DecodeLimits
 from controlplane.imaging.policy import DecodedDataURL
 from controlplane.imaging.tokens import engine_image_tokens
 from controlplane.metering.services import UsageRecord
@@ -55,6 +56,14 @@ def _as_written(value):
 _write_json = msgspec.json.Encoder(enc_hook=_as_written).encode
 _background: set[asyncio.Task] = set()
 _tier_names: dict[int, str] = {}
+
+
+def decode_limits() -> DecodeLimits:
+    """What decoding one request's pictures may cost, as the settings say."""
+    return DecodeLimits(max_scans=settings.GATEWAY_IMAGE_MAX_SCANS, picture_cpu_s=settings.GATEWAY_IMAGE_CPU_MS / 1000,
+                        request_cpu_s=settings.GATEWAY_REQUEST_IMAGE_CPU_MS / 1000,
+                        picture_memory=settings.GATEWAY_IMAGE_DECODE_MB * MB,
+                        request_memory=settings.GATEWAY_REQUEST_DECODE_MB * MB)
 
 
 async def _authenticate(request: Request) -> state.KeyInfo:
@@ -187,7 +196,7 @@ async def _chat_completions(request: Request, request_id: str):
     try:
         try:
             prepared = await prepare(body, tier, max_image_bytes=settings.GATEWAY_MAX_BODY_BYTES,
-                                     scope=str(key.tenant_id), repeats=repeats)
+                                     scope=str(key.tenant_id), repeats=repeats, decode_limits=decode_limits())
         except RequestInvalid as exc:
             raise GatewayError(400, str(exc), code=exc.code, param=exc.param) from None
         if tier.require_moderation and prepared.images:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from controlplane.gateway import counters
 from controlplane.gateway.repeats import Key, Picture, Repeats, digest
+from controlplane.imaging.budget import DecodeBudget, DecodeLimits
 from controlplane.imaging.errors import ImageError
 from controlplane.imaging.fetch import FetchPolicy
 from controlplane.imaging.fingerprint import FingerprintIndex
@@ -82,6 +83,8 @@ class Prepared:
     # The checks of the images sent as they came (decoded whole, fingerprinted), running beside
     # the request's admission and its trip to the engine; its result is `images`, all checked.
     checking: asyncio.Future | None = None
+    # What its pictures may cost and have cost to decode (their CPU time, checks included).
+    budget: DecodeBudget | None = None
 
     @property
     def image_tokens(self) -> int:
@@ -297,25 +300,26 @@ class _Picture:
 
 
 async def _picture(url: str | DecodedDataURL, policy: Policy, detail, fetch: FetchPolicy | None, max_bytes: int,
-                   scope: str, repeats: Repeats | None) -> _Picture:
+                   scope: str, repeats: Repeats | None, budget: DecodeBudget) -> _Picture:
     """Each image the picture at `url` becomes, and the digest of its bytes; or what it became
     when this tenant sent it before (`repeats`). A data URL's bytes are at hand (decoded as the
     body was read, or here: a 1 MP photo's in 0.03 ms), so a picture this process kept is found
     on the event loop: a picture sent again never waits for a worker thread behind the new
-    ones being prepared (and saves the trip, 0.1 ms). Everything else is done on one."""
+    ones being prepared (and saves the trip, 0.1 ms). Everything else is done on one. Its
+    pixels and what decoding it costs are taken from `budget`."""
     if not (isinstance(url, DecodedDataURL) or url.startswith("data:")):
-        return await asyncio.to_thread(_fetched_tiles, url, policy, detail, fetch, max_bytes, scope, repeats)
+        return await asyncio.to_thread(_fetched_tiles, url, policy, detail, fetch, max_bytes, scope, repeats, budget)
     data = image_source_bytes(url, max_bytes=max_bytes, fetch=None)
     key = _key(data, policy, detail, scope, repeats)
     if key is not None and (kept := repeats.kept_here(key)) is not None:
-        return _again(kept, scope)
-    return await asyncio.to_thread(_image_tiles, data, key, policy, detail, scope, repeats)
+        return _again(kept, scope, budget)
+    return await asyncio.to_thread(_image_tiles, data, key, policy, detail, scope, repeats, budget)
 
 
 def _fetched_tiles(url: str, policy: Policy, detail, fetch: FetchPolicy | None, max_bytes: int, scope: str,
-                   repeats: Repeats | None) -> _Picture:
+                   repeats: Repeats | None, budget: DecodeBudget) -> _Picture:
     data = image_source_bytes(url, max_bytes=max_bytes, fetch=fetch)
-    return _image_tiles(data, _key(data, policy, detail, scope, repeats), policy, detail, scope, repeats)
+    return _image_tiles(data, _key(data, policy, detail, scope, repeats), policy, detail, scope, repeats, budget)
 
 
 def _key(data: bytes, policy: Policy, detail, scope: str, repeats: Repeats | None) -> Key | None:
@@ -325,21 +329,25 @@ def _key(data: bytes, policy: Policy, detail, scope: str, repeats: Repeats | Non
     return Key.of(data, scope=scope, policy=policy, cap=policy.pixel_cap(detail))  # a bad detail refused here
 
 
-def _again(kept: Picture, scope: str) -> _Picture:
+def _again(kept: Picture, scope: str, budget: DecodeBudget) -> _Picture:
+    first = kept[0][0]
+    budget.count_pixels(first.source_width, first.source_height)  # nothing decoded, but in the request's total
     for image, _ in kept:  # its fingerprint stays among the tenant's recent pictures
         index_of_pictures.touch(image.fingerprint, scope=scope)
     return _Picture(kept, again=True)
 
 
-def _image_tiles(data: bytes, key: Key | None, policy: Policy, detail, scope: str, repeats: Repeats | None) -> _Picture:
+def _image_tiles(data: bytes, key: Key | None, policy: Policy, detail, scope: str, repeats: Repeats | None,
+                 budget: DecodeBudget) -> _Picture:
     """Normalise, on a worker thread (CPU work, off the event loop): each image the picture
     becomes, and the digest of its bytes; or what it became, kept by another replica
     (`repeats`' shared store). An image sent as it came has its check started here, on the
     checks' threads, to run beside the rest of the request and its trip to the engine
     (Prepared.check_images); it is kept once it passed."""
     if key is not None and (kept := repeats.get(key)) is not None:
-        return _again(kept, scope)
-    tiles = normalise_tiles(data, policy, detail=detail, index=index_of_pictures.scoped(scope), check_later=True)
+        return _again(kept, scope, budget)
+    tiles = normalise_tiles(data, policy, detail=detail, index=index_of_pictures.scoped(scope), check_later=True,
+                            budget=budget)
     images = tuple((tile, digest(tile.data)) for tile in tiles)
     if any(tile.check is not None for tile in tiles):
         return _Picture(images, checking=_checkers().submit(_check, images, None if key is None else (repeats, key)))
@@ -349,9 +357,10 @@ def _image_tiles(data: bytes, key: Key | None, policy: Policy, detail, scope: st
 
 
 async def prepare(body: dict, tier: TierSpec, *, max_image_bytes: int, scope: str = "",
-                  repeats: Repeats | None = None) -> Prepared:
+                  repeats: Repeats | None = None, decode_limits: DecodeLimits | None = None) -> Prepared:
     """`scope`: whose request it is (a tenant's pictures are recognised among its own only).
-    `repeats`: what pictures sent before became, for those sent again (none kept without)."""
+    `repeats`: what pictures sent before became, for those sent again (none kept without).
+    `decode_limits`: what decoding the request's pictures may cost (see imaging/budget.py)."""
     parts = image_parts(body["messages"])
     if parts and tier.kind != "vision":
         raise RequestInvalid(f"model {tier.name} does not accept images", param="messages",
@@ -371,6 +380,7 @@ async def prepare(body: dict, tier: TierSpec, *, max_image_bytes: int, scope: st
     prepared = Prepared(body=body)
     try:
         if parts:
+            prepared.budget = DecodeBudget(decode_limits or DecodeLimits(), pixels=tier.policy.max_total_pixels)
             await _prepare_images(prepared, parts, tier, max_image_bytes=max_image_bytes, scope=scope,
                                   repeats=repeats)
         _lay_out(prepared, tier)
@@ -400,7 +410,6 @@ async def _prepare_images(prepared: Prepared, parts: list[dict], tier: TierSpec,
             f"{len(parts)} images in one request; this model takes at most "
             f"{policy.max_images_per_request}", param="messages", code="too_many_images",
         )
-    total_pixels = 0
     replacements: dict[int, list[dict]] = {}
     for index, part in enumerate(parts):
         holder, field = image_url_place(part)
@@ -409,16 +418,11 @@ async def _prepare_images(prepared: Prepared, parts: list[dict], tier: TierSpec,
         if not isinstance(url, str | DecodedDataURL) or not url:
             raise RequestInvalid(f"image {index + 1} has no url", param="messages")
         try:
-            picture = await _picture(url, policy, detail, tier.fetch_policy, max_image_bytes, scope, repeats)
+            picture = await _picture(url, policy, detail, tier.fetch_policy, max_image_bytes, scope, repeats,
+                                     prepared.budget)
         except ImageError as exc:
             raise RequestInvalid(f"image {index + 1}: {exc}", param="messages", code=exc.code) from None
         tiles = picture.images
-        total_pixels += tiles[0][0].source_width * tiles[0][0].source_height
-        if total_pixels > policy.max_total_pixels:
-            raise RequestInvalid(
-                f"images in this request exceed {policy.max_total_pixels} pixels in total",
-                param="messages", code="image_too_large",
-            )
         for number, (tile, sent) in enumerate(tiles):
             try:
                 tokens = count_image_tokens(tier.family, tile.width, tile.height, **tier.processor_options)

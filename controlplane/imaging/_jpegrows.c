@@ -18,6 +18,7 @@ intake keeps to simplejpeg's whole-picture calls (controlplane/imaging/rows.py).
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <jpeglib.h>
 #include <jerror.h>
 
@@ -67,14 +68,56 @@ static void failure_init(Failure *failure) {
 
 /* ---------------------------------------------------------------------------------------- */
 
+/* What a decode may cost: its scans (each a pass over every block of a progressive JPEG) and
+   the CPU time of the thread decoding it. libjpeg calls the progress monitor once per row of
+   blocks read from a scan and once per call that hands rows out, so a decode past its budget
+   stops within a row of blocks and its thread is free again. */
+typedef struct {
+    struct jpeg_progress_mgr pub;
+    int max_scans;        /* 0: no limit */
+    double cpu_deadline;  /* thread CPU time (s) past which the decode stops; 0: no limit */
+    unsigned calls;
+    int exceeded;         /* set when the decode stopped for its budget */
+} Budget;
+
+static PyObject *TooCostly;
+
+static double thread_cpu_seconds(void) {
+    struct timespec now;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &now);
+    return (double)now.tv_sec + (double)now.tv_nsec * 1e-9;
+}
+
+static void budget_check(j_common_ptr cinfo) {
+    Budget *budget = (Budget *)cinfo->progress;
+    Failure *failure = (Failure *)cinfo->err;
+    int scans = ((j_decompress_ptr)cinfo)->input_scan_number;
+    if (budget->max_scans > 0 && scans > budget->max_scans) {
+        snprintf(failure->message, JMSG_LENGTH_MAX, "more than %d scans", budget->max_scans);
+    } else if (budget->cpu_deadline > 0 && (++budget->calls & 15) == 0
+               && thread_cpu_seconds() > budget->cpu_deadline) {
+        snprintf(failure->message, JMSG_LENGTH_MAX, "decoding took longer than its CPU budget");
+    } else {
+        return;
+    }
+    budget->exceeded = 1;
+    longjmp(failure->escape, 1);
+}
+
 typedef struct {
     PyObject_HEAD
     struct jpeg_decompress_struct cinfo;
     Failure failure;
+    Budget budget;
     Py_buffer data;
     int live;     /* cinfo created and not yet destroyed */
     int busy;     /* a call is decoding with the GIL released */
 } Decoder;
+
+/* The exception of a decode that failed: TooCostly past its budget, else ValueError. */
+static void decoder_failed(Decoder *self) {
+    PyErr_Format(self->budget.exceeded ? TooCostly : PyExc_ValueError, "%s", self->failure.message);
+}
 
 static void decoder_release(Decoder *self) {
     if (self->live) {
@@ -85,12 +128,15 @@ static void decoder_release(Decoder *self) {
 }
 
 static int decoder_init(Decoder *self, PyObject *args, PyObject *kwds) {
-    static char *names[] = {"data", "scale", "grey", NULL};
-    int scale = 1, grey = 0, failed = 0, colour = 1;
+    static char *names[] = {"data", "scale", "grey", "max_scans", "cpu_seconds", NULL};
+    int scale = 1, grey = 0, max_scans = 0;
+    volatile int failed = 0, colour = 1;  /* set on either side of a longjmp */
+    double cpu_seconds = 0;
     Py_buffer data;
     /* The arguments first, into locals: converting them runs Python code, which must find
        this object as it was. */
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "y*|ip", names, &data, &scale, &grey)) return -1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "y*|ip$id", names, &data, &scale, &grey, &max_scans,
+                                     &cpu_seconds)) return -1;
     if (self->busy) {
         PyBuffer_Release(&data);
         PyErr_SetString(PyExc_RuntimeError, "the decoder is in use by another thread");
@@ -111,6 +157,15 @@ static int decoder_init(Decoder *self, PyObject *args, PyObject *kwds) {
     failure_init(&self->failure);
     self->cinfo.err = &self->failure.pub;
     jpeg_create_decompress(&self->cinfo);
+    memset(&self->budget, 0, sizeof(self->budget));
+    if (max_scans > 0 || cpu_seconds > 0) {
+        /* The deadline is on the clock of the thread that decodes: the one calling here and
+           read() (one object, one thread at a time). */
+        self->budget.pub.progress_monitor = budget_check;
+        self->budget.max_scans = max_scans;
+        self->budget.cpu_deadline = cpu_seconds > 0 ? thread_cpu_seconds() + cpu_seconds : 0;
+        self->cinfo.progress = &self->budget.pub;
+    }
     self->live = 1;
     self->busy = 1;
     /* The header, and for a progressive JPEG every scan (libjpeg reads them all before its
@@ -136,7 +191,7 @@ static int decoder_init(Decoder *self, PyObject *args, PyObject *kwds) {
     Py_END_ALLOW_THREADS
     self->busy = 0;
     if (failed || !colour) {
-        if (failed) PyErr_Format(PyExc_ValueError, "%s", self->failure.message);
+        if (failed) decoder_failed(self);
         else PyErr_SetString(PyExc_ValueError, "only YCbCr, RGB and greyscale JPEGs are decoded here");
         decoder_release(self);
         return -1;
@@ -183,7 +238,8 @@ static PyObject *decoder_read(Decoder *self, PyObject *args) {
     self->busy = 0;
     PyBuffer_Release(&out);
     if (failed || stalled) {
-        PyErr_Format(PyExc_ValueError, "%s", failed ? self->failure.message : "the decoder gave no rows");
+        if (failed) decoder_failed(self);
+        else PyErr_SetString(PyExc_ValueError, "the decoder gave no rows");
         decoder_release(self);
         return NULL;
     }
@@ -209,7 +265,7 @@ static PyObject *decoder_finish(Decoder *self, PyObject *unused) {
     }
     Py_END_ALLOW_THREADS
     self->busy = 0;
-    if (failed) PyErr_Format(PyExc_ValueError, "%s", self->failure.message);
+    if (failed) decoder_failed(self);
     decoder_release(self);
     if (failed) return NULL;
     Py_RETURN_NONE;
@@ -253,7 +309,9 @@ static PyTypeObject DecoderType = {
     .tp_basicsize = sizeof(Decoder),
     .tp_dealloc = (destructor)decoder_dealloc,
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "Decoder(data, scale=1, grey=False): a JPEG decoded at 1/scale, its rows read in bands.",
+    .tp_doc = "Decoder(data, scale=1, grey=False, *, max_scans=0, cpu_seconds=0): a JPEG decoded at "
+              "1/scale, its rows read in bands; TooCostly once it reads more than max_scans scans or "
+              "takes more than cpu_seconds of its thread's CPU time (0: no limit).",
     .tp_methods = decoder_methods,
     .tp_getset = decoder_fields,
     .tp_init = (initproc)decoder_init,
@@ -463,6 +521,14 @@ PyMODINIT_FUNC PyInit__jpegrows(void) {
     if (PyType_Ready(&DecoderType) < 0 || PyType_Ready(&EncoderType) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
+    TooCostly = PyErr_NewExceptionWithDoc("controlplane.imaging._jpegrows.TooCostly",
+                                          "A decode stopped past its budget of scans or CPU time.", NULL, NULL);
+    if (TooCostly == NULL || PyModule_AddObject(m, "TooCostly", TooCostly) < 0) {
+        Py_XDECREF(TooCostly);
+        Py_DECREF(m);
+        return NULL;
+    }
+    Py_INCREF(TooCostly);
     Py_INCREF(&DecoderType);
     Py_INCREF(&EncoderType);
     if (PyModule_AddObject(m, "Decoder", (PyObject *)&DecoderType) < 0

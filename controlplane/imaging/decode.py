@@ -12,11 +12,19 @@ import io
 import re
 import struct
 import warnings
+from dataclasses import dataclass
 
 import simplejpeg
 from PIL import Image, UnidentifiedImageError
 
-from controlplane.imaging.errors import CorruptImage, ImageTooLarge, UnsupportedFormat
+from controlplane.imaging import rows
+from controlplane.imaging.budget import DEFAULT_MAX_SCANS, CpuDeadline
+from controlplane.imaging.errors import (
+    CorruptImage,
+    ImageTooComplex,
+    ImageTooLarge,
+    UnsupportedFormat,
+)
 
 try:  # HEIC/HEIF through libheif; AVIF is native in Pillow 11.3+
     import pillow_heif
@@ -92,17 +100,20 @@ def embedded_document(data: bytes) -> PolyglotImage | None:
 
 
 def open_image(data: bytes, *, allowed_formats: tuple[str, ...], max_input_pixels: int,
+               max_scans: int = DEFAULT_MAX_SCANS, cpu_seconds: float | None = None,
                sniffed: bool = False) -> Image.Image:
-    """Open `data` lazily (header only) and check its format and pixel count, after
-    `sniff_problem` (unless `sniffed`: the caller has refused what is not a raster image, and
-    searches for documents itself)."""
+    """Open `data` lazily (header only) and check its format, its pixel count and, for a JPEG,
+    its scans, after `sniff_problem` (unless `sniffed`: the caller has refused what is not a
+    raster image, and searches for documents itself). With `cpu_seconds`, Pillow's decode of
+    it, on this thread, stops past that much CPU time (ImageTooComplex)."""
     if not sniffed:
         sniff_problem(data)
     try:
         with warnings.catch_warnings():
             # Our own cap below decides; Pillow's bomb warning would only add noise.
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            image = Image.open(io.BytesIO(data), formats=_plugins(allowed_formats))
+            source = io.BytesIO(data) if cpu_seconds is None else CpuDeadline(data, cpu_seconds)
+            image = Image.open(source, formats=_plugins(allowed_formats))
     except Image.DecompressionBombError:
         raise ImageTooLarge("image has more pixels than allowed") from None
     except UnidentifiedImageError:
@@ -121,41 +132,83 @@ def open_image(data: bytes, *, allowed_formats: tuple[str, ...], max_input_pixel
     except (OSError, SyntaxError, ValueError, EOFError, RuntimeError, struct.error, IndexError,
             KeyError, TypeError) as exc:
         raise CorruptImage(f"image header could not be read: {exc}") from None
-    if image.format in ("JPEG", "MPO") and _frame_marker(data) not in _DCT_FRAMES:
-        # Lossless and hierarchical JPEG: no DCT to scale, and libjpeg-turbo's scaled decode
-        # of a lossless one brought the process down.
-        raise UnsupportedFormat("lossless and hierarchical JPEGs are not supported; send a baseline or "
-                                "progressive JPEG, or a PNG")
+    if image.format in ("JPEG", "MPO"):
+        layout = jpeg_layout(data, scan_limit=max_scans)
+        if layout.frame not in _DCT_FRAMES:
+            # Lossless and hierarchical JPEG: no DCT to scale, and libjpeg-turbo's scaled decode
+            # of a lossless one brought the process down.
+            raise UnsupportedFormat("lossless and hierarchical JPEGs are not supported; send a baseline or "
+                                    "progressive JPEG, or a PNG")
+        if layout.scans > max_scans:
+            raise ImageTooComplex(f"image is a JPEG of more than {max_scans} scans; at most {max_scans} are "
+                                  "accepted (save it as a baseline JPEG)")
     # For a GIF this is the canvas: a tiny frame on a huge canvas is still a huge image.
     check_input_size(*image.size, max_input_pixels)
+    if cpu_seconds is not None:
+        # Blocks of 4 KB (of Pillow's 64) between checks of the deadline: a PNG inflates up
+        # to a thousandfold, so one block can hold a whole picture's rows. No slower.
+        image.decodermaxblock = 4096
     return image
 
 
 # Start-of-frame markers of the DCT processes: baseline, extended, progressive (Huffman), and
 # extended and progressive (arithmetic).
 _DCT_FRAMES = {0xC0, 0xC1, 0xC2, 0xC9, 0xCA}
+_PROGRESSIVE = {0xC2, 0xCA}
 _FRAMES = {0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}
+# Where a scan's entropy-coded data ends: a marker (0xFF then anything but a stuffed zero or a
+# restart marker), found by the regex engine in C however long the data.
+_SCAN_END = re.compile(rb"\xff[^\x00\xd0-\xd7]")
 
 
-def _frame_marker(data: bytes) -> int | None:
-    """The JPEG's start-of-frame marker (its coding process), from its segments, or None."""
-    at = 2
-    while at + 4 <= len(data):
+@dataclass(frozen=True)
+class JpegLayout:
+    """What a JPEG's markers say before any of it is decoded."""
+
+    frame: int | None  # its start-of-frame marker (coding process), None if none was found
+    scans: int  # its scans, counted up to one past the limit it was read with
+
+    @property
+    def progressive(self) -> bool:
+        return self.frame in _PROGRESSIVE
+
+
+def jpeg_layout(data: bytes, *, scan_limit: int) -> JpegLayout:
+    """The JPEG's coding process and number of scans, read from its markers alone.
+
+    Each scan of a progressive JPEG is a full pass of the decoder over every block, so a file
+    of a few hundred kilobytes can hold thousands of them (a scan of nothing but end-of-block
+    runs is a few bytes): the scans are counted before anything is decoded. A scan's data is
+    skipped by a search for the next marker, in C; a baseline JPEG whose first scan holds every
+    component has no other (libjpeg refuses one), so its data is never searched."""
+    frame, components, scans, at = None, 0, 0, 2
+    while at + 4 <= len(data) and scans <= scan_limit:
         if data[at] != 0xFF:
-            return None
+            break  # not a marker where one must be: the decoder will say what is wrong
         marker = data[at + 1]
         if marker == 0xFF:  # fill byte
             at += 1
             continue
-        if marker in _FRAMES:
-            return marker
         if marker in (0xD8, 0x01) or 0xD0 <= marker <= 0xD7:  # no length
             at += 2
             continue
-        if marker in (0xD9, 0xDA):  # the end, or a scan before any frame
-            return None
-        at += 2 + int.from_bytes(data[at + 2:at + 4], "big")
-    return None
+        if marker == 0xD9:
+            break
+        length = int.from_bytes(data[at + 2:at + 4], "big")
+        if marker in _FRAMES and frame is None:
+            frame, components = marker, data[at + 9] if at + 9 < len(data) else 0
+        elif marker == 0xDA:
+            scans += 1
+            whole = frame not in _PROGRESSIVE and at + 4 < len(data) and data[at + 4] == components
+            if whole and scans == 1:
+                break
+            end = _SCAN_END.search(data, at + 2 + length)
+            if end is None:
+                break
+            at = end.start()
+            continue
+        at += 2 + length
+    return JpegLayout(frame, scans)
 
 
 def check_input_size(width: int, height: int, max_input_pixels: int) -> None:
@@ -173,8 +226,17 @@ def source_format(image: Image.Image) -> str:
 
 
 def orientation(image: Image.Image) -> int:
+    """The picture's EXIF orientation (1..8), from its header alone."""
     try:
-        value = image.getexif().get(0x0112, 1)
+        if image.format == "PNG":
+            # Pillow looks for a PNG's eXIf chunk past its pixel data by decoding them all:
+            # only one before the pixels counts, where the PNG specification puts it.
+            exif = Image.Exif()
+            if image.info.get("exif"):
+                exif.load(image.info["exif"])
+        else:
+            exif = image.getexif()
+        value = exif.get(0x0112, 1)
     except Exception:  # noqa: BLE001 - a broken EXIF block is as good as none
         return 1
     return value if value in range(1, 9) else 1
@@ -218,12 +280,18 @@ def turbo_decodable(image: Image.Image) -> bool:
     return image.format == "JPEG" and image.mode in ("RGB", "L")
 
 
-def decode_jpeg(data: bytes, image: Image.Image, scale: int, *, grey: bool = False):
+def decode_jpeg(data: bytes, image: Image.Image, scale: int, *, grey: bool = False,
+                max_scans: int = DEFAULT_MAX_SCANS, cpu_seconds: float = 0):
     """The JPEG `image` (opened from `data`) decoded at 1/`scale` (1, 2, 4 or 8) in the DCT
     domain by libjpeg-turbo, strictly: truncated or corrupt data is refused, as a full decode
     would refuse it. A few milliseconds faster than Pillow's decode of the same scale. The
     pixels as the decoder wrote them: a numpy array, rows of RGB (or grey, for a grey JPEG, or
-    when `grey`: only the luma is transformed, every scan still decoded)."""
+    when `grey`: only the luma is transformed, every scan still decoded). Where the row decoder
+    is built, stopped past `max_scans` scans or `cpu_seconds` of this thread's CPU time
+    (ImageTooComplex); elsewhere only the scans counted in its header bound it."""
+    if rows.compiled():
+        return rows.decode_whole(data, scale, grey=grey or image.mode == "L", max_scans=max_scans,
+                                 cpu_seconds=cpu_seconds)
     width, height = image.size
     try:
         return simplejpeg.decode_jpeg(data, colorspace="GRAY" if grey or image.mode == "L" else "RGB", strict=True,

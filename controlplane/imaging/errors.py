@@ -21,6 +21,12 @@ class ImageTooLarge(ImageError):
     code = "image_too_large"
 
 
+class ImageTooComplex(ImageError):
+    """Within every size bound, but more work to decode than a picture may take."""
+
+    code = "image_too_complex"
+
+
 class CorruptImage(ImageError):
     code = "corrupt_image"
 

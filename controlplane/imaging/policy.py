@@ -24,6 +24,7 @@ import pybase64  # SIMD base64: a 12 MP photo's data URL in ~0.2 ms instead of ~
 from PIL import Image
 
 from controlplane.imaging import rows
+from controlplane.imaging.budget import DecodeBudget, decode_memory
 from controlplane.imaging.decode import (
     SUPPORTED_FORMATS,
     PolyglotImage,
@@ -39,7 +40,13 @@ from controlplane.imaging.decode import (
     turbo_decodable,
     upright,
 )
-from controlplane.imaging.errors import CorruptImage, ImageTooLarge, InvalidDataURL, PolicyViolation
+from controlplane.imaging.errors import (
+    CorruptImage,
+    ImageTooComplex,
+    ImageTooLarge,
+    InvalidDataURL,
+    PolicyViolation,
+)
 from controlplane.imaging.fingerprint import (
     FingerprintIndex,
     fingerprint,
@@ -245,13 +252,16 @@ def _dct_scale(size: tuple[int, int], target: tuple[int, int]) -> int:
     return 1
 
 
-def _decode_scaled(image: Image.Image, data: bytes, fmt: str, turn: int, target: tuple[int, int]):
-    """Decode `image` upright, at the smallest scale the JPEG decoder offers above `target`.
+def _decode_scaled(image: Image.Image, data: bytes, fmt: str, turn: int, target: tuple[int, int],
+                   budget: DecodeBudget):
+    """Decode `image` upright, at the smallest scale the JPEG decoder offers above `target`,
+    within `budget`'s CPU time (Pillow's decoders: from the image's opening, see open_image).
     Also the decoder's own RGB buffer of the result, when it is one (else None)."""
     width, height = target
     stored_target = (height, width) if turn in (5, 6, 7, 8) else (width, height)
     if turbo_decodable(image):
-        raw = decode_jpeg(data, image, _dct_scale(image.size, stored_target))
+        raw = decode_jpeg(data, image, _dct_scale(image.size, stored_target), max_scans=budget.limits.max_scans,
+                          cpu_seconds=budget.cpu_allowed())
         pixels = as_image(raw)
         if pixels.mode == "RGB" and turn == 1:
             return pixels, raw
@@ -263,7 +273,8 @@ def _decode_scaled(image: Image.Image, data: bytes, fmt: str, turn: int, target:
 
 
 def normalise_tiles(data: bytes, policy: Policy, *, detail: str | None = None,
-                    index: FingerprintIndex | None = None, check_later: bool = False) -> list[NormalisedImage]:
+                    index: FingerprintIndex | None = None, check_later: bool = False,
+                    budget: DecodeBudget | None = None) -> list[NormalisedImage]:
     """Bring an untrusted image within `policy`; one image, or tiles for a long one.
 
     With an `index`, re-encodings of a picture seen before get that picture's fingerprint.
@@ -271,12 +282,17 @@ def normalise_tiles(data: bytes, policy: Policy, *, detail: str | None = None,
     (format, size, orientation), its search for an embedded document and its decode left to
     its `checked()`: the caller may send it meanwhile (to its own engine, whose decoder reads
     the image and nothing after it), and must not answer before it has passed.
+    `budget`: what the picture's request may still spend on its pictures (by default, what
+    one picture may: the policy's total pixels, and the default limits); its pixels and
+    decode memory are taken from it before anything is decoded, and its CPU time counted.
     """
     cap = policy.pixel_cap(detail)  # a bad detail first, as before
     sniff_problem(data, documents=False)  # empty, or SVG: refused as such, polyglot or not
     documents = _Documents(data)
+    budget = budget if budget is not None else DecodeBudget(pixels=policy.max_total_pixels)
     try:
-        return _normalised_tiles(data, policy, cap, index, check_later, documents)
+        with budget.timed():
+            return _normalised_tiles(data, policy, cap, index, check_later, documents, budget)
     except Exception:
         # A polyglot is refused as a polyglot, whatever else is wrong with it, and whichever
         # way it went (its search may have run beside a large photo's decode).
@@ -306,26 +322,34 @@ class _Documents:
 
 
 def _normalised_tiles(data: bytes, policy: Policy, cap: int, index: FingerprintIndex | None,
-                      check_later: bool, documents: _Documents) -> list[NormalisedImage]:
-    image = open_image(data, allowed_formats=policy.allowed_formats,
-                       max_input_pixels=policy.max_input_pixels, sniffed=True)
+                      check_later: bool, documents: _Documents, budget: DecodeBudget) -> list[NormalisedImage]:
+    limits = budget.limits
+    image = open_image(data, allowed_formats=policy.allowed_formats, max_input_pixels=policy.max_input_pixels,
+                       max_scans=limits.max_scans, cpu_seconds=budget.cpu_allowed(), sniffed=True)
     fmt = source_format(image)
     turn = orientation(image)
     stored_w, stored_h = image.size
     width, height = (stored_h, stored_w) if turn in (5, 6, 7, 8) else (stored_w, stored_h)
     plan = plan_tiles(width, height, policy, cap)
+    # What the header says the decode will hold and how many pixels the request has left,
+    # before a pixel is decoded.
+    budget.count_pixels(width, height)
+    progressive = fmt == "JPEG" and bool(image.info.get("progressive"))
+    budget.take_memory(decode_memory(stored_w, stored_h, image.mode,
+                                     coefficients=len(image.getbands()) if progressive else 0))
     if policy.output_format == "jpeg" and _downscales_whole(image, turn, plan):
-        return [_downscaled(image, data, policy, (plan.width, plan.height), index=index, documents=documents)]
+        return [_downscaled(image, data, policy, (plan.width, plan.height), index=index, documents=documents,
+                            budget=budget)]
     if policy.output_format == "jpeg" and _passes_through(image, fmt, turn, plan, (width, height)):
-        sent = _as_sent(image, data, index=index, documents=documents)
+        sent = _as_sent(image, data, index=index, documents=documents, budget=budget)
         return [sent if check_later else sent.checked()]
     documents.refuse()
     try:
         image.seek(0)  # the first frame of an animation
-        pixels, raw = _decode_scaled(image, data, fmt, turn, (plan.width, plan.height))
+        pixels, raw = _decode_scaled(image, data, fmt, turn, (plan.width, plan.height), budget)
         if pixels.size != (plan.width, plan.height):
             pixels = bicubic(pixels, (plan.width, plan.height), pixels=raw)
-    except CorruptImage:
+    except (CorruptImage, ImageTooComplex):
         raise
     except (OSError, SyntaxError, ValueError, EOFError, Image.DecompressionBombError) as exc:
         raise CorruptImage(f"image data is truncated or corrupt: {exc}") from None
@@ -356,17 +380,18 @@ def _upright_jpeg_whole(image: Image.Image, turn: int, plan: TilePlan) -> bool:
 
 
 def _as_sent(image: Image.Image, data: bytes, *, index: FingerprintIndex | None,
-             documents: _Documents) -> NormalisedImage:
+             documents: _Documents, budget: DecodeBudget) -> NormalisedImage:
     """The image as it came, its check still to be done (`checked()`): its search for an
     embedded document, then its decode."""
     width, height = image.size
     return NormalisedImage(
         source_format="JPEG", source_width=width, source_height=height, width=width, height=height,
-        data=data, mime="image/jpeg", fingerprint="", check=functools.partial(_check_sent, data, image, index, documents),
+        data=data, mime="image/jpeg", fingerprint="", check=functools.partial(_check_sent, data, image, index, documents, budget),
     )
 
 
-def _check_sent(data: bytes, image: Image.Image, index: FingerprintIndex | None, documents: _Documents) -> str:
+def _check_sent(data: bytes, image: Image.Image, index: FingerprintIndex | None, documents: _Documents,
+                budget: DecodeBudget) -> str:
     """An image sent as it came checked as the intake checks any other, and its fingerprint:
     every scan of the JPEG is decoded (truncated or corrupt data fails here as it would in a
     full decode), at a quarter of its size. Its fingerprint's bits are then within 4 of 63 of
@@ -374,10 +399,13 @@ def _check_sent(data: bytes, image: Image.Image, index: FingerprintIndex | None,
     at an eighth, libjpeg's scaled decode moves them by up to 10: another picture). Decoded to
     grey, what the fingerprint is made of: libjpeg-turbo then transforms only the luma, for the
     same bits (a 1 MP photo: 1.75 ms, fingerprint included, where colour took 2.0 and colour at
-    half size 2.7). A polyglot (`documents`, searched first) is refused as such, broken or not."""
-    documents.refuse()
-    small = as_image(decode_jpeg(data, image, 4, grey=True))  # CorruptImage for anything but a whole JPEG
-    return fingerprint(small, index, size=image.size)
+    half size 2.7). A polyglot (`documents`, searched first) is refused as such, broken or not.
+    Its CPU time is its request's (`budget`), wherever it runs."""
+    with budget.timed():
+        documents.refuse()
+        small = as_image(decode_jpeg(data, image, 4, grey=True, max_scans=budget.limits.max_scans,
+                                     cpu_seconds=budget.cpu_allowed()))  # CorruptImage for anything but a whole JPEG
+        return fingerprint(small, index, size=image.size)
 
 
 # Threads for the work of a picture that can run beside the rest of it (its re-encode, beside
@@ -393,7 +421,7 @@ def _downscales_whole(image: Image.Image, turn: int, plan: TilePlan) -> bool:
 
 
 def _downscaled(image: Image.Image, data: bytes, policy: Policy, size: tuple[int, int], *,
-                index: FingerprintIndex | None, documents: _Documents) -> NormalisedImage:
+                index: FingerprintIndex | None, documents: _Documents, budget: DecodeBudget) -> NormalisedImage:
     """The JPEG decoded at the DCT scale that covers `size`, resampled by libvips, re-encoded
     by libjpeg-turbo. Decoded at a reduced scale (the photo is at least four times the pixels
     it is brought to: its entropy decoding dominates) where the row-by-row decoder is built
@@ -405,14 +433,15 @@ def _downscaled(image: Image.Image, data: bytes, policy: Policy, size: tuple[int
     is the fingerprint's. The same pixels, the same encoder settings (baseline, 4:2:0, the
     policy's quality) as the general path, which decodes and encodes through Pillow."""
     scale = _dct_scale(image.size, size)
+    limits = {"max_scans": budget.limits.max_scans, "cpu_seconds": budget.cpu_allowed()}
     with rows.turn() as behind:  # counted while it decodes, whichever way
         streamed = scale > 1 and behind and rows.standard_sampling(image)
         if streamed:
             made = rows.downscale(data, scale, size, quality=policy.output_quality, helpers=_helpers(),
-                                  beside=documents.found)
+                                  beside=documents.found, **limits)
         else:
             documents.refuse()
-            raw = decode_jpeg(data, image, scale)
+            raw = decode_jpeg(data, image, scale, **limits)
     if streamed:
         documents.refuse()  # searched beside the decode: nothing is fingerprinted or sent before
         encoded, ident = made.jpeg, fingerprint_of_bits(narrowed_bits(made.narrow, size[1]), size, index)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image
 
-from controlplane.imaging.errors import CorruptImage
+from controlplane.imaging.errors import CorruptImage, ImageTooComplex
 from controlplane.imaging.fingerprint import narrowed
 from controlplane.imaging.resample import Bands, vips_usable
 
@@ -47,6 +47,36 @@ OUT_BANDS = 24
 # so that less is left to resample and encode once the decode ends (1.5 ms left after a
 # 12 MP photo's last rows with 64-row steps to the end; 1.2 this way).
 FINAL, FINAL_STEP = 128, 16
+
+
+def _decoder(data: bytes, scale: int, *, grey: bool = False, max_scans: int = 0, cpu_seconds: float = 0):
+    try:
+        return _jpegrows.Decoder(data, scale, grey, max_scans=max_scans, cpu_seconds=cpu_seconds)
+    except ValueError as exc:
+        raise CorruptImage(f"image data is truncated or corrupt: {exc}") from None
+    except _jpegrows.TooCostly as exc:
+        raise _too_costly(exc) from None
+
+
+def _too_costly(exc: Exception) -> ImageTooComplex:
+    return ImageTooComplex(f"image could not be decoded within its budget: {exc}")
+
+
+def decode_whole(data: bytes, scale: int, *, grey: bool = False, max_scans: int = 0,
+                 cpu_seconds: float = 0) -> np.ndarray:
+    """The JPEG `data` decoded at 1/`scale`, rows of RGB (or grey, when `grey` or the JPEG is),
+    as simplejpeg decodes it (the same pixels, in the same time), strictly; stopped past
+    `max_scans` scans or `cpu_seconds` of this thread's CPU time (ImageTooComplex; 0: none)."""
+    decoder = _decoder(data, scale, grey=grey, max_scans=max_scans, cpu_seconds=cpu_seconds)
+    pixels = np.empty((decoder.height, decoder.width, decoder.channels), np.uint8)
+    try:
+        decoder.read(pixels)
+        decoder.finish()
+    except ValueError as exc:
+        raise CorruptImage(f"image data is truncated or corrupt: {exc}") from None
+    except _jpegrows.TooCostly as exc:
+        raise _too_costly(exc) from None
+    return pixels
 
 
 def compiled() -> bool:
@@ -120,8 +150,9 @@ class Downscaled:
     narrow: bytearray  # its grey's fingerprint.narrowed rows (the thumbnail's first pass)
 
 
-def downscale(data: bytes, scale: int, size: tuple[int, int], *, quality: int,
-              helpers: Executor, beside: Callable[[], object] | None = None) -> Downscaled | None:
+def downscale(data: bytes, scale: int, size: tuple[int, int], *, quality: int, helpers: Executor,
+              beside: Callable[[], object] | None = None, max_scans: int = 0,
+              cpu_seconds: float = 0) -> Downscaled | None:
     """The colour JPEG `data` decoded at 1/`scale`, resampled to `size` and encoded as a
     baseline 4:2:0 JPEG at `quality`: the JPEG, the resampled picture's RGB rows, and the
     first pass of its fingerprint's thumbnail (each band's, as it is made, so that only a pass
@@ -131,11 +162,9 @@ def downscale(data: bytes, scale: int, size: tuple[int, int], *, quality: int,
     the rest on one of `helpers`, behind it, after `beside()`: work of the caller's that need
     not wait for the decode (a failed decode may leave it running, or never started; if it
     raises, the caller must run it again). When it returns anything but None (a refusal), the
-    decode stops where it is and this returns None."""
-    try:
-        decoder = _jpegrows.Decoder(data, scale)
-    except ValueError as exc:
-        raise CorruptImage(f"image data is truncated or corrupt: {exc}") from None
+    decode stops where it is and this returns None. The decode stops past `max_scans` scans or
+    `cpu_seconds` of this thread's CPU time (ImageTooComplex; 0: no limit)."""
+    decoder = _decoder(data, scale, max_scans=max_scans, cpu_seconds=cpu_seconds)
     if decoder.channels != 3:
         raise ValueError("downscale() takes colour JPEGs")
     # Zeroed (pages the decoder touches first; calloc'd, so nothing is written twice): a band
@@ -154,6 +183,9 @@ def downscale(data: bytes, scale: int, size: tuple[int, int], *, quality: int,
     except ValueError as exc:
         progress.abandon()
         raise CorruptImage(f"image data is truncated or corrupt: {exc}") from None
+    except _jpegrows.TooCostly as exc:
+        progress.abandon()
+        raise _too_costly(exc) from None
     except BaseException:
         progress.abandon()
         raise

@@ -14,6 +14,7 @@ from controlplane.tenants.models import Quota
 from tests.controlplane.gateway.conftest import ingested
 from tests.controlplane.gateway.test_views import engines, error_of, image_message, post, routed  # noqa: F401
 from tests.images import data_url, image_bytes
+from tests.imaging_corpus import jpeg_scan_bomb, png_claiming
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -107,3 +108,21 @@ def test_an_image_failing_its_check_is_refused_for_it_whatever_else_the_request_
     refused = post(client, routed.alice_key, {"model": "vlm-lite", "max_tokens": 4, "messages": messages})
     assert refused.status_code == 400, refused.content
     assert error_of(refused)["code"] == code and "image 1" in error_of(refused)["message"]
+
+
+def test_a_jpeg_of_thousands_of_scans_is_refused_before_it_is_decoded(client, routed, ledger_mode):  # noqa: F811
+    """194 KB, a progressive JPEG of 2,646 valid scans: each a pass of the decoder over 16 MP."""
+    bomb = jpeg_scan_bomb(4000, 4000, 2646, colour=True)
+    refused = post(client, routed.alice_key, _ask(data_url(bomb)))
+    assert refused.status_code == 400, refused.content
+    assert error_of(refused)["code"] == "image_too_complex"
+    assert "64 scans" in error_of(refused)["message"]
+
+
+def test_a_picture_past_the_requests_total_is_refused_by_its_header(client, routed, ledger_mode):  # noqa: F811
+    """A PNG of 7000x7000 (143 KB of zeros) is refused by its header's size: its rows (garbage,
+    here) are never decoded."""
+    refused = post(client, routed.alice_key, _ask(data_url(png_claiming(7000, 7000), "image/png")))
+    assert refused.status_code == 400, refused.content
+    assert error_of(refused)["code"] == "image_too_large"
+    assert "pixels in total" in error_of(refused)["message"]

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from controlplane.imaging.decode import _PAYLOAD, PolyglotImage, _payload
-from controlplane.imaging.errors import UnsupportedFormat
+from controlplane.imaging.errors import CorruptImage, UnsupportedFormat
 from controlplane.imaging.fingerprint import FingerprintIndex
 from controlplane.imaging.policy import Policy, normalise
 from tests.images import image_bytes
@@ -146,3 +146,12 @@ def test_heif_and_avif_are_decoded():
         Image.new("RGB", (640, 480), (10, 120, 200)).save(buffer, fmt, quality=80)
         result = normalise(buffer.getvalue(), Policy())
         assert (result.source_format, result.width, result.height) == (fmt, 640, 480)
+
+
+def test_a_png_whose_pixel_data_is_corrupt_is_refused_not_served_black():
+    """Its orientation is read from its header: looking for an eXIf chunk past the pixels once
+    decoded them, and the decode's failure was taken for a broken EXIF block."""
+    from tests.imaging_corpus import png_claiming
+
+    with pytest.raises(CorruptImage):
+        normalise(png_claiming(300, 200), Policy())
