@@ -1,4 +1,4 @@
-"""Reading a tenant's request body: JSON, read by msgspec, its large images' base64 left out.
+"""Reading a tenant's request body: JSON, its large images' base64 left out, its shape bounded.
 
 A 12 MP photo's body is 3 MB, nearly all of it one string: the base64 of the photo. Read as
 JSON, that string is scanned for its end and its escapes, checked as UTF-8 and copied into a
@@ -14,6 +14,13 @@ so the body with the stand-ins is valid JSON exactly when the body is, and a sta
 whole, where an image's URL is, was the whole of that string. Whatever does not hold to that
 (a stand-in read anywhere else, a URL with an escape in it such as `\\/`, a body that is not
 valid JSON) has the whole body read as it came, for the same result or the same error.
+
+What is read is bounded before it is read: a JSON parser's time grows with the objects, keys
+and values it makes, not with the bytes (60 MB of empty arrays took 7 s; 100 KB of numbers
+near 1e300, msgspec's slow path, 1 s). So the JSON left around the images is refused when it
+holds more of them than a chat request can use, counted in its bytes (strings' content
+included: a string's commas count too) by C loops at about 1.5 GB/s, before it is parsed;
+and orjson parses it, whose time per value has no such slow path.
 """
 
 from __future__ import annotations
@@ -21,25 +28,53 @@ from __future__ import annotations
 import re
 import secrets
 
-import msgspec
+import orjson
 
 from controlplane.gateway.prepare import image_parts, image_url_place
 from controlplane.imaging.policy import DecodedDataURL, decoded_data_url
 
-# Bodies from this size on are looked through for large images; below it, reading the whole
-# takes no longer than looking (a 1 MP photo's 263 KB: 0.07 ms).
-LARGE_BODY = 1 << 20
 _LARGE_URL = 64 * 1024  # characters of a data URL worth decoding where it lies
+# Bodies from this size on are looked through for large images.
+LARGE_BODY = _LARGE_URL
 _LOOKS = 64  # places a body may have a data URL in before it is read whole instead
 _HEAD = re.compile(rb'data:[^"\\,]{0,240},')  # its media type and parameters, up to the comma
 
-_read_json = msgspec.json.Decoder().decode
+# What the JSON around a request's images may hold: objects and arrays ({ and [), keys (:) and
+# values (,). A chat request at every limit of prepare's (2,048 messages, 4,096 parts, 128
+# tools) holds a tenth of them; a long-context prompt's prose, a comma every 60 bytes or so.
+# orjson reads the worst body within them in about 15 ms.
+MAX_CONTAINERS, MAX_KEYS, MAX_VALUES = 32_768, 65_536, 131_072
+_NOT_STRUCTURE = bytes(b for b in range(256) if b not in b"{[:,")
+_SLICE = 1 << 20  # counted a megabyte at a time, to stop at the first that passes a limit
+
+
+class TooComplex(ValueError):
+    """A body whose JSON holds more objects, keys or values than a request may."""
 
 
 def read_body(raw: bytes) -> object:
-    """The JSON `raw`, read; ValueError (or RecursionError) as msgspec raises for the whole."""
+    """The JSON `raw`, read; TooComplex before it is read if its shape is past the limits, else
+    ValueError as orjson raises for the whole."""
     body = _read_with_stand_ins(raw) if len(raw) >= LARGE_BODY else None
     return _read_json(raw) if body is None else body
+
+
+def _read_json(raw: bytes) -> object:
+    _check_shape(raw)
+    return orjson.loads(raw)
+
+
+def _check_shape(raw: bytes) -> None:
+    containers = keys = values = 0
+    for start in range(0, len(raw), _SLICE):
+        structure = raw[start:start + _SLICE].translate(None, _NOT_STRUCTURE)
+        containers += structure.count(b"{") + structure.count(b"[")
+        keys += structure.count(b":")
+        values += structure.count(b",")
+        for count, limit, what in ((containers, MAX_CONTAINERS, "objects and arrays"), (keys, MAX_KEYS, "keys"),
+                                   (values, MAX_VALUES, "values")):
+            if count > limit:
+                raise TooComplex(f"the request body holds more than {limit:,} JSON {what}")
 
 
 def _read_with_stand_ins(raw: bytes) -> object | None:
@@ -57,7 +92,9 @@ def _read_with_stand_ins(raw: bytes) -> object | None:
     pieces.append(view[end:])
     try:
         body = _read_json(b"".join(pieces))
-    except (ValueError, RecursionError):
+    except TooComplex:
+        raise
+    except ValueError:
         return None  # read whole, for its own error
     return body if _put_back(body, stand_ins) == len(found) else None
 
@@ -65,7 +102,7 @@ def _read_with_stand_ins(raw: bytes) -> object | None:
 def _large_data_urls(raw: bytes) -> list[tuple[int, int, DecodedDataURL]]:
     """Where each large base64 data URL lies in `raw` (from after its opening quote to its
     closing one), decoded; none once `_LOOKS` places have been looked at (a body of countless
-    `"data:` is read whole, in msgspec's time, not looked through a step at a time)."""
+    `"data:` is read whole, in the parser's time, not looked through a step at a time)."""
     found, at = [], raw.find(b'"data:')
     for _ in range(_LOOKS):
         if at < 0:

@@ -17,7 +17,7 @@ from django.utils import timezone
 
 from controlplane.catalog.routing import resolve_auto
 from controlplane.gateway import counters, ledger, moderation, routing, state, upstream
-from controlplane.gateway.body import read_body
+from controlplane.gateway.body import TooComplex, read_body
 from controlplane.gateway.errors import GatewayError, error_response
 from controlplane.gateway.http import Request, Response, json_response
 from controlplane.gateway.ledger import Ask, Flight, Refused
@@ -40,11 +40,9 @@ log = logging.getLogger(__name__)
 AUTO = "auto"
 # What pictures sent before became, for the requests that send them again.
 repeats = Repeats(settings.GATEWAY_REPEATS_MB * 1024 * 1024, shared=Shared.from_settings())
-# A tenant's body is read (body.py), and the engine's written, by msgspec: the megabytes of
-# base64 an image request carries parse in half orjson's time, small bodies as fast, and an
-# integer past 64 bits, which orjson reads as a float, goes on as it came. The engine's answers
-# are read by orjson. A data URL decoded as the body was read is written as it came, should
-# one ever be sent on (prepare replaces every image it reads).
+# A tenant's body is read by orjson (body.py), bounded in shape first; the engine's is written
+# by msgspec, which writes a data URL decoded as the body was read as it came, should one ever
+# be sent on (prepare replaces every image it reads). The engine's answers are read by orjson.
 
 
 def _as_written(value):
@@ -173,12 +171,13 @@ async def _chat_completions(request: Request, request_id: str):
                                code="request_too_large")
         try:
             # On the event loop, a body of megabytes too: its parse holds the interpreter's lock
-            # throughout, on a worker thread as here, and its base64 is decoded where it lies.
+            # throughout, on a worker thread as here, and its base64 is decoded where it lies;
+            # its shape is bounded before it is parsed.
             body = read_body(raw)
-        except (ValueError, UnicodeDecodeError):
+        except TooComplex as exc:
+            raise GatewayError(400, str(exc), code="request_too_complex") from None
+        except (ValueError, UnicodeDecodeError, RecursionError):
             raise GatewayError(400, "the request body is not valid JSON", code="invalid_json") from None
-        except RecursionError:
-            raise GatewayError(400, "the request body is nested too deeply", code="invalid_json") from None
         try:
             validate_body(body)
         except RequestInvalid as exc:

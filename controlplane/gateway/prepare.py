@@ -141,7 +141,7 @@ REQUEST_FIELDS = frozenset({
     "ignore_eos", "min_tokens",
 })
 MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id", "refusal"})
-MAX_MESSAGES, MAX_PARTS = 2048, 1024  # per request, and content parts per message
+MAX_MESSAGES, MAX_PARTS = 2048, 4096  # per request: messages, and content parts of all of them
 _NUMBER = (int, float)
 
 
@@ -223,9 +223,6 @@ def _validate_content(index: int, content) -> None:
         return
     if not isinstance(content, list):
         raise RequestInvalid(f"messages[{index}].content must be a string or an array", param="messages")
-    if len(content) > MAX_PARTS:
-        raise RequestInvalid(f"messages[{index}].content has {len(content)} parts; at most {MAX_PARTS}",
-                             param="messages")
     for n, part in enumerate(content):
         where = f"messages[{index}].content[{n}]"
         if not isinstance(part, dict) or not isinstance(part.get("type"), str):
@@ -254,6 +251,9 @@ def validate_body(body) -> None:
         raise RequestInvalid("messages must be a non-empty array", param="messages")
     if len(messages) > MAX_MESSAGES:
         raise RequestInvalid(f"messages has {len(messages)} entries; at most {MAX_MESSAGES}", param="messages")
+    parts = sum(len(m["content"]) for m in messages if isinstance(m, dict) and isinstance(m.get("content"), list))
+    if parts > MAX_PARTS:  # counted before any is looked at
+        raise RequestInvalid(f"the messages have {parts} content parts in all; at most {MAX_PARTS}", param="messages")
     for name, (valid, what) in PARAMETER_TYPES.items():
         if body.get(name) is not None and not valid(body[name]):
             raise RequestInvalid(f"{name} must be {what}", param=name, code="invalid_type")

@@ -54,9 +54,9 @@ def test_a_request_with_too_many_messages_or_parts_is_a_400(client, world):
 
     many = [{"role": "user", "content": "hi"}] * 2049
     assert post(client, world.alice_key, {"model": "text", "messages": many}).status_code == 400
-    parts = [{"type": "text", "text": "x"}] * 1025
+    parts = [{"type": "text", "text": "x"}] * 4097
     response = post(client, world.alice_key, {"model": "text", "messages": [{"role": "user", "content": parts}]})
-    assert response.status_code == 400 and "at most 1024" in response.json()["error"]["message"]
+    assert response.status_code == 400 and "at most 4096" in response.json()["error"]["message"]
 
 
 def test_the_embedded_database_and_secret_key_are_readable_by_their_owner_alone(tmp_path):
