@@ -324,6 +324,10 @@ GATEWAY_IMAGE_CPU_MS = env_int("GATEWAY_IMAGE_CPU_MS", 2000, minimum=10)
 GATEWAY_REQUEST_IMAGE_CPU_MS = env_int("GATEWAY_REQUEST_IMAGE_CPU_MS", 4000, minimum=10)
 GATEWAY_IMAGE_DECODE_MB = env_int("GATEWAY_IMAGE_DECODE_MB", 512, minimum=16)
 GATEWAY_REQUEST_DECODE_MB = env_int("GATEWAY_REQUEST_DECODE_MB", 1024, minimum=16)
+# Gateway CPU time a key's requests may take before admission each minute (reading bodies,
+# decoding and checking images), seconds; past it, its next image request is a 429 before its
+# pictures are opened (controlplane/gateway/intake.py). 0: no limit. A 12 MP photo takes 0.04.
+GATEWAY_KEY_INTAKE_CPU_S = env_int("GATEWAY_KEY_INTAKE_CPU_S", 10, minimum=0)
 # For tiers with engine_settings.require_moderation: an OpenAI-format /v1/moderations endpoint.
 MODERATION_URL = env_str("MODERATION_URL", "")
 MODERATION_API_KEY = env_str("MODERATION_API_KEY", "")

@@ -16,8 +16,8 @@ from django.conf import settings
 from django.utils import timezone
 
 from controlplane.catalog.routing import resolve_auto
-from controlplane.gateway import counters, ledger, moderation, routing, state, upstream
-from controlplane.gateway.body import TooComplex, read_body
+from controlplane.gateway import counters, intake, ledger, moderation, routing, state, upstream
+from controlplane.gateway.body import LARGE_BODY, TooComplex, read_body
 from controlplane.gateway.errors import GatewayError, error_response
 from controlplane.gateway.http import Request, Response, json_response
 from controlplane.gateway.ledger import Ask, Flight, Refused
@@ -30,7 +30,7 @@ from controlplane.gateway.prepare import (
     validate_body,
 )
 from controlplane.gateway.repeats import Repeats, Shared
-from controlplane.imaging.budget import MB, DecodeLimits
+from controlplane.imaging.budget import MB, DecodeBudget, DecodeLimits
 from controlplane.imaging.policy import DecodedDataURL
 from controlplane.imaging.tokens import engine_image_tokens
 from controlplane.metering.services import UsageRecord
@@ -151,39 +151,56 @@ def _pick_tier(model: str, key: state.KeyInfo, tiers: dict[str, TierSpec], has_i
 
 async def chat_completions(request: Request) -> Response:
     request_id = f"req_{uuid.uuid4().hex}"
+    meters: list[intake.IntakeMeter] = []  # the request's, once its key is known
+    status = 500
     try:
-        return await _chat_completions(request, request_id)
+        response = await _chat_completions(request, request_id, meters)
+        status = response.status
+        return response
     except Exception:
         log.exception("gateway failure on %s", request_id)
         return error_response(500, "the gateway failed on this request; it has been logged",
                               code="internal_error", request_id=request_id)
+    finally:
+        if meters:  # a refusal is counted before it is answered; other requests' CPU, after
+            if intake.refused(meters[0], status):
+                await intake.charge(meters[0], status)
+            else:
+                _in_background(intake.charge(meters[0], status))
 
 
-async def _chat_completions(request: Request, request_id: str):
+async def _chat_completions(request: Request, request_id: str, meters: list):
     if request.method != "POST":
         return error_response(405, f"{request.method} is not allowed on /v1/chat/completions",
                               request_id=request_id)
     try:
         key = await _authenticate(request)
+        meter = intake.IntakeMeter(key)
+        meters.append(meter)
         raw = request.body
         if raw is None:
             raise GatewayError(413, f"request body exceeds {settings.GATEWAY_MAX_BODY_BYTES} bytes",
                                code="request_too_large")
-        try:
-            # On the event loop, a body of megabytes too: its parse holds the interpreter's lock
-            # throughout, on a worker thread as here, and its base64 is decoded where it lies;
-            # its shape is bounded before it is parsed.
-            body = read_body(raw)
-        except TooComplex as exc:
-            raise GatewayError(400, str(exc), code="request_too_complex") from None
-        except (ValueError, UnicodeDecodeError, RecursionError):
-            raise GatewayError(400, "the request body is not valid JSON", code="invalid_json") from None
-        try:
-            validate_body(body)
-        except RequestInvalid as exc:
-            raise GatewayError(400, str(exc), code=exc.code, param=exc.param) from None
-        tier = _pick_tier(body["model"], key, await _known("the models", state.tiers()),
-                          bool(image_parts(body["messages"])))
+        if len(raw) >= LARGE_BODY:  # a key past its intake's limits is refused before it is read
+            await intake.check(meter)
+        with meter.timed():
+            try:
+                # On the event loop, a body of megabytes too: its parse holds the interpreter's
+                # lock throughout, on a worker thread as here, and its base64 is decoded where it
+                # lies; its shape is bounded before it is parsed.
+                body = read_body(raw)
+            except TooComplex as exc:
+                raise GatewayError(400, str(exc), code="request_too_complex") from None
+            except (ValueError, UnicodeDecodeError, RecursionError):
+                raise GatewayError(400, "the request body is not valid JSON", code="invalid_json") from None
+            try:
+                validate_body(body)
+            except RequestInvalid as exc:
+                raise GatewayError(400, str(exc), code=exc.code, param=exc.param) from None
+        has_images = bool(image_parts(body["messages"]))
+        if has_images:  # and before its pictures are opened
+            await intake.check(meter)
+        tier = _pick_tier(body["model"], key, await _known("the models", state.tiers()), has_images)
         if not tier.priced:
             # Serving it would bill nothing, or bill later at a price nobody agreed to.
             log.error("tier %s has no price in effect; refusing its requests", tier.name)
@@ -194,8 +211,10 @@ async def _chat_completions(request: Request, request_id: str):
     started, prepared = time.monotonic(), None
     try:
         try:
+            if tier.policy is not None:
+                meter.budget = DecodeBudget(decode_limits(), pixels=tier.policy.max_total_pixels)
             prepared = await prepare(body, tier, max_image_bytes=settings.GATEWAY_MAX_BODY_BYTES,
-                                     scope=str(key.tenant_id), repeats=repeats, decode_limits=decode_limits())
+                                     scope=str(key.tenant_id), repeats=repeats, budget=meter.budget)
         except RequestInvalid as exc:
             raise GatewayError(400, str(exc), code=exc.code, param=exc.param) from None
         if tier.require_moderation and prepared.images:
@@ -212,6 +231,7 @@ async def _chat_completions(request: Request, request_id: str):
                                    headers={"Retry-After": "5"}) from None
         route = await _route(key, tier, prepared)
         admission = await _admit(request_id, key, tier, prepared, started, engine=route.first)
+        meter.admitted = True
     except GatewayError as exc:
         exc = await _broken_image(prepared) or exc
         # Refused once the tier was known: the tenant sees it in their usage, at no cost.

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from controlplane.gateway import counters
 from controlplane.gateway.repeats import Key, Picture, Repeats, digest
-from controlplane.imaging.budget import DecodeBudget, DecodeLimits
+from controlplane.imaging.budget import DecodeBudget
 from controlplane.imaging.errors import ImageError
 from controlplane.imaging.fetch import FetchPolicy
 from controlplane.imaging.fingerprint import FingerprintIndex
@@ -357,10 +357,11 @@ def _image_tiles(data: bytes, key: Key | None, policy: Policy, detail, scope: st
 
 
 async def prepare(body: dict, tier: TierSpec, *, max_image_bytes: int, scope: str = "",
-                  repeats: Repeats | None = None, decode_limits: DecodeLimits | None = None) -> Prepared:
+                  repeats: Repeats | None = None, budget: DecodeBudget | None = None) -> Prepared:
     """`scope`: whose request it is (a tenant's pictures are recognised among its own only).
     `repeats`: what pictures sent before became, for those sent again (none kept without).
-    `decode_limits`: what decoding the request's pictures may cost (see imaging/budget.py)."""
+    `budget`: what decoding the request's pictures may cost, and the CPU they took (see
+    imaging/budget.py); by default, the tier's policy's pixel total and the default limits."""
     parts = image_parts(body["messages"])
     if parts and tier.kind != "vision":
         raise RequestInvalid(f"model {tier.name} does not accept images", param="messages",
@@ -380,7 +381,7 @@ async def prepare(body: dict, tier: TierSpec, *, max_image_bytes: int, scope: st
     prepared = Prepared(body=body)
     try:
         if parts:
-            prepared.budget = DecodeBudget(decode_limits or DecodeLimits(), pixels=tier.policy.max_total_pixels)
+            prepared.budget = budget or DecodeBudget(pixels=tier.policy.max_total_pixels)
             await _prepare_images(prepared, parts, tier, max_image_bytes=max_image_bytes, scope=scope,
                                   repeats=repeats)
         _lay_out(prepared, tier)

@@ -35,6 +35,7 @@ from controlplane.gateway.ledger import spool
 from controlplane.gateway.ledger.base import (
     Ask,
     Flight,
+    IntakeLimits,
     Limits,
     Refused,
     Reservation,
@@ -44,8 +45,8 @@ from controlplane.gateway.ledger.database_store import DatabaseLedger
 from controlplane.gateway.ledger.redis_store import RedisLedger
 from controlplane.metering.services import UsageRecord, usage_record
 
-__all__ = ("Ask", "DatabaseLedger", "Flight", "Limits", "RedisLedger", "Refused", "Reservation", "admit",
-           "engine_chosen", "finish", "journal_reap", "ledger", "settlement")
+__all__ = ("Ask", "DatabaseLedger", "Flight", "IntakeLimits", "Limits", "RedisLedger", "Refused", "Reservation", "admit",
+           "engine_chosen", "finish", "intake_charge", "intake_over", "journal_reap", "ledger", "settlement")
 log = logging.getLogger(__name__)
 
 SPOOL_RETRY_S = 2.0
@@ -98,6 +99,19 @@ async def admit(record: UsageRecord, limits: Limits | None = None, ask: Ask | No
     _live[record.request_id] = flight
     _ensure_heartbeat()
     return flight
+
+
+async def intake_over(tenant_id: int, key_id: int, limits: IntakeLimits, now) -> str | None:
+    """Which of `limits` a key's requests have reached this minute (its next is refused before
+    its intake), or None."""
+    return await ledger().intake_over(tenant_id, key_id, limits, now)
+
+
+async def intake_charge(tenant_id: int, key_id: int, limits: IntakeLimits, now, *, cpu_ms: int,
+                        refused: bool) -> None:
+    """Count what a request's intake cost its key: CPU time and, `refused` at intake (never
+    admitted, so never counted), the request itself."""
+    await ledger().intake_charge(tenant_id, key_id, limits, now, cpu_ms=cpu_ms, refused=refused)
 
 
 async def key_rate(key_id: int, limit: int, now) -> bool:

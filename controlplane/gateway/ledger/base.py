@@ -28,6 +28,24 @@ class Limits:
 
 
 @dataclass(frozen=True)
+class IntakeLimits:
+    """What a key's requests may cost before admission, each minute: its tenant's requests and
+    its own (a request refused at intake counts as one), and the gateway CPU time its requests'
+    intake took (milliseconds). None: no limit."""
+
+    tenant_requests: int | None = None
+    key_requests: int | None = None
+    cpu_ms: int | None = None
+
+    def of(self, name: str) -> int | None:
+        return {"requests_per_minute": self.tenant_requests, "key_requests_per_minute": self.key_requests,
+                "intake_cpu_ms": self.cpu_ms}[name]
+
+
+INTAKE = ("requests_per_minute", "key_requests_per_minute", "intake_cpu_ms")
+
+
+@dataclass(frozen=True)
 class Ask:
     image_tokens: int
     total_tokens: int

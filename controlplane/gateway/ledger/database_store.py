@@ -23,8 +23,10 @@ from django.db.models.functions import Greatest
 from django.utils import timezone
 
 from controlplane.gateway.ledger.base import (
+    INTAKE,
     Ask,
     Flight,
+    IntakeLimits,
     Limits,
     Reservation,
     entry,
@@ -82,6 +84,53 @@ class DatabaseLedger:
 
     async def reserve(self, tenant_id: int, limits: Limits, ask: Ask, now: dt.datetime) -> Reservation:
         return await sync_to_async(self.reserve_sync)(tenant_id, limits, ask, now)
+
+    @staticmethod
+    def _intake_counters(key_id: int) -> dict[str, str]:
+        return {"requests_per_minute": "requests_per_minute", "key_requests_per_minute": f"key{key_id}:rpm",
+                "intake_cpu_ms": f"key{key_id}:intake_ms"}
+
+    async def intake_over(self, tenant_id: int, key_id: int, limits: IntakeLimits, now: dt.datetime) -> str | None:
+        return await sync_to_async(self.intake_over_sync)(tenant_id, key_id, limits, now)
+
+    def intake_over_sync(self, tenant_id: int, key_id: int, limits: IntakeLimits, now: dt.datetime) -> str | None:
+        """Which of `limits` the key's minute has reached (its next request is refused), or None."""
+        from controlplane.tenants.models import QuotaCounter
+
+        counters = self._intake_counters(key_id)
+        used = dict(QuotaCounter.objects.filter(tenant_id=tenant_id, key__in=counters.values(),
+                                                window=minute_window(now)).values_list("key", "used"))
+        return next((name for name in INTAKE
+                     if limits.of(name) is not None and used.get(counters[name], 0) >= limits.of(name)), None)
+
+    async def intake_charge(self, tenant_id: int, key_id: int, limits: IntakeLimits, now: dt.datetime, *,
+                            cpu_ms: int, refused: bool) -> None:
+        await sync_to_async(self.intake_charge_sync)(tenant_id, key_id, limits, now, cpu_ms=cpu_ms, refused=refused)
+
+    def intake_charge_sync(self, tenant_id: int, key_id: int, limits: IntakeLimits, now: dt.datetime, *,
+                           cpu_ms: int, refused: bool) -> None:
+        """Count a request's intake: its CPU time, and, `refused` at intake, the request itself."""
+        from controlplane.tenants.models import QuotaCounter
+
+        counters, window = self._intake_counters(key_id), minute_window(now)
+        amounts = {"intake_cpu_ms": cpu_ms}
+        if refused:
+            amounts.update({"requests_per_minute": 1, "key_requests_per_minute": 1})
+        plan = [(counters[name], amount) for name, amount in amounts.items()
+                if amount and limits.of(name) is not None]
+        for _attempt in range(3):
+            try:
+                with transaction.atomic():
+                    for counter, amount in plan:
+                        row, _ = QuotaCounter.objects.select_for_update().get_or_create(
+                            tenant_id=tenant_id, key=counter, defaults={"window": window, "used": 0})
+                        if row.window != window:
+                            row.window, row.used = window, 0
+                        row.used += amount
+                        row.save(update_fields=["window", "used"])
+                return
+            except IntegrityError:  # two first requests created the same counter: go again
+                continue
 
     async def key_rate(self, key_id: int, limit: int, now: dt.datetime) -> bool:
         return await sync_to_async(self.key_rate_sync)(key_id, limit, now)

@@ -33,8 +33,10 @@ from asgiref.sync import sync_to_async
 from django.conf import settings
 
 from controlplane.gateway.ledger.base import (
+    INTAKE,
     Ask,
     Flight,
+    IntakeLimits,
     Limits,
     Refused,
     Reservation,
@@ -241,6 +243,35 @@ return 0
 """
 
 
+# What a key's requests cost before admission. KEYS: the minute's tenant requests, key
+# requests and key intake CPU (ms); ARGV[1..3] their limits (-1: none).
+# Which is reached (1..3), or 0:
+_INTAKE_OVER = """
+for i = 1, 3 do
+  local limit = tonumber(ARGV[i])
+  if limit >= 0 and tonumber(redis.call('GET', KEYS[i]) or '0') >= limit then return i end
+end
+return 0
+"""
+# Counting it: ARGV[4] the CPU milliseconds, ARGV[5] '1' when the request counts as one of
+# the minute's (refused at intake: admission never counted it).
+_INTAKE_CHARGE = """
+if tonumber(ARGV[4]) > 0 then
+  redis.call('INCRBY', KEYS[3], ARGV[4])
+  redis.call('EXPIRE', KEYS[3], 120)
+end
+if ARGV[5] == '1' then
+  for i = 1, 2 do
+    if tonumber(ARGV[i]) >= 0 then
+      redis.call('INCR', KEYS[i])
+      redis.call('EXPIRE', KEYS[i], 120)
+    end
+  end
+end
+return 0
+"""
+
+
 class RedisLedger:
     def __init__(self, url: str | None = None, *, prefix: str | None = None):
         from controlplane.redis_clients import key_prefix
@@ -279,6 +310,25 @@ class RedisLedger:
     async def key_rate_return(self, key_id: int, now: dt.datetime) -> None:
         """Give back the request `key_rate` counted (its request was refused after all)."""
         await _eval(self._scripts(), _KEY_RATE_RETURN, 1, f"{self.prefix}:keyrpm:{key_id}:{minute_window(now)}")
+
+    # -- intake ----------------------------------------------------------------------------
+
+    def _intake_call(self, tenant_id: int, key_id: int, limits: IntakeLimits, now: dt.datetime) -> list:
+        minute = minute_window(now)
+        keys = [f"{self.prefix}:quota:{tenant_id}:rpm:{minute}", f"{self.prefix}:keyrpm:{key_id}:{minute}",
+                f"{self.prefix}:keycpu:{key_id}:{minute}"]
+        return [3, *keys, *(-1 if limits.of(name) is None else limits.of(name) for name in INTAKE)]
+
+    async def intake_over(self, tenant_id: int, key_id: int, limits: IntakeLimits, now: dt.datetime) -> str | None:
+        """Which of `limits` the key's minute has reached (its next request is refused), or None."""
+        found = await _eval(self._scripts(), _INTAKE_OVER, *self._intake_call(tenant_id, key_id, limits, now))
+        return INTAKE[found - 1] if found else None
+
+    async def intake_charge(self, tenant_id: int, key_id: int, limits: IntakeLimits, now: dt.datetime, *,
+                            cpu_ms: int, refused: bool) -> None:
+        """Count a request's intake: its CPU time, and, `refused` at intake, the request itself."""
+        await _eval(self._scripts(), _INTAKE_CHARGE, *self._intake_call(tenant_id, key_id, limits, now),
+                    cpu_ms, "1" if refused else "0")
 
     # -- admit -----------------------------------------------------------------------------
 

@@ -1,0 +1,90 @@
+"""What a key's requests cost before admission counts against it: a key that keeps sending
+pictures that are costly to refuse is throttled with a 429 before its next pictures are
+opened, and a request refused at intake is one of its minute's requests. In both ledgers."""
+
+from __future__ import annotations
+
+import pytest
+
+from controlplane.tenants.models import Quota
+from controlplane.tenants.services import api_key_create
+from tests.controlplane.gateway.test_views import engines, error_of, image_message, post, routed  # noqa: F401
+from tests.images import data_url, image_bytes
+from tests.imaging_corpus import jpeg_scan_bomb, png_claiming
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.accounting]
+
+# Within the scan limit, its 60 scans each a pass over 16 MP (a tenth of a second or more),
+# and cut short: refused as corrupt once every scan is decoded.
+COSTLY = jpeg_scan_bomb(4000, 4000, 60, colour=True)[:-2]
+BROKEN = png_claiming(800, 600)  # refused as corrupt as soon as it is decoded, before admission
+
+
+def _ask(picture: bytes) -> dict:
+    mime = "image/png" if picture.startswith(b"\x89PNG") else "image/jpeg"
+    return {"model": "vlm-lite", "max_tokens": 4, "messages": image_message(data_url(picture, mime))}
+
+
+def _in_one_minute(attempt):
+    """`attempt(secret)`'s result for a fresh key, tried again should a minute turn during it
+    (the counts start afresh each minute)."""
+    for _ in range(3):
+        from django.utils import timezone
+
+        started = timezone.now().replace(second=0, microsecond=0)
+        outcome = attempt()
+        if timezone.now().replace(second=0, microsecond=0) == started:
+            return outcome
+    raise AssertionError("three minutes turned during the attempts")
+
+
+def test_a_key_that_keeps_sending_costly_refusals_is_throttled_before_its_pictures_are_opened(
+        client, routed, ledger_mode, settings):  # noqa: F811
+    settings.GATEWAY_KEY_INTAKE_CPU_S = 1
+
+    def attempt():
+        secret = api_key_create(tenant=routed.alice).secret
+        answers = [post(client, secret, _ask(COSTLY)) for _ in range(40)]
+        codes = [error_of(answer)["code"] for answer in answers]
+        assert codes[0] == "corrupt_image", answers[0].content
+        throttled = codes.index("rate_limit_exceeded")  # within a second of CPU, well before 40
+        assert set(codes[throttled:]) == {"rate_limit_exceeded"}
+        # A picture refused at once if it were opened gets the 429: it is not opened.
+        broken = post(client, secret, _ask(BROKEN))
+        assert (broken.status_code, error_of(broken)["code"]) == (429, "rate_limit_exceeded")
+        assert "CPU time" in error_of(broken)["message"] and int(broken["Retry-After"]) <= 60
+        # Another key of the same tenant is not held by it.
+        other = post(client, routed.alice_key, _ask(image_bytes(800, 600)))
+        assert other.status_code == 200, other.content
+
+    _in_one_minute(attempt)
+
+
+def test_requests_refused_at_intake_count_against_the_requests_per_minute(client, routed, ledger_mode):  # noqa: F811
+    Quota.objects.create(tenant=routed.alice, period="day", requests_per_minute=3)
+
+    def attempt():
+        Quota.objects.filter(tenant=routed.alice).update(requests_per_minute=3)
+        refused = [post(client, routed.alice_key, _ask(BROKEN)) for _ in range(3)]
+        assert [error_of(answer)["code"] for answer in refused] == ["corrupt_image"] * 3
+        whole = post(client, routed.alice_key, _ask(image_bytes(800, 600)))
+        assert (whole.status_code, error_of(whole)["code"]) == (429, "rate_limit_exceeded"), whole.content
+        Quota.objects.filter(tenant=routed.alice).update(requests_per_minute=None)  # for a retry
+
+    _in_one_minute(attempt)
+
+
+def test_a_keys_own_limit_counts_its_refusals_too(client, routed, ledger_mode):  # noqa: F811
+    def attempt():
+        secret = api_key_create(tenant=routed.alice, requests_per_minute=2).secret
+        assert [post(client, secret, _ask(BROKEN)).status_code for _ in range(2)] == [400, 400]
+        throttled = post(client, secret, _ask(image_bytes(800, 600)))
+        assert throttled.status_code == 429 and "this API key's limit" in error_of(throttled)["message"]
+
+    _in_one_minute(attempt)
+
+
+def test_a_key_with_no_limits_is_served_as_before(client, routed, ledger_mode):  # noqa: F811
+    refused = [post(client, routed.alice_key, _ask(BROKEN)).status_code for _ in range(5)]
+    assert refused == [400] * 5
+    assert post(client, routed.alice_key, _ask(image_bytes(800, 600))).status_code == 200
