@@ -328,6 +328,8 @@ GATEWAY_REQUEST_DECODE_MB = env_int("GATEWAY_REQUEST_DECODE_MB", 1024, minimum=1
 # decoding and checking images), seconds; past it, its next image request is a 429 before its
 # pictures are opened (controlplane/gateway/intake.py). 0: no limit. A 12 MP photo takes 0.04.
 GATEWAY_KEY_INTAKE_CPU_S = env_int("GATEWAY_KEY_INTAKE_CPU_S", 10, minimum=0)
+# Price estimates (/api/v1/estimate/) a tenant's API key may ask for each minute.
+API_ESTIMATES_PER_MINUTE = env_int("API_ESTIMATES_PER_MINUTE", 60, minimum=1)
 # For tiers with engine_settings.require_moderation: an OpenAI-format /v1/moderations endpoint.
 MODERATION_URL = env_str("MODERATION_URL", "")
 MODERATION_API_KEY = env_str("MODERATION_API_KEY", "")

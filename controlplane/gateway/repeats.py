@@ -38,6 +38,7 @@ import redis
 import xxhash
 
 from controlplane.gateway import counters
+from controlplane.imaging.decode import pixel_content
 from controlplane.imaging.policy import NormalisedImage
 from controlplane.threads import Threads
 
@@ -58,7 +59,15 @@ class Key:
 
     @classmethod
     def of(cls, data: bytes, *, scope: str, policy: Hashable, cap: int) -> Key:
-        return cls(scope, policy, cap, len(data), xxhash.xxh3_128_digest(data))
+        """The key of the picture `data`: of what decides its pixels (imaging.decode.pixel_content),
+        so that a copy that differs in metadata alone is the same picture."""
+        content = pixel_content(data)
+        if len(content) == 1:
+            return cls(scope, policy, cap, len(data), xxhash.xxh3_128_digest(data))
+        digest = xxhash.xxh3_128()
+        for part in content:
+            digest.update(part)
+        return cls(scope, policy, cap, sum(len(part) for part in content), digest.digest())
 
 
 def digest(data: bytes) -> str:

@@ -211,6 +211,53 @@ def jpeg_layout(data: bytes, *, scan_limit: int) -> JpegLayout:
     return JpegLayout(frame, scans)
 
 
+_PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+# Ancillary PNG chunks that change what Pillow decodes: transparency, orientation, animation.
+# Every other ancillary chunk (text, time, colour notes Pillow does not apply, private ones)
+# is metadata.
+_PNG_PIXEL_CHUNKS = {b"tRNS", b"eXIf", b"acTL", b"fcTL", b"fdAT"}
+_PNG_MAX_CHUNKS = 4096  # more, and the bytes are taken whole (walking them costs the event loop)
+# JPEG segments that change what libjpeg decodes among the application ones: APP1 (EXIF,
+# whose orientation turns the picture) and APP14 (Adobe's colour transform). The others (JFIF,
+# ICC, Photoshop's, ...) and comments are metadata.
+_JPEG_PIXEL_APPS = {0xE1, 0xEE}
+
+
+def pixel_content(data: bytes) -> list[memoryview]:
+    """The parts of a PNG's or a JPEG's bytes that decide its pixels, in order: the picture
+    without the metadata no decoder turns into pixels (its text, comments, colour profiles).
+    Two files that differ in metadata alone have the same. Other formats, or a file that does
+    not walk as its format should: the bytes whole."""
+    view = memoryview(data)
+    if data.startswith(_PNG_SIGNATURE):
+        kept, at = [view[:8]], 8
+        for _ in range(_PNG_MAX_CHUNKS):
+            if at + 12 > len(data):
+                return [view]
+            length, kind = int.from_bytes(data[at:at + 4], "big"), data[at + 4:at + 8]
+            end = at + 12 + length
+            if kind[:1].isupper() or kind in _PNG_PIXEL_CHUNKS:
+                kept.append(view[at:end])
+            if kind == b"IEND":
+                return kept
+            at = end
+        return [view]
+    if data.startswith(b"\xff\xd8"):
+        kept, at = [view[:2]], 2
+        while at + 4 <= len(data) and data[at] == 0xFF:
+            marker = data[at + 1]
+            if marker == 0xDA:  # the scans, to the end
+                kept.append(view[at:])
+                return kept
+            if marker in (0xFF, 0x01) or 0xD0 <= marker <= 0xD8:
+                return [view]  # fill bytes or a marker with no length before the scans: take it whole
+            end = at + 2 + int.from_bytes(data[at + 2:at + 4], "big")
+            if not (0xE0 <= marker <= 0xEF and marker not in _JPEG_PIXEL_APPS or marker == 0xFE):
+                kept.append(view[at:end])
+            at = end
+    return [view]
+
+
 def check_input_size(width: int, height: int, max_input_pixels: int) -> None:
     """Refuse a picture with no pixels, or with more than the intake decodes."""
     if width <= 0 or height <= 0:

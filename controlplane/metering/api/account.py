@@ -2,20 +2,25 @@
 
 from __future__ import annotations
 
+import logging
 from decimal import Decimal
 
+import xxhash
+from django.conf import settings
+from django.core.cache import cache
 from django.db.models import Count, Sum
 from django.utils import timezone
 from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import serializers
 from rest_framework.exceptions import APIException, NotFound, PermissionDenied, ValidationError
 from rest_framework.response import Response
+from rest_framework.throttling import SimpleRateThrottle
 from rest_framework.views import APIView
 
 from controlplane.catalog.models import ModelTier
 from controlplane.catalog.services import tier_image_tokens
 from controlplane.imaging.errors import ImageError
-from controlplane.imaging.policy import normalise_tiles, sent_sizes
+from controlplane.imaging.policy import picture_sent_sizes, sent_sizes
 from controlplane.metering.models import UsageEvent
 from controlplane.metering.periods import month_of, period_start, seconds_to_period_end
 from controlplane.metering.ratebook import NoRate, RateBook
@@ -129,6 +134,49 @@ class CostToDate(APIView):
         }).data)
 
 
+log = logging.getLogger(__name__)
+
+
+class PerKeyThrottle(SimpleRateThrottle):
+    """At most API_ESTIMATES_PER_MINUTE estimates a minute per API key, counted in the cache that
+    every replica shares. A cache that does not answer throttles nothing."""
+
+    scope = "estimate"
+
+    def get_rate(self) -> str:
+        return f"{settings.API_ESTIMATES_PER_MINUTE}/min"
+
+    def get_cache_key(self, request, view) -> str:
+        ident = f"key{request.auth.pk}" if getattr(request.auth, "pk", None) else self.get_ident(request)
+        return self.cache_format % {"scope": self.scope, "ident": ident}
+
+    def allow_request(self, request, view) -> bool:
+        try:
+            return super().allow_request(request, view)
+        except Exception as exc:  # noqa: BLE001 - logged; an estimate costs no more than its header
+            log.warning("could not count estimates: %s", exc)
+            return True
+
+
+def _picture_sizes(tier: ModelTier, data: bytes, detail: str | None) -> list[tuple[int, int]]:
+    """What the gateway would send of the picture on `tier`, from its header, kept in the cache
+    per picture, policy and detail (the same picture estimated again is not read again)."""
+    policy = tier.image_policy()
+    key = "estimate:" + xxhash.xxh3_128_hexdigest(repr((policy, detail)).encode() + data)
+    try:
+        kept = cache.get(key)
+    except Exception:  # noqa: BLE001 - no cache: read it again
+        kept = None
+    if kept is not None:
+        return [tuple(size) for size in kept]
+    sizes = picture_sent_sizes(data, policy, detail, max_scans=settings.GATEWAY_IMAGE_MAX_SCANS)
+    try:
+        cache.set(key, sizes, 3600)
+    except Exception:  # noqa: BLE001
+        pass
+    return sizes
+
+
 class EstimateRequest(serializers.Serializer):
     tier = serializers.CharField()
     width = serializers.IntegerField(min_value=1, max_value=100_000, required=False)
@@ -156,7 +204,10 @@ class EstimateSerializer(serializers.Serializer):
 
 
 class Estimate(APIView):
-    """Tokens and cost of an image (or its dimensions) on a tier, priced as the gateway would."""
+    """Tokens and cost of an image (or its dimensions) on a tier, priced as the gateway would.
+    The image is read as far as its header: its size is what its tokens are counted on."""
+
+    throttle_classes = [PerKeyThrottle]
 
     @extend_schema(request=EstimateRequest, responses=EstimateSerializer)
     def post(self, request):
@@ -174,10 +225,9 @@ class Estimate(APIView):
             policy, detail = tier.image_policy(), data.get("detail")
             if "image" in data:
                 try:
-                    tiles = normalise_tiles(data["image"].read(), policy, detail=detail)
+                    sizes = _picture_sizes(tier, data["image"].read(), detail)
                 except ImageError as exc:
                     raise ValidationError({"image": str(exc)}) from None
-                sizes = [(t.width, t.height) for t in tiles]
             else:
                 try:
                     sizes = sent_sizes(data["width"], data["height"], policy, detail)

@@ -372,3 +372,28 @@ def test_a_picture_cheaper_to_prepare_than_to_share_is_neither_asked_for_nor_wri
         assert post(client, routed.alice_key, _ask(data_url(LARGE))).status_code == 200
     assert _since(client, before) == (1, 1)  # kept by the replica all the same
     assert _shared_outcomes(client) == outcomes  # the store was never asked, nor written to
+
+
+def _with_metadata(picture: bytes, text: str) -> bytes:
+    """`picture` (a PNG or a JPEG) with a text chunk or comment of `text`: the same pixels."""
+    import io
+
+    from PIL import Image, PngImagePlugin
+
+    image, out = Image.open(io.BytesIO(picture)), io.BytesIO()
+    if image.format == "PNG":
+        info = PngImagePlugin.PngInfo()
+        info.add_text("Comment", text)
+        image.save(out, "PNG", pnginfo=info)
+        return out.getvalue()
+    return picture[:2] + b"\xff\xfe" + (len(text) + 2).to_bytes(2, "big") + text.encode() + picture[2:]
+
+
+@pytest.mark.parametrize("picture", [image_bytes(2400, 1800, "PNG"), LARGE], ids=["png", "jpeg"])
+def test_a_picture_sent_again_with_other_metadata_is_found_again(client, routed, ledger_mode, metrics, picture):  # noqa: F811
+    """Changing a text chunk or a comment changes the bytes, not the pixels: not decoded again."""
+    before = _counted(client)
+    first = post(client, routed.alice_key, _ask(data_url(_with_metadata(picture, "one"), "image/png")))
+    second = post(client, routed.alice_key, _ask(data_url(_with_metadata(picture, "two"), "image/png")))
+    assert (first.status_code, second.status_code) == (200, 200), second.content
+    assert _since(client, before) == (1, 1)

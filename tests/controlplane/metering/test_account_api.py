@@ -168,3 +168,33 @@ def test_cost_to_date_counts_billed_requests_as_the_statement_will(client, world
     assert cost["requests"] == 1 == sum(line["requests"] for line in bill["lines"])
     assert cost["image_tokens"] == 1000 and Decimal(cost["cost"]) == billed.cost == Decimal(bill["total"])
     assert bill["unbilled_requests"] == 1
+
+
+def test_an_estimate_reads_a_picture_as_far_as_its_header(client, world):
+    """A 66 KB progressive JPEG of 2000x2000 whose scans cost a second to decode (here broken
+    past its header, which a decode would refuse) is priced from its header alone; one of more
+    scans than the gateway takes is refused as the gateway refuses it."""
+    from tests.imaging_corpus import jpeg_scan_bomb
+
+    auth = {"HTTP_AUTHORIZATION": f"Bearer {world.alice_key}"}
+    costly = SimpleUploadedFile("p.jpg", jpeg_scan_bomb(2000, 2000, 60)[:-2])
+    body = client.post("/api/v1/estimate/", {"tier": "vlm-lite", "image": costly}, **auth)
+    assert body.status_code == 200, body.content
+    assert body.json()["sent_sizes"] == client.post("/api/v1/estimate/", {"tier": "vlm-lite", "width": 2000,
+                                                                           "height": 2000}, **auth).json()["sent_sizes"]
+    bomb = SimpleUploadedFile("b.jpg", jpeg_scan_bomb(2000, 2000, 2646))
+    refused = client.post("/api/v1/estimate/", {"tier": "vlm-lite", "image": bomb}, **auth)
+    assert refused.status_code == 400 and "scans" in refused.json()["image"]
+
+
+def test_estimates_are_limited_per_key(client, world, settings):
+    settings.API_ESTIMATES_PER_MINUTE = 3
+
+    def ask(key):
+        return client.post("/api/v1/estimate/", {"tier": "vlm-lite", "width": 640, "height": 480},
+                           HTTP_AUTHORIZATION=f"Bearer {key}")
+
+    assert [ask(world.alice_key).status_code for _ in range(3)] == [200] * 3
+    throttled = ask(world.alice_key)
+    assert throttled.status_code == 429 and 0 < int(throttled["Retry-After"]) <= 60
+    assert ask(world.charlie_key).status_code == 200  # another key is not held by it
