@@ -16,21 +16,27 @@ from controlplane.gateway.asgi import app as gateway_application  # noqa: E402
 from controlplane.gateway.asgi import lifespan  # noqa: E402
 
 
-async def application(scope, receive, send):
-    if scope["type"] == "lifespan":
-        return await lifespan(receive, send)
-    if scope["type"] == "http" and (scope["path"] == "/v1" or scope["path"].startswith("/v1/")):
-        return await gateway_application(scope, receive, send)
-    if scope["type"] == "http":
-        declared = dict(scope.get("headers", [])).get(b"content-length", b"")
-        if declared.isdigit() and int(declared) > settings.WEB_MAX_BODY_BYTES:
-            await send({"type": "http.response.start", "status": 413,
-                        "headers": [(b"content-type", b"text/plain; charset=utf-8"), (b"connection", b"close")]})
-            await send({"type": "http.response.body",
-                        "body": f"request body exceeds {settings.WEB_MAX_BODY_BYTES} bytes\n".encode()})
-            return
-        receive = _bounded(receive, settings.WEB_MAX_BODY_BYTES, settings.GATEWAY_BODY_TIMEOUT_S)
-    return await django_application(scope, receive, send)
+class Application:
+    """The ASGI application; one per server process, holding what it counts across requests."""
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "lifespan":
+            return await lifespan(receive, send)
+        if scope["type"] == "http" and (scope["path"] == "/v1" or scope["path"].startswith("/v1/")):
+            return await gateway_application(scope, receive, send)
+        if scope["type"] == "http":
+            declared = dict(scope.get("headers", [])).get(b"content-length", b"")
+            if declared.isdigit() and int(declared) > settings.WEB_MAX_BODY_BYTES:
+                await send({"type": "http.response.start", "status": 413,
+                            "headers": [(b"content-type", b"text/plain; charset=utf-8"), (b"connection", b"close")]})
+                await send({"type": "http.response.body",
+                            "body": f"request body exceeds {settings.WEB_MAX_BODY_BYTES} bytes\n".encode()})
+                return
+            receive = _bounded(receive, settings.WEB_MAX_BODY_BYTES, settings.GATEWAY_BODY_TIMEOUT_S)
+        return await django_application(scope, receive, send)
+
+
+application = Application()
 
 
 def _bounded(receive, limit: int, seconds: float):

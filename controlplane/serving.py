@@ -4,7 +4,8 @@ uvicorn closes idle keep-alive connections, but a client that opens a connection
 nothing, or trickles its headers a byte at a time, holds it for as long as it likes. This
 protocol (uvicorn's httptools protocol) closes a connection whose request headers have not
 all arrived within HTTP_HEADER_TIMEOUT_S of the connection opening or the request starting.
-Bodies have their own bound in the application (GATEWAY_BODY_TIMEOUT_S, see asgi.py).
+Bodies have their own bound in the application (GATEWAY_BODY_TIMEOUT_S, see asgi.py), which
+answers before reading a body it will not take; such an answer closes the connection gently.
 
     python -m controlplane.serving --host 0.0.0.0 --port 8000 [--workers N] [--proxy-headers]
 """
@@ -16,22 +17,50 @@ import asyncio
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+# How long a connection closed on a client still sending drops what arrives, before closing.
+LINGER_S = 2.0
 
-class HeaderTimeoutProtocol(HttpToolsProtocol):
+
+class BoundedHttpProtocol(HttpToolsProtocol):
     header_timeout_s: float | None = None  # None: HTTP_HEADER_TIMEOUT_S from the settings
 
     def connection_made(self, transport: asyncio.Transport) -> None:
         super().connection_made(transport)
-        self._headers_deadline = None
+        self._headers_deadline, self._lingering = None, False
         self._arm_headers_deadline()
+
+    def data_received(self, data: bytes) -> None:
+        if self._lingering:
+            return  # the answer is given and the connection closing: what still comes is dropped
+        super().data_received(data)
+
+    def on_headers_complete(self) -> None:
+        self._disarm_headers_deadline()
+        before = self.cycle
+        super().on_headers_complete()
+        if self.cycle is not before:
+            self.cycle.transport = _GentleClose(self, self.cycle)
+
+    def close_gently(self) -> None:
+        """Closes the connection once the client can have read what was written. Closed at
+        once while the client still sends, the kernel answers the bytes left unread with a
+        reset, which a client can meet before it reads the answer (and report a broken
+        connection instead): so writing ends, and what still comes is read and dropped for
+        LINGER_S, or until the client closes its side."""
+        if self.transport.is_closing() or self._lingering:
+            return
+        if not self.transport.can_write_eof():
+            self.transport.close()
+            return
+        self._lingering = True
+        self._disarm_headers_deadline()
+        self.transport.write_eof()
+        self.flow.resume_reading()
+        self.loop.call_later(LINGER_S, self.transport.close)
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._arm_headers_deadline()
-
-    def on_headers_complete(self) -> None:
-        self._disarm_headers_deadline()
-        super().on_headers_complete()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_headers_deadline()
@@ -55,6 +84,23 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
             self.transport.close()
 
 
+class _GentleClose:
+    """The connection's transport as one request's cycle uses it: closed before the request's
+    body has all arrived, it closes gently (BoundedHttpProtocol.close_gently)."""
+
+    def __init__(self, protocol: BoundedHttpProtocol, cycle):
+        self._protocol, self._cycle, self._transport = protocol, cycle, protocol.transport
+
+    def __getattr__(self, name):
+        return getattr(self._transport, name)
+
+    def close(self) -> None:
+        if self._cycle.more_body and not self._cycle.disconnected:
+            self._protocol.close_gently()
+        else:
+            self._transport.close()
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m controlplane.serving")
     parser.add_argument("--host", default="127.0.0.1")
@@ -75,7 +121,7 @@ def serve(app, *, host: str, port: int, workers: int = 1, log_level: str = "info
     import uvicorn
 
     uvicorn.run(app, host=host, port=port, workers=workers, log_level=log_level, proxy_headers=proxy_headers,
-                access_log=access_log, http=HeaderTimeoutProtocol, loop="auto")
+                access_log=access_log, http=BoundedHttpProtocol, loop="auto")
 
 
 if __name__ == "__main__":

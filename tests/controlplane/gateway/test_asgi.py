@@ -5,13 +5,15 @@ from __future__ import annotations
 import asyncio
 
 import httpx
+import orjson
 import pytest
 from asgiref.sync import async_to_sync
 from django.utils import timezone
 
-from controlplane.asgi import application
+from controlplane.asgi import Application, application
 from controlplane.fleet.models import EngineInstance, Node
 from tests.engines import simulator
+from tests.http_wire import BodyBytesTaken, answer, closed, send
 
 pytestmark = pytest.mark.django_db
 
@@ -96,3 +98,41 @@ def test_a_server_stopping_closes_its_connections_to_the_engines(world):
     assert status == 200 and pooled >= 1  # the answer came over a pooled connection
     assert sent == ["lifespan.startup.complete", "lifespan.shutdown.complete"]
     assert left == 0
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("method, path, keyed, status", [
+    ("POST", "/v1/files", True, 404),
+    ("PUT", "/v1", False, 404),
+    ("GET", "/v1/chat/completions", True, 405),
+    ("POST", "/v1/models", True, 405),
+    ("GET", "/v1/models", False, 401),
+    ("POST", "/v1/chat/completions", False, 401),
+])
+def test_every_v1_path_and_method_answers_before_reading_a_declared_body(world, serve, method, path, keyed,
+                                                                          status):
+    app = BodyBytesTaken(Application())
+    port = serve(app)
+    key = f"\nAuthorization: Bearer {world.alice_key}" if keyed else ""
+    with send(port, f"{method} {path} HTTP/1.1\nHost: x\nContent-Length: 64000000{key}", b"x" * 65536) as client:
+        got = answer(client)
+        assert got.status == status
+        assert "message" in orjson.loads(got.body)["error"]
+        if status == 405:
+            assert got.headers["allow"] == ("GET" if path == "/v1/models" else "POST")
+        assert got.headers["connection"] == "close" and closed(client)  # the rest is not waited for
+    assert app.taken == 0
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_chunked_body_past_the_limit_is_refused_as_it_arrives(world, serve, settings):
+    settings.GATEWAY_MAX_BODY_BYTES = 100_000
+    app = BodyBytesTaken(Application())
+    port = serve(app)
+    chunk = b"%x\r\n%s\r\n" % (50_000, b"x" * 50_000)
+    with send(port, f"POST /v1/chat/completions HTTP/1.1\nHost: x\nTransfer-Encoding: chunked\n"
+                    f"Authorization: Bearer {world.alice_key}", chunk * 3) as client:  # and never the end
+        got = answer(client)
+        assert (got.status, orjson.loads(got.body)["error"]["code"]) == (413, "request_too_large")
+        assert closed(client)
+    assert app.taken <= 150_000

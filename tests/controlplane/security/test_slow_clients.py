@@ -13,7 +13,7 @@ import uvicorn
 from asgiref.sync import async_to_sync
 
 from controlplane.asgi import application
-from controlplane.serving import HeaderTimeoutProtocol
+from controlplane.serving import BoundedHttpProtocol
 
 pytestmark = pytest.mark.django_db
 
@@ -59,11 +59,11 @@ def server(monkeypatch):
         await send({"type": "http.response.start", "status": 200, "headers": []})
         await send({"type": "http.response.body", "body": b"hello"})
 
-    monkeypatch.setattr(HeaderTimeoutProtocol, "header_timeout_s", 1.0)
+    monkeypatch.setattr(BoundedHttpProtocol, "header_timeout_s", 1.0)
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    running = uvicorn.Server(uvicorn.Config(hello, host="127.0.0.1", port=port, http=HeaderTimeoutProtocol,
+    running = uvicorn.Server(uvicorn.Config(hello, host="127.0.0.1", port=port, http=BoundedHttpProtocol,
                                             log_level="warning", lifespan="off"))
     thread = threading.Thread(target=running.run, daemon=True)
     thread.start()
