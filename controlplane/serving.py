@@ -1,11 +1,15 @@
-"""Serving the ASGI application with uvicorn, bounded against slow clients.
+"""Serving the ASGI application with uvicorn, bounded against slow and greedy clients.
 
-uvicorn closes idle keep-alive connections, but a client that opens a connection and sends
-nothing, or trickles its headers a byte at a time, holds it for as long as it likes. This
-protocol (uvicorn's httptools protocol) closes a connection whose request headers have not
-all arrived within HTTP_HEADER_TIMEOUT_S of the connection opening or the request starting.
-Bodies have their own bound in the application (GATEWAY_BODY_TIMEOUT_S, see asgi.py), which
-answers before reading a body it will not take; such an answer closes the connection gently.
+uvicorn closes idle keep-alive connections, but takes request headers of any size and number,
+and a client that opens a connection and sends nothing, or trickles its headers a byte at a
+time, holds it for as long as it likes. This protocol (uvicorn's httptools protocol):
+- closes a connection whose request headers have not all arrived within HTTP_HEADER_TIMEOUT_S
+  of the connection opening or the request starting;
+- answers 431 to headers past HTTP_MAX_HEADER_BYTES in all, HTTP_MAX_HEADER_LINE_BYTES a field
+  or HTTP_MAX_HEADERS fields (414 to a longer URL), counted before they are parsed, and closes
+  the connection.
+Bodies have their own bounds in the application (see asgi.py), which answers before reading a
+body it will not take; such an answer closes the connection gently, as a 431 does.
 
     python -m controlplane.serving --host 0.0.0.0 --port 8000 [--workers N] [--proxy-headers]
 """
@@ -15,31 +19,88 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 # How long a connection closed on a client still sending drops what arrives, before closing.
 LINGER_S = 2.0
 
 
-class BoundedHttpProtocol(HttpToolsProtocol):
-    header_timeout_s: float | None = None  # None: HTTP_HEADER_TIMEOUT_S from the settings
+class _HeadRefused(Exception):
+    """Stops the parser in the middle of a request's head (it wraps this in its own error)."""
 
+
+class BoundedHttpProtocol(HttpToolsProtocol):
     def connection_made(self, transport: asyncio.Transport) -> None:
+        from django.conf import settings  # loaded with the application, before any connection
+
         super().connection_made(transport)
-        self._headers_deadline, self._lingering = None, False
+        self._header_timeout_s = settings.HTTP_HEADER_TIMEOUT_S
+        self._max_head, self._max_line = settings.HTTP_MAX_HEADER_BYTES, settings.HTTP_MAX_HEADER_LINE_BYTES
+        self._max_fields = settings.HTTP_MAX_HEADERS
+        self._headers_deadline, self._lingering, self._refusal = None, False, None
+        self._awaiting_head, self._head_room, self._fields = True, self._max_head, 0
         self._arm_headers_deadline()
 
     def data_received(self, data: bytes) -> None:
         if self._lingering:
             return  # the answer is given and the connection closing: what still comes is dropped
+        if self._awaiting_head and len(data) > self._head_room:
+            # Only what the head may still take is parsed; the rest once the head has ended.
+            fits, self._head_room = self._head_room, 0
+            super().data_received(data[:fits])
+            if self._lingering or self.transport.is_closing():
+                return
+            if self._awaiting_head:
+                self._refuse(431, f"the request's header fields exceed {self._max_head} bytes")
+                return
+            self.data_received(data[fits:])
+            return
+        if self._awaiting_head:
+            self._head_room -= len(data)
         super().data_received(data)
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._fields, self._refusal = 0, None
+        self._arm_headers_deadline()
+
+    def on_url(self, url: bytes) -> None:
+        super().on_url(url)
+        if len(self.url) > self._max_line:
+            self._refusal = (414, f"the request's URL exceeds {self._max_line} bytes")
+            raise _HeadRefused
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._fields += 1
+        if self._fields > self._max_fields:
+            self._refusal = (431, f"the request has more than {self._max_fields} header fields")
+            raise _HeadRefused
+        if len(name) + len(value) > self._max_line:
+            self._refusal = (431, f"a request header field exceeds {self._max_line} bytes")
+            raise _HeadRefused
+        super().on_header(name, value)
 
     def on_headers_complete(self) -> None:
         self._disarm_headers_deadline()
+        self._awaiting_head = False
         before = self.cycle
         super().on_headers_complete()
         if self.cycle is not before:
             self.cycle.transport = _GentleClose(self, self.cycle)
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        self._awaiting_head, self._head_room = True, self._max_head  # the next request's
+
+    def send_400_response(self, msg: str) -> None:
+        if self._refusal is not None:  # the parser stopped on a limit of ours
+            self._refuse(*self._refusal)
+        else:
+            super().send_400_response(msg)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm_headers_deadline()
+        super().connection_lost(exc)
 
     def close_gently(self) -> None:
         """Closes the connection once the client can have read what was written. Closed at
@@ -58,20 +119,16 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         self.flow.resume_reading()
         self.loop.call_later(LINGER_S, self.transport.close)
 
-    def on_message_begin(self) -> None:
-        super().on_message_begin()
-        self._arm_headers_deadline()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._disarm_headers_deadline()
-        super().connection_lost(exc)
+    def _refuse(self, status: int, message: str) -> None:
+        body = f"{message}\n".encode()
+        head = b"".join(name + b": " + value + b"\r\n" for name, value in self.server_state.default_headers)
+        self.transport.write(STATUS_LINE[status] + head + b"content-type: text/plain; charset=utf-8\r\n"
+                             b"content-length: " + str(len(body)).encode() + b"\r\nconnection: close\r\n\r\n" + body)
+        self.close_gently()
 
     def _arm_headers_deadline(self) -> None:
         if self._headers_deadline is None:
-            from django.conf import settings  # loaded with the application, before any connection
-
-            timeout = self.header_timeout_s or settings.HTTP_HEADER_TIMEOUT_S
-            self._headers_deadline = self.loop.call_later(timeout, self._headers_too_slow)
+            self._headers_deadline = self.loop.call_later(self._header_timeout_s, self._headers_too_slow)
 
     def _disarm_headers_deadline(self) -> None:
         if getattr(self, "_headers_deadline", None) is not None:

@@ -54,12 +54,12 @@ def test_a_page_request_whose_body_never_ends_is_cut_off(settings):
 
 
 @pytest.fixture
-def server(monkeypatch):
+def server(settings):
     async def hello(scope, receive, send):
         await send({"type": "http.response.start", "status": 200, "headers": []})
         await send({"type": "http.response.body", "body": b"hello"})
 
-    monkeypatch.setattr(BoundedHttpProtocol, "header_timeout_s", 1.0)
+    settings.HTTP_HEADER_TIMEOUT_S = 1
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
