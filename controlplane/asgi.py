@@ -25,40 +25,65 @@ class Application:
         if scope["type"] == "http" and (scope["path"] == "/v1" or scope["path"].startswith("/v1/")):
             return await gateway_application(scope, receive, send)
         if scope["type"] == "http":
-            declared = dict(scope.get("headers", [])).get(b"content-length", b"")
-            if declared.isdigit() and int(declared) > settings.WEB_MAX_BODY_BYTES:
-                await send({"type": "http.response.start", "status": 413,
-                            "headers": [(b"content-type", b"text/plain; charset=utf-8"), (b"connection", b"close")]})
-                await send({"type": "http.response.body",
-                            "body": f"request body exceeds {settings.WEB_MAX_BODY_BYTES} bytes\n".encode()})
-                return
-            receive = _bounded(receive, settings.WEB_MAX_BODY_BYTES, settings.GATEWAY_BODY_TIMEOUT_S)
+            return await self._page(scope, receive, send)
         return await django_application(scope, receive, send)
+
+    async def _page(self, scope, receive, send):
+        declared = dict(scope.get("headers", [])).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > settings.WEB_MAX_BODY_BYTES:
+            return await _refuse(send, 413, f"request body exceeds {settings.WEB_MAX_BODY_BYTES} bytes")
+        body = _PageBody(receive, settings.WEB_MAX_BODY_BYTES, settings.GATEWAY_BODY_TIMEOUT_S)
+        answered = False
+
+        async def watched(message):
+            nonlocal answered
+            answered = True
+            await send(message)
+
+        await django_application(scope, body.receive, watched)
+        if body.refusal is not None and not answered:
+            await _refuse(send, *body.refusal)
 
 
 application = Application()
 
 
-def _bounded(receive, limit: int, seconds: float):
-    """`receive`, as a client that sends more than `limit` bytes of body, or takes longer than
-    `seconds` to send it, leaving: Django stops reading and answers nothing (rather than
-    spooling any size to disk, or waiting as long as the client likes)."""
-    loop = asyncio.get_running_loop()
-    deadline, size, body_done = loop.time() + seconds, 0, False
+async def _refuse(send, status: int, message: str, headers: tuple = ()) -> None:
+    """A plain answer that ends the connection (a body left unread is not waited for)."""
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"text/plain; charset=utf-8"), (b"connection", b"close"), *headers]})
+    await send({"type": "http.response.body", "body": f"{message}\n".encode()})
 
-    async def bounded():
-        nonlocal size, body_done
-        if body_done:  # Django now only listens for the client leaving
-            return await receive()
+
+class _PageBody:
+    """A page's `receive`, as a client that sends more than `limit` bytes of body, or takes
+    longer than `seconds` to send it, leaving: Django stops reading and answers nothing
+    (rather than spooling any size to disk, or waiting as long as the client likes), and
+    `refusal` says what to answer instead."""
+
+    def __init__(self, receive, limit: int, seconds: float):
+        self._receive, self._limit, self._seconds = receive, limit, seconds
+        self._deadline = asyncio.get_running_loop().time() + seconds
+        self._size, self._finished = 0, False
+        self.refusal: tuple[int, str] | None = None
+
+    async def receive(self):
+        if self._finished:  # Django now only listens for the client leaving
+            return await self._receive()
         try:
-            message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
+            async with asyncio.timeout_at(self._deadline):
+                message = await self._receive()
         except TimeoutError:
-            return {"type": "http.disconnect"}
+            return self._refuse(408, f"the request body did not arrive within {self._seconds}s")
         if message["type"] == "http.request":
-            size += len(message.get("body", b""))
-            if size > limit:
-                return {"type": "http.disconnect"}
-            body_done = not message.get("more_body", False)
+            self._size += len(message.get("body", b""))
+            if self._size > self._limit:
+                return self._refuse(413, f"request body exceeds {self._limit} bytes")
+            self._finished = not message.get("more_body", False)
+        else:
+            self._finished = True
         return message
 
-    return bounded
+    def _refuse(self, status: int, message: str) -> dict:
+        self.refusal, self._finished = (status, message), True
+        return {"type": "http.disconnect"}
