@@ -7,7 +7,9 @@ time, holds it for as long as it likes. This protocol (uvicorn's httptools proto
   of the connection opening or the request starting;
 - answers 431 to headers past HTTP_MAX_HEADER_BYTES in all, HTTP_MAX_HEADER_LINE_BYTES a field
   or HTTP_MAX_HEADERS fields (414 to a longer URL), counted before they are parsed, and closes
-  the connection.
+  the connection;
+- closes at once a connection past HTTP_MAX_CONNECTIONS, or past HTTP_MAX_CONNECTIONS_PER_CLIENT
+  from one address (a trusted proxy's excepted: with --proxy-headers, FORWARDED_ALLOW_IPS).
 Bodies have their own bounds in the application (see asgi.py), which answers before reading a
 body it will not take; such an answer closes the connection gently, as a 431 does.
 
@@ -18,8 +20,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import resource
 
+from uvicorn.middleware.proxy_headers import _TrustedHosts
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+
+from controlplane.client_slots import ClientSlots
 
 # How long a connection closed on a client still sending drops what arrives, before closing.
 LINGER_S = 2.0
@@ -27,6 +33,24 @@ LINGER_S = 2.0
 
 class _HeadRefused(Exception):
     """Stops the parser in the middle of a request's head (it wraps this in its own error)."""
+
+
+class _ServerConnections:
+    """What one server's connections share: which are open, by address, and which addresses
+    are trusted proxies."""
+
+    def __init__(self, config):
+        self.open = ClientSlots("connections")
+        # uvicorn's own reading of FORWARDED_ALLOW_IPS, as its proxy headers middleware uses it.
+        self.proxies = _TrustedHosts(config.forwarded_allow_ips) if config.proxy_headers else None
+
+    @classmethod
+    def of(cls, protocol: HttpToolsProtocol) -> _ServerConnections:
+        # uvicorn hands every connection of a server the same ServerState: they are kept on it.
+        shared = getattr(protocol.server_state, "bounded_connections", None)
+        if shared is None:
+            shared = protocol.server_state.bounded_connections = cls(protocol.config)
+        return shared
 
 
 class BoundedHttpProtocol(HttpToolsProtocol):
@@ -39,6 +63,15 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         self._max_fields = settings.HTTP_MAX_HEADERS
         self._headers_deadline, self._lingering, self._refusal = None, False, None
         self._awaiting_head, self._head_room, self._fields = True, self._max_head, 0
+        self._server_connections, self._peer = _ServerConnections.of(self), None
+        peer = self.client[0] if self.client else ""
+        proxies = self._server_connections.proxies
+        per_client = 0 if proxies is not None and peer in proxies else settings.HTTP_MAX_CONNECTIONS_PER_CLIENT
+        if self._server_connections.open.take(peer, overall=settings.HTTP_MAX_CONNECTIONS,
+                                              per_client=per_client) is not None:
+            transport.close()
+            return
+        self._peer = peer
         self._arm_headers_deadline()
 
     def data_received(self, data: bytes) -> None:
@@ -100,6 +133,9 @@ class BoundedHttpProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_headers_deadline()
+        if self._peer is not None:
+            self._server_connections.open.give_back(self._peer)
+            self._peer = None
         super().connection_lost(exc)
 
     def close_gently(self) -> None:
@@ -120,6 +156,9 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         self.loop.call_later(LINGER_S, self.transport.close)
 
     def _refuse(self, status: int, message: str) -> None:
+        if self.cycle is not None and not self.cycle.response_complete:
+            self.transport.close()  # a pipelined request's head: the answer being written has the connection
+            return
         body = f"{message}\n".encode()
         head = b"".join(name + b": " + value + b"\r\n" for name, value in self.server_state.default_headers)
         self.transport.write(STATUS_LINE[status] + head + b"content-type: text/plain; charset=utf-8\r\n"
@@ -177,8 +216,22 @@ def serve(app, *, host: str, port: int, workers: int = 1, log_level: str = "info
     control plane is served."""
     import uvicorn
 
+    allow_open_files()
     uvicorn.run(app, host=host, port=port, workers=workers, log_level=log_level, proxy_headers=proxy_headers,
                 access_log=access_log, http=BoundedHttpProtocol, loop="auto")
+
+
+def allow_open_files() -> None:
+    """Raises this process's soft limit on open files to its hard limit. Past the soft limit
+    (often 1024, below HTTP_MAX_CONNECTIONS) accepting a connection fails, and asyncio stops
+    accepting anyone's for a second: a cap would then stall every client, not refuse one."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+        except (ValueError, OSError):  # a hard limit past the kernel's nr_open: keep the soft one
+            pass
 
 
 if __name__ == "__main__":

@@ -33,6 +33,17 @@ def answer(connection: socket.socket, *, within: float = 10) -> Answer:
     return Answer(response.status, {k.lower(): v for k, v in response.getheaders()}, response.read())
 
 
+def refused(connection: socket.socket, *, within: float = 10) -> bool:
+    """Whether the server closed `connection` without a word within `within` seconds."""
+    connection.settimeout(within)
+    try:
+        return connection.recv(65536) == b""
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
 def closed(connection: socket.socket, *, within: float = 10) -> bool:
     """Whether the server closed `connection` (reading anything it still sent) within `within` seconds."""
     deadline = time.monotonic() + within

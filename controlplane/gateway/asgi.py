@@ -12,6 +12,7 @@ from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.db import close_old_connections
 
+from controlplane.client_slots import Cap, ClientSlots, client_address
 from controlplane.gateway import handlers, state, upstream
 from controlplane.gateway.errors import error_response
 from controlplane.gateway.http import Request, Response
@@ -22,6 +23,7 @@ keep_freed_buffers(settings.GATEWAY_HEAP_KEEP_MB)
 # Each path with the one method it answers.
 ROUTES = {"/v1/models": ("GET", handlers.models), "/v1/chat/completions": ("POST", handlers.chat_completions)}
 CONNECTION_CHECK_SECONDS = 30
+BUSY_RETRY_AFTER_S = 1  # a body read ends in well under a second, or at GATEWAY_BODY_TIMEOUT_S
 _last_check = 0.0
 
 
@@ -61,6 +63,30 @@ async def _read_body(receive) -> bytes | Response | None:
     except TimeoutError:
         return error_response(408, f"the request body did not arrive within {settings.GATEWAY_BODY_TIMEOUT_S}s",
                               code="request_timeout")
+
+
+async def _read_body_within_caps(scope, receive, body_reads: ClientSlots | None) -> bytes | Response | None:
+    """`_read_body`, unless as many bodies as the caps allow are being read (the answer then)."""
+    if body_reads is None:
+        return await _read_body(receive)
+    client = client_address(scope)
+    cap = body_reads.take(client, overall=settings.HTTP_MAX_BODY_READS,
+                          per_client=settings.HTTP_MAX_BODY_READS_PER_CLIENT)
+    if cap is not None:
+        return _busy(cap)
+    try:
+        return await _read_body(receive)
+    finally:
+        body_reads.give_back(client)
+
+
+def _busy(cap: Cap) -> Response:
+    retry = {"Retry-After": str(BUSY_RETRY_AFTER_S)}
+    if cap == "client":
+        return error_response(429, "this address is sending as many request bodies at once as it may; "
+                              "retry shortly", code="rate_limit_exceeded", headers=retry)
+    return error_response(503, "the gateway is reading as many request bodies at once as it can; retry shortly",
+                          code="service_unavailable", headers=retry)
 
 
 def _declares_body(headers: dict[str, str]) -> bool:
@@ -116,7 +142,8 @@ async def lifespan(receive, send) -> None:
             return
 
 
-async def app(scope, receive, send) -> None:
+async def app(scope, receive, send, *, body_reads: ClientSlots | None = None) -> None:
+    """The gateway's front; `body_reads` counts the request bodies being read (None: uncounted)."""
     path, method = scope["path"], scope["method"]
     headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
     unread = _declares_body(headers)
@@ -128,7 +155,7 @@ async def app(scope, receive, send) -> None:
         return
     handler, body = ROUTES[path][1], b""
     if unread and method == "POST":  # a body sent with a GET is not read
-        body = await _read_body(receive)
+        body = await _read_body_within_caps(scope, receive, body_reads)
         if body is None:
             return
         if isinstance(body, Response):

@@ -3,13 +3,15 @@ bounding what a client may send and hold before the application sees a request."
 
 from __future__ import annotations
 
+import http.client
 import socket
 import threading
 
 import pytest
 
 from controlplane.asgi import Application
-from tests.http_wire import answer, closed, send
+from tests.http_wire import answer, closed, refused, send
+from tests.system.harness import wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -82,3 +84,58 @@ def test_requests_within_the_header_limits_are_served(serve):
         for _ in range(3):  # each request of a connection has the limits to itself
             client.sendall(head.encode())
             assert answer(client).status == 401
+
+
+def _answered(port: int, **headers) -> socket.socket:
+    """A connection that has had a request answered (so the server holds it), kept open."""
+    extra = "".join(f"\n{name.replace('_', '-')}: {value}" for name, value in headers.items())
+    client = send(port, f"GET /v1/models HTTP/1.1\nHost: 127.0.0.1{extra}")
+    assert answer(client).status == 401
+    return client
+
+
+@pytest.mark.parametrize("caps", [
+    {"HTTP_MAX_CONNECTIONS_PER_CLIENT": 2, "HTTP_MAX_CONNECTIONS": 0},
+    {"HTTP_MAX_CONNECTIONS_PER_CLIENT": 0, "HTTP_MAX_CONNECTIONS": 2},
+])
+def test_a_connection_past_a_cap_is_closed_at_once_until_one_is_let_go(serve, settings, caps):
+    settings.HTTP_HEADER_TIMEOUT_S = 60  # the connection held without a request is not closed for that
+    for name, value in caps.items():
+        setattr(settings, name, value)
+    port = serve(Application(), timeout_keep_alive=60)
+    first, second = _answered(port), _answered(port)
+    with first, second, socket.create_connection(("127.0.0.1", port)) as third:
+        assert refused(third)
+        first.close()
+
+        def a_new_one_answered():
+            try:
+                _answered(port).close()
+                return True
+            except (ConnectionError, http.client.RemoteDisconnected):
+                return False
+
+        wait_for(a_new_one_answered, timeout=10, interval=0.05, what="a connection to be served again")
+
+
+def test_a_trusted_proxy_s_connections_are_not_capped_per_address(serve, settings):
+    settings.HTTP_MAX_CONNECTIONS_PER_CLIENT = 1
+    port = serve(Application(), proxy_headers=True, forwarded_allow_ips="127.0.0.1")
+    connections = [_answered(port, X_Forwarded_For=f"10.0.0.{n}") for n in range(3)]
+    for connection in connections:
+        connection.close()
+
+
+def test_serving_lets_the_process_open_as_many_files_as_it_may():
+    """Past the soft limit on open files a server cannot accept anyone's connection for a
+    second; serving raises it to the hard limit, so that the connection caps are what refuse."""
+    import resource
+    import subprocess
+    import sys
+
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    probe = ("import resource; from controlplane.serving import allow_open_files; allow_open_files(); "
+             "print(*resource.getrlimit(resource.RLIMIT_NOFILE))")
+    shown = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
+                           preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard)))
+    assert shown.stdout.split() == [str(hard), str(hard)]
