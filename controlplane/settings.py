@@ -309,6 +309,20 @@ if GATEWAY_JOURNAL_STALE_S < 2 * GATEWAY_HEARTBEAT_S:
 DATA_UPLOAD_MAX_MEMORY_SIZE = GATEWAY_MAX_BODY_BYTES
 # A client has this long to send its request headers (controlplane/serving.py closes it after).
 HTTP_HEADER_TIMEOUT_S = env_int("HTTP_HEADER_TIMEOUT_S", 10, minimum=1)
+# And this much of them: bytes in all and a line (a 431 past them, a 414 for the URL), as nginx
+# bounds them, and fields, as Apache counts them.
+HTTP_MAX_HEADER_BYTES = env_int("HTTP_MAX_HEADER_BYTES", 32 * 1024, minimum=1024)
+HTTP_MAX_HEADER_LINE_BYTES = env_int("HTTP_MAX_HEADER_LINE_BYTES", 8 * 1024, minimum=256)
+HTTP_MAX_HEADERS = env_int("HTTP_MAX_HEADERS", 100, minimum=8)
+# What one server process takes on at once (0: no cap), in all and from one address: connections
+# (one past them is closed at once) and request bodies being read (past them a 503, or a 429 for
+# one address's, before the body is read). A connection's address is its peer's, a body's the
+# client's a trusted proxy names (--proxy-headers, FORWARDED_ALLOW_IPS); a trusted proxy's
+# connections are not capped by address, as they carry many clients'.
+HTTP_MAX_CONNECTIONS = env_int("HTTP_MAX_CONNECTIONS", 4096, minimum=0)
+HTTP_MAX_CONNECTIONS_PER_CLIENT = env_int("HTTP_MAX_CONNECTIONS_PER_CLIENT", 256, minimum=0)
+HTTP_MAX_BODY_READS = env_int("HTTP_MAX_BODY_READS", 128, minimum=0)
+HTTP_MAX_BODY_READS_PER_CLIENT = env_int("HTTP_MAX_BODY_READS_PER_CLIENT", 16, minimum=0)
 # Everything but /v1 (pages, forms, the metering API's image uploads for estimates).
 WEB_MAX_BODY_BYTES = env_int("WEB_MAX_BODY_BYTES", 25 * 1024 * 1024, minimum=1024)
 GATEWAY_IMAGE_FETCH_TIMEOUT_S = float(env_int("GATEWAY_IMAGE_FETCH_TIMEOUT_S", 10, minimum=1))

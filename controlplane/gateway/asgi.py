@@ -12,15 +12,18 @@ from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.db import close_old_connections
 
-from controlplane.gateway import handlers, upstream
+from controlplane.client_slots import Cap, ClientSlots, client_address
+from controlplane.gateway import handlers, state, upstream
 from controlplane.gateway.errors import error_response
 from controlplane.gateway.http import Request, Response
 from controlplane.gateway.memory import keep_freed_buffers
 
 log = logging.getLogger(__name__)
 keep_freed_buffers(settings.GATEWAY_HEAP_KEEP_MB)
-ROUTES = {"/v1/models": handlers.models, "/v1/chat/completions": handlers.chat_completions}
+# Each path with the one method it answers.
+ROUTES = {"/v1/models": ("GET", handlers.models), "/v1/chat/completions": ("POST", handlers.chat_completions)}
 CONNECTION_CHECK_SECONDS = 30
+BUSY_RETRY_AFTER_S = 1  # a body read ends in well under a second, or at GATEWAY_BODY_TIMEOUT_S
 _last_check = 0.0
 
 
@@ -40,24 +43,72 @@ def _close_old_connections() -> None:
         close_old_connections()
 
 
-async def _read_body(receive) -> tuple[bytes | None, bool]:
-    """The body, or None when it is too large; and whether the client already left."""
-    limit = settings.GATEWAY_MAX_BODY_BYTES
-    chunks, size = [], 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return None, True
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size <= limit:
-            chunks.append(chunk)
-        if not message.get("more_body"):
-            return (b"".join(chunks) if size <= limit else None), False
+async def _read_body(receive) -> bytes | Response | None:
+    """The body; or the answer when it is too large or too slow, as soon as it is; or None
+    when the client left."""
+    limit, chunks, size = settings.GATEWAY_MAX_BODY_BYTES, [], 0
+    try:
+        async with asyncio.timeout(settings.GATEWAY_BODY_TIMEOUT_S):  # no task of its own, as wait_for makes
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    return None
+                chunk = message.get("body", b"")
+                size += len(chunk)
+                if size > limit:  # a body without a declared length, or longer than declared
+                    return error_response(413, f"request body exceeds {limit} bytes", code="request_too_large")
+                chunks.append(chunk)
+                if not message.get("more_body"):
+                    return b"".join(chunks)
+    except TimeoutError:
+        return error_response(408, f"the request body did not arrive within {settings.GATEWAY_BODY_TIMEOUT_S}s",
+                              code="request_timeout")
 
 
-async def _send(send, response: Response) -> None:
+async def _read_body_within_caps(scope, receive, body_reads: ClientSlots | None) -> bytes | Response | None:
+    """`_read_body`, unless as many bodies as the caps allow are being read (the answer then)."""
+    if body_reads is None:
+        return await _read_body(receive)
+    client = client_address(scope)
+    cap = body_reads.take(client, overall=settings.HTTP_MAX_BODY_READS,
+                          per_client=settings.HTTP_MAX_BODY_READS_PER_CLIENT)
+    if cap is not None:
+        return _busy(cap)
+    try:
+        return await _read_body(receive)
+    finally:
+        body_reads.give_back(client)
+
+
+def _busy(cap: Cap) -> Response:
+    retry = {"Retry-After": str(BUSY_RETRY_AFTER_S)}
+    if cap == "client":
+        return error_response(429, "this address is sending as many request bodies at once as it may; "
+                              "retry shortly", code="rate_limit_exceeded", headers=retry)
+    return error_response(503, "the gateway is reading as many request bodies at once as it can; retry shortly",
+                          code="service_unavailable", headers=retry)
+
+
+def _declares_body(headers: dict[str, str]) -> bool:
+    return headers.get("content-length", "0") != "0" or "transfer-encoding" in headers
+
+
+async def _checked_before_body(path: str, method: str, headers: dict[str, str]) -> Response | state.KeyInfo:
+    """What is answered before any of the body is read (an unknown path, a wrong method, a
+    body declared too large, a missing or unknown key: the response); otherwise the caller's key."""
+    route = ROUTES.get(path)
+    if route is None:
+        return await handlers.not_found(Request(method=method, headers=headers, body=b""), path.removeprefix("/v1/"))
+    if method != route[0]:
+        return error_response(405, f"{method} is not allowed on {path}", headers={"Allow": route[0]})
+    return await handlers.check_before_body(headers)
+
+
+async def _send(send, response: Response, *, close: bool = False) -> None:
+    """`response` sent; with `close`, as the connection's last (a body left unread is not waited for)."""
     headers = [(b"content-type", response.content_type.encode())]
+    if close:
+        headers.append((b"connection", b"close"))
     headers += [(name.lower().encode(), str(value).encode()) for name, value in response.headers.items()]
     try:
         if response.stream is None:
@@ -91,35 +142,31 @@ async def lifespan(receive, send) -> None:
             return
 
 
-async def app(scope, receive, send) -> None:
-    path = scope["path"]
+async def app(scope, receive, send, *, body_reads: ClientSlots | None = None) -> None:
+    """The gateway's front; `body_reads` counts the request bodies being read (None: uncounted)."""
+    path, method = scope["path"], scope["method"]
     headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
-    handler, key = ROUTES.get(path), None
-    if handler is not None and scope["method"] == "POST":
-        # The key and the declared length are checked before a byte of the body is read:
-        # nobody without a key makes the gateway buffer megabytes.
-        key = await handlers.check_before_body(headers)
-        if isinstance(key, Response):
-            await _send(send, key)
+    unread = _declares_body(headers)
+    # Nobody without a key, nor on a path or method that takes no body, makes the gateway
+    # buffer megabytes or wait for them.
+    key = await _checked_before_body(path, method, headers)
+    if isinstance(key, Response):
+        await _send(send, key, close=unread)
+        return
+    handler, body = ROUTES[path][1], b""
+    if unread and method == "POST":  # a body sent with a GET is not read
+        body = await _read_body_within_caps(scope, receive, body_reads)
+        if body is None:
             return
-    try:
-        async with asyncio.timeout(settings.GATEWAY_BODY_TIMEOUT_S):  # no task of its own, as wait_for makes
-            body, gone = await _read_body(receive)
-    except TimeoutError:
-        await _send(send, error_response(408, f"the request body did not arrive within "
-                                              f"{settings.GATEWAY_BODY_TIMEOUT_S}s", code="request_timeout"))
-        return
-    if gone:
-        return
+        if isinstance(body, Response):
+            await _send(send, body, close=True)
+            return
+        unread = False
     await _connection_hygiene()
-    request = Request(method=scope["method"], headers=headers, body=body, key=key)
+    request = Request(method=method, headers=headers, body=body, key=key)
 
     async def respond():
-        if handler is None:
-            response = await handlers.not_found(request, path.removeprefix("/v1/"))
-        else:
-            response = await handler(request)
-        await _send(send, response)
+        await _send(send, await handler(request), close=unread)
 
     async def client_left():
         while (await receive())["type"] != "http.disconnect":

@@ -20,6 +20,7 @@ PURE_MODULES = [
     "controlplane.imaging.intake",
     "controlplane.imaging.kv",
     "controlplane.textcount",
+    "controlplane.client_slots",
     "controlplane.prompts",
     "controlplane.metering.rating",
     "controlplane.alerts.slack",

@@ -5,13 +5,16 @@ from __future__ import annotations
 import asyncio
 
 import httpx
+import orjson
 import pytest
 from asgiref.sync import async_to_sync
 from django.utils import timezone
 
-from controlplane.asgi import application
+from controlplane.asgi import Application, application
 from controlplane.fleet.models import EngineInstance, Node
 from tests.engines import simulator
+from tests.http_wire import BodyBytesTaken, answer, closed, send
+from tests.system.harness import wait_for
 
 pytestmark = pytest.mark.django_db
 
@@ -96,3 +99,93 @@ def test_a_server_stopping_closes_its_connections_to_the_engines(world):
     assert status == 200 and pooled >= 1  # the answer came over a pooled connection
     assert sent == ["lifespan.startup.complete", "lifespan.shutdown.complete"]
     assert left == 0
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("method, path, keyed, status", [
+    ("POST", "/v1/files", True, 404),
+    ("PUT", "/v1", False, 404),
+    ("GET", "/v1/chat/completions", True, 405),
+    ("POST", "/v1/models", True, 405),
+    ("GET", "/v1/models", False, 401),
+    ("POST", "/v1/chat/completions", False, 401),
+])
+def test_every_v1_path_and_method_answers_before_reading_a_declared_body(world, serve, method, path, keyed,
+                                                                          status):
+    app = BodyBytesTaken(Application())
+    port = serve(app)
+    key = f"\nAuthorization: Bearer {world.alice_key}" if keyed else ""
+    with send(port, f"{method} {path} HTTP/1.1\nHost: x\nContent-Length: 64000000{key}", b"x" * 65536) as client:
+        got = answer(client)
+        assert got.status == status
+        assert "message" in orjson.loads(got.body)["error"]
+        if status == 405:
+            assert got.headers["allow"] == ("GET" if path == "/v1/models" else "POST")
+        assert got.headers["connection"] == "close" and closed(client)  # the rest is not waited for
+    assert app.taken == 0
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_chunked_body_past_the_limit_is_refused_as_it_arrives(world, serve, settings):
+    settings.GATEWAY_MAX_BODY_BYTES = 100_000
+    app = BodyBytesTaken(Application())
+    port = serve(app)
+    chunk = b"%x\r\n%s\r\n" % (50_000, b"x" * 50_000)
+    with send(port, f"POST /v1/chat/completions HTTP/1.1\nHost: x\nTransfer-Encoding: chunked\n"
+                    f"Authorization: Bearer {world.alice_key}", chunk * 3) as client:  # and never the end
+        got = answer(client)
+        assert (got.status, orjson.loads(got.body)["error"]["code"]) == (413, "request_too_large")
+        assert closed(client)
+    assert app.taken <= 150_000
+
+
+def _reading(port: int, key: str, app: BodyBytesTaken, *, forwarded_for: str | None = None):
+    """A chat request whose body has begun and never ends, once the gateway is reading it."""
+    taken = app.taken
+    extra = f"\nX-Forwarded-For: {forwarded_for}" if forwarded_for else ""
+    client = send(port, f"POST /v1/chat/completions HTTP/1.1\nHost: x\nAuthorization: Bearer {key}\n"
+                        f"Content-Length: 1000{extra}", b'{"model":')
+    wait_for(lambda: app.taken >= taken + 9, timeout=10, interval=0.01, what="the body to be read")
+    return client
+
+
+def _chat(port: int, key: str, *, forwarded_for: str | None = None):
+    extra = f"\nX-Forwarded-For: {forwarded_for}" if forwarded_for else ""
+    with send(port, f"POST /v1/chat/completions HTTP/1.1\nHost: x\nAuthorization: Bearer {key}\n"
+                    f"Content-Length: 5{extra}", b"{nope") as client:
+        return answer(client)
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("caps, status, code", [
+    ({"HTTP_MAX_BODY_READS_PER_CLIENT": 2, "HTTP_MAX_BODY_READS": 0}, 429, "rate_limit_exceeded"),
+    ({"HTTP_MAX_BODY_READS_PER_CLIENT": 0, "HTTP_MAX_BODY_READS": 2}, 503, "service_unavailable"),
+])
+def test_a_body_past_a_cap_on_bodies_read_at_once_is_refused_unread(world, serve, settings, caps, status, code):
+    for name, value in caps.items():
+        setattr(settings, name, value)
+    app = BodyBytesTaken(Application())
+    port = serve(app)
+    first, second = _reading(port, world.alice_key, app), _reading(port, world.bob_key, app)
+    with first, second:
+        taken = app.taken
+        refused = _chat(port, world.alice_key)
+        assert (refused.status, orjson.loads(refused.body)["error"]["code"]) == (status, code)
+        assert int(refused.headers["retry-after"]) >= 1 and refused.headers["connection"] == "close"
+        assert app.taken == taken
+        with send(port, f"GET /v1/models HTTP/1.1\nHost: x\nAuthorization: Bearer {world.alice_key}") as other:
+            assert answer(other).status == 200  # a request without a body is served meanwhile
+        first.close()
+        wait_for(lambda: _chat(port, world.alice_key).status == 400, timeout=10, interval=0.05,
+                 what="a body to be read again once one was let go")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_behind_a_trusted_proxy_bodies_are_counted_per_forwarded_client(world, serve, settings):
+    settings.HTTP_MAX_BODY_READS_PER_CLIENT = 1
+    app = BodyBytesTaken(Application())
+    port = serve(app, proxy_headers=True, forwarded_allow_ips="127.0.0.1")
+    with _reading(port, world.alice_key, app, forwarded_for="203.0.113.1"), \
+            _reading(port, world.alice_key, app, forwarded_for="203.0.113.2"):
+        assert _chat(port, world.alice_key, forwarded_for="203.0.113.1").status == 429
+        assert _chat(port, world.alice_key, forwarded_for="203.0.113.3").status == 400
