@@ -89,11 +89,12 @@ _stamps = itertools.count()
 
 
 def stamped(image: bytes) -> bytes:
-    """The JPEG with a comment of its own after its start marker: bytes no request of the run
-    sent before (the gateway keeps what a picture sent again became: GATEWAY_REPEATS_MB), the
-    same pixels (the same work for every proxy and engine)."""
+    """The JPEG with an APP1 segment of its own after its start marker: a picture no request of
+    the run sent before (the gateway keeps what a picture sent again became, GATEWAY_REPEATS_MB,
+    keyed by what decides its pixels, comments aside; an APP1 may carry an orientation, so it
+    counts), the same pixels (the same work for every proxy and engine)."""
     text = f"bench picture {next(_stamps)}".encode()
-    return image[:2] + b"\xff\xfe" + (len(text) + 2).to_bytes(2, "big") + text + image[2:]
+    return image[:2] + b"\xff\xe1" + (len(text) + 2).to_bytes(2, "big") + text + image[2:]
 
 
 def messages(image: bytes | None) -> list:
