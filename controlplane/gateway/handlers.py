@@ -89,16 +89,25 @@ async def _known(what: str, fetching):
 
 
 async def check_before_body(headers: dict[str, str]) -> Response | state.KeyInfo:
-    """What is checked before the body is read: a body declared past the limit and a missing or
-    unknown key are refused (the response); otherwise the caller's key, to read the body for."""
+    """What is checked before the body is read: a body declared past the limit, a missing or
+    unknown key, and a large body of a key past its intake's limits are refused (the response);
+    otherwise the caller's key, to read the body for."""
     declared = headers.get("content-length", "")
     if declared.isdigit() and int(declared) > settings.GATEWAY_MAX_BODY_BYTES:
         return error_response(413, f"request body exceeds {settings.GATEWAY_MAX_BODY_BYTES} bytes",
                               code="request_too_large")
     try:
-        return await _authenticate(Request(method="POST", headers=headers, body=b""))
+        key = await _authenticate(Request(method="POST", headers=headers, body=b""))
+        if _declares_large_body(headers):
+            await intake.check(intake.IntakeMeter(key))
     except GatewayError as exc:
         return exc.response()
+    return key
+
+
+def _declares_large_body(headers: dict[str, str]) -> bool:
+    declared = headers.get("content-length", "")
+    return declared.isdigit() and int(declared) >= LARGE_BODY
 
 
 def _allowed(key: state.KeyInfo, tiers: dict[str, TierSpec]) -> list[TierSpec]:
@@ -181,7 +190,10 @@ async def _chat_completions(request: Request, request_id: str, meters: list):
         if raw is None:
             raise GatewayError(413, f"request body exceeds {settings.GATEWAY_MAX_BODY_BYTES} bytes",
                                code="request_too_large")
-        if len(raw) >= LARGE_BODY:  # a key past its intake's limits is refused before it is read
+        # A key past its intake's limits is refused before a large body is read: by the ASGI
+        # front, which checked its key, when the body's length was declared; else here.
+        meter.checked = request.key is not None and _declares_large_body(request.headers)
+        if len(raw) >= LARGE_BODY:
             await intake.check(meter)
         with meter.timed():
             try:

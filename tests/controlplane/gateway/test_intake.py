@@ -4,11 +4,18 @@ opened, and a request refused at intake is one of its minute's requests. In both
 
 from __future__ import annotations
 
+import orjson
 import pytest
+from asgiref.sync import async_to_sync
+from django.utils import timezone
 
+from controlplane.asgi import Application
+from controlplane.gateway import ledger
+from controlplane.gateway.ledger import IntakeLimits
 from controlplane.tenants.models import Quota
-from controlplane.tenants.services import api_key_create
+from controlplane.tenants.services import api_key_create, api_key_lookup
 from tests.controlplane.gateway.test_views import engines, error_of, image_message, post, routed  # noqa: F401
+from tests.http_wire import BodyBytesTaken, answer, closed, send
 from tests.images import data_url, image_bytes
 from tests.imaging_corpus import jpeg_scan_bomb, png_claiming
 
@@ -29,8 +36,6 @@ def _in_one_minute(attempt):
     """`attempt(secret)`'s result for a fresh key, tried again should a minute turn during it
     (the counts start afresh each minute)."""
     for _ in range(3):
-        from django.utils import timezone
-
         started = timezone.now().replace(second=0, microsecond=0)
         outcome = attempt()
         if timezone.now().replace(second=0, microsecond=0) == started:
@@ -88,3 +93,24 @@ def test_a_key_with_no_limits_is_served_as_before(client, routed, ledger_mode): 
     refused = [post(client, routed.alice_key, _ask(BROKEN)).status_code for _ in range(5)]
     assert refused == [400] * 5
     assert post(client, routed.alice_key, _ask(image_bytes(800, 600))).status_code == 200
+
+
+def test_a_throttled_keys_large_body_is_refused_before_it_is_read(world, serve, ledger_mode, settings):
+    """Served as production serves it: the 429 comes before a byte of the declared body is taken."""
+    settings.GATEWAY_KEY_INTAKE_CPU_S = 1
+    app = BodyBytesTaken(Application())
+    port = serve(app)
+
+    def attempt():
+        secret = api_key_create(tenant=world.alice).secret
+        spent = IntakeLimits(cpu_ms=1000)  # this minute's CPU, spent already
+        async_to_sync(ledger.intake_charge)(world.alice.pk, api_key_lookup(secret).pk, spent, timezone.now(),
+                                            cpu_ms=5000, refused=False)
+        head = f"POST /v1/chat/completions HTTP/1.1\nHost: x\nContent-Length: 3000000\nAuthorization: Bearer {secret}"
+        with send(port, head, b"x" * 65536) as client:
+            got = answer(client)
+            assert got.status == 429 and orjson.loads(got.body)["error"]["code"] == "rate_limit_exceeded"
+            assert closed(client)
+
+    _in_one_minute(attempt)
+    assert app.taken == 0
