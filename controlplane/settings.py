@@ -338,10 +338,16 @@ GATEWAY_IMAGE_CPU_MS = env_int("GATEWAY_IMAGE_CPU_MS", 2000, minimum=10)
 GATEWAY_REQUEST_IMAGE_CPU_MS = env_int("GATEWAY_REQUEST_IMAGE_CPU_MS", 4000, minimum=10)
 GATEWAY_IMAGE_DECODE_MB = env_int("GATEWAY_IMAGE_DECODE_MB", 512, minimum=16)
 GATEWAY_REQUEST_DECODE_MB = env_int("GATEWAY_REQUEST_DECODE_MB", 1024, minimum=16)
+# The memory all of one gateway process's decodes may hold at once (MB, estimated from their
+# headers), and how long a decode waits for its share before its request is a 503.
+GATEWAY_DECODE_MEMORY_MB = env_int("GATEWAY_DECODE_MEMORY_MB", 1024, minimum=16)
+GATEWAY_DECODE_WAIT_MS = env_int("GATEWAY_DECODE_WAIT_MS", 5000, minimum=0)
 # Gateway CPU time a key's requests may take before admission each minute (reading bodies,
 # decoding and checking images), seconds; past it, its next image request is a 429 before its
 # pictures are opened (controlplane/gateway/intake.py). 0: no limit. A 12 MP photo takes 0.04.
 GATEWAY_KEY_INTAKE_CPU_S = env_int("GATEWAY_KEY_INTAKE_CPU_S", 10, minimum=0)
+# And the request bodies it may send each minute, MB (a 12 MP photo's: 5.3); 0: no limit.
+GATEWAY_KEY_INTAKE_MB = env_int("GATEWAY_KEY_INTAKE_MB", 2048, minimum=0)
 # Price estimates (/api/v1/estimate/) a tenant's API key may ask for each minute.
 API_ESTIMATES_PER_MINUTE = env_int("API_ESTIMATES_PER_MINUTE", 60, minimum=1)
 # For tiers with engine_settings.require_moderation: an OpenAI-format /v1/moderations endpoint.

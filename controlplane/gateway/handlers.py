@@ -30,7 +30,7 @@ from controlplane.gateway.prepare import (
     validate_body,
 )
 from controlplane.gateway.repeats import Repeats, Shared
-from controlplane.imaging.budget import MB, DecodeBudget, DecodeLimits
+from controlplane.imaging.budget import MB, DecodeBudget, DecodeLimits, DecodeMemory, DecodersBusy
 from controlplane.imaging.policy import DecodedDataURL
 from controlplane.imaging.tokens import engine_image_tokens
 from controlplane.metering.services import UsageRecord
@@ -40,6 +40,8 @@ log = logging.getLogger(__name__)
 AUTO = "auto"
 # What pictures sent before became, for the requests that send them again.
 repeats = Repeats(settings.GATEWAY_REPEATS_MB * 1024 * 1024, shared=Shared.from_settings())
+# The memory this process's decodes may hold at once, whatever the requests bringing pictures.
+decode_memory = DecodeMemory(settings.GATEWAY_DECODE_MEMORY_MB * MB, wait_s=settings.GATEWAY_DECODE_WAIT_MS / 1000)
 # A tenant's body is read by orjson (body.py), bounded in shape first; the engine's is written
 # by msgspec, which writes a data URL decoded as the body was read as it came, should one ever
 # be sent on (prepare replaces every image it reads). The engine's answers are read by orjson.
@@ -190,6 +192,8 @@ async def _chat_completions(request: Request, request_id: str, meters: list):
         if raw is None:
             raise GatewayError(413, f"request body exceeds {settings.GATEWAY_MAX_BODY_BYTES} bytes",
                                code="request_too_large")
+        if len(raw) >= LARGE_BODY:  # what small bodies weigh is not worth a round trip to count
+            meter.body_bytes = len(raw)
         # A key past its intake's limits is refused before a large body is read: by the ASGI
         # front, which checked its key, when the body's length was declared; else here.
         meter.checked = request.key is not None and _declares_large_body(request.headers)
@@ -224,11 +228,14 @@ async def _chat_completions(request: Request, request_id: str, meters: list):
     try:
         try:
             if tier.policy is not None:
-                meter.budget = DecodeBudget(decode_limits(), pixels=tier.policy.max_total_pixels)
+                meter.budget = DecodeBudget(decode_limits(), pixels=tier.policy.max_total_pixels,
+                                            shared=decode_memory)
             prepared = await prepare(body, tier, max_image_bytes=settings.GATEWAY_MAX_BODY_BYTES,
                                      scope=str(key.tenant_id), repeats=repeats, budget=meter.budget)
         except RequestInvalid as exc:
             raise GatewayError(400, str(exc), code=exc.code, param=exc.param) from None
+        except DecodersBusy as exc:
+            raise GatewayError(503, str(exc), code="service_unavailable", headers={"Retry-After": "1"}) from None
         if tier.require_moderation and prepared.images:
             try:
                 await prepared.images_checked()  # the moderation service is sent only whole images

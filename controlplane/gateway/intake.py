@@ -3,8 +3,9 @@
 Reading a body, and opening, decoding and checking its pictures, is work done for a request
 that may yet be refused, and a refusal bills nothing. So each request's intake is counted
 against its key, a minute at a time: the gateway CPU time it took (GATEWAY_KEY_INTAKE_CPU_S a
-minute), and a request refused at intake (never admitted, so never counted by its admission)
-as one of its tenant's and its key's requests of the minute. A key past either gets a 429
+minute) and the body bytes it read (GATEWAY_KEY_INTAKE_MB a minute), and a request refused at
+intake (never admitted, so never counted by its admission) as one of its tenant's and its key's
+requests of the minute. A key past either gets a 429
 before its next large body is read or its next pictures are opened; the count is shared by
 every gateway replica (it lives in the ledger's store).
 """
@@ -23,7 +24,7 @@ from django.utils import timezone
 from controlplane.gateway import ledger, state
 from controlplane.gateway.errors import GatewayError
 from controlplane.gateway.ledger import IntakeLimits
-from controlplane.imaging.budget import DecodeBudget
+from controlplane.imaging.budget import MB, DecodeBudget
 
 log = logging.getLogger(__name__)
 
@@ -41,13 +42,15 @@ class IntakeMeter:
     admitted: bool = False
     cpu_s: float = 0.0  # on the event loop (its body's read); its pictures' are in `budget`
     budget: DecodeBudget | None = None
+    body_bytes: int = 0
 
     @property
     def limits(self) -> IntakeLimits:
         key = self.key
         return IntakeLimits(tenant_requests=key.limits.requests_per_minute if key.limits else None,
                             key_requests=key.key_requests_per_minute,
-                            cpu_ms=settings.GATEWAY_KEY_INTAKE_CPU_S * 1000 or None)
+                            cpu_ms=settings.GATEWAY_KEY_INTAKE_CPU_S * 1000 or None,
+                            body_bytes=settings.GATEWAY_KEY_INTAKE_MB * MB or None)
 
     @contextmanager
     def timed(self) -> Iterator[None]:
@@ -68,7 +71,7 @@ async def check(meter: IntakeMeter) -> None:
         return
     meter.checked = True
     limits = meter.limits
-    if limits.tenant_requests is None and limits.key_requests is None and limits.cpu_ms is None:
+    if limits.none:
         return
     now = timezone.now()
     try:
@@ -83,6 +86,9 @@ async def check(meter: IntakeMeter) -> None:
         raise GatewayError(429, f"this API key's requests have used {settings.GATEWAY_KEY_INTAKE_CPU_S} s of the "
                            "gateway's CPU time this minute (reading bodies, decoding images); retry after "
                            f"{retry}s", code="rate_limit_exceeded", headers={"Retry-After": retry})
+    if reached == "intake_bytes":
+        raise GatewayError(429, f"this API key's requests have sent {settings.GATEWAY_KEY_INTAKE_MB:,} MB this "
+                           f"minute; retry after {retry}s", code="rate_limit_exceeded", headers={"Retry-After": retry})
     whose = "this API key's" if reached == "key_requests_per_minute" else "your organization's"
     raise GatewayError(429, f"{whose} limit exceeded: {limits.of(reached):,} requests per minute; retry after "
                        f"{retry}s", code="rate_limit_exceeded", headers={"Retry-After": retry})
@@ -98,11 +104,10 @@ async def charge(meter: IntakeMeter, status: int) -> None:
     was_refused = refused(meter, status)
     cpu_ms = meter.cpu_ms()
     limits = meter.limits
-    if not (was_refused or cpu_ms) or (limits.tenant_requests is None and limits.key_requests is None
-                                   and limits.cpu_ms is None):
+    if not (was_refused or cpu_ms or meter.body_bytes) or limits.none:
         return
     try:
         await ledger.intake_charge(meter.key.tenant_id, meter.key.key_id, limits, timezone.now(), cpu_ms=cpu_ms,
-                                   refused=was_refused)
+                                   body_bytes=meter.body_bytes, refused=was_refused)
     except Exception as exc:  # noqa: BLE001 - a throttle's count, not a bill: logged
         log.warning("could not count the intake of key %s: %s", meter.key.key_id, exc)

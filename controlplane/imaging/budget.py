@@ -49,12 +49,50 @@ def decode_memory(width: int, height: int, mode: str, *, coefficients: int = 0) 
     return pixels * (stored + (0 if mode == "RGB" else 4) + 3 + 2 * coefficients)
 
 
+class DecodersBusy(Exception):
+    """The process's decodes hold all the memory they may: a picture waited for its share in
+    vain. Not the picture's fault: the request may be sent again shortly."""
+
+
+class DecodeMemory:
+    """The memory one process's decodes may hold at once, estimated from their pictures'
+    headers, handed out as it is given back; a decode that cannot have its share within
+    `wait_s` is refused (DecodersBusy). Bounds the process's memory, and the decodes that run
+    at once, however many requests bring pictures."""
+
+    def __init__(self, total: int, *, wait_s: float):
+        self.total, self.wait_s = total, wait_s
+        self._held = 0
+        self._changed = threading.Condition()
+
+    @property
+    def held(self) -> int:
+        with self._changed:
+            return self._held
+
+    @contextmanager
+    def holding(self, amount: int) -> Iterator[None]:
+        amount = min(amount, self.total)  # one larger than all is let through alone
+        with self._changed:
+            if not self._changed.wait_for(lambda: self._held + amount <= self.total, timeout=self.wait_s):
+                raise DecodersBusy(f"the gateway's decodes hold their {self.total // MB:,} MB; retry shortly")
+            self._held += amount
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._held -= amount
+                self._changed.notify_all()
+
+
 class DecodeBudget:
     """What one request's pictures may still cost. Thread-safe: a request's pictures are
-    decoded and checked on several threads."""
+    decoded and checked on several threads. With `shared`, their decodes also hold their
+    memory in the process's."""
 
-    def __init__(self, limits: DecodeLimits = DecodeLimits(), *, pixels: int | None = None):
-        self.limits = limits
+    def __init__(self, limits: DecodeLimits = DecodeLimits(), *, pixels: int | None = None,
+                 shared: DecodeMemory | None = None):
+        self.limits, self.shared = limits, shared
         self._pixels_total = pixels
         self._pixels = 0
         self._memory = 0
@@ -87,6 +125,16 @@ class DecodeBudget:
                 raise ImageTooLarge(f"decoding the images of this request would take more than "
                                     f"{limits.request_memory // MB:,} MB")
             self._memory += memory
+
+    @contextmanager
+    def holding(self, memory: int) -> Iterator[None]:
+        """`take_memory`, then the process's share of it held for the block (DecodersBusy)."""
+        self.take_memory(memory)
+        if self.shared is None:
+            yield
+            return
+        with self.shared.holding(memory):
+            yield
 
     def cpu_allowed(self) -> float:
         """CPU seconds the next decode may take: its picture's budget, or what the request has

@@ -116,6 +116,8 @@ def open_image(data: bytes, *, allowed_formats: tuple[str, ...], max_input_pixel
             image = Image.open(source, formats=_plugins(allowed_formats))
     except Image.DecompressionBombError:
         raise ImageTooLarge("image has more pixels than allowed") from None
+    except ImageTooComplex:  # its CPU time ran out while its header was read
+        raise
     except UnidentifiedImageError:
         if allowed_formats:
             try:

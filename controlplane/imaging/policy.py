@@ -352,14 +352,22 @@ def _normalised_tiles(data: bytes, policy: Policy, cap: int, index: FingerprintI
     # before a pixel is decoded.
     budget.count_pixels(width, height)
     progressive = fmt == "JPEG" and bool(image.info.get("progressive"))
-    budget.take_memory(decode_memory(stored_w, stored_h, image.mode,
-                                     coefficients=len(image.getbands()) if progressive else 0))
+    memory = decode_memory(stored_w, stored_h, image.mode, coefficients=len(image.getbands()) if progressive else 0)
+    if policy.output_format == "jpeg" and _passes_through(image, fmt, turn, plan, (width, height)):
+        budget.take_memory(memory)  # its check is held by the checks' pool of threads, one per core
+        sent = _as_sent(image, data, index=index, documents=documents, budget=budget)
+        return [sent if check_later else sent.checked()]
+    with budget.holding(memory):
+        return _decoded_tiles(image, data, policy, plan, fmt, turn, (width, height), index, documents, budget)
+
+
+def _decoded_tiles(image: Image.Image, data: bytes, policy: Policy, plan: TilePlan, fmt: str, turn: int,
+                   size: tuple[int, int], index: FingerprintIndex | None, documents: _Documents,
+                   budget: DecodeBudget) -> list[NormalisedImage]:
+    width, height = size
     if policy.output_format == "jpeg" and _downscales_whole(image, turn, plan):
         return [_downscaled(image, data, policy, (plan.width, plan.height), index=index, documents=documents,
                             budget=budget)]
-    if policy.output_format == "jpeg" and _passes_through(image, fmt, turn, plan, (width, height)):
-        sent = _as_sent(image, data, index=index, documents=documents, budget=budget)
-        return [sent if check_later else sent.checked()]
     documents.refuse()
     try:
         image.seek(0)  # the first frame of an animation

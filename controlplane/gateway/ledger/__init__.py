@@ -108,10 +108,11 @@ async def intake_over(tenant_id: int, key_id: int, limits: IntakeLimits, now) ->
 
 
 async def intake_charge(tenant_id: int, key_id: int, limits: IntakeLimits, now, *, cpu_ms: int,
-                        refused: bool) -> None:
-    """Count what a request's intake cost its key: CPU time and, `refused` at intake (never
-    admitted, so never counted), the request itself."""
-    await ledger().intake_charge(tenant_id, key_id, limits, now, cpu_ms=cpu_ms, refused=refused)
+                        body_bytes: int = 0, refused: bool) -> None:
+    """Count what a request's intake cost its key: CPU time, body bytes and, `refused` at intake
+    (never admitted, so never counted), the request itself."""
+    await ledger().intake_charge(tenant_id, key_id, limits, now, cpu_ms=cpu_ms, body_bytes=body_bytes,
+                                 refused=refused)
 
 
 async def key_rate(key_id: int, limit: int, now) -> bool:

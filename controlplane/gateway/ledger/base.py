@@ -31,18 +31,23 @@ class Limits:
 class IntakeLimits:
     """What a key's requests may cost before admission, each minute: its tenant's requests and
     its own (a request refused at intake counts as one), and the gateway CPU time its requests'
-    intake took (milliseconds). None: no limit."""
+    intake took (milliseconds) and the body bytes it read. None: no limit."""
 
     tenant_requests: int | None = None
     key_requests: int | None = None
     cpu_ms: int | None = None
+    body_bytes: int | None = None
 
     def of(self, name: str) -> int | None:
         return {"requests_per_minute": self.tenant_requests, "key_requests_per_minute": self.key_requests,
-                "intake_cpu_ms": self.cpu_ms}[name]
+                "intake_cpu_ms": self.cpu_ms, "intake_bytes": self.body_bytes}[name]
+
+    @property
+    def none(self) -> bool:
+        return all(self.of(name) is None for name in INTAKE)
 
 
-INTAKE = ("requests_per_minute", "key_requests_per_minute", "intake_cpu_ms")
+INTAKE = ("requests_per_minute", "key_requests_per_minute", "intake_cpu_ms", "intake_bytes")
 
 
 @dataclass(frozen=True)

@@ -88,7 +88,7 @@ class DatabaseLedger:
     @staticmethod
     def _intake_counters(key_id: int) -> dict[str, str]:
         return {"requests_per_minute": "requests_per_minute", "key_requests_per_minute": f"key{key_id}:rpm",
-                "intake_cpu_ms": f"key{key_id}:intake_ms"}
+                "intake_cpu_ms": f"key{key_id}:intake_ms", "intake_bytes": f"key{key_id}:intake_bytes"}
 
     async def intake_over(self, tenant_id: int, key_id: int, limits: IntakeLimits, now: dt.datetime) -> str | None:
         return await sync_to_async(self.intake_over_sync)(tenant_id, key_id, limits, now)
@@ -104,16 +104,18 @@ class DatabaseLedger:
                      if limits.of(name) is not None and used.get(counters[name], 0) >= limits.of(name)), None)
 
     async def intake_charge(self, tenant_id: int, key_id: int, limits: IntakeLimits, now: dt.datetime, *,
-                            cpu_ms: int, refused: bool) -> None:
-        await sync_to_async(self.intake_charge_sync)(tenant_id, key_id, limits, now, cpu_ms=cpu_ms, refused=refused)
+                            cpu_ms: int, body_bytes: int = 0, refused: bool) -> None:
+        await sync_to_async(self.intake_charge_sync)(tenant_id, key_id, limits, now, cpu_ms=cpu_ms,
+                                                     body_bytes=body_bytes, refused=refused)
 
     def intake_charge_sync(self, tenant_id: int, key_id: int, limits: IntakeLimits, now: dt.datetime, *,
-                           cpu_ms: int, refused: bool) -> None:
-        """Count a request's intake: its CPU time, and, `refused` at intake, the request itself."""
+                           cpu_ms: int, body_bytes: int = 0, refused: bool) -> None:
+        """Count a request's intake: its CPU time and body bytes, and, `refused` at intake, the
+        request itself."""
         from controlplane.tenants.models import QuotaCounter
 
         counters, window = self._intake_counters(key_id), minute_window(now)
-        amounts = {"intake_cpu_ms": cpu_ms}
+        amounts = {"intake_cpu_ms": cpu_ms, "intake_bytes": body_bytes}
         if refused:
             amounts.update({"requests_per_minute": 1, "key_requests_per_minute": 1})
         plan = [(counters[name], amount) for name, amount in amounts.items()

@@ -244,23 +244,25 @@ return 0
 
 
 # What a key's requests cost before admission. KEYS: the minute's tenant requests, key
-# requests and key intake CPU (ms); ARGV[1..3] their limits (-1: none).
-# Which is reached (1..3), or 0:
+# requests, key intake CPU (ms) and body bytes; ARGV[1..4] their limits (-1: none).
+# Which is reached (1..4), or 0:
 _INTAKE_OVER = """
-for i = 1, 3 do
+for i = 1, 4 do
   local limit = tonumber(ARGV[i])
   if limit >= 0 and tonumber(redis.call('GET', KEYS[i]) or '0') >= limit then return i end
 end
 return 0
 """
-# Counting it: ARGV[4] the CPU milliseconds, ARGV[5] '1' when the request counts as one of
-# the minute's (refused at intake: admission never counted it).
+# Counting it: ARGV[5] the CPU milliseconds, ARGV[6] the body bytes, ARGV[7] '1' when the
+# request counts as one of the minute's (refused at intake: admission never counted it).
 _INTAKE_CHARGE = """
-if tonumber(ARGV[4]) > 0 then
-  redis.call('INCRBY', KEYS[3], ARGV[4])
-  redis.call('EXPIRE', KEYS[3], 120)
+for i = 3, 4 do
+  if tonumber(ARGV[i + 2]) > 0 and tonumber(ARGV[i]) >= 0 then
+    redis.call('INCRBY', KEYS[i], ARGV[i + 2])
+    redis.call('EXPIRE', KEYS[i], 120)
+  end
 end
-if ARGV[5] == '1' then
+if ARGV[7] == '1' then
   for i = 1, 2 do
     if tonumber(ARGV[i]) >= 0 then
       redis.call('INCR', KEYS[i])
@@ -316,8 +318,8 @@ class RedisLedger:
     def _intake_call(self, tenant_id: int, key_id: int, limits: IntakeLimits, now: dt.datetime) -> list:
         minute = minute_window(now)
         keys = [f"{self.prefix}:quota:{tenant_id}:rpm:{minute}", f"{self.prefix}:keyrpm:{key_id}:{minute}",
-                f"{self.prefix}:keycpu:{key_id}:{minute}"]
-        return [3, *keys, *(-1 if limits.of(name) is None else limits.of(name) for name in INTAKE)]
+                f"{self.prefix}:keycpu:{key_id}:{minute}", f"{self.prefix}:keybytes:{key_id}:{minute}"]
+        return [4, *keys, *(-1 if limits.of(name) is None else limits.of(name) for name in INTAKE)]
 
     async def intake_over(self, tenant_id: int, key_id: int, limits: IntakeLimits, now: dt.datetime) -> str | None:
         """Which of `limits` the key's minute has reached (its next request is refused), or None."""
@@ -325,10 +327,11 @@ class RedisLedger:
         return INTAKE[found - 1] if found else None
 
     async def intake_charge(self, tenant_id: int, key_id: int, limits: IntakeLimits, now: dt.datetime, *,
-                            cpu_ms: int, refused: bool) -> None:
-        """Count a request's intake: its CPU time, and, `refused` at intake, the request itself."""
+                            cpu_ms: int, body_bytes: int = 0, refused: bool) -> None:
+        """Count a request's intake: its CPU time and body bytes, and, `refused` at intake, the
+        request itself."""
         await _eval(self._scripts(), _INTAKE_CHARGE, *self._intake_call(tenant_id, key_id, limits, now),
-                    cpu_ms, "1" if refused else "0")
+                    cpu_ms, body_bytes, "1" if refused else "0")
 
     # -- admit -----------------------------------------------------------------------------
 

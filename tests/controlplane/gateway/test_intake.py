@@ -114,3 +114,16 @@ def test_a_throttled_keys_large_body_is_refused_before_it_is_read(world, serve, 
 
     _in_one_minute(attempt)
     assert app.taken == 0
+
+
+def test_a_key_that_sends_more_megabytes_than_a_minute_allows_is_throttled(client, routed, ledger_mode, settings):  # noqa: F811
+    settings.GATEWAY_KEY_INTAKE_MB = 1
+    bulky = {"model": "text", "max_tokens": 4, "messages": [{"role": "user", "content": "word " * 120_000}]}
+
+    def attempt():
+        secret = api_key_create(tenant=routed.alice).secret
+        first, second, third = (post(client, secret, bulky) for _ in range(3))  # 600 KB each
+        assert 429 not in (first.status_code, second.status_code)
+        assert third.status_code == 429 and "1 MB this minute" in error_of(third)["message"]
+
+    _in_one_minute(attempt)

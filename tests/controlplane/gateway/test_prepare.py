@@ -126,3 +126,16 @@ def test_a_picture_past_the_requests_total_is_refused_by_its_header(client, rout
     assert refused.status_code == 400, refused.content
     assert error_of(refused)["code"] == "image_too_large"
     assert "pixels in total" in error_of(refused)["message"]
+
+
+def test_a_picture_that_finds_every_decode_busy_is_a_503_to_retry(client, routed, ledger_mode, monkeypatch):  # noqa: F811
+    from controlplane.gateway import handlers
+    from controlplane.imaging.budget import DecodeMemory
+
+    shared = DecodeMemory(64 << 20, wait_s=0.05)
+    monkeypatch.setattr(handlers, "decode_memory", shared)
+    with shared.holding(64 << 20):  # other requests' decodes hold all of it
+        busy = post(client, routed.alice_key, _ask(data_url(image_bytes(2400, 1800))))
+    assert (busy.status_code, error_of(busy)["code"]) == (503, "service_unavailable")
+    assert busy["Retry-After"] == "1"
+    assert post(client, routed.alice_key, _ask(data_url(image_bytes(2400, 1800)))).status_code == 200

@@ -117,3 +117,33 @@ def test_the_cpu_pictures_took_is_counted():
     Image.effect_noise((1200, 900), 80).convert("RGB").save(noise, "PNG")
     normalise_tiles(noise.getvalue(), Policy(), budget=budget)
     assert budget.cpu_spent > 0
+
+
+def test_a_processs_decodes_hold_no_more_memory_than_it_allows():
+    import threading
+
+    from controlplane.imaging.budget import DecodeMemory, DecodersBusy
+
+    shared = DecodeMemory(48 << 20, wait_s=0.05)
+    budget = DecodeBudget(shared=shared)
+    with shared.holding(40 << 20):  # another request's decode
+        with pytest.raises(DecodersBusy):
+            normalise_tiles(image_bytes(2400, 1800), Policy(), budget=budget)  # about 26 MB
+        small = normalise_tiles(image_bytes(640, 480), Policy(), budget=DecodeBudget(shared=shared))
+        assert small[0].width == 640
+    # Given back, it is handed to the one waiting.
+    waiting = DecodeMemory(48 << 20, wait_s=5)
+    held, released = threading.Event(), threading.Event()
+
+    def hold():
+        with waiting.holding(40 << 20):
+            held.set()
+            released.wait(5)
+
+    thread = threading.Thread(target=hold)
+    thread.start()
+    held.wait(5)
+    threading.Timer(0.05, released.set).start()
+    taken = normalise_tiles(image_bytes(2400, 1800), Policy(), budget=DecodeBudget(shared=waiting))
+    thread.join()
+    assert taken[0].width < 2400 and waiting.held == 0
