@@ -34,6 +34,18 @@ def vet(url: str, *, trusted_networks: tuple[str, ...] | list[str], what: str = 
     return vet_url(url, FetchPolicy(trusted_networks=tuple(trusted_networks)), resolver, what=what)
 
 
+def url_refusal(url: str, *, trusted_networks, what: str = "URL", resolver: Resolver = system_resolver) -> str | None:
+    """Why `url` may not be saved as a target, or None. A name that does not resolve now
+    passes: it reaches nothing, and each request is vetted again."""
+    try:
+        vet(url, trusted_networks=trusted_networks, what=what, resolver=resolver)
+    except UnsafeURL as exc:
+        return str(exc)
+    except FetchFailed:
+        pass
+    return None
+
+
 def _pin(request: httpx.Request, target: Target) -> None:
     # The Host header was set from the URL when the request was built and stays; TLS is
     # sent the name as SNI and checks the certificate against it.
