@@ -7,6 +7,7 @@ a typo in production configuration must stop the process, not change its behavio
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import secrets
 import tempfile
@@ -66,6 +67,17 @@ def env_list(name: str, default: list[str]) -> list[str]:
     if any(not item for item in items):
         raise EnvError(f"{name}={value!r} has an empty entry")
     return items
+
+
+def env_networks(name: str, default: list[str]) -> list[str]:
+    """A comma-separated list of networks in CIDR notation (10.0.0.0/8, fd00::/8)."""
+    networks = env_list(name, default)
+    for network in networks:
+        try:
+            ipaddress.ip_network(network)
+        except ValueError as exc:
+            raise EnvError(f"{name}: {network!r} is not a network in CIDR notation ({exc})") from None
+    return networks
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from controlplane.env import (
     env_choice,
     env_int,
     env_list,
+    env_networks,
     env_str,
     local_secret_key,
     parse_database_url,
@@ -350,6 +351,11 @@ GATEWAY_KEY_INTAKE_CPU_S = env_int("GATEWAY_KEY_INTAKE_CPU_S", 10, minimum=0)
 GATEWAY_KEY_INTAKE_MB = env_int("GATEWAY_KEY_INTAKE_MB", 2048, minimum=0)
 # Price estimates (/api/v1/estimate/) a tenant's API key may ask for each minute.
 API_ESTIMATES_PER_MINUTE = env_int("API_ESTIMATES_PER_MINUTE", 60, minimum=1)
+# Private networks the URLs operators set may point into: alert webhooks, external engines,
+# benchmark targets and MODERATION_URL (controlplane/outbound.py). Empty: public addresses
+# only. Apart from GATEWAY_TRUSTED_IMAGE_NETWORKS: trusting a network for these does not
+# let tenants' image URLs reach it.
+OPERATOR_URL_TRUSTED_NETWORKS = env_networks("OPERATOR_URL_TRUSTED_NETWORKS", [])
 # For tiers with engine_settings.require_moderation: an OpenAI-format /v1/moderations endpoint.
 MODERATION_URL = env_str("MODERATION_URL", "")
 MODERATION_API_KEY = env_str("MODERATION_API_KEY", "")

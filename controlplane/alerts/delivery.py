@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+import time
 from dataclasses import dataclass
 
 import httpx
+from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
+from controlplane import outbound
 from controlplane.alerts import slack
 from controlplane.alerts.models import AlertDelivery, Webhook
 
@@ -31,6 +34,20 @@ class Outcome:
     retry: bool = False  # worth trying again (the receiver or the network, not the request)
     retry_after: int | None = None
     error: str = ""
+    status: int | None = None  # the receiver's HTTP status, when it answered
+    elapsed_ms: int = 0
+
+    @property
+    def summary(self) -> str:
+        """How the post went, for the operator: the answer's status (never its body) and time."""
+        if self.status is None:
+            return f"{self.error} after {self.elapsed_ms} ms"
+        return f"{_status_line(self.status)} {'in' if self.delivered else 'after'} {self.elapsed_ms} ms"
+
+
+def _status_line(status: int) -> str:
+    # The status's standard phrase, not the receiver's: nothing it wrote is echoed back.
+    return f"HTTP {status} {httpx.codes.get_reason_phrase(status)}".rstrip()
 
 
 def backoff(attempts: int) -> int:
@@ -40,21 +57,32 @@ def backoff(attempts: int) -> int:
 
 def post(*, url: str, payload: dict) -> Outcome:
     """Post `payload` as JSON; never raises. 5xx, 408, 429, timeouts and connection errors are
-    worth retrying; any other answer (a 404 for a deleted Slack webhook, say) will not change."""
+    worth retrying; any other answer (a 404 for a deleted Slack webhook, say) will not change,
+    nor will a URL this server may not call (controlplane/outbound.py)."""
+    started = time.monotonic()
+
+    def took() -> int:
+        return round((time.monotonic() - started) * 1000)
+
     try:
-        response = httpx.post(url, json=payload, timeout=TIMEOUT_S, follow_redirects=False,
-                              headers={"User-Agent": "vlm-controlplane-alerts"})
+        with outbound.client(trusted_networks=settings.OPERATOR_URL_TRUSTED_NETWORKS, what="webhook URL",
+                             timeout=TIMEOUT_S, headers={"User-Agent": "vlm-controlplane-alerts"}) as client:
+            response = client.post(url, json=payload)
+    except outbound.RefusedTarget as exc:
+        return Outcome(False, error=f"not sent: {exc}"[:500], elapsed_ms=took())
     except httpx.TimeoutException as exc:
-        return Outcome(False, retry=True, error=f"timed out after {TIMEOUT_S} s ({type(exc).__name__})")
+        return Outcome(False, retry=True, error=f"timed out after {TIMEOUT_S} s ({type(exc).__name__})",
+                       elapsed_ms=took())
     except httpx.TransportError as exc:
-        return Outcome(False, retry=True, error=f"{type(exc).__name__}: {exc}"[:500])
+        return Outcome(False, retry=True, error=f"{type(exc).__name__}: {exc}"[:500], elapsed_ms=took())
     except (httpx.HTTPError, ValueError) as exc:
-        return Outcome(False, error=f"{type(exc).__name__}: {exc}"[:500])
-    if 200 <= response.status_code < 300:
-        return Outcome(True)
-    error = f"HTTP {response.status_code}: {response.text[:300].strip()}".strip().rstrip(":")
-    retry = response.status_code >= 500 or response.status_code in (408, 429)
-    return Outcome(False, retry=retry, retry_after=_retry_after(response), error=error)
+        return Outcome(False, error=f"{type(exc).__name__}: {exc}"[:500], elapsed_ms=took())
+    status = response.status_code
+    if 200 <= status < 300:
+        return Outcome(True, status=status, elapsed_ms=took())
+    retry = status >= 500 or status in (408, 429)
+    return Outcome(False, retry=retry, retry_after=_retry_after(response), error=_status_line(status),
+                   status=status, elapsed_ms=took())
 
 
 def _retry_after(response: httpx.Response) -> int | None:

@@ -7,10 +7,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from decimal import Decimal
 
+from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.core.validators import URLValidator
 from django.db import models
 from django.utils import timezone
+
+from controlplane import outbound
 
 
 @dataclass(frozen=True)
@@ -160,9 +163,21 @@ class Webhook(models.Model):
         return [AlertRule.Kind(kind).label for kind in self.kinds if kind in AlertRule.Kind.values]
 
     def clean(self):
+        errors = {}
         unknown = sorted(set(self.kinds or []) - set(AlertRule.Kind.values))
         if unknown:
-            raise ValidationError({"kinds": f"unknown rule kinds: {', '.join(unknown)}"})
+            errors["kinds"] = f"unknown rule kinds: {', '.join(unknown)}"
+        try:
+            http_url(self.url)
+        except ValidationError:
+            pass  # said by the field
+        else:
+            refused = outbound.url_refusal(self.url, trusted_networks=settings.OPERATOR_URL_TRUSTED_NETWORKS,
+                                           what="webhook URL")
+            if refused:
+                errors["url"] = refused
+        if errors:
+            raise ValidationError(errors)
 
 
 class AlertDelivery(models.Model):

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from controlplane import outbound
 from controlplane.benchmarks.workload import RequestSpec
 
 CLOSED, OPEN = "closed", "open"
@@ -36,6 +37,17 @@ class Target:
     model: str
     api_key: str = ""
     timeout_s: float = 300.0
+    # The address `url`'s host was vetted at, where every request goes (a URL an operator
+    # set); None: the host is looked up as usual.
+    pinned: outbound.Target | None = None
+
+
+def _client(target: Target) -> httpx.AsyncClient:
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+    if target.pinned is None:
+        return httpx.AsyncClient(limits=limits, timeout=target.timeout_s)
+    return httpx.AsyncClient(transport=outbound.AsyncPinnedTransport(target.pinned, limits=limits),
+                             timeout=target.timeout_s, follow_redirects=False, trust_env=False)
 
 
 @dataclass
@@ -267,8 +279,7 @@ async def run_sweep(target: Target, next_spec: Callable[[], RequestSpec], *, arr
     """Every level in turn; the samples of each stage run (a stopped one included).
     `on_stage(index, samples, elapsed_s, stopped)` is awaited as each stage ends."""
     stages: list[list[Sample]] = []
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
-    async with httpx.AsyncClient(limits=limits, timeout=target.timeout_s) as client:
+    async with _client(target) as client:
         for n, level in enumerate(levels):
             started = time.perf_counter()
             samples, stopped = await run_stage(
@@ -299,8 +310,7 @@ async def run_fixed(target: Target, stages: list[list[RequestSpec]], *, concurre
                 return
             await asyncio.sleep(tick_s)
 
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
-    async with httpx.AsyncClient(limits=limits, timeout=target.timeout_s) as client:
+    async with _client(target) as client:
         watch = asyncio.ensure_future(ticker())
         try:
             for n, specs in enumerate(stages):

@@ -1,8 +1,10 @@
 from django.conf import settings
 from django.core.exceptions import ValidationError
-from django.core.validators import MaxValueValidator, MinValueValidator
+from django.core.validators import MaxValueValidator, MinValueValidator, URLValidator
 from django.db import models
 from django.utils import timezone
+
+from controlplane import outbound
 
 # A run is one Celery task with a one-hour limit: the load planned, plus the drain of each
 # stage (at most 30 s, services.drain_seconds), must fit inside it.
@@ -105,6 +107,16 @@ class BenchmarkProfile(models.Model):
 
         return (self.gateway_url or settings.GATEWAY_PUBLIC_URL).rstrip("/")
 
+    def _gateway_url_refusal(self) -> str | None:
+        if not self.gateway_url:
+            return None  # this server's own gateway
+        try:
+            URLValidator(schemes=["http", "https"])(self.gateway_url)
+        except ValidationError:
+            return None  # said by the field
+        return outbound.url_refusal(self.gateway_url, trusted_networks=settings.OPERATOR_URL_TRUSTED_NETWORKS,
+                                    what="benchmark target URL")
+
     def clean(self):
         from controlplane.benchmarks.schedules import parse_cron
 
@@ -141,6 +153,9 @@ class BenchmarkProfile(models.Model):
                 parse_cron(self.schedule_cron)
             except ValueError as exc:
                 errors["schedule_cron"] = str(exc)
+        refused = self._gateway_url_refusal()
+        if refused:
+            errors["gateway_url"] = refused
         if self.target == self.Target.INSTANCE and self.instance_id and self.tier_id \
                 and self.instance.tier_id != self.tier_id:
             errors["instance"] = "the instance must serve the profile's tier"

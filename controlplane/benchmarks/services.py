@@ -16,9 +16,11 @@ import datetime as dt
 import logging
 import threading
 
+from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
+from controlplane import outbound
 from controlplane.benchmarks import loadgen, stats
 from controlplane.benchmarks.models import BenchmarkImage, BenchmarkProfile, BenchmarkRun, EvalItem
 from controlplane.benchmarks.workload import (
@@ -177,17 +179,30 @@ def _target(run: BenchmarkRun, planned_s: float):
             instance = instances[0]
         if not instance.base_url:
             raise BenchmarkError(f"instance {instance.pk} has no address yet")
-        target = loadgen.Target(url=f"{instance.base_url}/v1/chat/completions", model=profile.tier.name,
-                                api_key=instance.api_key)
+        url = f"{instance.base_url}/v1/chat/completions"
+        # Engines the node agent launched are called as they are; an external one's URL was set
+        # by an operator, and is vetted.
+        pinned = _vetted(url, "engine URL") if instance.external_url else None
+        target = loadgen.Target(url=url, model=profile.tier.name, api_key=instance.api_key, pinned=pinned)
         return target, f"instance {instance.pk} at {instance.base_url}", lambda: None
+    url = f"{profile.gateway_base}/v1/chat/completions"
+    # This server's own gateway (GATEWAY_PUBLIC_URL) is its configuration, not a URL an operator set.
+    pinned = _vetted(url, "benchmark target URL") if profile.gateway_url else None
     tenant, _ = Tenant.objects.get_or_create(name=BENCHMARK_TENANT, defaults={
         "display_name": "Benchmark runs", "isolate_prefix_cache": True})
     issued = api_key_create(tenant=tenant, name=f"benchmark run {run.pk}",
                             expires_at=timezone.now() + dt.timedelta(seconds=planned_s + 3600))
-    target = loadgen.Target(url=f"{profile.gateway_base}/v1/chat/completions",
-                            model=profile.tier.name, api_key=issued.secret)
+    target = loadgen.Target(url=url, model=profile.tier.name, api_key=issued.secret, pinned=pinned)
     return target, f"{profile.tier.name} through the gateway at {profile.gateway_base}", \
         lambda: api_key_revoke(api_key=issued.api_key)
+
+
+def _vetted(url: str, what: str) -> outbound.Target:
+    """The address a run's requests all go to, vetted once as it starts."""
+    try:
+        return outbound.vet(url, trusted_networks=settings.OPERATOR_URL_TRUSTED_NETWORKS, what=what)
+    except (outbound.UnsafeURL, outbound.FetchFailed) as exc:
+        raise BenchmarkError(str(exc)) from None
 
 
 def _rates(tier):

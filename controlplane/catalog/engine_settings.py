@@ -99,7 +99,9 @@ SETTINGS = (
             "Host names image URLs may come from (*.example.com allowed); empty: any public host.",
             engines=EVERY, group="gateway"),
     Setting("require_moderation", bool, False, "Moderate prompts",
-            "Send each prompt to the moderation endpoint before the engine.", engines=EVERY, group="gateway"),
+            "Send each prompt, its text and its images, to the moderation endpoint (MODERATION_URL) "
+            "before the engine; a flagged prompt is refused, and so is every prompt while the endpoint "
+            "cannot answer.", engines=EVERY, group="gateway"),
     Setting("large_image_concurrency", int, 2, "Large images at once",
             "Requests with large images in flight at once per gateway (per-tenant fair).",
             engines=EVERY, group="gateway", minimum=1, maximum=1024),

@@ -123,7 +123,7 @@ def webhook_test(request, pk):
     webhook = get_object_or_404(Webhook, pk=pk)
     outcome = webhook_probe(webhook=webhook)
     if outcome.delivered:
-        messages.success(request, f"Test message delivered to {webhook.name}.")
+        messages.success(request, f"Test message delivered to {webhook.name}: {outcome.summary}.")
     else:
-        messages.error(request, f"Test message to {webhook.name} failed: {outcome.error}")
+        messages.error(request, f"Test message to {webhook.name} failed: {outcome.summary}.")
     return redirect("dashboard:alerts")

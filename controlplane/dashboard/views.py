@@ -228,20 +228,16 @@ def fleet_replicas(request, name: str):
 @require_POST
 def fleet_register_external(request):
     _require(roles.is_operator, request.user)
-    from django.core.validators import URLValidator
-
     from controlplane.catalog.models import ModelTier
+    from controlplane.fleet.services import FleetActionRefused, external_engine_register
 
     tier = get_object_or_404(ModelTier, pk=request.POST.get("tier"), engine_kind=ModelTier.EngineKind.EXTERNAL)
     url = (request.POST.get("url") or "").strip()
     try:
-        URLValidator(schemes=["http", "https"])(url)
-    except Exception:  # noqa: BLE001 - any invalid URL gets the same answer
-        messages.error(request, f"{url!r} is not an http(s) URL")
+        external_engine_register(tier=tier, url=url, actor=request.user.username)
+    except FleetActionRefused as refused:
+        messages.error(request, str(refused))
         return redirect("dashboard:fleet")
-    instance = EngineInstance.objects.create(tier=tier, external_url=url)
-    EngineEvent.objects.create(instance=instance, from_state="pending", to_state="pending",
-                               reason=f"registered at {url} by {request.user.username}")
     messages.success(request, f"Registered {url} for {tier.name}; it joins rotation once healthy.")
     return redirect("dashboard:fleet")
 

@@ -1,7 +1,11 @@
 import secrets
 
+from django.conf import settings
+from django.core.exceptions import ValidationError
 from django.db import models
 from django.utils import timezone
+
+from controlplane import outbound
 
 
 def engine_api_key() -> str:
@@ -106,6 +110,22 @@ class EngineInstance(models.Model):
 
     def __str__(self):
         return f"{self.tier}#{self.pk}"
+
+    def external_url_refusal(self) -> str | None:
+        """Why this external engine's URL may not be called, or None: an operator set it, so
+        it is vetted as every such URL is (controlplane/outbound.py)."""
+        return outbound.url_refusal(self.external_url, trusted_networks=settings.OPERATOR_URL_TRUSTED_NETWORKS,
+                                    what="engine URL")
+
+    def external_client(self, **kwargs):
+        """An httpx client for this external engine: each request vetted, sent to the vetted
+        address, no redirect followed."""
+        return outbound.client(trusted_networks=settings.OPERATOR_URL_TRUSTED_NETWORKS, what="engine URL", **kwargs)
+
+    def clean(self):
+        refused = self.external_url and self.external_url_refusal()
+        if refused:
+            raise ValidationError({"external_url": refused})
 
     @property
     def base_url(self) -> str | None:

@@ -3,6 +3,8 @@ from __future__ import annotations
 import datetime as dt
 
 from django.conf import settings
+from django.core.exceptions import ValidationError
+from django.core.validators import URLValidator
 from django.db import transaction
 from django.db.models import Count, Q
 from django.utils import timezone
@@ -228,6 +230,23 @@ def tier_replicas_set(*, tier: ModelTier, pool: str = "standard", replicas: int,
 
 class FleetActionRefused(Exception):
     """An action that cannot be done as asked; the message says why."""
+
+
+def external_engine_register(*, tier: ModelTier, url: str, actor: str) -> EngineInstance:
+    """An engine started elsewhere, registered by its URL: it joins rotation once healthy.
+    FleetActionRefused when the URL is not one the control plane may call."""
+    try:
+        URLValidator(schemes=["http", "https"])(url)
+    except ValidationError:
+        raise FleetActionRefused(f"{url!r} is not an http(s) URL") from None
+    instance = EngineInstance(tier=tier, external_url=url)
+    refused = instance.external_url_refusal()
+    if refused:
+        raise FleetActionRefused(refused)
+    instance.save()
+    EngineEvent.objects.create(instance=instance, from_state="pending", to_state="pending",
+                               reason=f"registered at {url} by {actor}")
+    return instance
 
 
 @transaction.atomic

@@ -236,13 +236,13 @@ async def _chat_completions(request: Request, request_id: str, meters: list):
             raise GatewayError(400, str(exc), code=exc.code, param=exc.param) from None
         except DecodersBusy as exc:
             raise GatewayError(503, str(exc), code="service_unavailable", headers={"Retry-After": "1"}) from None
-        if tier.require_moderation and prepared.images:
+        if tier.require_moderation:
             try:
                 await prepared.images_checked()  # the moderation service is sent only whole images
             except RequestInvalid as exc:
                 raise GatewayError(400, str(exc), code=exc.code, param=exc.param) from None
             try:
-                await moderation.moderate([p.image.data_url() for p in prepared.images])
+                await moderation.moderate(body["messages"], [p.image.data_url() for p in prepared.images])
             except moderation.Flagged as flagged:
                 raise GatewayError(400, str(flagged), code="content_policy_violation", param="messages") from None
             except moderation.Unavailable as unavailable:

@@ -48,7 +48,7 @@ class TierSpec:
     price_plan_id: int
     max_model_len: int = 32768
     priority_scheduling: bool = False  # the engine runs --scheduling-policy priority
-    require_moderation: bool = False  # images go through the moderation endpoint first
+    require_moderation: bool = False  # the prompt, text and images, goes through moderation first
     large_image_concurrency: int = 2  # per gateway process, when the tier has no large-image pool
     fetch_policy: FetchPolicy | None = None  # None: image URLs are refused
     tool_calls: bool = False  # the engine runs with a tool-call parser (engine setting tool_call_parser)

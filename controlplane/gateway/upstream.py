@@ -19,6 +19,8 @@ import aiohttp
 import httpx
 from django.conf import settings
 
+from controlplane import outbound
+
 # One pooled session per event loop (a server has one loop; tests may run several).
 _clients: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _engines: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -39,10 +41,13 @@ class Broken(Exception):
 
 
 def client() -> httpx.AsyncClient:
+    """To other services (moderation), whose URLs operators set: each request is vetted and
+    goes to the address vetted, with no redirect (controlplane/outbound.py)."""
     loop = asyncio.get_running_loop()
     pooled = _clients.get(loop)
     if pooled is None or pooled.is_closed:
-        pooled = httpx.AsyncClient(
+        pooled = outbound.async_client(
+            trusted_networks=settings.OPERATOR_URL_TRUSTED_NETWORKS, what="moderation URL",
             timeout=httpx.Timeout(settings.GATEWAY_UPSTREAM_TIMEOUT, connect=3.0),
             limits=httpx.Limits(max_connections=512, max_keepalive_connections=128),
         )

@@ -5,7 +5,8 @@ backslash-before-@ parser differentials of CVE-2026-24779 / CVE-2026-25960):
 - http and https only; no userinfo, no backslashes, no control characters or spaces;
 - the host is resolved once, every A and AAAA record is vetted, and any address that is not
   plainly public (loopback, private, link-local, multicast, reserved, unspecified, CGNAT,
-  IPv4-mapped or -compatible IPv6, NAT64, 6to4, cloud metadata) refuses the whole URL;
+  cloud metadata) refuses the whole URL; an IPv6 address that carries an IPv4 one (mapped,
+  translated, compatible, 6to4, Teredo, NAT64) is judged by the IPv4 address it reaches;
 - the connection goes to the vetted address itself (no second lookup that DNS rebinding
   could answer differently), with the original host name in Host and in TLS SNI;
 - redirects are followed only up to a small number of hops, each hop vetted again;
@@ -79,16 +80,50 @@ def address_problem(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> s
     """Why `address` must not be fetched from, or None when it is a plain public address."""
     if address in METADATA_ADDRESSES:
         return "a cloud metadata address"
-    if isinstance(address, ipaddress.IPv6Address):
-        if address.ipv4_mapped is not None:
-            return "an IPv4-mapped IPv6 address"
-        if address.sixtofour is not None or address.teredo is not None:
-            return "an IPv6 tunnel address"
     for network in _BLOCKED_NETWORKS:
         if address.version == network.version and address in network:
             return f"{_kind(address)} address"
     if not address.is_global:
         return "not a public address"
+    return None
+
+
+_TRANSLATED = ipaddress.ip_network("::ffff:0:0:0/96")
+_COMPATIBLE = ipaddress.ip_network("::/96")
+_NAT64 = ipaddress.ip_network("64:ff9b::/96")
+_LOCAL_NAT64 = ipaddress.ip_network("64:ff9b:1::/48")
+
+
+def _ipv4(bits: int) -> ipaddress.IPv4Address:
+    return ipaddress.IPv4Address(bits & 0xFFFFFFFF)
+
+
+def _local_nat64_readings(n: int) -> tuple[ipaddress.IPv4Address, ...]:
+    # RFC 6052 places the IPv4 address by prefix length (skipping bits 64-71), and a network
+    # in 64:ff9b:1::/48 picks its own length: every reading must be safe, as we cannot tell.
+    return (_ipv4((n >> 64 & 0xFFFF) << 16 | n >> 40 & 0xFFFF),  # /48
+            _ipv4((n >> 64 & 0xFF) << 24 | n >> 32 & 0xFFFFFF),  # /56
+            _ipv4(n >> 24), _ipv4(n))  # /64, /96
+
+
+def embedded_ipv4(address: ipaddress.IPv6Address) -> tuple[str, tuple[ipaddress.IPv4Address, ...]] | None:
+    """The IPv6 form that carries an IPv4 address, and the address(es) it reaches; None for
+    an IPv6 address that embeds none."""
+    n = int(address)
+    if address.ipv4_mapped is not None:
+        return "an IPv4-mapped", (address.ipv4_mapped,)
+    if address in _TRANSLATED:
+        return "an IPv4-translated", (_ipv4(n),)
+    if address in _COMPATIBLE and not (address.is_loopback or address.is_unspecified):
+        return "an IPv4-compatible", (_ipv4(n),)
+    if address.sixtofour is not None:
+        return "a 6to4", (address.sixtofour,)
+    if address.teredo is not None:
+        return "a Teredo", address.teredo  # its server and its client
+    if address in _NAT64:
+        return "a NAT64", (_ipv4(n),)
+    if address in _LOCAL_NAT64:
+        return "a NAT64", _local_nat64_readings(n)
     return None
 
 
@@ -111,6 +146,22 @@ class FetchPolicy:
         return any(address.version == n.version and address in n for n in self._trusted)
 
 
+def address_refusal(address: ipaddress.IPv4Address | ipaddress.IPv6Address, policy: FetchPolicy) -> str | None:
+    """Why `policy` refuses `address`, or None. An IPv6 address that carries an IPv4 one is
+    judged by the IPv4 address it reaches, as that address itself would be."""
+    if policy.trusts(address):
+        return None
+    embedded = embedded_ipv4(address) if address.version == 6 else None
+    if embedded is None:
+        return address_problem(address)
+    form, inner = embedded
+    for ipv4 in inner:
+        problem = address_problem(ipv4)
+        if problem and not policy.trusts(ipv4):
+            return f"{form} IPv6 address of {ipv4}, {problem}"
+    return None
+
+
 Resolver = Callable[[str, int], Iterable[str]]
 
 
@@ -118,7 +169,7 @@ def system_resolver(host: str, port: int) -> list[str]:
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except (socket.gaierror, UnicodeError) as exc:
-        raise FetchFailed(f"image URL host {host!r} does not resolve: {exc}") from None
+        raise FetchFailed(f"host {host!r} does not resolve: {exc}") from None
     return sorted({info[4][0] for info in infos})
 
 
@@ -142,25 +193,27 @@ def _host_allowed(host: str, allowed: tuple[str, ...]) -> bool:
     return False
 
 
-def vet_url(url: str, policy: FetchPolicy, resolver: Resolver = system_resolver) -> Target:
-    """Check `url` and resolve it to one vetted address, or raise UnsafeURL."""
+def vet_url(url: str, policy: FetchPolicy, resolver: Resolver = system_resolver, *,
+            what: str = "image URL") -> Target:
+    """Check `url` and resolve it to one vetted address, or raise UnsafeURL (its messages
+    call the URL `what`)."""
     if not isinstance(url, str) or len(url) > 4096:
-        raise UnsafeURL("image URL must be a string of at most 4096 characters")
+        raise UnsafeURL(f"{what} must be a string of at most 4096 characters")
     if any(c in url for c in "\\\t\r\n ") or any(ord(c) < 0x20 or ord(c) == 0x7f for c in url):
-        raise UnsafeURL("image URL contains a backslash, white space or a control character")
+        raise UnsafeURL(f"{what} contains a backslash, white space or a control character")
     try:
         parts = urlsplit(url)
         port = parts.port
     except ValueError as exc:
-        raise UnsafeURL(f"image URL is malformed: {exc}") from None
+        raise UnsafeURL(f"{what} is malformed: {exc}") from None
     scheme = parts.scheme.lower()
     if scheme not in ("http", "https"):
-        raise UnsafeURL(f"image URL scheme {parts.scheme or '(none)'!r} is not allowed; use http or https")
+        raise UnsafeURL(f"{what} scheme {parts.scheme or '(none)'!r} is not allowed; use http or https")
     if "@" in parts.netloc or parts.username is not None or parts.password is not None:
-        raise UnsafeURL("image URL must not contain a user name or password")
+        raise UnsafeURL(f"{what} must not contain a user name or password")
     raw_host = parts.hostname or ""
     if not raw_host:
-        raise UnsafeURL("image URL has no host")
+        raise UnsafeURL(f"{what} has no host")
     literal = None
     try:
         literal = ipaddress.ip_address(raw_host)
@@ -170,26 +223,26 @@ def vet_url(url: str, policy: FetchPolicy, resolver: Resolver = system_resolver)
         if _NUMERIC_LABEL.match(raw_host.rstrip(".").rsplit(".", 1)[-1]):
             # 2130706433, 0177.0.0.1, 0x7f.1, 127.1: no top-level domain is a number, and C
             # resolvers read these forms as IPv4 addresses.
-            raise UnsafeURL(f"image URL host {raw_host!r} is a non-canonical IP address")
+            raise UnsafeURL(f"{what} host {raw_host!r} is a non-canonical IP address")
         try:
             host = raw_host.encode("idna").decode("ascii").lower().rstrip(".")
         except UnicodeError:
-            raise UnsafeURL(f"image URL host {raw_host!r} is not a valid host name") from None
+            raise UnsafeURL(f"{what} host {raw_host!r} is not a valid host name") from None
         if not _HOST_CHARS.match(host) or ".." in host:
-            raise UnsafeURL(f"image URL host {raw_host!r} is not a valid host name")
+            raise UnsafeURL(f"{what} host {raw_host!r} is not a valid host name")
     else:
         host = literal.compressed
     if policy.allowed_domains and not _host_allowed(host, policy.allowed_domains):
-        raise UnsafeURL(f"image URL host {host!r} is not on this model's list of allowed domains")
+        raise UnsafeURL(f"{what} host {host!r} is not on this model's list of allowed domains")
     port = port or (443 if scheme == "https" else 80)
     addresses = [literal.compressed] if literal is not None else list(resolver(host, port))
     if not addresses:
-        raise FetchFailed(f"image URL host {host!r} has no address")
+        raise FetchFailed(f"{what} host {host!r} has no address")
     for text in addresses:
         address = ipaddress.ip_address(text.split("%", 1)[0])
-        problem = address_problem(address)
-        if problem and not policy.trusts(address):
-            raise UnsafeURL(f"image URL host {host!r} resolves to {address}, {problem}")
+        problem = address_refusal(address, policy)
+        if problem:
+            raise UnsafeURL(f"{what} host {host!r} resolves to {address}, {problem}")
     path = parts.path or "/"
     if parts.query:
         path += "?" + parts.query

@@ -13,6 +13,7 @@ from controlplane.env import (
     env_bool,
     env_int,
     env_list,
+    env_networks,
     local_secret_key,
     parse_database_url,
     validate_redis_url,
@@ -90,6 +91,18 @@ def test_env_list_refuses_empty_entries(monkeypatch, raw):
     monkeypatch.setenv("HOSTS", raw)
     with pytest.raises(EnvError, match="empty entry"):
         env_list("HOSTS", [])
+
+
+def test_env_networks_reads_cidrs(monkeypatch):
+    monkeypatch.setenv("NETWORKS", "10.20.0.0/16, fd00::/8,127.0.0.1")
+    assert env_networks("NETWORKS", []) == ["10.20.0.0/16", "fd00::/8", "127.0.0.1"]
+
+
+@pytest.mark.parametrize("raw", ["10.0.0.0/33", "10.0.0.1/8", "intranet", "10.0.0.0/8,"])
+def test_env_networks_refuses_what_is_not_a_network(monkeypatch, raw):
+    monkeypatch.setenv("NETWORKS", raw)
+    with pytest.raises(EnvError, match="NETWORKS"):
+        env_networks("NETWORKS", [])
 
 
 # --- DATABASE_URL ------------------------------------------------------------------------

@@ -16,6 +16,7 @@ PURE_MODULES = [
     "controlplane.imaging.tokens",
     "controlplane.imaging.decode",
     "controlplane.imaging.fetch",
+    "controlplane.outbound",
     "controlplane.imaging.fingerprint",
     "controlplane.imaging.intake",
     "controlplane.imaging.kv",

@@ -41,6 +41,7 @@ def system(tmp_path_factory, django_db_blocker, vllm_cpu_python):
         "REDIS_URL": f"redis://127.0.0.1:6379/{SYSTEM_REDIS_DB}",
         "NODE_NAME": f"e2e-{os.getpid()}",
         "GATEWAY_TRUSTED_IMAGE_NETWORKS": "127.0.0.1/32",  # the tests' own image server
+        "OPERATOR_URL_TRUSTED_NETWORKS": "127.0.0.1/32",  # the tests' own webhook receiver
         # A killed gateway's requests are taken for dead after 3 s instead of 30.
         "GATEWAY_HEARTBEAT_S": "1",
         "GATEWAY_JOURNAL_STALE_S": "3",

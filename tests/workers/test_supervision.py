@@ -274,11 +274,12 @@ def test_a_draining_engine_whose_counters_cannot_be_read_is_not_taken_for_idle(a
     _reconcile_until(agent, lambda i: i.actual_state == "stopped", "the engine to stop once seen idle", timeout=30)
 
 
-def test_an_external_engine_is_watched_and_routed_to_but_never_launched(world):
+def test_an_external_engine_is_watched_and_routed_to_but_never_launched(world, settings):
     from controlplane.catalog.models import ModelTier
     from controlplane.fleet.selectors import routable_instances
     from tests.engines import simulator
 
+    settings.OPERATOR_URL_TRUSTED_NETWORKS = ["127.0.0.1/32"]  # where the test's engine runs
     tier = ModelTier.objects.create(name="vlm-ext", family="qwen2_5_vl", model_id="m", kind="vision",
                                     engine_kind="external", resolution_policy=world.vision.resolution_policy,
                                     price_plan=world.vision.price_plan)
@@ -291,6 +292,29 @@ def test_an_external_engine_is_watched_and_routed_to_but_never_launched(world):
     supervision.external_reconcile()  # the endpoint is gone
     instance.refresh_from_db()
     assert instance.actual_state == "unhealthy" and routable_instances(tier_id=tier.pk) == []
+
+
+def test_an_external_engine_at_an_address_no_longer_trusted_is_taken_out_of_rotation(world, settings):
+    from controlplane.catalog.models import ModelTier
+    from controlplane.fleet.selectors import routable_instances
+    from tests.engines import simulator
+
+    settings.OPERATOR_URL_TRUSTED_NETWORKS = ["127.0.0.1/32"]
+    tier = ModelTier.objects.create(name="vlm-ext", family="qwen2_5_vl", model_id="m", kind="vision",
+                                    engine_kind="external", resolution_policy=world.vision.resolution_policy,
+                                    price_plan=world.vision.price_plan)
+    with simulator(name="vlm-ext") as port:
+        instance = EngineInstance.objects.create(tier=tier, external_url=f"http://127.0.0.1:{port}")
+        supervision.external_reconcile()
+        assert [i.pk for i in routable_instances(tier_id=tier.pk)] == [instance.pk]
+        # Its name now points inside the network, or the network is no longer trusted: each
+        # pass vets the URL again, and the engine answering its health check changes nothing.
+        settings.OPERATOR_URL_TRUSTED_NETWORKS = []
+        supervision.external_reconcile()
+        instance.refresh_from_db()
+        assert (instance.actual_state, instance.healthy) == ("unhealthy", False)
+        assert "engine URL host '127.0.0.1' resolves to 127.0.0.1, a loopback address" in instance.state_reason
+        assert routable_instances(tier_id=tier.pk) == []
 
 
 @speaking

@@ -23,6 +23,14 @@ def external_check(instance: EngineInstance, now) -> None:
                                 reason="taken out of rotation (external engines are not stopped by us)")
         return
     fields = {"last_health_at": now}
+    refused = instance.external_url_refusal()  # its name may point elsewhere since the last pass
+    if refused:
+        if instance.actual_state != A.UNHEALTHY or instance.healthy:
+            instance_transition(instance=instance, to_state=A.UNHEALTHY, reason=f"{refused}; out of rotation",
+                                healthy=False, **fields)
+        else:
+            EngineInstance.objects.filter(pk=instance.pk).update(**fields)
+        return
     verdict = assess(instance, now, fields)
     fields["healthy"] = verdict.healthy
     state = A.RUNNING if verdict.healthy else A.UNHEALTHY

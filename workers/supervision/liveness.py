@@ -35,9 +35,15 @@ def _headers(instance: EngineInstance) -> dict:
     return {"Authorization": f"Bearer {instance.api_key}"} if instance.api_key else {}
 
 
+def _http(instance: EngineInstance) -> httpx.Client:
+    # An external engine's URL was set by an operator: each call is vetted and pinned.
+    return instance.external_client() if instance.external_url else httpx.Client()
+
+
 def health_ok(instance: EngineInstance) -> bool:
     try:
-        response = httpx.get(f"{instance.base_url}/health", timeout=settings.ENGINE_HEALTH_TIMEOUT)
+        with _http(instance) as http:
+            response = http.get(f"{instance.base_url}/health", timeout=settings.ENGINE_HEALTH_TIMEOUT)
     except httpx.HTTPError:
         return False
     return response.status_code == 200
@@ -45,8 +51,9 @@ def health_ok(instance: EngineInstance) -> bool:
 
 def scrape(instance: EngineInstance) -> Snapshot | None:
     try:
-        response = httpx.get(f"{instance.base_url}/metrics", timeout=settings.ENGINE_HEALTH_TIMEOUT,
-                             headers=_headers(instance))
+        with _http(instance) as http:
+            response = http.get(f"{instance.base_url}/metrics", timeout=settings.ENGINE_HEALTH_TIMEOUT,
+                                headers=_headers(instance))
         response.raise_for_status()
         return snapshot(response.text)
     except (httpx.HTTPError, MetricsError) as exc:
@@ -61,8 +68,9 @@ def probe(instance: EngineInstance) -> bool:
     if instance.tier.settings.scheduling_policy == "priority":
         body["priority"] = -1000  # ahead of tenant traffic, so a busy engine is not mistaken for a hung one
     try:
-        response = httpx.post(f"{instance.base_url}/v1/chat/completions", json=body,
-                              headers=_headers(instance), timeout=PROBE_TIMEOUT_S)
+        with _http(instance) as http:
+            response = http.post(f"{instance.base_url}/v1/chat/completions", json=body,
+                                 headers=_headers(instance), timeout=PROBE_TIMEOUT_S)
     except httpx.HTTPError:
         return False
     return response.status_code == 200

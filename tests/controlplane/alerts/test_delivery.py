@@ -33,7 +33,7 @@ def test_it_retries_after_a_500_and_delivers_slack_compatible_json(fired, receiv
     receiver.answer(500, "internal_error")
     assert delivery_attempt(delivery_id=fired.pk, now=now) == "pending"
     fired.refresh_from_db()
-    assert (fired.state, fired.attempts, fired.last_error) == ("pending", 1, "HTTP 500: internal_error")
+    assert (fired.state, fired.attempts, fired.last_error) == ("pending", 1, "HTTP 500 Internal Server Error")
     assert fired.next_attempt_at == later(now, seconds=10)
     assert deliveries_due(now=later(now, seconds=9)) == []  # not before its backoff
     assert delivery_attempt(delivery_id=fired.pk, now=later(now, seconds=9)) is None
@@ -78,7 +78,7 @@ def test_it_gives_up_after_the_last_attempt_and_says_why(fired, receiver, now):
             assert fired.next_attempt_at == later(at, seconds=min(600, 10 * 2 ** (attempt - 1)))
             at = fired.next_attempt_at
     assert state == "failed" and fired.state == "failed"
-    assert fired.last_error == f"gave up after {MAX_ATTEMPTS} attempts; last: HTTP 503: upstream unavailable"
+    assert fired.last_error == f"gave up after {MAX_ATTEMPTS} attempts; last: HTTP 503 Service Unavailable"
     assert len(receiver.received) == MAX_ATTEMPTS
     assert delivery_attempt(delivery_id=fired.pk, now=later(at, hours=1)) is None  # never again
     assert deliveries_due(now=later(at, hours=1)) == []
@@ -99,7 +99,7 @@ def test_an_answer_that_will_not_change_is_not_retried(fired, receiver, now):
     receiver.answer(404, "no_service")  # Slack's answer for a webhook that was removed
     assert delivery_attempt(delivery_id=fired.pk, now=now) == "failed"
     fired.refresh_from_db()
-    assert (fired.attempts, fired.last_error) == (1, "HTTP 404: no_service")
+    assert (fired.attempts, fired.last_error) == (1, "HTTP 404 Not Found")
 
 
 def test_it_retries_a_receiver_that_cannot_be_reached(fired, now):
@@ -191,4 +191,28 @@ def test_a_test_message_is_posted_to_the_webhook(receiver, db, now):
     assert body["text"].startswith(":wave: Test message from the VLM control plane to webhook ops &lt;slack&gt;")
     receiver.answer(500, "down")
     outcome = webhook_probe(webhook=webhook, now=now)
-    assert not outcome.delivered and outcome.error == "HTTP 500: down"
+    assert not outcome.delivered and outcome.error == "HTTP 500 Internal Server Error"
+
+
+def test_what_a_receiver_answers_is_not_kept_only_its_status(fired, receiver, now):
+    receiver.answer(500, "<html>admin console of an internal service</html>")
+    delivery_attempt(delivery_id=fired.pk, now=now)
+    fired.refresh_from_db()
+    assert fired.last_error == "HTTP 500 Internal Server Error"
+
+
+def test_a_webhook_whose_address_is_not_trusted_is_not_posted_to(fired, receiver, now, settings):
+    # Saved while its name pointed elsewhere, say: each post is vetted again.
+    settings.OPERATOR_URL_TRUSTED_NETWORKS = []
+    assert delivery_attempt(delivery_id=fired.pk, now=now) == "failed"
+    fired.refresh_from_db()
+    assert fired.last_error.startswith("not sent: webhook URL host '127.0.0.1' resolves to 127.0.0.1, "
+                                       "a loopback address")
+    assert receiver.received == []
+
+
+def test_a_redirect_is_not_followed(fired, receiver, now):
+    receiver.answer(302, headers={"Location": "http://169.254.169.254/latest/meta-data/"})
+    assert delivery_attempt(delivery_id=fired.pk, now=now) == "failed"
+    fired.refresh_from_db()
+    assert fired.last_error == "HTTP 302 Found" and len(receiver.received) == 1

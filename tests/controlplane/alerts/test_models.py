@@ -48,7 +48,24 @@ def test_a_webhook_posts_to_http_or_https_only():
     for url in ("ftp://example.com/hook", "file:///etc/passwd", "hooks.slack.com/services/x", "javascript:alert(1)"):
         assert errors_of(Webhook(name="w", url=url))["url"] == ["an http:// or https:// address"]
     Webhook(name="w", url="https://hooks.slack.com/services/T0/B0/abc").full_clean()
+
+
+@pytest.mark.parametrize("url, reason", [
+    ("http://10.0.0.5:8080/alerts", "resolves to 10.0.0.5, a private address"),
+    ("http://127.0.0.1:9/hook", "a loopback address"),
+    ("http://169.254.169.254/latest/meta-data/", "a cloud metadata address"),
+    ("http://[::ffff:0:a9fe:a9fe]/", "a cloud metadata address"),
+    ("https://ops:secret@hooks.example.com/x", "must not contain a user name or password"),
+])
+def test_a_webhook_inside_the_network_is_refused(url, reason):
+    (error,) = errors_of(Webhook(name="w", url=url))["url"]
+    assert error.startswith("webhook URL") and reason in error
+
+
+def test_a_webhook_inside_the_network_is_an_explicit_choice(settings):
+    settings.OPERATOR_URL_TRUSTED_NETWORKS = ["10.0.0.0/8"]
     Webhook(name="w", url="http://10.0.0.5:8080/alerts").full_clean()  # a receiver inside the network
+    assert "a loopback address" in errors_of(Webhook(name="w", url="http://127.0.0.1:9/hook"))["url"][0]
 
 
 def test_a_webhook_takes_known_kinds_only():

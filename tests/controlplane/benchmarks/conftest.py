@@ -32,9 +32,11 @@ def instance(world, engine_port):
 
 
 @pytest.fixture
-def gateway_url():
+def gateway_url(settings):
     from controlplane.asgi import application
 
+    # A gateway of the operator's own on this host (behind a load balancer, say): trusted.
+    settings.OPERATOR_URL_TRUSTED_NETWORKS = ["127.0.0.1/32"]
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(application, host="127.0.0.1", port=port, log_level="warning",
                                            lifespan="off", access_log=False))

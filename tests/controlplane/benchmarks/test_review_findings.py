@@ -49,7 +49,7 @@ def test_a_recent_running_run_still_blocks_its_schedule(world):
 
 def _admin_form(world, **fields):
     data = {"name": "nightly", "kind": "load", "tier": world.vision.pk, "target": "instance",
-            "gateway_url": "http://127.0.0.1:8000", "text_share": "0.5", "images_per_request_min": "1",
+            "gateway_url": "", "text_share": "0.5", "images_per_request_min": "1",
             "images_per_request_max": "1", "image_source": "buckets",
             "image_buckets": '[{"width": 640, "height": 480, "weight": 1}]', "pixel_caps": "[]",
             "prompt_tokens_min": "16", "prompt_tokens_max": "32", "output_tokens_min": "8",

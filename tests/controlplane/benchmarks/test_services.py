@@ -9,6 +9,7 @@ from collections import Counter
 
 import pytest
 from django.db import connections
+from django.utils import timezone
 
 from controlplane.benchmarks.models import BenchmarkRun
 from controlplane.benchmarks.services import (
@@ -18,6 +19,8 @@ from controlplane.benchmarks.services import (
     workload_for,
 )
 from controlplane.benchmarks.tasks import benchmark_run
+from controlplane.catalog.models import ModelTier
+from controlplane.fleet.models import EngineInstance
 from controlplane.metering.models import UsageEvent
 from controlplane.tenants.models import ApiKey
 from tests.controlplane.benchmarks.conftest import make_profile
@@ -90,6 +93,32 @@ def test_a_profile_without_a_url_load_tests_the_server_it_is_run_from(world, ins
     assert run.state == "succeeded", run.log
     assert f"through the gateway at {gateway_url}" in run.log
     assert run.results["stages"][0]["errors"] == 0
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_run_to_a_gateway_no_longer_trusted_sends_nothing_and_says_why(world, instance, gateway_url, settings):
+    profile = make_profile(world.vision, target="gateway", gateway_url=gateway_url, sweep=[2])
+    settings.OPERATOR_URL_TRUSTED_NETWORKS = []  # or its name moved inside the network since it was saved
+    run = BenchmarkRun.objects.create(profile=profile)
+    benchmark_execute(run_id=run.pk)
+    run.refresh_from_db()
+    assert run.state == "failed"
+    assert "benchmark target URL host '127.0.0.1' resolves to 127.0.0.1, a loopback address" in run.log
+    assert not ApiKey.objects.filter(name=f"benchmark run {run.pk}").exists()
+    assert not UsageEvent.objects.exists()
+
+
+@pytest.mark.django_db
+def test_a_run_on_an_external_engine_at_an_untrusted_address_sends_nothing(world, engine_port):
+    tier = ModelTier.objects.create(name="vlm-ext", family="qwen2_5_vl", model_id="m", kind="vision",
+                                    engine_kind="external", resolution_policy=world.vision.resolution_policy,
+                                    price_plan=world.vision.price_plan)
+    external = EngineInstance.objects.create(tier=tier, external_url=f"http://127.0.0.1:{engine_port}",
+                                             actual_state="running", healthy=True, last_health_at=timezone.now())
+    run = BenchmarkRun.objects.create(profile=make_profile(tier, instance=external))
+    benchmark_execute(run_id=run.pk)
+    run.refresh_from_db()
+    assert run.state == "failed" and "engine URL host '127.0.0.1' resolves to 127.0.0.1, a loopback" in run.log
 
 
 @pytest.mark.django_db

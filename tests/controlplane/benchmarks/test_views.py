@@ -17,7 +17,7 @@ pytestmark = pytest.mark.django_db
 
 def form_data(world, **overrides):
     data = {"name": "mixed", "description": "", "tier": world.vision.pk, "target": "gateway",
-            "gateway_url": "http://127.0.0.1:8000", "instance": "", "text_share": "0.5",
+            "gateway_url": "", "instance": "", "text_share": "0.5",
             "images_per_request_min": "1", "images_per_request_max": "2", "image_source": "buckets",
             "image_buckets": json.dumps([{"width": 640, "height": 480, "weight": 3}]),
             "prompt_tokens_min": "32", "prompt_tokens_max": "64", "output_tokens_min": "16",
@@ -242,3 +242,12 @@ def test_the_admin_lists_and_opens_profiles_and_runs(admin_client, world):
     for url in ("/admin/benchmarks/benchmarkprofile/", f"/admin/benchmarks/benchmarkprofile/{profile.pk}/change/",
                 "/admin/benchmarks/benchmarkrun/", f"/admin/benchmarks/benchmarkrun/{run.pk}/change/"):
         assert client.get(url).status_code == 200, url
+
+
+def test_a_gateway_url_inside_the_network_is_a_form_error(client, world, settings):
+    client.force_login(world.operator)
+    page = client.post("/benchmarks/new/", form_data(world, gateway_url="http://10.0.0.9:8000")).content.decode()
+    assert "benchmark target URL host &#x27;10.0.0.9&#x27; resolves to 10.0.0.9, a private address" in page
+    assert not BenchmarkProfile.objects.exists()
+    settings.OPERATOR_URL_TRUSTED_NETWORKS = ["10.0.0.0/8"]
+    assert client.post("/benchmarks/new/", form_data(world, gateway_url="http://10.0.0.9:8000")).status_code == 302

@@ -3,6 +3,8 @@ resolved, whether each webhook takes its deliveries, and the rules and webhooks,
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from django.utils import timezone
 
@@ -37,7 +39,8 @@ def test_the_page_is_for_operators(client, world):
     assert 'id="nav-alerts"' not in client.get("/").content.decode()
 
 
-def test_it_shows_firing_alerts_first_with_their_deliveries_and_a_count_in_the_nav(client, world):
+def test_it_shows_firing_alerts_first_with_their_deliveries_and_a_count_in_the_nav(client, world, settings):
+    settings.OPERATOR_URL_TRUSTED_NETWORKS = ["127.0.0.1/32"]
     webhook = WebhookFactory(name="ops-slack", url="http://127.0.0.1:9/hooks/T0/B0/very-secret")
     _unrated(world, 3)
     Alert.objects.create(rule=AlertRule.objects.get(name="Quota 80 % used"), subject="tenant:bob", value=91,
@@ -116,16 +119,26 @@ def test_a_webhook_is_checked_and_its_secret_kept_out_of_the_audit_log(client, w
     assert not Webhook.objects.get(pk=webhook.pk).enabled
 
 
-def test_send_test_delivers_a_message_and_says_how_it_went(client, world):
+def test_send_test_delivers_a_message_and_says_how_it_went_not_what_was_answered(client, world, settings):
+    settings.OPERATOR_URL_TRUSTED_NETWORKS = ["127.0.0.1/32"]  # the receiver's
     client.force_login(world.operator)
     with webhook_receiver() as receiver:
         webhook = WebhookFactory(name="ops", url=receiver.url)
         page = client.post(f"/alerts/webhooks/{webhook.pk}/test/", follow=True).content.decode()
-        assert "Test message delivered to ops." in page
+        assert re.search(r"Test message delivered to ops: HTTP 200 OK in \d+ ms\.", page)
         assert receiver.texts()[0].startswith(":wave: Test message from the VLM control plane to webhook ops")
-        receiver.answer(403, "invalid_token")
+        receiver.answer(403, "invalid_token of the internal service")
         page = client.post(f"/alerts/webhooks/{webhook.pk}/test/", follow=True).content.decode()
-        assert "Test message to ops failed: HTTP 403: invalid_token" in page
+        assert re.search(r"Test message to ops failed: HTTP 403 Forbidden after \d+ ms\.", page)
+        assert "invalid_token" not in page
+
+
+def test_a_webhook_inside_the_network_is_a_form_error(client, world):
+    client.force_login(world.operator)
+    page = client.post("/alerts/webhooks/new/", {"name": "ops", "url": "http://169.254.169.254/latest/"}).content.decode()
+    (error,) = field_errors(page)
+    assert error.endswith("resolves to 169.254.169.254, a cloud metadata address")
+    assert not Webhook.objects.exists()
 
 
 def test_a_rule_with_its_alerts_shows_how_it_fires(client, world):

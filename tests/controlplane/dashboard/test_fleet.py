@@ -168,6 +168,23 @@ def test_an_external_engine_is_registered_by_url(client, world):
     assert EngineInstance.objects.filter(tier=tier).count() == 1
 
 
+def test_an_external_engine_inside_the_network_is_an_explicit_choice(client, world, settings):
+    tier = ModelTier.objects.create(name="vlm-k8s", family="qwen2_5_vl", model_id="Qwen/Qwen2.5-VL-7B-Instruct",
+                                    kind="vision", engine_kind="external", resolution_policy=world.vision.resolution_policy,
+                                    price_plan=world.vision.price_plan)
+    client.force_login(world.operator)
+    for url, reason in [("http://10.1.2.3:8000", "resolves to 10.1.2.3, a private address"),
+                        ("http://169.254.169.254", "a cloud metadata address"),
+                        ("http://[::ffff:0:7f00:1]:8000", "127.0.0.1, a loopback address"),
+                        ("http://admin:pw@vllm.example.com:8000", "must not contain a user name or password")]:
+        page = client.post("/fleet/external/", {"tier": tier.pk, "url": url}, follow=True).content.decode()
+        assert reason in page and "engine URL" in page
+    assert not EngineInstance.objects.filter(tier=tier).exists()
+    settings.OPERATOR_URL_TRUSTED_NETWORKS = ["10.1.0.0/16"]
+    client.post("/fleet/external/", {"tier": tier.pk, "url": "http://10.1.2.3:8000"})
+    assert EngineInstance.objects.get(tier=tier).base_url == "http://10.1.2.3:8000"
+
+
 def test_the_control_plane_exposes_its_own_prometheus_metrics(client, fleet, settings):
     from workers.engines.metrics import parse
 

@@ -140,3 +140,23 @@ def test_instances_of_a_lost_node_are_placed_again_elsewhere(world):
     instance = tier.instances.get()
     assert instance.node.name == "gpu-b"
     assert EngineEvent.objects.filter(instance=instance, reason__contains="gpu-a not seen").exists()
+
+
+def test_an_external_engine_is_registered_only_where_the_control_plane_may_call(world, settings):
+    from django.core.exceptions import ValidationError
+
+    from controlplane.fleet.services import FleetActionRefused, external_engine_register
+
+    tier = ModelTier.objects.create(name="vlm-ext", family="qwen2_5_vl", model_id="m", kind="vision",
+                                    engine_kind="external", resolution_policy=world.vision.resolution_policy,
+                                    price_plan=world.vision.price_plan)
+    with pytest.raises(FleetActionRefused, match="engine URL host '10.0.0.7' resolves to 10.0.0.7, a private address"):
+        external_engine_register(tier=tier, url="http://10.0.0.7:8000", actor="olivia")
+    with pytest.raises(FleetActionRefused, match="is not an http"):
+        external_engine_register(tier=tier, url="gopher://10.0.0.7", actor="olivia")
+    with pytest.raises(ValidationError, match="a private address"):  # the admin's path
+        EngineInstance(tier=tier, external_url="http://10.0.0.7:8000").full_clean()
+    assert not EngineInstance.objects.filter(tier=tier).exists()
+    settings.OPERATOR_URL_TRUSTED_NETWORKS = ["10.0.0.0/24"]
+    instance = external_engine_register(tier=tier, url="http://10.0.0.7:8000", actor="olivia")
+    assert instance.events.get().reason == "registered at http://10.0.0.7:8000 by olivia"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import http.server
+import ipaddress
 import threading
 import time
 
@@ -144,9 +145,9 @@ def test_loopback_is_refused_unless_an_operator_trusts_it(server):
     ("http://[::1]/", "loopback"),
     ("http://[::ffff:127.0.0.1]/", "IPv4-mapped"),
     ("http://[::ffff:169.254.169.254]/", "metadata|IPv4-mapped"),
-    ("http://[::127.0.0.1]/", "reserved"),
-    ("http://[64:ff9b::a00:1]/", "reserved"),
-    ("http://[2002:a00:1::]/", "tunnel"),
+    ("http://[::127.0.0.1]/", "loopback"),
+    ("http://[64:ff9b::a00:1]/", "private"),
+    ("http://[2002:a00:1::]/", "6to4"),
     ("http://0.0.0.0/", "unspecified"),
     ("http://10.0.0.1/", "private"),
     ("http://172.16.5.4/", "private"),
@@ -198,3 +199,37 @@ def test_a_domain_allowlist_limits_hosts():
     assert vet_url("http://img.cdn.example.com/a.png",
                    FetchPolicy(allowed_domains=("*.cdn.example.com",)),
                    lambda h, p: ["93.184.215.16"])
+
+
+@pytest.mark.parametrize("url, reason", [
+    ("http://[::ffff:127.0.0.1]/", "IPv4-mapped IPv6 address of 127.0.0.1, a loopback"),
+    ("http://[::ffff:0:7f00:1]/", "IPv4-translated IPv6 address of 127.0.0.1, a loopback"),
+    ("http://[::ffff:0:a9fe:a9fe]/", "169.254.169.254, a cloud metadata"),
+    ("http://[::ffff:0:a00:1]/", "10.0.0.1, a private"),
+    ("http://[::10.0.0.1]/", "IPv4-compatible IPv6 address of 10.0.0.1, a private"),
+    ("http://[2002:7f00:1::1]/", "6to4 IPv6 address of 127.0.0.1, a loopback"),
+    ("http://[2001:0:4136:e378:8000:63bf:80ff:fffe]/", "Teredo IPv6 address of 127.0.0.1, a loopback"),
+    ("http://[64:ff9b::a9fe:a9fe]/", "NAT64 IPv6 address of 169.254.169.254"),
+    ("http://[64:ff9b:1::7f00:1]/", "NAT64 IPv6 address of"),
+    ("http://[64:ff9b:1:808:8:800::]/", "NAT64 IPv6 address of"),  # 8.8.8.8 at /48, not at /96
+])
+def test_ipv6_forms_of_an_unsafe_ipv4_address_are_refused(url, reason):
+    with pytest.raises(UnsafeURL, match=reason):
+        vet_url(url, FetchPolicy(), resolver)
+
+
+@pytest.mark.parametrize("address", [
+    "::ffff:8.8.8.8", "::ffff:0:808:808", "::8.8.8.8", "2002:808:808::1",
+    "2001:0:4136:e378:8000:63bf:f7f7:f7f7", "64:ff9b::808:808",
+])
+def test_ipv6_forms_of_a_public_ipv4_address_pass(address):
+    vetted = vet_url(f"http://[{address}]/", FetchPolicy(), resolver).address
+    assert ipaddress.ip_address(vetted) == ipaddress.ip_address(address)
+
+
+def test_ipv6_forms_of_a_trusted_ipv4_address_pass_as_the_address_itself_would():
+    policy = FetchPolicy(trusted_networks=("10.0.0.0/8",))
+    assert vet_url("http://[::ffff:0:a00:1]/", policy, resolver)
+    assert vet_url("http://[::ffff:10.0.0.1]/", policy, resolver)
+    with pytest.raises(UnsafeURL, match="192.168.0.1, a private"):
+        vet_url("http://[::ffff:0:c0a8:1]/", policy, resolver)
