@@ -39,13 +39,15 @@ class Application:
         if declared.isdigit() and int(declared) > settings.WEB_MAX_BODY_BYTES:
             return await _refuse(send, 413, f"request body exceeds {settings.WEB_MAX_BODY_BYTES} bytes")
         client, counted = client_address(scope), declared not in (b"", b"0") or b"transfer-encoding" in headers
+        weight = min(int(declared), settings.WEB_MAX_BODY_BYTES) if declared.isdigit() else settings.WEB_MAX_BODY_BYTES
         if counted:
             cap = self.body_reads.take(client, overall=settings.HTTP_MAX_BODY_READS,
-                                       per_client=settings.HTTP_MAX_BODY_READS_PER_CLIENT)
+                                       per_client=settings.HTTP_MAX_BODY_READS_PER_CLIENT, weight=weight,
+                                       overall_weight=settings.HTTP_MAX_BODY_READ_MB << 20)
             if cap is not None:
                 return await _refuse(send, *_BUSY[cap], [(b"retry-after", str(BUSY_RETRY_AFTER_S).encode())])
         body = _PageBody(receive, settings.WEB_MAX_BODY_BYTES, settings.GATEWAY_BODY_TIMEOUT_S,
-                         on_end=(lambda: self.body_reads.give_back(client)) if counted else None)
+                         on_end=(lambda: self.body_reads.give_back(client, weight)) if counted else None)
         answered = False
 
         async def watched(message):

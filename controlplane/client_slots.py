@@ -1,5 +1,6 @@
 """Things a server holds at once for its clients (connections, request bodies being read),
-counted overall and per client address, so that no one address can take them all."""
+counted overall and per client address, so that no one address can take them all, and
+(bodies) weighed in the bytes they may grow to, so that what they hold is bounded too."""
 
 from __future__ import annotations
 
@@ -21,21 +22,28 @@ class ClientSlots:
     def __init__(self, what: str) -> None:
         self.what = what
         self.held = 0
+        self.weight = 0  # of what is held: a body's declared length, or the most it may be
         self._by_client: Counter[str] = Counter()
         self._refused, self._warned_at = 0, float("-inf")
 
-    def take(self, client: str, *, overall: int, per_client: int) -> Cap | None:
-        """A slot for `client`, or, when a cap is reached, none and which cap it was."""
+    def take(self, client: str, *, overall: int, per_client: int, weight: int = 0,
+             overall_weight: int = 0) -> Cap | None:
+        """A slot for `client` weighing `weight`, or, when a cap is reached, none and which cap
+        it was. One slot alone is never refused for its weight."""
         if per_client and self._by_client[client] >= per_client:
             return self._refuse(client, "client")
         if overall and self.held >= overall:
             return self._refuse(client, "overall")
+        if overall_weight and self.held and self.weight + weight > overall_weight:
+            return self._refuse(client, "overall")
         self.held += 1
+        self.weight += weight
         self._by_client[client] += 1
         return None
 
-    def give_back(self, client: str) -> None:
+    def give_back(self, client: str, weight: int = 0) -> None:
         self.held -= 1
+        self.weight -= weight
         self._by_client[client] -= 1
         if self._by_client[client] <= 0:
             del self._by_client[client]

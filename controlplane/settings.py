@@ -324,6 +324,9 @@ HTTP_MAX_CONNECTIONS = env_int("HTTP_MAX_CONNECTIONS", 4096, minimum=0)
 HTTP_MAX_CONNECTIONS_PER_CLIENT = env_int("HTTP_MAX_CONNECTIONS_PER_CLIENT", 256, minimum=0)
 HTTP_MAX_BODY_READS = env_int("HTTP_MAX_BODY_READS", 128, minimum=0)
 HTTP_MAX_BODY_READS_PER_CLIENT = env_int("HTTP_MAX_BODY_READS_PER_CLIENT", 16, minimum=0)
+# And the megabytes those bodies may grow to, in all (each weighs its declared length, or the
+# most its path takes); a body alone is always read. 0: no cap.
+HTTP_MAX_BODY_READ_MB = env_int("HTTP_MAX_BODY_READ_MB", 512, minimum=0)
 # Everything but /v1 (pages, forms, the metering API's image uploads for estimates).
 WEB_MAX_BODY_BYTES = env_int("WEB_MAX_BODY_BYTES", 25 * 1024 * 1024, minimum=1024)
 GATEWAY_IMAGE_FETCH_TIMEOUT_S = float(env_int("GATEWAY_IMAGE_FETCH_TIMEOUT_S", 10, minimum=1))

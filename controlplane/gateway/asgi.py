@@ -69,15 +69,22 @@ async def _read_body_within_caps(scope, receive, body_reads: ClientSlots | None)
     """`_read_body`, unless as many bodies as the caps allow are being read (the answer then)."""
     if body_reads is None:
         return await _read_body(receive)
-    client = client_address(scope)
+    client, weight = client_address(scope), _most(scope, settings.GATEWAY_MAX_BODY_BYTES)
     cap = body_reads.take(client, overall=settings.HTTP_MAX_BODY_READS,
-                          per_client=settings.HTTP_MAX_BODY_READS_PER_CLIENT)
+                          per_client=settings.HTTP_MAX_BODY_READS_PER_CLIENT, weight=weight,
+                          overall_weight=settings.HTTP_MAX_BODY_READ_MB << 20)
     if cap is not None:
         return _busy(cap)
     try:
         return await _read_body(receive)
     finally:
-        body_reads.give_back(client)
+        body_reads.give_back(client, weight)
+
+
+def _most(scope, limit: int) -> int:
+    """The most a request's body may grow to: its declared length, else the limit."""
+    declared = dict(scope.get("headers", [])).get(b"content-length", b"")
+    return min(int(declared), limit) if declared.isdigit() else limit
 
 
 def _busy(cap: Cap) -> Response:

@@ -189,3 +189,22 @@ def test_behind_a_trusted_proxy_bodies_are_counted_per_forwarded_client(world, s
             _reading(port, world.alice_key, app, forwarded_for="203.0.113.2"):
         assert _chat(port, world.alice_key, forwarded_for="203.0.113.1").status == 429
         assert _chat(port, world.alice_key, forwarded_for="203.0.113.3").status == 400
+
+
+@pytest.mark.django_db(transaction=True)
+def test_bodies_past_the_megabytes_read_at_once_are_refused_unread(world, serve, settings):
+    """Ten connections declaring 64 MB each, all but the end sent, took the gateway from 595 to
+    992 MB: the bodies being read are weighed in what they may grow to."""
+    settings.HTTP_MAX_BODY_READ_MB = 100
+    app = BodyBytesTaken(Application())
+    port = serve(app)
+    taken = app.taken
+    head = f"POST /v1/chat/completions HTTP/1.1\nHost: x\nAuthorization: Bearer {world.alice_key}\nContent-Length: 64000000"
+    with send(port, head, b'{"model":') as first:
+        wait_for(lambda: app.taken >= taken + 9, timeout=10, interval=0.01, what="the first body to be read")
+        with send(port, head.replace(world.alice_key, world.bob_key), b'{"model":') as second:
+            refused = answer(second)
+            assert (refused.status, orjson.loads(refused.body)["error"]["code"]) == (503, "service_unavailable")
+            assert int(refused.headers["retry-after"]) >= 1
+        assert _chat(port, world.bob_key).status == 400  # a small body fits beside it
+        first.close()
