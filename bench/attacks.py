@@ -175,6 +175,7 @@ class Attack:
     head: str = ""  # extra request header lines, raw
     method: str = "POST"
     vary: object = None  # what makes each request's body of the one before, if anything
+    held: int = 0  # connections that send all their body but its last byte, and wait
 
     def next_body(self) -> bytes:
         return self.vary(self.body) if self.vary is not None else self.body
@@ -203,7 +204,7 @@ def _chat_attack(name: str, picture, mime: str, vary=None) -> Attack:
 ATTACKS = {
     "JPEG 4100x4000, 2,646 scans (194 KB)": lambda name: _chat_attack(name, lambda: _scan_bomb(4100, 4000, 2646),
                                                                        "image/jpeg"),
-    "JPEG 4000x4000, 64 scans, cut short": lambda name: _chat_attack(name, lambda: _scan_bomb(4000, 4000, 64)[:-2],
+    "JPEG 4000x4000, 60 scans, cut short": lambda name: _chat_attack(name, lambda: _scan_bomb(4000, 4000, 60)[:-2],
                                                                       "image/jpeg"),
     "JPEG 1000x1000, 2,646 scans": lambda name: _chat_attack(name, lambda: _scan_bomb(1000, 1000, 2646),
                                                               "image/jpeg"),
@@ -220,6 +221,9 @@ ATTACKS = {
     "estimate of a 2000x2000 progressive JPEG": lambda name: _estimate(),
     "a million headers on GET /v1/models": lambda name: Attack(name, "/v1/models", b"", method="GET",
                                                                head="X-A: b\r\n" * 1_000_000),
+    "10 bodies of 64 MB held before their last byte": lambda name: Attack(
+        name, "/v1/chat/completions", b'{"model": "vlm", "messages": [], "x": "' + b"a" * 63_999_960 + b'"}',
+        held=10),
 }
 
 
@@ -265,6 +269,8 @@ async def _attacker(port: int, key: str, attack: Attack, seconds: float, flood: 
         async with slots:
             answers[await _exchange(port, fixed or _raw(attack, key))] += 1
 
+    if attack.held:
+        return await _held(port, _raw(attack, key), attack.held, seconds)
     if flood:
         async def worker():
             while time.monotonic() < until:
@@ -278,6 +284,32 @@ async def _attacker(port: int, key: str, attack: Attack, seconds: float, flood: 
         sent.append(asyncio.ensure_future(one()))
         due += period
     await asyncio.gather(*sent)
+    return answers
+
+
+async def _held(port: int, raw: bytes, connections: int, seconds: float) -> Counter:
+    """`connections` that send `raw` but its last byte and hold on for `seconds`: the answers
+    that come meanwhile, by status ('held' for none)."""
+    answers: Counter = Counter()
+
+    async def hold():
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        except OSError:
+            answers[0] += 1
+            return
+        try:
+            writer.write(raw[:-1])
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), seconds)
+            answers[int(head.split(b" ", 2)[1])] += 1
+        except TimeoutError:
+            answers["held"] += 1
+        except (OSError, asyncio.IncompleteReadError, ValueError, IndexError):
+            answers[0] += 1
+        finally:
+            writer.close()
+
+    await asyncio.gather(*(hold() for _ in range(connections)))
     return answers
 
 
@@ -385,7 +417,7 @@ def run(gateway: Gateway, seconds: float, flood: bool) -> list[dict]:
 def _line(row: dict) -> str:
     base50, base99 = (_percentile(row["base"], q) * 1000 for q in (0.5, 0.99))
     hit50, hit99 = (_percentile(row["hit"], q) * 1000 for q in (0.5, 0.99))
-    answers = " ".join(f"{status or 'broken'}:{count}" for status, count in sorted(row["answers"].items()))
+    answers = " ".join(f"{status or 'broken'}:{count}" for status, count in sorted(row["answers"].items(), key=str))
     return (f"{row['attack'][:42]:42} {base50:6.1f} {hit50:7.1f} {hit50 / base50:5.2f}x {base99:7.1f} {hit99:8.1f} "
             f"{hit99 / base99:6.2f}x {row['cpu']:6.1f} {row['rss_mb']:6.0f} {row['peak_mb']:6.0f}  {answers}")
 

@@ -101,7 +101,7 @@ async def check_before_body(headers: dict[str, str]) -> Response | state.KeyInfo
     try:
         key = await _authenticate(Request(method="POST", headers=headers, body=b""))
         if _declares_large_body(headers):
-            await intake.check(intake.IntakeMeter(key))
+            await intake.check(intake.IntakeMeter(key), take_bytes=int(headers["content-length"]))
     except GatewayError as exc:
         return exc.response()
     return key
@@ -192,11 +192,12 @@ async def _chat_completions(request: Request, request_id: str, meters: list):
         if raw is None:
             raise GatewayError(413, f"request body exceeds {settings.GATEWAY_MAX_BODY_BYTES} bytes",
                                code="request_too_large")
-        if len(raw) >= LARGE_BODY:  # what small bodies weigh is not worth a round trip to count
-            meter.body_bytes = len(raw)
         # A key past its intake's limits is refused before a large body is read: by the ASGI
-        # front, which checked its key, when the body's length was declared; else here.
+        # front, which checked its key and counted the body, when the body's length was
+        # declared; else here. What small bodies weigh is not worth a round trip to count.
         meter.checked = request.key is not None and _declares_large_body(request.headers)
+        if len(raw) >= LARGE_BODY and not meter.checked:
+            meter.body_bytes = len(raw)
         if len(raw) >= LARGE_BODY:
             await intake.check(meter)
         with meter.timed():

@@ -3,11 +3,13 @@
 Reading a body, and opening, decoding and checking its pictures, is work done for a request
 that may yet be refused, and a refusal bills nothing. So each request's intake is counted
 against its key, a minute at a time: the gateway CPU time it took (GATEWAY_KEY_INTAKE_CPU_S a
-minute) and the body bytes it read (GATEWAY_KEY_INTAKE_MB a minute), and a request refused at
-intake (never admitted, so never counted by its admission) as one of its tenant's and its key's
-requests of the minute. A key past either gets a 429
-before its next large body is read or its next pictures are opened; the count is shared by
-every gateway replica (it lives in the ledger's store).
+minute) and the body bytes it sent (GATEWAY_KEY_INTAKE_MB a minute), each counted a sixth of
+a minute at a time against a sixth of its limit, so that no key spends its minute's share in
+one burst; and a request refused at intake (never admitted, so never counted by its admission)
+as one of its tenant's and its key's requests of the minute. A key past any of them gets a 429
+before its next large body is read or its next pictures are opened; a large body declared
+in advance is counted before it is read. The counts are shared by every gateway replica (they
+live in the ledger's store).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from django.utils import timezone
 from controlplane.gateway import ledger, state
 from controlplane.gateway.errors import GatewayError
 from controlplane.gateway.ledger import IntakeLimits
+from controlplane.gateway.ledger.base import BUDGET_WINDOW_S, intake_retry_after
 from controlplane.imaging.budget import MB, DecodeBudget
 
 log = logging.getLogger(__name__)
@@ -64,9 +67,10 @@ class IntakeMeter:
         return round((self.cpu_s + (self.budget.cpu_spent if self.budget is not None else 0)) * 1000)
 
 
-async def check(meter: IntakeMeter) -> None:
-    """A 429 when the key's minute has reached a limit of its intake; once per request. A store
-    that does not answer lets the request through: the throttle is no quota (its admission is)."""
+async def check(meter: IntakeMeter, *, take_bytes: int = 0) -> None:
+    """A 429 when the key has reached a limit of its intake; once per request. Otherwise
+    `take_bytes` of body (declared, not yet read) are counted. A store that does not answer
+    lets the request through: the throttle is no quota (its admission is)."""
     if meter.checked:
         return
     meter.checked = True
@@ -75,20 +79,22 @@ async def check(meter: IntakeMeter) -> None:
         return
     now = timezone.now()
     try:
-        reached = await ledger.intake_over(meter.key.tenant_id, meter.key.key_id, limits, now)
+        reached = await ledger.intake_over(meter.key.tenant_id, meter.key.key_id, limits, now, take_bytes=take_bytes)
     except Exception as exc:  # noqa: BLE001 - logged; the request goes on unthrottled
         log.warning("could not check the intake of key %s: %s", meter.key.key_id, exc)
         return
     if reached is None:
         return
-    retry = str(60 - now.second)
+    retry = str(intake_retry_after(reached, now))
     if reached == "intake_cpu_ms":
-        raise GatewayError(429, f"this API key's requests have used {settings.GATEWAY_KEY_INTAKE_CPU_S} s of the "
-                           "gateway's CPU time this minute (reading bodies, decoding images); retry after "
-                           f"{retry}s", code="rate_limit_exceeded", headers={"Retry-After": retry})
+        raise GatewayError(429, "this API key's requests have used their share of the gateway's CPU time "
+                           f"(reading bodies, decoding images: {settings.GATEWAY_KEY_INTAKE_CPU_S} s a minute, a "
+                           f"sixth of it every {BUDGET_WINDOW_S} s); retry after {retry}s",
+                           code="rate_limit_exceeded", headers={"Retry-After": retry})
     if reached == "intake_bytes":
-        raise GatewayError(429, f"this API key's requests have sent {settings.GATEWAY_KEY_INTAKE_MB:,} MB this "
-                           f"minute; retry after {retry}s", code="rate_limit_exceeded", headers={"Retry-After": retry})
+        raise GatewayError(429, "this API key's requests have sent their share of request bodies "
+                           f"({settings.GATEWAY_KEY_INTAKE_MB:,} MB a minute, a sixth of it every {BUDGET_WINDOW_S} s); "
+                           f"retry after {retry}s", code="rate_limit_exceeded", headers={"Retry-After": retry})
     whose = "this API key's" if reached == "key_requests_per_minute" else "your organization's"
     raise GatewayError(429, f"{whose} limit exceeded: {limits.of(reached):,} requests per minute; retry after "
                        f"{retry}s", code="rate_limit_exceeded", headers={"Retry-After": retry})

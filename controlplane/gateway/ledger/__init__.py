@@ -101,10 +101,10 @@ async def admit(record: UsageRecord, limits: Limits | None = None, ask: Ask | No
     return flight
 
 
-async def intake_over(tenant_id: int, key_id: int, limits: IntakeLimits, now) -> str | None:
-    """Which of `limits` a key's requests have reached this minute (its next is refused before
-    its intake), or None."""
-    return await ledger().intake_over(tenant_id, key_id, limits, now)
+async def intake_over(tenant_id: int, key_id: int, limits: IntakeLimits, now, *, take_bytes: int = 0) -> str | None:
+    """Which of `limits` a key's requests have reached in their windows (its next is refused
+    before its intake), or None, and then `take_bytes` of body counted against it."""
+    return await ledger().intake_over(tenant_id, key_id, limits, now, take_bytes=take_bytes)
 
 
 async def intake_charge(tenant_id: int, key_id: int, limits: IntakeLimits, now, *, cpu_ms: int,

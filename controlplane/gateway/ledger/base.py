@@ -6,7 +6,7 @@ from __future__ import annotations
 import datetime as dt
 from dataclasses import dataclass
 
-from controlplane.metering.periods import seconds_to_period_end
+from controlplane.metering.periods import minute_window, seconds_to_period_end
 from controlplane.metering.services import UsageRecord, is_billable, usage_from_json, usage_to_json
 
 LIMITS = ("image_tokens", "total_tokens", "requests_per_minute", "concurrent_large_images")
@@ -46,8 +46,31 @@ class IntakeLimits:
     def none(self) -> bool:
         return all(self.of(name) is None for name in INTAKE)
 
+    def in_window(self, name: str) -> int | None:
+        """The limit on `name` in its window (`intake_windows`): a minute's requests, a sixth of
+        a minute's CPU time or bytes."""
+        limit = self.of(name)
+        return limit if limit is None or name not in BUDGETS else -(-limit * BUDGET_WINDOW_S // 60)
+
 
 INTAKE = ("requests_per_minute", "key_requests_per_minute", "intake_cpu_ms", "intake_bytes")
+# CPU time and bytes are counted in windows of BUDGET_WINDOW_S, a sixth of each minute's limit
+# in each: a key that spends its minute's budget at once would take a core for seconds.
+BUDGETS = ("intake_cpu_ms", "intake_bytes")
+BUDGET_WINDOW_S = 10
+
+
+def intake_windows(now: dt.datetime) -> dict[str, str]:
+    """The window each of INTAKE's counts is in at `now`."""
+    minute = minute_window(now)
+    budget = f"{minute}{now.second // BUDGET_WINDOW_S}"
+    return {name: budget if name in BUDGETS else minute for name in INTAKE}
+
+
+def intake_retry_after(name: str, now: dt.datetime) -> int:
+    """Seconds until the window of `name` that `now` is in ends."""
+    window = BUDGET_WINDOW_S if name in BUDGETS else 60
+    return window - now.second % window
 
 
 @dataclass(frozen=True)

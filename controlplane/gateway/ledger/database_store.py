@@ -30,6 +30,7 @@ from controlplane.gateway.ledger.base import (
     Limits,
     Reservation,
     entry,
+    intake_windows,
     interrupted,
     refusal,
     settlement,
@@ -90,18 +91,25 @@ class DatabaseLedger:
         return {"requests_per_minute": "requests_per_minute", "key_requests_per_minute": f"key{key_id}:rpm",
                 "intake_cpu_ms": f"key{key_id}:intake_ms", "intake_bytes": f"key{key_id}:intake_bytes"}
 
-    async def intake_over(self, tenant_id: int, key_id: int, limits: IntakeLimits, now: dt.datetime) -> str | None:
-        return await sync_to_async(self.intake_over_sync)(tenant_id, key_id, limits, now)
+    async def intake_over(self, tenant_id: int, key_id: int, limits: IntakeLimits, now: dt.datetime, *,
+                          take_bytes: int = 0) -> str | None:
+        return await sync_to_async(self.intake_over_sync)(tenant_id, key_id, limits, now, take_bytes=take_bytes)
 
-    def intake_over_sync(self, tenant_id: int, key_id: int, limits: IntakeLimits, now: dt.datetime) -> str | None:
-        """Which of `limits` the key's minute has reached (its next request is refused), or None."""
+    def intake_over_sync(self, tenant_id: int, key_id: int, limits: IntakeLimits, now: dt.datetime, *,
+                         take_bytes: int = 0) -> str | None:
+        """Which of `limits` the key has reached in its windows (its next request is refused),
+        or None, and then `take_bytes` counted."""
         from controlplane.tenants.models import QuotaCounter
 
-        counters = self._intake_counters(key_id)
-        used = dict(QuotaCounter.objects.filter(tenant_id=tenant_id, key__in=counters.values(),
-                                                window=minute_window(now)).values_list("key", "used"))
-        return next((name for name in INTAKE
-                     if limits.of(name) is not None and used.get(counters[name], 0) >= limits.of(name)), None)
+        counters, windows = self._intake_counters(key_id), intake_windows(now)
+        rows = QuotaCounter.objects.filter(tenant_id=tenant_id, key__in=counters.values())
+        used = {key: count for key, window, count in rows.values_list("key", "window", "used")
+                if window in windows.values()}
+        reached = next((name for name in INTAKE if limits.in_window(name) is not None
+                        and used.get(counters[name], 0) >= limits.in_window(name)), None)
+        if reached is None and take_bytes:
+            self.intake_charge_sync(tenant_id, key_id, limits, now, cpu_ms=0, body_bytes=take_bytes, refused=False)
+        return reached
 
     async def intake_charge(self, tenant_id: int, key_id: int, limits: IntakeLimits, now: dt.datetime, *,
                             cpu_ms: int, body_bytes: int = 0, refused: bool) -> None:
@@ -114,16 +122,16 @@ class DatabaseLedger:
         request itself."""
         from controlplane.tenants.models import QuotaCounter
 
-        counters, window = self._intake_counters(key_id), minute_window(now)
+        counters, windows = self._intake_counters(key_id), intake_windows(now)
         amounts = {"intake_cpu_ms": cpu_ms, "intake_bytes": body_bytes}
         if refused:
             amounts.update({"requests_per_minute": 1, "key_requests_per_minute": 1})
-        plan = [(counters[name], amount) for name, amount in amounts.items()
+        plan = [(counters[name], amount, windows[name]) for name, amount in amounts.items()
                 if amount and limits.of(name) is not None]
         for _attempt in range(3):
             try:
                 with transaction.atomic():
-                    for counter, amount in plan:
+                    for counter, amount, window in plan:
                         row, _ = QuotaCounter.objects.select_for_update().get_or_create(
                             tenant_id=tenant_id, key=counter, defaults={"window": window, "used": 0})
                         if row.window != window:

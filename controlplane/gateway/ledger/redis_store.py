@@ -41,6 +41,7 @@ from controlplane.gateway.ledger.base import (
     Refused,
     Reservation,
     entry,
+    intake_windows,
     interrupted,
     refusal,
     settlement,
@@ -243,13 +244,17 @@ return 0
 """
 
 
-# What a key's requests cost before admission. KEYS: the minute's tenant requests, key
-# requests, key intake CPU (ms) and body bytes; ARGV[1..4] their limits (-1: none).
-# Which is reached (1..4), or 0:
+# What a key's requests cost before admission. KEYS: the tenant's and the key's requests of
+# the minute, the key's intake CPU (ms) and body bytes of the window; ARGV[1..4] their limits
+# in those windows (-1: none). Which is reached (1..4), or 0, and then ARGV[5] bytes counted.
 _INTAKE_OVER = """
 for i = 1, 4 do
   local limit = tonumber(ARGV[i])
   if limit >= 0 and tonumber(redis.call('GET', KEYS[i]) or '0') >= limit then return i end
+end
+if tonumber(ARGV[5]) > 0 and tonumber(ARGV[4]) >= 0 then
+  redis.call('INCRBY', KEYS[4], ARGV[5])
+  redis.call('EXPIRE', KEYS[4], 30)
 end
 return 0
 """
@@ -259,7 +264,7 @@ _INTAKE_CHARGE = """
 for i = 3, 4 do
   if tonumber(ARGV[i + 2]) > 0 and tonumber(ARGV[i]) >= 0 then
     redis.call('INCRBY', KEYS[i], ARGV[i + 2])
-    redis.call('EXPIRE', KEYS[i], 120)
+    redis.call('EXPIRE', KEYS[i], 30)
   end
 end
 if ARGV[7] == '1' then
@@ -316,14 +321,19 @@ class RedisLedger:
     # -- intake ----------------------------------------------------------------------------
 
     def _intake_call(self, tenant_id: int, key_id: int, limits: IntakeLimits, now: dt.datetime) -> list:
-        minute = minute_window(now)
-        keys = [f"{self.prefix}:quota:{tenant_id}:rpm:{minute}", f"{self.prefix}:keyrpm:{key_id}:{minute}",
-                f"{self.prefix}:keycpu:{key_id}:{minute}", f"{self.prefix}:keybytes:{key_id}:{minute}"]
-        return [4, *keys, *(-1 if limits.of(name) is None else limits.of(name) for name in INTAKE)]
+        windows = intake_windows(now)
+        keys = [f"{self.prefix}:quota:{tenant_id}:rpm:{windows['requests_per_minute']}",
+                f"{self.prefix}:keyrpm:{key_id}:{windows['key_requests_per_minute']}",
+                f"{self.prefix}:keycpu:{key_id}:{windows['intake_cpu_ms']}",
+                f"{self.prefix}:keybytes:{key_id}:{windows['intake_bytes']}"]
+        return [4, *keys, *(-1 if limits.in_window(name) is None else limits.in_window(name) for name in INTAKE)]
 
-    async def intake_over(self, tenant_id: int, key_id: int, limits: IntakeLimits, now: dt.datetime) -> str | None:
-        """Which of `limits` the key's minute has reached (its next request is refused), or None."""
-        found = await _eval(self._scripts(), _INTAKE_OVER, *self._intake_call(tenant_id, key_id, limits, now))
+    async def intake_over(self, tenant_id: int, key_id: int, limits: IntakeLimits, now: dt.datetime, *,
+                          take_bytes: int = 0) -> str | None:
+        """Which of `limits` the key has reached in its windows (its next request is refused),
+        or None, and then `take_bytes` counted, at once."""
+        found = await _eval(self._scripts(), _INTAKE_OVER, *self._intake_call(tenant_id, key_id, limits, now),
+                            take_bytes)
         return INTAKE[found - 1] if found else None
 
     async def intake_charge(self, tenant_id: int, key_id: int, limits: IntakeLimits, now: dt.datetime, *,
