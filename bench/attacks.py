@@ -397,12 +397,14 @@ def _phase(gateway: Gateway, key: str | None, name: str | None, seconds: float, 
     return latencies, got, cpu_seconds(pid) - cpu, memory.peak
 
 
-def run(gateway: Gateway, seconds: float, flood: bool) -> list[dict]:
+def run(gateway: Gateway, seconds: float, flood: bool, only: str | None) -> list[dict]:
     gateway.keys = gateway.start()
     rows = []
     try:
         _phase(gateway, None, None, 2)  # warm up
         for name, key in zip(ATTACKS, gateway.keys["attackers"], strict=True):
+            if only and only not in name:
+                continue
             base, _, _, _ = _phase(gateway, None, None, seconds)
             before_kb = status_kb("VmRSS", gateway.server.pid)
             hit, answers, cpu, peak = _phase(gateway, key, name, seconds, flood)
@@ -440,6 +442,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=10)
     parser.add_argument("--before", help="a git commit to run the same attacks against, for comparison")
     parser.add_argument("--flood", action="store_true", help="the attacker sends as fast as it is answered")
+    parser.add_argument("--only", help="the attacks whose name holds this text, alone")
     args = parser.parse_args()
     upstream_port = free_port()
     upstream = subprocess.Popen([sys.executable, "-m", "bench.fake_upstream", str(upstream_port)], cwd=ROOT)
@@ -459,7 +462,7 @@ def main() -> None:
         for label, root, redis_url in targets:
             print(f"\n{label}\n{HEADER}")
             rows = run(Gateway(root, label.split()[-1].replace(".", "_")[:12], upstream_port, redis_url), args.seconds,
-                       args.flood)
+                       args.flood, args.only)
             worst = max(rows, key=lambda r: _percentile(r["hit"], 0.99) / _percentile(r["base"], 0.99))
             summary.append((label, max(_percentile(r["hit"], 0.5) / _percentile(r["base"], 0.5) for r in rows),
                             _percentile(worst["hit"], 0.99) / _percentile(worst["base"], 0.99), worst["attack"],

@@ -346,6 +346,9 @@ GATEWAY_REQUEST_DECODE_MB = env_int("GATEWAY_REQUEST_DECODE_MB", 1024, minimum=1
 # headers), and how long a decode waits for its share before its request is a 503.
 GATEWAY_DECODE_MEMORY_MB = env_int("GATEWAY_DECODE_MEMORY_MB", 1024, minimum=16)
 GATEWAY_DECODE_WAIT_MS = env_int("GATEWAY_DECODE_WAIT_MS", 5000, minimum=0)
+# Pictures one gateway process decodes at once; 0: one fewer than its cores (at least one), so
+# that its event loop, and the text requests on it, keep a core whatever the pictures.
+GATEWAY_DECODES_AT_ONCE = env_int("GATEWAY_DECODES_AT_ONCE", 0, minimum=0)
 # Gateway CPU time a key's requests may take before admission each minute (reading bodies,
 # decoding and checking images), seconds; past it, its next image request is a 429 before its
 # pictures are opened (controlplane/gateway/intake.py). 0: no limit. A 12 MP photo takes 0.04.

@@ -41,7 +41,8 @@ AUTO = "auto"
 # What pictures sent before became, for the requests that send them again.
 repeats = Repeats(settings.GATEWAY_REPEATS_MB * 1024 * 1024, shared=Shared.from_settings())
 # The memory this process's decodes may hold at once, whatever the requests bringing pictures.
-decode_memory = DecodeMemory(settings.GATEWAY_DECODE_MEMORY_MB * MB, wait_s=settings.GATEWAY_DECODE_WAIT_MS / 1000)
+decode_memory = DecodeMemory(settings.GATEWAY_DECODE_MEMORY_MB * MB, wait_s=settings.GATEWAY_DECODE_WAIT_MS / 1000,
+                             decodes=settings.GATEWAY_DECODES_AT_ONCE)
 # A tenant's body is read by orjson (body.py), bounded in shape first; the engine's is written
 # by msgspec, which writes a data URL decoded as the body was read as it came, should one ever
 # be sent on (prepare replaces every image it reads). The engine's answers are read by orjson.

@@ -11,6 +11,7 @@ Pure Python: no Django, no Celery.
 from __future__ import annotations
 
 import io
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -56,13 +57,14 @@ class DecodersBusy(Exception):
 
 class DecodeMemory:
     """The memory one process's decodes may hold at once, estimated from their pictures'
-    headers, handed out as it is given back; a decode that cannot have its share within
-    `wait_s` is refused (DecodersBusy). Bounds the process's memory, and the decodes that run
-    at once, however many requests bring pictures."""
+    headers, and the decodes it runs at once (`decodes`: by default one fewer than its cores,
+    so that its event loop keeps one whatever the pictures), handed out as they are given back;
+    a decode that cannot have its share within `wait_s` is refused (DecodersBusy)."""
 
-    def __init__(self, total: int, *, wait_s: float):
+    def __init__(self, total: int, *, wait_s: float, decodes: int = 0):
         self.total, self.wait_s = total, wait_s
-        self._held = 0
+        self.decodes = decodes or max(1, len(os.sched_getaffinity(0)) - 1)
+        self._held = self._running = 0
         self._changed = threading.Condition()
 
     @property
@@ -74,14 +76,17 @@ class DecodeMemory:
     def holding(self, amount: int) -> Iterator[None]:
         amount = min(amount, self.total)  # one larger than all is let through alone
         with self._changed:
-            if not self._changed.wait_for(lambda: self._held + amount <= self.total, timeout=self.wait_s):
-                raise DecodersBusy(f"the gateway's decodes hold their {self.total // MB:,} MB; retry shortly")
+            if not self._changed.wait_for(lambda: self._held + amount <= self.total and self._running < self.decodes,
+                                          timeout=self.wait_s):
+                raise DecodersBusy("the gateway is decoding as many images as it can at once; retry shortly")
             self._held += amount
+            self._running += 1
         try:
             yield
         finally:
             with self._changed:
                 self._held -= amount
+                self._running -= 1
                 self._changed.notify_all()
 
 

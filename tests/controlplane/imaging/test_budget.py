@@ -124,7 +124,7 @@ def test_a_processs_decodes_hold_no_more_memory_than_it_allows():
 
     from controlplane.imaging.budget import DecodeMemory, DecodersBusy
 
-    shared = DecodeMemory(48 << 20, wait_s=0.05)
+    shared = DecodeMemory(48 << 20, wait_s=0.05, decodes=4)
     budget = DecodeBudget(shared=shared)
     with shared.holding(40 << 20):  # another request's decode
         with pytest.raises(DecodersBusy):
@@ -132,7 +132,7 @@ def test_a_processs_decodes_hold_no_more_memory_than_it_allows():
         small = normalise_tiles(image_bytes(640, 480), Policy(), budget=DecodeBudget(shared=shared))
         assert small[0].width == 640
     # Given back, it is handed to the one waiting.
-    waiting = DecodeMemory(48 << 20, wait_s=5)
+    waiting = DecodeMemory(48 << 20, wait_s=5, decodes=4)
     held, released = threading.Event(), threading.Event()
 
     def hold():
@@ -147,3 +147,14 @@ def test_a_processs_decodes_hold_no_more_memory_than_it_allows():
     taken = normalise_tiles(image_bytes(2400, 1800), Policy(), budget=DecodeBudget(shared=waiting))
     thread.join()
     assert taken[0].width < 2400 and waiting.held == 0
+
+
+def test_a_process_runs_no_more_decodes_at_once_than_it_allows():
+    from controlplane.imaging.budget import DecodeMemory, DecodersBusy
+
+    shared = DecodeMemory(1 << 30, wait_s=0.05, decodes=1)
+    with shared.holding(1 << 20):  # another request's decode
+        with pytest.raises(DecodersBusy):
+            normalise_tiles(image_bytes(640, 480, "PNG"), Policy(), budget=DecodeBudget(shared=shared))
+    assert normalise_tiles(image_bytes(640, 480, "PNG"), Policy(), budget=DecodeBudget(shared=shared))
+    assert DecodeMemory(1 << 30, wait_s=0).decodes >= 1  # by default one fewer than the cores, at least one
