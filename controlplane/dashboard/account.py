@@ -14,6 +14,7 @@ from django.views.decorators.http import require_POST
 
 from controlplane.catalog.models import ModelTier
 from controlplane.catalog.routing import tenant_auto
+from controlplane.dashboard.fields import UtcDateTimeField
 from controlplane.metering.models import UsageEvent
 from controlplane.metering.periods import period_start
 from controlplane.metering.selectors import quota_use
@@ -26,7 +27,7 @@ class OwnKeyForm(forms.Form):
     name = forms.CharField(max_length=64, required=False, help_text="What it is for, e.g. the app that uses it")
     tiers = forms.ModelMultipleChoiceField(queryset=None, required=False, widget=forms.CheckboxSelectMultiple,
                                            label="Models it may use", help_text="None ticked: every model of yours")
-    expires_at = forms.DateTimeField(required=False, label="Expires", help_text="Optional, e.g. 2027-06-30 00:00")
+    expires_at = UtcDateTimeField(required=False, label="Expires", help_text="Optional, e.g. 2027-06-30 00:00")
     requests_per_minute = forms.IntegerField(min_value=1, max_value=10**6, required=False,
                                              label="Requests per minute", help_text="Optional: this key's own limit")
 
