@@ -12,6 +12,9 @@ import asyncio
 from urllib.parse import unquote_to_bytes
 
 from asgiref.sync import iscoroutinefunction, markcoroutinefunction, sync_to_async
+from django.contrib import messages
+from django.contrib.auth import logout
+from django.contrib.auth.views import redirect_to_login
 from django.http import HttpResponseBadRequest, JsonResponse
 from django.utils.decorators import sync_and_async_middleware
 from whitenoise.middleware import WhiteNoiseMiddleware
@@ -49,6 +52,33 @@ def _unreadable_address(request):
     if request.path_info.startswith("/api/"):
         return JsonResponse({"detail": message}, status=400)
     return HttpResponseBadRequest(f"{message[0].upper()}{message[1:]}.\n", content_type="text/plain; charset=utf-8")
+
+
+@sync_and_async_middleware
+def deactivated_tenant_sign_out(get_response):
+    """Ends the session of a tenant admin whose tenant was deactivated after they logged in:
+    their next page is the login page, saying why (an API call is a 403)."""
+    if iscoroutinefunction(get_response):
+        async def middleware(request):
+            return await sync_to_async(_signed_out)(request) or await get_response(request)
+    else:
+        def middleware(request):
+            return _signed_out(request) or get_response(request)
+    return middleware
+
+
+def _signed_out(request):
+    from controlplane.dashboard.login import TENANT_DEACTIVATED
+    from controlplane.tenants import roles
+
+    if not request.user.is_authenticated or (tenant := roles.deactivated_tenant(request.user)) is None:
+        return None
+    logout(request)
+    message = TENANT_DEACTIVATED.format(tenant=tenant.name)
+    if request.path_info.startswith("/api/"):
+        return JsonResponse({"detail": message}, status=403)
+    messages.error(request, message)
+    return redirect_to_login(request.get_full_path())
 
 
 class StaticFilesMiddleware(WhiteNoiseMiddleware):

@@ -32,7 +32,7 @@ from controlplane.fleet.models import EngineEvent, EngineInstance
 from controlplane.metering.selectors import image_count_disagreements
 from controlplane.tenants import roles
 from controlplane.tenants.models import ApiKey
-from controlplane.tenants.services import api_key_create, api_key_revoke
+from controlplane.tenants.services import TenantInactive, api_key_create, api_key_revoke
 
 # The tenants drawn one by one in the per-tenant charts; the rest are summed as "others".
 TOP_TENANTS = 10
@@ -98,14 +98,18 @@ def keys(request):
     _require(roles.is_operator, request.user)
     form = ApiKeyForm(request.POST or None)
     if request.method == "POST" and form.is_valid():
-        result = api_key_create(tenant=form.cleaned_data["tenant"], name=form.cleaned_data["name"],
-                                created_by=request.user, expires_at=form.cleaned_data["expires_at"],
-                                tiers=list(form.cleaned_data["tiers"]),
-                                requests_per_minute=form.cleaned_data["requests_per_minute"])
-        # Post/redirect/get: a reload must not mint a second key. The secret rides in the
-        # server-side session only until the next page view, which removes it.
-        request.session["issued_key"] = result.secret
-        return redirect("dashboard:keys")
+        try:
+            result = api_key_create(tenant=form.cleaned_data["tenant"], name=form.cleaned_data["name"],
+                                    created_by=request.user, expires_at=form.cleaned_data["expires_at"],
+                                    tiers=list(form.cleaned_data["tiers"]),
+                                    requests_per_minute=form.cleaned_data["requests_per_minute"])
+        except TenantInactive as exc:  # deactivated as the form was sent
+            form.add_error("tenant", str(exc))
+        else:
+            # Post/redirect/get: a reload must not mint a second key. The secret rides in the
+            # server-side session only until the next page view, which removes it.
+            request.session["issued_key"] = result.secret
+            return redirect("dashboard:keys")
     from controlplane.catalog.routing import tenant_auto
 
     keys = list(ApiKey.objects.select_related("tenant").order_by("tenant__name", "-created_at"))

@@ -14,6 +14,14 @@ from controlplane.tenants.models import ApiKey, QuotaLimits, Tenant
 KEY_PREFIX = "vlm-"
 
 
+class TenantInactive(Exception):
+    """No key is made for a deactivated tenant: it would start working when the tenant is
+    reactivated, though nobody could have made it while it was."""
+
+    def __init__(self, tenant: Tenant):
+        super().__init__(f"{tenant.name} is deactivated: no key can be made for it")
+
+
 @dataclass(frozen=True)
 class IssuedKey:
     api_key: ApiKey
@@ -29,12 +37,16 @@ def api_key_create(
     *, tenant: Tenant, name: str = "", created_by=None, expires_at: datetime | None = None, tiers=None,
     requests_per_minute: int | None = None,
 ) -> IssuedKey:
-    """A new key of `tenant`; `tiers`, when given, scopes it to those models."""
+    """A new key of `tenant`; `tiers`, when given, scopes it to those models. TenantInactive
+    when the tenant is deactivated."""
     for attempt in range(5):
         prefix = secrets.token_hex(4)  # 32 bits: collisions are rare, not impossible
         secret = f"{KEY_PREFIX}{prefix}-{secrets.token_urlsafe(32)}"
         try:
             with transaction.atomic():
+                # Locked: a deactivation saved meanwhile waits for the key, or the key for it.
+                if Tenant.objects.select_for_update().filter(pk=tenant.pk, active=True).first() is None:
+                    raise TenantInactive(tenant)
                 api_key = ApiKey.objects.create(
                     tenant=tenant,
                     name=name,

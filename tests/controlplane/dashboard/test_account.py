@@ -74,3 +74,16 @@ def test_a_key_expiry_that_cannot_be_written_in_utc_is_a_form_error_and_makes_no
     assert "no moment that far out can be kept" in " ".join(field_errors(page.content.decode()))
     assert not ApiKey.objects.filter(name="forever").exists()
     assert client.get("/account/").status_code == 200
+
+
+def test_no_page_makes_a_key_for_a_deactivated_tenant(client, world):
+    world.alice.active = False
+    world.alice.save()
+    client.force_login(world.alice_admin)
+    client.post("/account/", {"name": "meanwhile"})
+    client.force_login(world.operator)
+    page = client.post("/keys/", {"tenant": world.alice.pk, "name": "meanwhile"})
+    assert "Select a valid choice" in page.content.decode()
+    world.alice.active = True
+    world.alice.save()
+    assert not ApiKey.objects.filter(name="meanwhile").exists()
