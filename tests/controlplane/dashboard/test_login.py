@@ -63,3 +63,18 @@ def test_staff_and_other_tenants_admins_are_not_signed_out(client, world):
         client.force_login(user)
         assert client.get("/requests/").status_code == 200
     assert not field_errors(client.get("/requests/").content.decode())
+
+
+def test_the_sign_out_is_made_on_the_asynchronous_path_too(async_client, world):
+    from asgiref.sync import async_to_sync, sync_to_async
+
+    async def visits():
+        await async_client.aforce_login(world.operator)
+        staff = await async_client.get("/requests/")
+        await async_client.aforce_login(world.alice_admin)
+        await sync_to_async(_deactivate)(world.alice)
+        return staff, await async_client.get("/account/")
+
+    staff, admin = async_to_sync(visits)()
+    assert staff.status_code == 200
+    assert admin.status_code == 302 and admin["Location"].startswith("/login/")
