@@ -5,6 +5,7 @@ import datetime as dt
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.core.exceptions import PermissionDenied
+from django.http import Http404
 from django.shortcuts import get_object_or_404, redirect, render
 from django.utils import timezone
 from django.views.decorators.http import require_POST
@@ -232,10 +233,16 @@ def fleet_replicas(request, name: str):
 @require_POST
 def fleet_register_external(request):
     _require(roles.is_operator, request.user)
+    from django import forms
+
     from controlplane.catalog.models import ModelTier
     from controlplane.fleet.services import FleetActionRefused, external_engine_register
 
-    tier = get_object_or_404(ModelTier, pk=request.POST.get("tier"), engine_kind=ModelTier.EngineKind.EXTERNAL)
+    try:  # the field turns any value that is not a tier's id into a ValidationError
+        tier = forms.ModelChoiceField(ModelTier.objects.filter(engine_kind=ModelTier.EngineKind.EXTERNAL)).clean(
+            request.POST.get("tier"))
+    except forms.ValidationError:
+        raise Http404("no such external tier") from None
     url = (request.POST.get("url") or "").strip()
     try:
         external_engine_register(tier=tier, url=url, actor=request.user.username)
