@@ -68,3 +68,13 @@ def test_the_refusal_is_made_on_the_asynchronous_path_too(async_client):
 
     response = async_to_sync(async_client.get)("/audit/?q=%00")
     assert response.status_code == 400
+
+
+def test_a_served_schema_with_a_nul_in_its_query_is_answered_not_dropped(serve):
+    from controlplane.asgi import Application
+    from tests.http_wire import answer, send
+
+    port = serve(Application())
+    with send(port, "GET /api/schema/?version=%00 HTTP/1.1\nHost: 127.0.0.1") as client:
+        got = answer(client)
+    assert got.status == 400 and b"NUL byte" in got.body
