@@ -128,6 +128,8 @@ def tenant_save(*, tenant: Tenant, tiers: list | None, quota: dict | None, actor
     created = tenant.pk is None
     before = {} if created else {**field_values(Tenant.objects.get(pk=tenant.pk), TENANT_AUDITED),
                                  "tiers": _tier_names(tenant)}
+    if before.get("active") is False and tenant.active:
+        _keys_made_while_inactive_revoke(tenant, actor)
     tenant.save()
     tenant.allowed_tiers.set(tiers or [])
     after = {**field_values(tenant, TENANT_AUDITED), "tiers": _tier_names(tenant)}
@@ -147,6 +149,19 @@ def tenant_save(*, tenant: Tenant, tiers: list | None, quota: dict | None, actor
     audit_record(actor=actor, action=AuditEntry.Action.CHANGED if existing else AuditEntry.Action.CREATED,
                  obj=row, before=was, after=field_values(row, QUOTA_AUDITED))
     return tenant
+
+
+def _keys_made_while_inactive_revoke(tenant: Tenant, actor: str) -> None:
+    """Revoke the keys made since `tenant` was last deactivated, as it is reactivated: none
+    can be made now, but some were before api_key_create checked, and they would start
+    working with it."""
+    from controlplane.audit.services import history
+
+    since = history(tenant).filter(changes__active=[True, False]).values_list("at", flat=True).first()
+    if since is None:
+        return
+    for api_key in ApiKey.objects.filter(tenant=tenant, created_at__gte=since, revoked_at__isnull=True):
+        api_key_revoke(api_key=api_key, actor=actor)
 
 
 def _tier_names(tenant: Tenant) -> str:

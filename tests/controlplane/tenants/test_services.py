@@ -171,3 +171,18 @@ def test_create_api_key_command_refuses_an_inactive_tenant(world):
     world.charlie.save()
     with pytest.raises(CommandError, match="charlie is deactivated"):
         call_command("create_api_key", "--tenant", "charlie", stdout=StringIO())
+
+
+def test_reactivating_a_tenant_revokes_the_keys_made_while_it_was_deactivated(world):
+    from controlplane.tenants.services import key_hash, tenant_save
+
+    before = api_key_lookup(world.charlie_key).pk
+    world.charlie.active = False
+    tenant_save(tenant=world.charlie, tiers=None, quota=None, actor="olivia")
+    # As a key was made before api_key_create checked: nothing makes one now.
+    meanwhile = ApiKey.objects.create(tenant=world.charlie, prefix="meanwhil", key_hash=key_hash("vlm-meanwhile"))
+    world.charlie.active = True
+    tenant_save(tenant=world.charlie, tiers=None, quota=None, actor="olivia")
+    meanwhile.refresh_from_db()
+    assert meanwhile.revoked_at is not None
+    assert api_key_lookup(world.charlie_key).pk == before
