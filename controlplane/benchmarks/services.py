@@ -35,7 +35,7 @@ from controlplane.fleet.selectors import routable_instances
 from controlplane.imaging.policy import sent_sizes
 from controlplane.imaging.tokens import count_image_tokens
 from controlplane.tenants.models import Tenant
-from controlplane.tenants.services import api_key_create, api_key_revoke
+from controlplane.tenants.services import TenantInactive, api_key_create, api_key_revoke
 
 log = logging.getLogger(__name__)
 
@@ -190,8 +190,11 @@ def _target(run: BenchmarkRun, planned_s: float):
     pinned = _vetted(url, "benchmark target URL") if profile.gateway_url else None
     tenant, _ = Tenant.objects.get_or_create(name=BENCHMARK_TENANT, defaults={
         "display_name": "Benchmark runs", "isolate_prefix_cache": True})
-    issued = api_key_create(tenant=tenant, name=f"benchmark run {run.pk}",
-                            expires_at=timezone.now() + dt.timedelta(seconds=planned_s + 3600))
+    try:
+        issued = api_key_create(tenant=tenant, name=f"benchmark run {run.pk}",
+                                expires_at=timezone.now() + dt.timedelta(seconds=planned_s + 3600))
+    except TenantInactive as exc:
+        raise BenchmarkError(str(exc)) from None
     target = loadgen.Target(url=url, model=profile.tier.name, api_key=issued.secret, pinned=pinned)
     return target, f"{profile.tier.name} through the gateway at {profile.gateway_base}", \
         lambda: api_key_revoke(api_key=issued.api_key)

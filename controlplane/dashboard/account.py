@@ -14,19 +14,20 @@ from django.views.decorators.http import require_POST
 
 from controlplane.catalog.models import ModelTier
 from controlplane.catalog.routing import tenant_auto
+from controlplane.dashboard.fields import UtcDateTimeField
 from controlplane.metering.models import UsageEvent
 from controlplane.metering.periods import period_start
 from controlplane.metering.selectors import quota_use
 from controlplane.tenants import roles
 from controlplane.tenants.models import ApiKey, Quota
-from controlplane.tenants.services import api_key_create, api_key_revoke
+from controlplane.tenants.services import TenantInactive, api_key_create, api_key_revoke
 
 
 class OwnKeyForm(forms.Form):
     name = forms.CharField(max_length=64, required=False, help_text="What it is for, e.g. the app that uses it")
     tiers = forms.ModelMultipleChoiceField(queryset=None, required=False, widget=forms.CheckboxSelectMultiple,
                                            label="Models it may use", help_text="None ticked: every model of yours")
-    expires_at = forms.DateTimeField(required=False, label="Expires", help_text="Optional, e.g. 2027-06-30 00:00")
+    expires_at = UtcDateTimeField(required=False, label="Expires", help_text="Optional, e.g. 2027-06-30 00:00")
     requests_per_minute = forms.IntegerField(min_value=1, max_value=10**6, required=False,
                                              label="Requests per minute", help_text="Optional: this key's own limit")
 
@@ -55,11 +56,16 @@ def account(request):
     tenant = _tenant(request)
     form = OwnKeyForm(request.POST or None, tenant=tenant)
     if request.method == "POST" and form.is_valid():
-        issued = api_key_create(tenant=tenant, name=form.cleaned_data["name"], created_by=request.user,
-                                expires_at=form.cleaned_data["expires_at"], tiers=list(form.cleaned_data["tiers"]),
-                                requests_per_minute=form.cleaned_data["requests_per_minute"])
-        request.session["issued_key"] = issued.secret
-        return redirect("dashboard:account")
+        try:
+            issued = api_key_create(tenant=tenant, name=form.cleaned_data["name"], created_by=request.user,
+                                    expires_at=form.cleaned_data["expires_at"],
+                                    tiers=list(form.cleaned_data["tiers"]),
+                                    requests_per_minute=form.cleaned_data["requests_per_minute"])
+        except TenantInactive as exc:  # deactivated as the form was sent
+            form.add_error(None, str(exc))
+        else:
+            request.session["issued_key"] = issued.secret
+            return redirect("dashboard:account")
     now = timezone.now()
     month = period_start("month", now)
     spend = dict(UsageEvent.objects.filter(tenant=tenant, created_at__gte=month).values("api_key_id")

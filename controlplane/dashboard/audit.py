@@ -38,8 +38,8 @@ def audit_log(request):
     start, end = _day(chosen["from"]), _day(chosen["to"])
     if start:
         entries = entries.filter(at__gte=dt.datetime.combine(start, dt.time(), zone))
-    if end:
-        entries = entries.filter(at__lt=dt.datetime.combine(end + dt.timedelta(days=1), dt.time(), zone))
+    if end:  # to its last instant, not the next midnight: there is none after 9999-12-31
+        entries = entries.filter(at__lte=dt.datetime.combine(end, dt.time.max, zone))
     page = Paginator(entries, PAGE_SIZE).get_page(request.GET.get("page"))
     query = request.GET.copy()
     query.pop("page", None)

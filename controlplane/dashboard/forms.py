@@ -1,12 +1,13 @@
 from django import forms
 
+from controlplane.dashboard.fields import UtcDateTimeField
 from controlplane.tenants.models import QuotaLimits, Tenant
 
 
 class ApiKeyForm(forms.Form):
     tenant = forms.ModelChoiceField(queryset=Tenant.objects.filter(active=True))
     name = forms.CharField(max_length=64, required=False)
-    expires_at = forms.DateTimeField(required=False, help_text="Optional, UTC")
+    expires_at = UtcDateTimeField(required=False, help_text="Optional, UTC")
     tiers = forms.ModelMultipleChoiceField(queryset=None, required=False, widget=forms.CheckboxSelectMultiple,
                                            label="Models it may use",
                                            help_text="None ticked: every model its tenant may use")
@@ -311,6 +312,7 @@ class PriceRateForm(forms.ModelForm):
     """A new rate of a plan, from a moment on: amounts not negative (the model's validators and
     the database's constraints say so too), the cached discount a percentage, never back-dated."""
 
+    effective_from = UtcDateTimeField(label="Effective from")
     cached_image_discount = forms.DecimalField(min_value=0, max_value=100, decimal_places=1, initial=0,
                                                label="Cached image discount (%)",
                                                help_text="Share of the image price waived for cached image tokens")

@@ -32,7 +32,8 @@ def policy_edit(request, name):
 
 def _policy_form(request, policy: ResolutionPolicy):
     creating = policy.pk is None
-    before = {} if creating else field_values(ResolutionPolicy.objects.get(pk=policy.pk), PolicyForm.Meta.fields)
+    saved = None if creating else ResolutionPolicy.objects.get(pk=policy.pk)
+    before = {} if creating else field_values(saved, PolicyForm.Meta.fields)
     form = PolicyForm(request.POST or None, instance=policy)
     preview = None
     if request.method == "POST" and form.is_valid():
@@ -45,7 +46,8 @@ def _policy_form(request, policy: ResolutionPolicy):
             return redirect("dashboard:policy-edit", name=policy.name)
         preview = _preview(form.instance)
     elif not creating:
-        preview = _preview(policy)
+        # Not `policy`: a form that failed its checks has written what it was sent there.
+        preview = _preview(saved)
     used_by = [] if creating else list(policy.tiers.order_by("name"))
     return render(request, "dashboard/policy_form.html", {
         "form": form, "policy": policy, "creating": creating, "preview": preview, "used_by": used_by,

@@ -12,6 +12,7 @@ from django.http import Http404
 from django.shortcuts import render
 
 from controlplane.catalog.models import ModelTier
+from controlplane.dashboard.fields import UtcDateTimeField
 from controlplane.metering.models import UsageEvent
 from controlplane.metering.selectors import LogCursor, LogQuery, usage_event_detail, usage_log
 from controlplane.tenants import roles
@@ -30,8 +31,8 @@ class LogFilterForm(forms.Form):
         ("", "any"), (FAILED, "not ok (error, aborted, interrupted)"), *UsageEvent.Status.choices])
     latency_min = forms.IntegerField(required=False, min_value=0, max_value=10**8, label="Latency from (ms)")
     latency_max = forms.IntegerField(required=False, min_value=0, max_value=10**8, label="to (ms)")
-    since = forms.DateTimeField(required=False, label="From", widget=forms.DateTimeInput(attrs={"type": "datetime-local"}))
-    until = forms.DateTimeField(required=False, label="Until", widget=forms.DateTimeInput(attrs={"type": "datetime-local"}))
+    since = UtcDateTimeField(required=False, label="From", widget=forms.DateTimeInput(attrs={"type": "datetime-local"}))
+    until = UtcDateTimeField(required=False, label="Until", widget=forms.DateTimeInput(attrs={"type": "datetime-local"}))
 
     def __init__(self, *args, tenants, **kwargs):
         super().__init__(*args, **kwargs)

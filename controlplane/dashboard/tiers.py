@@ -92,4 +92,4 @@ def tier_enable(request, name, enabled: bool):
         messages.error(request, f"Tier {tier.name} was not enabled: {' '.join(exc.messages)}")
     else:
         messages.success(request, f"Tier {tier.name} {'enabled' if enabled else 'disabled'}.")
-    return redirect(request.POST.get("next") or "dashboard:tiers")
+    return redirect("dashboard:tiers")

@@ -5,6 +5,7 @@ import datetime as dt
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.core.exceptions import PermissionDenied
+from django.http import Http404
 from django.shortcuts import get_object_or_404, redirect, render
 from django.utils import timezone
 from django.views.decorators.http import require_POST
@@ -32,7 +33,7 @@ from controlplane.fleet.models import EngineEvent, EngineInstance
 from controlplane.metering.selectors import image_count_disagreements
 from controlplane.tenants import roles
 from controlplane.tenants.models import ApiKey
-from controlplane.tenants.services import api_key_create, api_key_revoke
+from controlplane.tenants.services import TenantInactive, api_key_create, api_key_revoke
 
 # The tenants drawn one by one in the per-tenant charts; the rest are summed as "others".
 TOP_TENANTS = 10
@@ -98,14 +99,18 @@ def keys(request):
     _require(roles.is_operator, request.user)
     form = ApiKeyForm(request.POST or None)
     if request.method == "POST" and form.is_valid():
-        result = api_key_create(tenant=form.cleaned_data["tenant"], name=form.cleaned_data["name"],
-                                created_by=request.user, expires_at=form.cleaned_data["expires_at"],
-                                tiers=list(form.cleaned_data["tiers"]),
-                                requests_per_minute=form.cleaned_data["requests_per_minute"])
-        # Post/redirect/get: a reload must not mint a second key. The secret rides in the
-        # server-side session only until the next page view, which removes it.
-        request.session["issued_key"] = result.secret
-        return redirect("dashboard:keys")
+        try:
+            result = api_key_create(tenant=form.cleaned_data["tenant"], name=form.cleaned_data["name"],
+                                    created_by=request.user, expires_at=form.cleaned_data["expires_at"],
+                                    tiers=list(form.cleaned_data["tiers"]),
+                                    requests_per_minute=form.cleaned_data["requests_per_minute"])
+        except TenantInactive as exc:  # deactivated as the form was sent
+            form.add_error("tenant", str(exc))
+        else:
+            # Post/redirect/get: a reload must not mint a second key. The secret rides in the
+            # server-side session only until the next page view, which removes it.
+            request.session["issued_key"] = result.secret
+            return redirect("dashboard:keys")
     from controlplane.catalog.routing import tenant_auto
 
     keys = list(ApiKey.objects.select_related("tenant").order_by("tenant__name", "-created_at"))
@@ -228,10 +233,16 @@ def fleet_replicas(request, name: str):
 @require_POST
 def fleet_register_external(request):
     _require(roles.is_operator, request.user)
+    from django import forms
+
     from controlplane.catalog.models import ModelTier
     from controlplane.fleet.services import FleetActionRefused, external_engine_register
 
-    tier = get_object_or_404(ModelTier, pk=request.POST.get("tier"), engine_kind=ModelTier.EngineKind.EXTERNAL)
+    try:  # the field turns any value that is not a tier's id into a ValidationError
+        tier = forms.ModelChoiceField(ModelTier.objects.filter(engine_kind=ModelTier.EngineKind.EXTERNAL)).clean(
+            request.POST.get("tier"))
+    except forms.ValidationError:
+        raise Http404("no such external tier") from None
     url = (request.POST.get("url") or "").strip()
     try:
         external_engine_register(tier=tier, url=url, actor=request.user.username)

@@ -1,5 +1,5 @@
 """Who may see and do what. Operator: everything. Finance: usage and exports, read only.
-Tenant admin: their own tenant only."""
+Tenant admin: their own tenant only, while it is active."""
 
 from __future__ import annotations
 
@@ -27,9 +27,23 @@ def is_finance(user) -> bool:
     return _in_group(user, FINANCE)
 
 
-def member_tenant(user):
+def membership_tenant(user):
+    """The tenant `user` is made the admin of, active or not."""
     membership = getattr(user, "membership", None) if getattr(user, "pk", None) else None
     return membership.tenant if membership is not None else None
+
+
+def member_tenant(user):
+    """The tenant `user` acts for: the one they are the admin of, while it is active."""
+    tenant = membership_tenant(user)
+    return tenant if tenant is not None and tenant.active else None
+
+
+def deactivated_tenant(user):
+    """The deactivated tenant `user` is the admin of, if so: they may not log in, and a
+    session of theirs ends at its next request."""
+    tenant = membership_tenant(user)
+    return tenant if tenant is not None and not tenant.active else None
 
 
 def sees_every_tenant(user) -> bool:

@@ -14,6 +14,14 @@ from controlplane.tenants.models import ApiKey, QuotaLimits, Tenant
 KEY_PREFIX = "vlm-"
 
 
+class TenantInactive(Exception):
+    """No key is made for a deactivated tenant: it would start working when the tenant is
+    reactivated, though nobody could have made it while it was."""
+
+    def __init__(self, tenant: Tenant):
+        super().__init__(f"{tenant.name} is deactivated: no key can be made for it")
+
+
 @dataclass(frozen=True)
 class IssuedKey:
     api_key: ApiKey
@@ -29,12 +37,16 @@ def api_key_create(
     *, tenant: Tenant, name: str = "", created_by=None, expires_at: datetime | None = None, tiers=None,
     requests_per_minute: int | None = None,
 ) -> IssuedKey:
-    """A new key of `tenant`; `tiers`, when given, scopes it to those models."""
+    """A new key of `tenant`; `tiers`, when given, scopes it to those models. TenantInactive
+    when the tenant is deactivated."""
     for attempt in range(5):
         prefix = secrets.token_hex(4)  # 32 bits: collisions are rare, not impossible
         secret = f"{KEY_PREFIX}{prefix}-{secrets.token_urlsafe(32)}"
         try:
             with transaction.atomic():
+                # Locked: a deactivation saved meanwhile waits for the key, or the key for it.
+                if Tenant.objects.select_for_update().filter(pk=tenant.pk, active=True).first() is None:
+                    raise TenantInactive(tenant)
                 api_key = ApiKey.objects.create(
                     tenant=tenant,
                     name=name,
@@ -116,6 +128,8 @@ def tenant_save(*, tenant: Tenant, tiers: list | None, quota: dict | None, actor
     created = tenant.pk is None
     before = {} if created else {**field_values(Tenant.objects.get(pk=tenant.pk), TENANT_AUDITED),
                                  "tiers": _tier_names(tenant)}
+    if before.get("active") is False and tenant.active:
+        _keys_made_while_inactive_revoke(tenant, actor)
     tenant.save()
     tenant.allowed_tiers.set(tiers or [])
     after = {**field_values(tenant, TENANT_AUDITED), "tiers": _tier_names(tenant)}
@@ -135,6 +149,19 @@ def tenant_save(*, tenant: Tenant, tiers: list | None, quota: dict | None, actor
     audit_record(actor=actor, action=AuditEntry.Action.CHANGED if existing else AuditEntry.Action.CREATED,
                  obj=row, before=was, after=field_values(row, QUOTA_AUDITED))
     return tenant
+
+
+def _keys_made_while_inactive_revoke(tenant: Tenant, actor: str) -> None:
+    """Revoke the keys made since `tenant` was last deactivated, as it is reactivated: none
+    can be made now, but some were before api_key_create checked, and they would start
+    working with it."""
+    from controlplane.audit.services import history
+
+    since = history(tenant).filter(changes__active=[True, False]).values_list("at", flat=True).first()
+    if since is None:
+        return
+    for api_key in ApiKey.objects.filter(tenant=tenant, created_at__gte=since, revoked_at__isnull=True):
+        api_key_revoke(api_key=api_key, actor=actor)
 
 
 def _tier_names(tenant: Tenant) -> str:

@@ -37,7 +37,7 @@ class Role:
             return cls(roles.OPERATOR)
         if roles.is_finance(user):
             return cls(roles.FINANCE)
-        tenant = roles.member_tenant(user)
+        tenant = roles.membership_tenant(user)  # a deactivated tenant's admin keeps their role
         return cls(TENANT_ADMIN, tenant) if tenant is not None else None
 
 

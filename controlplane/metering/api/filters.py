@@ -17,10 +17,10 @@ from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 from rest_framework.exceptions import ValidationError
-from rest_framework.pagination import LimitOffsetPagination
 
 from controlplane.catalog.models import ModelTier
 from controlplane.metering.models import UsageEvent
+from controlplane.pagination import CheckedLimitOffsetPagination, whole_number
 from controlplane.tenants import roles
 from controlplane.tenants.api_auth import TenantPrincipal
 from controlplane.tenants.models import ApiKey, Tenant
@@ -120,8 +120,8 @@ class UsageFilters(serializers.Serializer):
         prefix = value.removeprefix(KEY_PREFIX)
         keys = ApiKey.objects.filter(tenant__in=self._visible())
         match = Q(prefix=prefix)
-        if _count(prefix) is not None:  # a prefix may be all digits too: a prefix match comes first
-            match |= Q(pk=_count(prefix))
+        if whole_number(prefix) is not None:  # a prefix may be all digits too: a prefix match comes first
+            match |= Q(pk=whole_number(prefix))
         found = sorted(keys.filter(match), key=lambda k: k.prefix != prefix)
         if not found:
             raise ValidationError("no API key with this prefix or id is visible to you")
@@ -191,33 +191,6 @@ class RequestFilters(UsageFilters):
         return queryset
 
 
-class UsagePagination(LimitOffsetPagination):
-    """Pages of `limit` rows (100 unless asked, at most 1000) from `offset`. Every list is in
-    a total order, so walking the pages of an unchanging range shows each row exactly once."""
-
-    max_limit = 1000
-
-    def get_limit(self, request):
-        raw = request.query_params.get(self.limit_query_param, "")
-        if raw == "":
-            return self.default_limit
-        limit = _count(raw)
-        if limit is None or limit < 1:
-            raise ValidationError({self.limit_query_param: [f"must be a whole number from 1 to {self.max_limit}"]})
-        return min(limit, self.max_limit)
-
-    def get_offset(self, request):
-        raw = request.query_params.get(self.offset_query_param, "")
-        if raw == "":
-            return 0
-        offset = _count(raw)
-        if offset is None:
-            raise ValidationError({self.offset_query_param: ["must be a whole number, 0 or more"]})
-        return offset
-
-
-def _count(text: str) -> int | None:
-    """A whole number written in ASCII digits, small enough for a database integer."""
-    if not (text.isascii() and text.isdigit()) or len(text) > 18:
-        return None
-    return int(text)
+class UsagePagination(CheckedLimitOffsetPagination):
+    """Every usage list is in a total order, so walking the pages of an unchanging range shows
+    each row exactly once."""

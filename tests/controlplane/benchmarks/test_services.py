@@ -131,6 +131,20 @@ def test_a_run_with_no_engine_fails_with_the_reason(world):
 
 
 @pytest.mark.django_db
+def test_a_run_through_the_gateway_fails_with_the_reason_when_its_tenant_is_deactivated(world):
+    from controlplane.benchmarks.services import BENCHMARK_TENANT
+    from tests.factories import TenantFactory
+
+    TenantFactory(name=BENCHMARK_TENANT, active=False)
+    run = BenchmarkRun.objects.create(profile=make_profile(world.vision, target="gateway", gateway_url=""))
+    benchmark_execute(run_id=run.pk)
+    run.refresh_from_db()
+    assert run.state == "failed"
+    assert "benchmarks is deactivated" in run.log
+    assert not ApiKey.objects.filter(tenant__name=BENCHMARK_TENANT).exists()
+
+
+@pytest.mark.django_db
 def test_every_request_failing_fails_the_run_and_says_why(world, instance):
     profile = make_profile(world.vision, text_share=0.0, images_per_request_min=5, images_per_request_max=5)
     run = BenchmarkRun.objects.create(profile=profile)

@@ -10,6 +10,7 @@ import pytest
 from controlplane.metering.services import UsageRecord, usage_record
 from controlplane.tenants.models import ApiKey, Quota
 from controlplane.tenants.services import api_key_create
+from tests.pages import field_errors
 
 pytestmark = pytest.mark.django_db
 
@@ -63,3 +64,26 @@ def test_staff_and_users_without_a_tenant_have_no_account_page(client, world):
     assert client.get("/account/").status_code == 403
     client.force_login(world.alice_admin)
     assert client.post("/account/", {"expires_at": "2001-01-01 00:00"}).content.decode().count("that moment has passed") == 1
+
+
+@pytest.mark.parametrize("expires", ["9999-12-31T23:59:59-12:00", "0001-01-01T00:00:00+12:00"])
+def test_a_key_expiry_that_cannot_be_written_in_utc_is_a_form_error_and_makes_no_key(client, world, expires):
+    client.force_login(world.alice_admin)
+    page = client.post("/account/", {"name": "forever", "expires_at": expires})
+    assert page.status_code == 200
+    assert "no moment that far out can be kept" in " ".join(field_errors(page.content.decode()))
+    assert not ApiKey.objects.filter(name="forever").exists()
+    assert client.get("/account/").status_code == 200
+
+
+def test_no_page_makes_a_key_for_a_deactivated_tenant(client, world):
+    world.alice.active = False
+    world.alice.save()
+    client.force_login(world.alice_admin)
+    client.post("/account/", {"name": "meanwhile"})
+    client.force_login(world.operator)
+    page = client.post("/keys/", {"tenant": world.alice.pk, "name": "meanwhile"})
+    assert "Select a valid choice" in page.content.decode()
+    world.alice.active = True
+    world.alice.save()
+    assert not ApiKey.objects.filter(name="meanwhile").exists()

@@ -43,3 +43,13 @@ def test_finance_reads_the_audit_log_and_tenant_admins_do_not(client, world):
     assert "vlm-lite from 2026-01-01" in client.get("/audit/").content.decode()
     client.force_login(world.alice_admin)
     assert client.get("/audit/").status_code == 403
+
+
+@pytest.mark.parametrize("query", [{"to": "9999-12-31"}, {"from": "0001-01-01", "to": "9999-12-31"}])
+def test_the_last_day_there_is_may_end_the_range(client, world, query):
+    AuditEntry.objects.create(actor="olivia", action="changed", object_type="price rate", object_id="1",
+                              object_repr="vlm-lite from 2026-01-01")
+    client.force_login(world.operator)
+    page = client.get("/audit/", query)
+    assert page.status_code == 200
+    assert any("vlm-lite from 2026-01-01" in row for row in _rows(page.content.decode()))

@@ -212,3 +212,10 @@ def test_operators_see_which_tiers_engines_counted_other_image_tokens(client, fl
     section = client.get("/fleet/").content.decode().split('id="image-count-disagreements"')[1].split("</section>")[0]
     assert "billed at the gateway's count" in section
     assert f"<td>{world.vision.name}</td><td>2</td>" in section
+
+
+@pytest.mark.parametrize("tier", ["", "external", "9" * 30, "1.5"])
+def test_registering_an_engine_for_a_tier_that_is_not_one_is_a_404(client, world, tier):
+    client.force_login(world.operator)
+    response = client.post("/fleet/external/", {"tier": tier, "url": "http://vllm-7b.inference.svc:8000"})
+    assert response.status_code == 404

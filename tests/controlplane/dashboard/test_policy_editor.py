@@ -70,3 +70,14 @@ def test_the_policy_page_shows_the_bounds_each_tiers_engine_is_given(client, wor
     expected = (f'--mm-process-config {{&quot;image&quot;: {{&quot;size&quot;: {{&quot;shortest_edge&quot;: '
                 f'{policy.min_pixels}, &quot;longest_edge&quot;: {policy.max_pixels}}}}}}}')
     assert expected in section
+
+
+@pytest.mark.parametrize("typed", [{"max_aspect_ratio": -1}, {"max_long_edge": 0}, {"max_pixels": 0}])
+def test_a_value_refused_while_editing_leaves_the_preview_of_the_saved_policy(client, world, typed):
+    client.force_login(world.operator)
+    policy = world.vision.resolution_policy
+    page = client.post(f"/policies/{policy.name}/", {**_policy(name=policy.name, **typed), "preview": "1"})
+    assert page.status_code == 200
+    assert field_errors(page.content.decode())
+    preview = page.content.decode().split('id="policy-preview"')[1].split("</table>")[0]
+    assert world.vision.name in preview

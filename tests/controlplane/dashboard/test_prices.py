@@ -76,3 +76,15 @@ def test_finance_reads_prices_but_changes_nothing(client, world):
     assert client.post(f"/prices/{world.vision.price_plan.name}/", {**_rate(), "save": "1"}).status_code == 403
     assert client.post("/prices/", {"name": "x", "currency": "USD"}).status_code == 403
     assert PriceRate.objects.filter(plan=world.vision.price_plan).count() == 1
+
+
+@pytest.mark.parametrize("moment", ["9999-12-31T23:59:59-12:00", "0001-01-01T00:00:00+12:00"])
+def test_a_rate_from_a_moment_that_cannot_be_written_in_utc_is_refused_and_the_plan_still_opens(
+        client, world, moment):
+    plan = world.vision.price_plan
+    before = plan.rates.count()
+    client.force_login(world.operator)
+    page = client.post(f"/prices/{plan.name}/", {**_rate(effective_from=moment), "save": "1"}).content.decode()
+    assert any("no moment that far out can be kept" in error for error in field_errors(page))
+    assert plan.rates.count() == before
+    assert client.get(f"/prices/{plan.name}/").status_code == 200

@@ -12,6 +12,7 @@ from django.utils import timezone
 from controlplane.fleet.models import EngineInstance, Node
 from controlplane.metering.services import ImageLine, UsageRecord, usage_record
 from controlplane.tenants.services import api_key_create
+from tests.pages import field_errors
 
 pytestmark = pytest.mark.django_db
 NOW = timezone.now().replace(microsecond=0)
@@ -135,3 +136,13 @@ def test_a_request_refused_before_any_engine_says_so(client, world):
     assert "it never reached an engine" in page and "error" in page.split('id="status"')[1]
     assert "Time to first token</th><td class=\"num\">—" in page
     assert client.get("/requests/req_nothing/").status_code == 404
+
+
+@pytest.mark.parametrize("moment", ["9999-12-31T23:59:59-12:00", "0001-01-01T00:00:00+12:00"])
+@pytest.mark.parametrize("bound", ["since", "until"])
+def test_a_filter_moment_that_cannot_be_written_in_utc_is_explained(client, world, bound, moment):
+    _request(world, "one")
+    client.force_login(world.alice_admin)
+    page = client.get("/requests/", {bound: moment})
+    assert page.status_code == 200
+    assert "no moment that far out can be kept" in " ".join(field_errors(page.content.decode()))

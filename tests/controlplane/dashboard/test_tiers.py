@@ -193,3 +193,9 @@ def test_an_sglang_tier_refuses_a_kv_cache_type_sglang_has_not(client, world):
     response = client.post("/tiers/new/", _form(world, save="1", engine_kind="sglang", setting_kv_cache_dtype="fp8"))
     assert "Select a valid choice. fp8 is not one of the available choices." in field_errors(response.content.decode())
     assert not ModelTier.objects.filter(name="vlm-7b").exists()
+
+
+def test_enabling_or_disabling_a_tier_always_returns_to_the_tiers_page(client, world):
+    client.force_login(world.operator)
+    response = client.post(f"/tiers/{world.text.name}/disable/", {"next": "https://elsewhere.example/"})
+    assert response["Location"] == "/tiers/"

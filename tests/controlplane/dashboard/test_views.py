@@ -106,3 +106,13 @@ def test_a_static_file_no_finder_has_is_found_nowhere():
 
     assert not finders.find("css/no-such-file.css")
     assert finders.find("vendor/plotly.min.js").endswith("plotly.min.js")
+
+
+@pytest.mark.parametrize("expires", ["9999-12-31T23:59:59-12:00", "0001-01-01T00:00:00+12:00"])
+def test_an_operators_key_expiry_that_cannot_be_written_in_utc_is_a_form_error(client, world, expires):
+    client.force_login(world.operator)
+    page = client.post("/keys/", {"tenant": world.bob.pk, "name": "forever", "expires_at": expires})
+    assert page.status_code == 200
+    assert "no moment that far out can be kept" in page.content.decode()
+    assert not ApiKey.objects.filter(name="forever").exists()
+    assert client.get("/keys/").status_code == 200

@@ -141,3 +141,48 @@ def test_a_key_prefix_collision_is_retried_not_a_failure(world, monkeypatch):
     issued = services.api_key_create(tenant=world.bob)
     assert issued.api_key.prefix == "0badcafe"
     assert services.api_key_lookup(issued.secret).tenant == world.bob
+
+
+def test_no_key_is_made_for_an_inactive_tenant(world):
+    from controlplane.tenants.services import TenantInactive
+
+    world.charlie.active = False
+    world.charlie.save()
+    with pytest.raises(TenantInactive, match="charlie is deactivated"):
+        api_key_create(tenant=world.charlie, name="meanwhile")
+    world.charlie.active = True
+    world.charlie.save()
+    assert not ApiKey.objects.filter(name="meanwhile").exists()
+
+
+def test_a_key_is_not_made_for_a_tenant_deactivated_since_it_was_read(world):
+    from controlplane.tenants.models import Tenant
+    from controlplane.tenants.services import TenantInactive
+
+    stale = Tenant.objects.get(pk=world.charlie.pk)
+    Tenant.objects.filter(pk=world.charlie.pk).update(active=False)
+    with pytest.raises(TenantInactive):
+        api_key_create(tenant=stale, name="stale")
+    assert not ApiKey.objects.filter(name="stale").exists()
+
+
+def test_create_api_key_command_refuses_an_inactive_tenant(world):
+    world.charlie.active = False
+    world.charlie.save()
+    with pytest.raises(CommandError, match="charlie is deactivated"):
+        call_command("create_api_key", "--tenant", "charlie", stdout=StringIO())
+
+
+def test_reactivating_a_tenant_revokes_the_keys_made_while_it_was_deactivated(world):
+    from controlplane.tenants.services import key_hash, tenant_save
+
+    before = api_key_lookup(world.charlie_key).pk
+    world.charlie.active = False
+    tenant_save(tenant=world.charlie, tiers=None, quota=None, actor="olivia")
+    # As a key was made before api_key_create checked: nothing makes one now.
+    meanwhile = ApiKey.objects.create(tenant=world.charlie, prefix="meanwhil", key_hash=key_hash("vlm-meanwhile"))
+    world.charlie.active = True
+    tenant_save(tenant=world.charlie, tiers=None, quota=None, actor="olivia")
+    meanwhile.refresh_from_db()
+    assert meanwhile.revoked_at is not None
+    assert api_key_lookup(world.charlie_key).pk == before

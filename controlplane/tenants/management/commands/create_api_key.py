@@ -1,7 +1,7 @@
 from django.core.management.base import BaseCommand, CommandError
 
 from controlplane.tenants.models import Tenant
-from controlplane.tenants.services import api_key_create
+from controlplane.tenants.services import TenantInactive, api_key_create
 
 
 class Command(BaseCommand):
@@ -16,4 +16,7 @@ class Command(BaseCommand):
             owner = Tenant.objects.get(name=tenant)
         except Tenant.DoesNotExist:
             raise CommandError(f"no tenant named {tenant!r}") from None
-        self.stdout.write(api_key_create(tenant=owner, name=name).secret)
+        try:
+            self.stdout.write(api_key_create(tenant=owner, name=name).secret)
+        except TenantInactive as exc:
+            raise CommandError(str(exc)) from None
