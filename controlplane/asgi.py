@@ -14,7 +14,11 @@ django_application = get_asgi_application()
 from django.conf import settings  # noqa: E402 - needs Django set up
 
 from controlplane.client_slots import ClientSlots, client_address  # noqa: E402
-from controlplane.gateway.asgi import BUSY_RETRY_AFTER_S, lifespan  # noqa: E402
+from controlplane.gateway.asgi import (  # noqa: E402
+    BUSY_RETRY_AFTER_S,
+    SMALL_BODY,  # noqa: E402
+    lifespan,
+)
 from controlplane.gateway.asgi import app as gateway_application  # noqa: E402
 
 
@@ -39,6 +43,7 @@ class Application:
         if declared.isdigit() and int(declared) > settings.WEB_MAX_BODY_BYTES:
             return await _refuse(send, 413, f"request body exceeds {settings.WEB_MAX_BODY_BYTES} bytes")
         client, counted = client_address(scope), declared not in (b"", b"0") or b"transfer-encoding" in headers
+        counted = counted and not (declared.isdigit() and int(declared) <= SMALL_BODY)  # as the gateway's
         weight = min(int(declared), settings.WEB_MAX_BODY_BYTES) if declared.isdigit() else settings.WEB_MAX_BODY_BYTES
         if counted:
             cap = self.body_reads.take(client, overall=settings.HTTP_MAX_BODY_READS,

@@ -24,6 +24,7 @@ keep_freed_buffers(settings.GATEWAY_HEAP_KEEP_MB)
 ROUTES = {"/v1/models": ("GET", handlers.models), "/v1/chat/completions": ("POST", handlers.chat_completions)}
 CONNECTION_CHECK_SECONDS = 30
 BUSY_RETRY_AFTER_S = 1  # a body read ends in well under a second, or at GATEWAY_BODY_TIMEOUT_S
+SMALL_BODY = 64 * 1024  # bytes of a declared body the caps on bodies read at once leave uncounted
 _last_check = 0.0
 
 
@@ -66,10 +67,13 @@ async def _read_body(receive) -> bytes | Response | None:
 
 
 async def _read_body_within_caps(scope, receive, body_reads: ClientSlots | None) -> bytes | Response | None:
-    """`_read_body`, unless as many bodies as the caps allow are being read (the answer then)."""
-    if body_reads is None:
+    """`_read_body`, unless as many bodies as the caps allow are being read (the answer then).
+    A small body declared as such is not counted: a burst of hundreds of text requests is read
+    in a moment, and holds next to nothing while it is."""
+    weight = _most(scope, settings.GATEWAY_MAX_BODY_BYTES)
+    if body_reads is None or weight <= SMALL_BODY:
         return await _read_body(receive)
-    client, weight = client_address(scope), _most(scope, settings.GATEWAY_MAX_BODY_BYTES)
+    client = client_address(scope)
     cap = body_reads.take(client, overall=settings.HTTP_MAX_BODY_READS,
                           per_client=settings.HTTP_MAX_BODY_READS_PER_CLIENT, weight=weight,
                           overall_weight=settings.HTTP_MAX_BODY_READ_MB << 20)

@@ -144,15 +144,16 @@ def _reading(port: int, key: str, app: BodyBytesTaken, *, forwarded_for: str | N
     taken = app.taken
     extra = f"\nX-Forwarded-For: {forwarded_for}" if forwarded_for else ""
     client = send(port, f"POST /v1/chat/completions HTTP/1.1\nHost: x\nAuthorization: Bearer {key}\n"
-                        f"Content-Length: 1000{extra}", b'{"model":')
+                        f"Content-Length: 100000{extra}", b'{"model":')  # over 64 KB: counted
     wait_for(lambda: app.taken >= taken + 9, timeout=10, interval=0.01, what="the body to be read")
     return client
 
 
 def _chat(port: int, key: str, *, forwarded_for: str | None = None):
     extra = f"\nX-Forwarded-For: {forwarded_for}" if forwarded_for else ""
+    junk = b"{" + b"x" * 99_999  # over 64 KB, as a body the caps count; not JSON
     with send(port, f"POST /v1/chat/completions HTTP/1.1\nHost: x\nAuthorization: Bearer {key}\n"
-                    f"Content-Length: 5{extra}", b"{nope") as client:
+                    f"Content-Length: {len(junk)}{extra}", junk) as client:
         return answer(client)
 
 
@@ -206,5 +207,19 @@ def test_bodies_past_the_megabytes_read_at_once_are_refused_unread(world, serve,
             refused = answer(second)
             assert (refused.status, orjson.loads(refused.body)["error"]["code"]) == (503, "service_unavailable")
             assert int(refused.headers["retry-after"]) >= 1
-        assert _chat(port, world.bob_key).status == 400  # a small body fits beside it
+        assert _chat(port, world.bob_key).status == 400  # a body of 100 KB fits beside it
         first.close()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_small_bodies_are_read_whatever_the_caps_on_bodies_read_at_once(world, serve, settings):
+    """A burst of hundreds of text requests is read in a moment: bodies of 64 KB or less
+    declared as such are not counted, and never refused for the large ones being read."""
+    settings.HTTP_MAX_BODY_READS = 2
+    app = BodyBytesTaken(Application())
+    port = serve(app)
+    with _reading(port, world.alice_key, app), _reading(port, world.bob_key, app):
+        assert _chat(port, world.alice_key).status == 503  # a large one waits its turn
+        with send(port, f"POST /v1/chat/completions HTTP/1.1\nHost: x\nAuthorization: Bearer {world.alice_key}\n"
+                        "Content-Length: 5", b"{nope") as client:
+            assert answer(client).status == 400  # read, and found not to be JSON
