@@ -147,7 +147,8 @@ class PerKeyThrottle(SimpleRateThrottle):
         return f"{settings.API_ESTIMATES_PER_MINUTE}/min"
 
     def get_cache_key(self, request, view) -> str:
-        ident = f"key{request.auth.pk}" if getattr(request.auth, "pk", None) else self.get_ident(request)
+        # The key's random prefix, not its id: ids are used again where a database starts afresh.
+        ident = f"key-{request.auth.prefix}" if getattr(request.auth, "prefix", None) else self.get_ident(request)
         return self.cache_format % {"scope": self.scope, "ident": ident}
 
     def allow_request(self, request, view) -> bool:
