@@ -356,7 +356,7 @@ GATEWAY_DECODES_AT_ONCE = env_int("GATEWAY_DECODES_AT_ONCE", 0, minimum=0)
 # pictures are opened (controlplane/gateway/intake.py). 0: no limit. A 12 MP photo takes 0.04.
 GATEWAY_KEY_INTAKE_CPU_S = env_int("GATEWAY_KEY_INTAKE_CPU_S", 10, minimum=0)
 # And the request bodies it may send each minute, MB (a 12 MP photo's: 5.3); 0: no limit.
-GATEWAY_KEY_INTAKE_MB = env_int("GATEWAY_KEY_INTAKE_MB", 2048, minimum=0)
+GATEWAY_KEY_INTAKE_MB = env_int("GATEWAY_KEY_INTAKE_MB", 1024, minimum=0)
 # Price estimates (/api/v1/estimate/) a tenant's API key may ask for each minute.
 API_ESTIMATES_PER_MINUTE = env_int("API_ESTIMATES_PER_MINUTE", 60, minimum=1)
 # Private networks the URLs operators set may point into: alert webhooks, external engines,

@@ -44,10 +44,12 @@ def _close_old_connections() -> None:
         close_old_connections()
 
 
-async def _read_body(receive) -> bytes | Response | None:
+async def _read_body(receive, declared: int | None = None) -> bytes | bytearray | Response | None:
     """The body; or the answer when it is too large or too slow, as soon as it is; or None
-    when the client left."""
+    when the client left. A body of `declared` bytes is copied, a piece at a time as it comes,
+    into a buffer of its size: joined at its end instead, 50 MB held the event loop 10 ms."""
     limit, chunks, size = settings.GATEWAY_MAX_BODY_BYTES, [], 0
+    whole = bytearray(declared) if declared and declared <= limit else None
     try:
         async with asyncio.timeout(settings.GATEWAY_BODY_TIMEOUT_S):  # no task of its own, as wait_for makes
             while True:
@@ -55,12 +57,17 @@ async def _read_body(receive) -> bytes | Response | None:
                 if message["type"] == "http.disconnect":
                     return None
                 chunk = message.get("body", b"")
-                size += len(chunk)
-                if size > limit:  # a body without a declared length, or longer than declared
+                if size + len(chunk) > (limit if whole is None else len(whole)):  # past the limit, or its length
                     return error_response(413, f"request body exceeds {limit} bytes", code="request_too_large")
-                chunks.append(chunk)
+                if whole is None:
+                    chunks.append(chunk)
+                else:
+                    whole[size:size + len(chunk)] = chunk
+                size += len(chunk)
                 if not message.get("more_body"):
-                    return b"".join(chunks)
+                    if whole is None:
+                        return b"".join(chunks)
+                    return whole if size == len(whole) else whole[:size]
     except TimeoutError:
         return error_response(408, f"the request body did not arrive within {settings.GATEWAY_BODY_TIMEOUT_S}s",
                               code="request_timeout")
@@ -80,15 +87,21 @@ async def _read_body_within_caps(scope, receive, body_reads: ClientSlots | None)
     if cap is not None:
         return _busy(cap)
     try:
-        return await _read_body(receive)
+        return await _read_body(receive, _declared(scope))
     finally:
         body_reads.give_back(client, weight)
 
 
+def _declared(scope) -> int | None:
+    """A request's declared body length, if it has one."""
+    declared = dict(scope.get("headers", [])).get(b"content-length", b"")
+    return int(declared) if declared.isdigit() else None
+
+
 def _most(scope, limit: int) -> int:
     """The most a request's body may grow to: its declared length, else the limit."""
-    declared = dict(scope.get("headers", [])).get(b"content-length", b"")
-    return min(int(declared), limit) if declared.isdigit() else limit
+    declared = _declared(scope)
+    return limit if declared is None else min(declared, limit)
 
 
 def _busy(cap: Cap) -> Response:
