@@ -14,6 +14,7 @@ from django.db import close_old_connections
 
 from controlplane.client_slots import Cap, ClientSlots, client_address
 from controlplane.gateway import handlers, state, upstream
+from controlplane.gateway.body import ShapeCount, TooComplex
 from controlplane.gateway.errors import error_response
 from controlplane.gateway.http import Request, Response
 from controlplane.gateway.memory import keep_freed_buffers
@@ -48,7 +49,7 @@ async def _read_body(receive, declared: int | None = None) -> bytes | bytearray 
     """The body; or the answer when it is too large or too slow, as soon as it is; or None
     when the client left. A body of `declared` bytes is copied, a piece at a time as it comes,
     into a buffer of its size: joined at its end instead, 50 MB held the event loop 10 ms."""
-    limit, chunks, size = settings.GATEWAY_MAX_BODY_BYTES, [], 0
+    limit, chunks, size, shape = settings.GATEWAY_MAX_BODY_BYTES, [], 0, ShapeCount()
     whole = bytearray(declared) if declared and declared <= limit else None
     try:
         async with asyncio.timeout(settings.GATEWAY_BODY_TIMEOUT_S):  # no task of its own, as wait_for makes
@@ -59,6 +60,10 @@ async def _read_body(receive, declared: int | None = None) -> bytes | bytearray 
                 chunk = message.get("body", b"")
                 if size + len(chunk) > (limit if whole is None else len(whole)):  # past the limit, or its length
                     return error_response(413, f"request body exceeds {limit} bytes", code="request_too_large")
+                try:  # a body of more JSON than a request can use is refused at its first megabytes
+                    shape.feed(chunk)
+                except TooComplex as exc:
+                    return error_response(400, str(exc), code="request_too_complex")
                 if whole is None:
                     chunks.append(chunk)
                 else:

@@ -64,17 +64,27 @@ def _read_json(raw: bytes) -> object:
     return orjson.loads(raw)
 
 
+class ShapeCount:
+    """The objects, keys and values counted in a body's bytes as they are fed (a piece as it
+    arrives, or the whole a megabyte at a time): TooComplex once one passes its limit."""
+
+    def __init__(self):
+        self.containers = self.keys = self.values = 0
+
+    def feed(self, data) -> None:
+        for start in range(0, len(data), _SLICE):
+            structure = data[start:start + _SLICE].translate(None, _NOT_STRUCTURE)
+            self.containers += structure.count(b"{") + structure.count(b"[")
+            self.keys += structure.count(b":")
+            self.values += structure.count(b",")
+            for count, limit, what in ((self.containers, MAX_CONTAINERS, "objects and arrays"),
+                                       (self.keys, MAX_KEYS, "keys"), (self.values, MAX_VALUES, "values")):
+                if count > limit:
+                    raise TooComplex(f"the request body holds more than {limit:,} JSON {what}")
+
+
 def _check_shape(raw: bytes) -> None:
-    containers = keys = values = 0
-    for start in range(0, len(raw), _SLICE):
-        structure = raw[start:start + _SLICE].translate(None, _NOT_STRUCTURE)
-        containers += structure.count(b"{") + structure.count(b"[")
-        keys += structure.count(b":")
-        values += structure.count(b",")
-        for count, limit, what in ((containers, MAX_CONTAINERS, "objects and arrays"), (keys, MAX_KEYS, "keys"),
-                                   (values, MAX_VALUES, "values")):
-            if count > limit:
-                raise TooComplex(f"the request body holds more than {limit:,} JSON {what}")
+    ShapeCount().feed(raw)
 
 
 def _read_with_stand_ins(raw: bytes) -> object | None:

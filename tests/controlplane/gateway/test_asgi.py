@@ -223,3 +223,19 @@ def test_small_bodies_are_read_whatever_the_caps_on_bodies_read_at_once(world, s
         with send(port, f"POST /v1/chat/completions HTTP/1.1\nHost: x\nAuthorization: Bearer {world.alice_key}\n"
                         "Content-Length: 5", b"{nope") as client:
             assert answer(client).status == 400  # read, and found not to be JSON
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_body_of_too_much_json_is_refused_at_its_first_megabytes(world, serve):
+    """2,048 messages of 1,024 parts (54.6 MB): refused as soon as what has come holds more
+    objects than a request can use, not once all of it is read."""
+    body = orjson.dumps({"model": "vlm-lite", "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "a"}] * 1024}] * 2048})
+    app = BodyBytesTaken(Application())
+    port = serve(app)
+    head = (f"POST /v1/chat/completions HTTP/1.1\nHost: x\nAuthorization: Bearer {world.alice_key}\n"
+            f"Content-Length: {len(body)}")
+    with send(port, head, body[:4 << 20]) as client:  # the first 4 MB, and no more
+        got = answer(client)
+        assert (got.status, orjson.loads(got.body)["error"]["code"]) == (400, "request_too_complex")
+    assert app.taken <= 4 << 20
