@@ -74,15 +74,20 @@ for n in range(int(sys.argv[3])):
     attackers.append(api_key_create(tenant=attacker).secret)
 print(json.dumps({"victim": api_key_create(tenant=victim).secret, "attackers": attackers}))
 """
+# What the control plane's workers would do meanwhile: the external engine's health checks, and
+# the usage stream ingested (a tenant's first admission of a period reads what is left in it).
 FRESH = """
 import sys, time
 from django.db import connection
 from django.utils import timezone
 from controlplane.fleet.models import EngineInstance
+from controlplane.metering.outbox import usage_ingest
 while True:
     EngineInstance.objects.update(last_health_at=timezone.now())
+    while usage_ingest():
+        pass
     connection.close()
-    time.sleep(5)
+    time.sleep(2)
 """
 
 
