@@ -29,6 +29,9 @@ from controlplane.client_slots import ClientSlots
 
 # How long a connection closed on a client still sending drops what arrives, before closing.
 LINGER_S = 2.0
+# And how much of it is read and dropped at most: a client that would send tens of megabytes
+# more is cut off (a reset) rather than have the event loop read them for nothing.
+LINGER_BYTES = 8 << 20
 
 
 class _HeadRefused(Exception):
@@ -75,8 +78,11 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         self._arm_headers_deadline()
 
     def data_received(self, data: bytes) -> None:
-        if self._lingering:
-            return  # the answer is given and the connection closing: what still comes is dropped
+        if self._lingering:  # the answer is given and the connection closing: what still comes is dropped
+            self._dropped += len(data)
+            if self._dropped > LINGER_BYTES:
+                self.transport.abort()
+            return
         if self._awaiting_head and len(data) > self._head_room:
             # Only what the head may still take is parsed; the rest once the head has ended.
             fits, self._head_room = self._head_room, 0
@@ -143,13 +149,13 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         once while the client still sends, the kernel answers the bytes left unread with a
         reset, which a client can meet before it reads the answer (and report a broken
         connection instead): so writing ends, and what still comes is read and dropped for
-        LINGER_S, or until the client closes its side."""
+        LINGER_S, or until the client closes its side, or LINGER_BYTES have been dropped."""
         if self.transport.is_closing() or self._lingering:
             return
         if not self.transport.can_write_eof():
             self.transport.close()
             return
-        self._lingering = True
+        self._lingering, self._dropped = True, 0
         self._disarm_headers_deadline()
         self.transport.write_eof()
         self.flow.resume_reading()

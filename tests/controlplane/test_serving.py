@@ -26,6 +26,22 @@ def test_a_client_still_sending_a_body_reads_the_answer_given_before_it(serve):
         assert closed(client)
 
 
+def test_a_client_that_goes_on_sending_tens_of_megabytes_after_its_answer_is_cut_off(serve):
+    """What still comes once the answer is given is read and dropped, up to 8 MB: past that the
+    connection is cut, rather than the event loop reading 60 MB more for nothing."""
+    port = serve(Application())
+    sent = 0
+    with send(port, "POST /v1/chat/completions HTTP/1.1\nHost: x\nContent-Length: 64000000") as client:
+        piece = b"x" * 65536
+        try:
+            while sent < 64_000_000:
+                client.sendall(piece)
+                sent += len(piece)
+        except OSError:  # reset, or broken pipe
+            pass
+    assert sent < 32_000_000
+
+
 def _sending(port: int, head: str) -> tuple[socket.socket, threading.Thread]:
     """A connection sending `head` from a thread of its own (the server may answer and close
     before it has all been sent)."""
