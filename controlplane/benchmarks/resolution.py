@@ -17,7 +17,7 @@ from PIL import Image
 from controlplane.benchmarks import scoring, stats
 from controlplane.benchmarks.loadgen import Sample
 from controlplane.benchmarks.workload import IMAGE, RequestSpec, data_url
-from controlplane.imaging.policy import fit_within
+from controlplane.imaging.policy import Policy, fit_within, normalise_tiles
 from controlplane.metering.rating import Rates
 
 DESCRIBE = "Describe this image."
@@ -52,18 +52,47 @@ def scaled(item: Item, cap: int) -> tuple[bytes, int, int, str]:
     return buffer.getvalue(), width, height, "image/jpeg"
 
 
+# What an item's image becomes before the model sees it: one or more (data, width, height,
+# content type), as the gateway would send them.
+Variant = Callable[[Item], list[tuple[bytes, int, int, str]]]
+
+
+def capped(cap: int) -> Variant:
+    """The item's image within `cap` pixels, scaled by the client (a resolution sweep)."""
+    return lambda item: [scaled(item, cap)]
+
+
+def under_policy(policy: Policy, detail: str | None = None) -> Variant:
+    """The item's image as the gateway's policy makes it (its tiles, for a long one): the
+    gateway's own code, so that a policy can be judged before it serves anyone."""
+    def sent(item: Item) -> list[tuple[bytes, int, int, str]]:
+        return [(image.data, image.width, image.height, image.mime)
+                for image in normalise_tiles(item.data, policy, detail=detail)]
+    return sent
+
+
 def sweep_specs(items: list[Item], caps: list[int], *, max_tokens: int,
                 estimate_tokens: Callable[[int, int], int]) -> list[list[RequestSpec]]:
     """One stage per cap; request indexes run on across stages so each is unique."""
+    return variant_specs(items, [capped(cap) for cap in caps], max_tokens=max_tokens,
+                         estimate_tokens=estimate_tokens)
+
+
+def variant_specs(items: list[Item], variants: list[Variant], *, max_tokens: int,
+                  estimate_tokens: Callable[[int, int], int]) -> list[list[RequestSpec]]:
+    """One stage per variant, each item's images as that variant makes them."""
     stages, index = [], 0
-    for cap in caps:
+    for variant in variants:
         specs = []
         for item in items:
-            data, width, height, content_type = scaled(item, cap)
-            content = [{"type": "image_url", "image_url": {"url": data_url(data, content_type)}}, {"type": "text", "text": item.question}]
+            images = variant(item)
+            content = [{"type": "image_url", "image_url": {"url": data_url(data, content_type)}}
+                       for data, _, _, content_type in images]
+            content.append({"type": "text", "text": item.question})
+            sizes = [(width, height) for _, width, height, _ in images]
             specs.append(RequestSpec(
-                index=index, klass=IMAGE, images=1, image_pixels=width * height,
-                image_tokens=estimate_tokens(width, height), sizes=[(width, height)],
+                index=index, klass=IMAGE, images=len(images), image_pixels=sum(w * h for w, h in sizes),
+                image_tokens=sum(estimate_tokens(w, h) for w, h in sizes), sizes=sizes,
                 body={"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
                       "temperature": 0},
                 meta={"item": item.key, "task_type": item.task_type, "expected": list(item.expected)}))
