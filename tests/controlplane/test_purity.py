@@ -28,6 +28,7 @@ PURE_MODULES = [
     "controlplane.gateway.prepare",
     "workers.engines.launch",
     "workers.engines.simulator.engine",
+    "controlplane.benchmarks.synthetic",
 ]
 
 _PROBE = """
