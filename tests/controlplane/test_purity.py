@@ -24,6 +24,7 @@ PURE_MODULES = [
     "controlplane.client_slots",
     "controlplane.prompts",
     "controlplane.metering.rating",
+    "controlplane.benchmarks.scoring",
     "controlplane.alerts.slack",
     "controlplane.gateway.prepare",
     "workers.engines.launch",
