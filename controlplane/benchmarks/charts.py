@@ -58,23 +58,35 @@ def throughput_chart(runs: list[tuple[str, dict]], div_id: str = "throughput-cha
     return _html(figure, div_id)
 
 
+def task_label(task: str) -> str:
+    """A task type with its headline metric: "chart reading (relaxed accuracy)"."""
+    from controlplane.benchmarks.scoring import METRIC_NAMES, TASKS
+
+    known = TASKS.get(task)
+    return f"{known.label} ({METRIC_NAMES[known.metric]})" if known else task
+
+
 def quality_cost_chart(runs: list[tuple[str, dict]], div_id: str = "quality-cost-chart") -> str:
-    """Per run and task type: ANLS against the cost of an image, one point per pixel cap."""
-    from controlplane.benchmarks.scoring import TASK_TYPES
+    """Per run and task type: its headline metric (with its 95 % interval) against the cost of
+    an image, one point per pixel cap."""
+    from controlplane.benchmarks.scoring import headline
 
     figure = go.Figure()
     for name, results in runs:
         caps = results.get("caps") or []
         for task in sorted({t for cap in caps for t in cap["tasks"]}):
-            points = [(float(c["cost_per_image"] or 0), c["tasks"][task]["anls"], c["cap"]) for c in caps
-                      if task in c["tasks"]]
-            label = TASK_TYPES.get(task, task)
-            figure.add_scatter(name=f"{name}: {label}" if len(runs) > 1 else label, x=[x for x, _, _ in points],
-                               y=[y for _, y, _ in points], text=[f"{cap:,} px" for _, _, cap in points],
-                               mode="lines+markers")
-    figure.update_layout(title="Quality against cost, one point per pixel cap", xaxis_title="cost per image",
-                         yaxis_title="ANLS (probe: share answered no)", yaxis={"range": [0, 1.05]},
-                         margin={"l": 60, "r": 20, "t": 50, "b": 50}, height=380)
+            points = [(float(c["cost_per_image"] or 0), headline(c["tasks"][task]), c["tasks"][task].get("interval"),
+                       c["cap"]) for c in caps if task in c["tasks"]]
+            label = task_label(task)
+            errors = {"type": "data", "symmetric": False,
+                      "array": [(i[1] - y) if i and y is not None else 0 for _, y, i, _ in points],
+                      "arrayminus": [(y - i[0]) if i and y is not None else 0 for _, y, i, _ in points]}
+            figure.add_scatter(name=f"{name}: {label}" if len(runs) > 1 else label, x=[x for x, _, _, _ in points],
+                               y=[y for _, y, _, _ in points], text=[f"{cap:,} px" for _, _, _, cap in points],
+                               error_y=errors, mode="lines+markers")
+    figure.update_layout(title="Quality against cost, one point per pixel cap (bars: 95 % intervals)",
+                         xaxis_title="cost per image", yaxis_title="each task's headline metric",
+                         yaxis={"range": [0, 1.05]}, margin={"l": 60, "r": 20, "t": 50, "b": 50}, height=380)
     return _html(figure, div_id)
 
 

@@ -5,7 +5,7 @@ import io
 from django import forms
 from PIL import Image, UnidentifiedImageError
 
-from controlplane.benchmarks.models import BenchmarkProfile, EvalItem
+from controlplane.benchmarks.models import BenchmarkProfile, EvalItem, EvalSet
 from controlplane.fleet.models import EngineInstance
 
 
@@ -19,8 +19,8 @@ class ProfileForm(forms.ModelForm):
         fields = ["name", "description", "kind", "tier", "target", "gateway_url", "instance", "text_share",
                   "images_per_request_min", "images_per_request_max", "image_source", "image_buckets",
                   "prompt_tokens_min", "prompt_tokens_max", "output_tokens_min", "output_tokens_max",
-                  "arrival", "sweep", "stage_duration_s", "seed", "pixel_caps", "ttft_slo_ms", "tpot_slo_ms",
-                  "schedule_enabled", "schedule_cron"]
+                  "arrival", "sweep", "stage_duration_s", "seed", "eval_set", "pixel_caps", "ttft_slo_ms",
+                  "tpot_slo_ms", "schedule_enabled", "schedule_cron"]
         widgets = {"description": forms.Textarea(attrs={"rows": 2}),
                    "image_buckets": forms.Textarea(attrs={"rows": 3})}
 
@@ -61,15 +61,75 @@ class ImageUploadForm(forms.Form):
 
 class EvalItemForm(ImageUploadForm):
     task_type = forms.ChoiceField(choices=EvalItem.TaskType.choices)
-    question = forms.CharField(widget=forms.Textarea(attrs={"rows": 2}))
-    expected = forms.CharField(widget=forms.Textarea(attrs={"rows": 2}), required=False,
-                               help_text="Accepted answers, one per line (a probe's is a negative)")
+    question = forms.CharField(widget=forms.Textarea(attrs={"rows": 2}), max_length=4000)
+    answers = forms.CharField(widget=forms.Textarea(attrs={"rows": 2}),
+                              help_text="Accepted answers, one per line (a presence question's: yes or no)")
 
-    field_order = ["task_type", "question", "expected", "image"]
+    field_order = ["task_type", "question", "answers", "image"]
+
+    def clean(self):
+        from controlplane.benchmarks import presence
+
+        cleaned = super().clean()
+        answers = [line.strip() for line in (cleaned.get("answers") or "").splitlines() if line.strip()]
+        if not answers and "answers" not in self.errors:
+            self.add_error("answers", "at least one accepted answer")
+        elif cleaned.get("task_type") == EvalItem.TaskType.PRESENCE and answers:
+            try:
+                answers = [presence.truth(answers)]
+            except ValueError:
+                self.add_error("answers", "a presence question's answer is yes or no")
+        cleaned["answer_list"] = answers
+        return cleaned
 
     def item_fields(self) -> dict:
-        return {**self.image_info, "task_type": self.cleaned_data["task_type"],
-                "question": self.cleaned_data["question"], "expected": self.cleaned_data["expected"]}
+        info = {k: v for k, v in self.image_info.items() if k != "name"}
+        return {**info, "task_type": self.cleaned_data["task_type"], "question": self.cleaned_data["question"],
+                "answers": self.cleaned_data["answer_list"]}
+
+
+def _generators() -> list[tuple[str, str]]:
+    from controlplane.benchmarks import synthetic
+
+    return [(task, EvalItem.TaskType(task).label if task in EvalItem.TaskType.values else task)
+            for task in synthetic.TASKS]
+
+
+class EvalSetNameField(forms.CharField):
+    def __init__(self, **kwargs):
+        super().__init__(max_length=128, **kwargs)
+
+    def clean(self, value):
+        value = super().clean(value).strip()
+        if not value:
+            raise forms.ValidationError("a set needs a name")
+        if EvalSet.objects.filter(name=value).exists():
+            raise forms.ValidationError("a set of this name exists already")
+        return value
+
+
+class EvalSetGenerateForm(forms.Form):
+    MAX_COUNT = 2000
+
+    name = EvalSetNameField()
+    description = forms.CharField(required=False, widget=forms.Textarea(attrs={"rows": 2}))
+    task = forms.ChoiceField(choices=_generators)
+    count = forms.IntegerField(min_value=1, max_value=MAX_COUNT, initial=50)
+    seed = forms.IntegerField(min_value=0, max_value=2**31 - 1, initial=0, help_text="The same seed, the same set")
+
+
+class EvalImportForm(forms.Form):
+    name = EvalSetNameField()
+    description = forms.CharField(required=False, widget=forms.Textarea(attrs={"rows": 2}))
+    file = forms.FileField(help_text="JSONL, VLMEvalKit's TSV, or a zip of one with the images it names")
+    task_type = forms.ChoiceField(choices=EvalItem.TaskType.choices, initial=EvalItem.TaskType.REASONING,
+                                  help_text="For rows that name no task_type")
+
+    def clean_file(self):
+        upload = self.cleaned_data["file"]
+        if not upload.name.lower().endswith((".jsonl", ".tsv", ".zip")):
+            raise forms.ValidationError("a .jsonl, .tsv or .zip file")
+        return upload
 
 
 class CompareForm(forms.Form):

@@ -77,6 +77,9 @@ class BenchmarkProfile(models.Model):
                                          help_text="Seconds of load at each level")
     seed = models.PositiveIntegerField(default=0, help_text="Same seed, same requests")
     # A resolution sweep: its evaluation items (or images) at each cap, sweep[0] at a time.
+    eval_set = models.ForeignKey(
+        "EvalSet", null=True, blank=True, on_delete=models.PROTECT, related_name="profiles",
+        help_text="Resolution sweep: the labelled questions asked at each cap (else the images, unscored)")
     pixel_caps = models.JSONField(
         default=_default_caps, blank=True,
         help_text="Resolution sweep: pixel caps the images are scaled down to, e.g. [200704, 1003520]; "
@@ -195,31 +198,111 @@ class BenchmarkImage(models.Model):
         return f"{self.name} ({self.width}x{self.height})"
 
 
+class EvalSet(models.Model):
+    """A named set of labelled questions about images: what a resolution sweep scores."""
+
+    class Source(models.TextChoices):
+        GENERATED = "generated", "generated (built-in)"
+        IMPORTED = "imported", "imported from a file"
+        PROFILE = "profile", "the items a profile held"
+
+    name = models.CharField(max_length=128, unique=True)
+    description = models.TextField(blank=True)
+    source = models.CharField(max_length=16, choices=Source.choices)
+    # A generated set: the generator's task and seed (the same pair makes the same set).
+    generator = models.CharField(max_length=32, blank=True)
+    seed = models.PositiveIntegerField(null=True, blank=True)
+    # An imported set: the file it came from.
+    file_name = models.CharField(max_length=255, blank=True)
+    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL,
+                                   related_name="+")
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self):
+        return self.name
+
+    @property
+    def origin(self) -> str:
+        if self.source == self.Source.GENERATED:
+            return f"generated: {self.generator}, seed {self.seed}"
+        if self.source == self.Source.IMPORTED:
+            return f"imported from {self.file_name}"
+        return self.get_source_display()
+
+
 class EvalItem(models.Model):
-    """A labelled question about an image: what a resolution sweep scores at each cap."""
+    """A labelled question about an image."""
 
     class TaskType(models.TextChoices):
-        OCR = "ocr", "OCR"
+        READ = "read", "reading text and numbers"
         CHART = "chart", "chart reading"
+        COUNT = "count", "counting"
+        PRESENCE = "presence", "presence (yes/no)"
         DESCRIPTION = "description", "description"
         REASONING = "reasoning", "reasoning over image and text"
-        HALLUCINATION = "hallucination", "hallucination probe (the right answer is a negative)"
+        LONG = "long", "tall or wide images"
 
-    profile = models.ForeignKey(BenchmarkProfile, on_delete=models.CASCADE, related_name="eval_items")
+    eval_set = models.ForeignKey(EvalSet, on_delete=models.CASCADE, related_name="items")
+    row = models.PositiveIntegerField(default=0, help_text="Where the item came from: its row in the file")
     task_type = models.CharField(max_length=16, choices=TaskType.choices)
     question = models.TextField()
-    expected = models.TextField(blank=True, help_text="Accepted answers, one per line")
-    name = models.CharField(max_length=255)
+    answers = models.JSONField(default=list, help_text="Accepted answers")
+    meta = models.JSONField(default=dict, blank=True)
     content_type = models.CharField(max_length=64)
     width = models.PositiveIntegerField()
     height = models.PositiveIntegerField()
     data = models.BinaryField()
 
     class Meta:
-        ordering = ["profile", "task_type", "id"]
+        ordering = ["eval_set", "row", "id"]
 
     def __str__(self):
         return f"{self.get_task_type_display()}: {self.question[:60]}"
+
+
+class EvalImport(models.Model):
+    """An import of an evaluation set from a file. The row is the truth: the worker writes its
+    progress and the rows it refused; the set appears, whole, only if none was."""
+
+    class State(models.TextChoices):
+        QUEUED = "queued", "queued"
+        RUNNING = "running", "running"
+        SUCCEEDED = "succeeded", "succeeded"
+        FAILED = "failed", "failed"
+
+    FINAL = (State.SUCCEEDED, State.FAILED)
+
+    name = models.CharField(max_length=128, help_text="The set to make")
+    description = models.TextField(blank=True)
+    file_name = models.CharField(max_length=255)
+    task_type = models.CharField(max_length=16, choices=EvalItem.TaskType.choices,
+                                 help_text="For rows that do not name their own")
+    data = models.BinaryField(blank=True, help_text="The uploaded file, kept until the import ends")
+    state = models.CharField(max_length=16, choices=State.choices, default=State.QUEUED)
+    progress = models.FloatField(default=0.0)
+    rows = models.PositiveIntegerField(default=0, help_text="Rows read so far")
+    errors = models.JSONField(default=list, blank=True, help_text="[row, reason] of refused rows, the first ones")
+    error_count = models.PositiveIntegerField(default=0)
+    message = models.TextField(blank=True)
+    eval_set = models.ForeignKey(EvalSet, null=True, blank=True, on_delete=models.SET_NULL, related_name="imports")
+    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL,
+                                   related_name="+")
+    created_at = models.DateTimeField(default=timezone.now)
+    started_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+
+    def __str__(self):
+        return f"import of {self.file_name} as {self.name}"
+
+    @property
+    def finished(self) -> bool:
+        return self.state in self.FINAL
 
 
 class BenchmarkRun(models.Model):

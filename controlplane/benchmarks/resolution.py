@@ -1,5 +1,6 @@
 """A resolution sweep: the same images, scaled down to each pixel cap, asked the same
-questions; tokens, latency, cost and (for labelled items) accuracy per cap and task type.
+questions; tokens, latency, cost and (for labelled items) each task type's headline metric,
+with its 95 % interval, and the cost of a right answer, per cap.
 
 Pure Python (Pillow for scaling): no Django, no Celery. The client scales each image
 itself, so the sweep works through the gateway (whose policy never scales up) and directly
@@ -11,6 +12,7 @@ from __future__ import annotations
 import io
 from collections.abc import Callable
 from dataclasses import dataclass
+from decimal import Decimal
 
 from PIL import Image
 
@@ -32,7 +34,7 @@ class Item:
     content_type: str = "image/jpeg"
     question: str = DESCRIBE
     task_type: str = ""  # empty: no label, so tokens, latency and cost only
-    expected: tuple[str, ...] = ()
+    answers: tuple[str, ...] = ()
 
 
 def scaled(item: Item, cap: int) -> tuple[bytes, int, int, str]:
@@ -95,27 +97,37 @@ def variant_specs(items: list[Item], variants: list[Variant], *, max_tokens: int
                 image_tokens=sum(estimate_tokens(w, h) for w, h in sizes), sizes=sizes,
                 body={"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
                       "temperature": 0},
-                meta={"item": item.key, "task_type": item.task_type, "expected": list(item.expected)}))
+                meta={"item": item.key, "task_type": item.task_type, "answers": list(item.answers)}))
             index += 1
         stages.append(specs)
     return stages
 
 
 def cap_summary(samples: list[Sample], specs: dict[int, RequestSpec], *, cap: int, rates: Rates | None) -> dict:
+    """One cap's figures. Per task type: its headline metric with a 95 % interval (and POPE's
+    figures for presence); an unanswered question is a wrong answer. The cost of a right
+    answer is what the cap's requests cost over the right answers they got (graded scores
+    count their part)."""
     ok = [s for s in samples if s.ok]
     by_task: dict[str, list[dict]] = {}
     answers = []
     for sample in samples:
         meta = specs[sample.index].meta
-        if not meta.get("task_type"):
+        task = meta.get("task_type")
+        if not task:
             continue
         if sample.ok:
-            result = scoring.score(sample.text, meta["expected"] or [""], meta["task_type"])
+            result = scoring.score(sample.text, meta["answers"], task)
         else:
-            result = {"exact_match": 0.0, "anls": 0.0}  # no answer is a wrong answer
-        by_task.setdefault(meta["task_type"], []).append(result)
-        answers.append([cap, meta["item"], meta["task_type"], sample.text[:300], result["exact_match"],
-                        round(result["anls"], 4)])
+            result = scoring.unanswered(meta["answers"], task)
+        by_task.setdefault(task, []).append(result)
+        answers.append([cap, meta["item"], task, sample.text[:300], round(result["score"], 4),
+                        result.get("answered", "")])
+    right = sum(r["score"] for results in by_task.values() for r in results)
+    cost_per_right = None
+    if rates is not None and by_task and right > 0:
+        spent = sum((stats.request_cost(s, rates) for s in ok), Decimal("0"))
+        cost_per_right = str((spent / Decimal(str(right))).quantize(Decimal("0.000001")))
     return {
         "cap": cap,
         "requests": len(samples),
@@ -125,9 +137,16 @@ def cap_summary(samples: list[Sample], specs: dict[int, RequestSpec], *, cap: in
         "ttft": stats.distribution([s.ttft for s in ok if s.ttft is not None]),
         "e2e": stats.distribution([s.e2e for s in ok if s.e2e is not None]),
         "cost_per_image": stats.cost_per_image(ok, rates) if rates is not None else None,
-        "tasks": {task: {"items": len(results),
-                         "exact_match": round(sum(r["exact_match"] for r in results) / len(results), 4),
-                         "anls": round(sum(r["anls"] for r in results) / len(results), 4)}
-                  for task, results in sorted(by_task.items())},
+        "cost_per_right_answer": cost_per_right,
+        "tasks": {task: scoring.summarise(task, results) for task, results in sorted(by_task.items())},
         "answers": answers,
     }
+
+
+def task_line(task: str, figures: dict) -> str:
+    """A task's headline for a log line: "read ANLS 0.82 [0.75, 0.88]"."""
+    name = scoring.METRIC_NAMES.get(figures.get("metric", "anls"), "")
+    value = scoring.headline(figures)
+    interval = figures.get("interval")
+    text = f"{task} {name} {value:.2f}" if value is not None else f"{task} {name} -"
+    return text + (f" [{interval[0]:.2f}, {interval[1]:.2f}]" if interval else "")

@@ -73,7 +73,10 @@ def comparison_rows(a: BenchmarkRun, b: BenchmarkRun) -> list[dict]:
 
 
 def cap_rows(a: BenchmarkRun, b: BenchmarkRun) -> list[dict]:
-    """Resolution sweeps side by side: each pixel cap both ran, with tokens, cost and ANLS."""
+    """Resolution sweeps side by side: each pixel cap both ran, with tokens, cost and each
+    task's headline metric with its interval."""
+    from controlplane.benchmarks.scoring import headline
+
     caps_b = {cap["cap"]: cap for cap in b.results.get("caps") or []}
     rows = []
     for cap_a in a.results.get("caps") or []:
@@ -82,6 +85,27 @@ def cap_rows(a: BenchmarkRun, b: BenchmarkRun) -> list[dict]:
             continue
         tasks = sorted(set(cap_a["tasks"]) | set(cap_b["tasks"]))
         rows.append({"cap": cap_a["cap"], "a": cap_a, "b": cap_b,
-                     "tasks": [(t, (cap_a["tasks"].get(t) or {}).get("anls"), (cap_b["tasks"].get(t) or {}).get("anls"))
+                     "tasks": [{"task": t, "a": _headline(cap_a, t, headline), "b": _headline(cap_b, t, headline),
+                                "a_interval": (cap_a["tasks"].get(t) or {}).get("interval"),
+                                "b_interval": (cap_b["tasks"].get(t) or {}).get("interval")}
                                for t in tasks]})
+    return rows
+
+
+def _headline(cap: dict, task: str, headline):
+    figures = cap["tasks"].get(task)
+    return headline(figures) if figures else None
+
+
+def cap_task_rows(caps: list[dict]) -> list[dict]:
+    """Each cap of a resolution sweep with its tasks' headlines, named, for the results table."""
+    from controlplane.benchmarks.scoring import METRIC_NAMES, headline
+
+    rows = []
+    for cap in caps:
+        tasks = [{"task": task, "metric": METRIC_NAMES.get(figures.get("metric", "anls"), ""),
+                  "value": headline(figures), "interval": figures.get("interval"), "items": figures.get("items"),
+                  "pope": figures.get("pope")}
+                 for task, figures in cap["tasks"].items()]
+        rows.append({**cap, "task_rows": tasks})
     return rows

@@ -22,7 +22,7 @@ from django.utils import timezone
 
 from controlplane import outbound
 from controlplane.benchmarks import loadgen, stats
-from controlplane.benchmarks.models import BenchmarkImage, BenchmarkProfile, BenchmarkRun, EvalItem
+from controlplane.benchmarks.models import BenchmarkImage, BenchmarkProfile, BenchmarkRun
 from controlplane.benchmarks.workload import (
     CLASS_NAMES,
     Mix,
@@ -130,7 +130,8 @@ def profile_config(profile: BenchmarkProfile) -> dict:
     return {
         **{name: getattr(profile, name) for name in fields},
         "uploaded_images": profile.images.count(),
-        "eval_items": profile.eval_items.count(),
+        "eval_set": profile.eval_set.name if profile.eval_set_id else None,
+        "eval_items": profile.eval_set.items.count() if profile.eval_set_id else 0,
         "tier": {"name": tier.name, "family": tier.family, "engine_settings": tier.engine_settings,
                  "large_image_threshold": tier.large_image_threshold,
                  "resolution_policy": tier.resolution_policy.name if tier.resolution_policy else None,
@@ -330,7 +331,7 @@ def _measure_resolution(run: BenchmarkRun, target: loadgen.Target) -> None:
         summary = resolution.cap_summary(samples, specs, cap=caps[n], rates=rates)
         summary["stopped_early"] = stopped
         results["caps"].append(summary)
-        scores = ", ".join(f"{t} ANLS {v['anls']:.2f}" for t, v in summary["tasks"].items())
+        scores = ", ".join(resolution.task_line(t, v) for t, v in summary["tasks"].items())
         return (f"cap {caps[n]:,} px: {summary['requests']} requests, {summary['errors']} errors, "
                 f"{summary['mean_image_tokens'] or 0:.0f} image tokens each" + (f"; {scores}" if scores else ""))
 
@@ -338,14 +339,17 @@ def _measure_resolution(run: BenchmarkRun, target: loadgen.Target) -> None:
 
 
 def resolution_items(profile: BenchmarkProfile) -> list:
-    """The labelled items, else the uploaded images, else one synthetic image per size bucket."""
+    """The items of its evaluation set, else the uploaded images, else one synthetic image per
+    size bucket."""
     from controlplane.benchmarks.resolution import Item
     from controlplane.benchmarks.workload import synthetic_jpeg
 
-    items = [Item(key=f"item-{i.pk}", data=bytes(i.data), width=i.width, height=i.height,
-                  content_type=i.content_type, question=i.question, task_type=i.task_type,
-                  expected=tuple(line.strip() for line in i.expected.splitlines() if line.strip()))
-             for i in profile.eval_items.all()]
+    items = []
+    if profile.eval_set_id:
+        items = [Item(key=f"row-{i.row}", data=bytes(i.data), width=i.width, height=i.height,
+                      content_type=i.content_type, question=i.question, task_type=i.task_type,
+                      answers=tuple(i.answers))
+                 for i in profile.eval_set.items.all()]
     if not items:
         items = [Item(key=f"image-{i.pk}", data=bytes(i.data), width=i.width, height=i.height,
                       content_type=i.content_type) for i in profile.images.all()]
@@ -353,7 +357,7 @@ def resolution_items(profile: BenchmarkProfile) -> list:
         items = [Item(key=f"{b.width}x{b.height}", data=synthetic_jpeg(b.width, b.height, 0), width=b.width,
                       height=b.height) for b in buckets_from_json(profile.image_buckets)]
     if not items:
-        raise BenchmarkError("a resolution sweep needs evaluation items, uploaded images or size buckets")
+        raise BenchmarkError("a resolution sweep needs an evaluation set, uploaded images or size buckets")
     return items
 
 
@@ -453,9 +457,3 @@ def profile_image_add(*, profile: BenchmarkProfile, name: str, content_type: str
                       data: bytes) -> BenchmarkImage:
     return BenchmarkImage.objects.create(profile=profile, name=name, content_type=content_type, width=width,
                                          height=height, data=data)
-
-
-def eval_item_add(*, profile: BenchmarkProfile, task_type: str, question: str, expected: str, name: str,
-                  content_type: str, width: int, height: int, data: bytes) -> EvalItem:
-    return EvalItem.objects.create(profile=profile, task_type=task_type, question=question, expected=expected,
-                                   name=name, content_type=content_type, width=width, height=height, data=data)

@@ -16,3 +16,11 @@ def benchmark_run(self, run_id: int | None = None, profile_id: int | None = None
             return
         run_id = run.pk
     benchmark_execute(run_id=run_id)
+
+
+@shared_task(name="benchmarks.evalset_import", soft_time_limit=3600, time_limit=3700)
+def evalset_import(import_id: int) -> None:
+    """Read, check and save an uploaded evaluation set; its import row shows the progress."""
+    from controlplane.benchmarks.evalsets import evalset_import_execute
+
+    evalset_import_execute(import_id=import_id)

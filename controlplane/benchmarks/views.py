@@ -1,22 +1,35 @@
-"""Operator pages: profiles, runs with their progress and results, and two runs compared."""
+"""Operator pages: profiles, runs with their progress and results, two runs compared, and
+evaluation sets (generated, imported, browsed, deleted)."""
 
 from __future__ import annotations
 
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.core.exceptions import PermissionDenied
+from django.core.paginator import Paginator
+from django.db.models import Count
+from django.http import HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
-from django.views.decorators.http import require_POST
+from django.views.decorators.http import require_GET, require_POST
 
-from controlplane.benchmarks import charts, selectors, services
+from controlplane.benchmarks import charts, evalsets, selectors, services
 from controlplane.benchmarks.forms import (
     CompareForm,
+    EvalImportForm,
     EvalItemForm,
+    EvalSetGenerateForm,
     ImageUploadForm,
     ProfileForm,
     RunForm,
 )
-from controlplane.benchmarks.models import BenchmarkImage, BenchmarkProfile, BenchmarkRun, EvalItem
+from controlplane.benchmarks.models import (
+    BenchmarkImage,
+    BenchmarkProfile,
+    BenchmarkRun,
+    EvalImport,
+    EvalItem,
+    EvalSet,
+)
 from controlplane.tenants import roles
 
 
@@ -46,7 +59,7 @@ def profile_edit(request, pk: int | None = None):
     context = {"form": form, "profile": profile}
     if profile is not None:
         context.update(run_form=RunForm(), upload_form=ImageUploadForm(), images=profile.images.all(),
-                       eval_form=EvalItemForm(), eval_items=profile.eval_items.all(), runs=profile.runs.all()[:30])
+                       runs=profile.runs.all()[:30])
     return render(request, "benchmarks/profile.html", context)
 
 
@@ -94,28 +107,6 @@ def image_delete(request, pk: int, image_pk: int):
 
 
 @login_required
-@require_POST
-def eval_item_add(request, pk: int):
-    _operator(request)
-    profile = get_object_or_404(BenchmarkProfile, pk=pk)
-    form = EvalItemForm(request.POST, request.FILES)
-    if form.is_valid():
-        services.eval_item_add(profile=profile, **form.item_fields())
-        messages.success(request, "Evaluation item added.")
-    else:
-        messages.error(request, "; ".join(f"{name}: {e}" for name, errors in form.errors.items() for e in errors))
-    return redirect("benchmarks:profile", pk=profile.pk)
-
-
-@login_required
-@require_POST
-def eval_item_delete(request, pk: int, item_pk: int):
-    _operator(request)
-    get_object_or_404(EvalItem, pk=item_pk, profile_id=pk).delete()
-    return redirect("benchmarks:profile", pk=pk)
-
-
-@login_required
 def run_detail(request, pk: int):
     _operator(request)
     run = get_object_or_404(BenchmarkRun.objects.select_related("profile__tier", "created_by"), pk=pk)
@@ -124,7 +115,7 @@ def run_detail(request, pk: int):
     caps = results.get("caps") or []
     return render(request, "benchmarks/run.html", {
         "run": run,
-        "caps": caps,
+        "caps": selectors.cap_task_rows(caps),
         "answers": [a for cap in caps for a in cap.get("answers", [])][:200],
         "quality_chart": charts.quality_cost_chart([(str(run), results)]) if any(c["tasks"] for c in caps)
         else None,
@@ -163,3 +154,130 @@ def compare(request):
         if any(results.get("caps") for _, results in named):
             context.update(quality_chart=charts.quality_cost_chart(named), caps_rows=selectors.cap_rows(a, b))
     return render(request, "benchmarks/compare.html", context)
+
+
+@login_required
+def evalset_list(request):
+    _operator(request)
+    sets = EvalSet.objects.annotate(item_count=Count("items")).select_related("created_by").order_by("name")
+    return render(request, "benchmarks/evalsets.html", {
+        "sets": sets, "imports": EvalImport.objects.defer("data")[:10],
+        "generate_form": EvalSetGenerateForm(), "import_form": EvalImportForm()})
+
+
+@login_required
+@require_POST
+def evalset_generate(request):
+    _operator(request)
+    form = EvalSetGenerateForm(request.POST)
+    if form.is_valid():
+        data = form.cleaned_data
+        try:
+            eval_set = evalsets.evalset_generate(name=data["name"], description=data["description"], task=data["task"],
+                                                 count=data["count"], seed=data["seed"], user=request.user)
+        except evalsets.EvalSetError as exc:
+            messages.error(request, str(exc))
+        else:
+            messages.success(request, f"Set {eval_set.name} generated: {data['count']} items.")
+            return redirect("benchmarks:evalset", pk=eval_set.pk)
+    else:
+        messages.error(request, _form_errors(form))
+    return redirect("benchmarks:evalsets")
+
+
+def _form_errors(form) -> str:
+    return "; ".join(f"{name}: {e}" for name, errors in form.errors.items() for e in errors)
+
+
+@login_required
+@require_POST
+def evalset_import(request):
+    _operator(request)
+    form = EvalImportForm(request.POST, request.FILES)
+    if not form.is_valid():
+        messages.error(request, _form_errors(form))
+        return redirect("benchmarks:evalsets")
+    upload = form.cleaned_data["file"]
+    job = evalsets.evalset_import_start(name=form.cleaned_data["name"], description=form.cleaned_data["description"],
+                                        file_name=upload.name, data=upload.read(),
+                                        task_type=form.cleaned_data["task_type"], user=request.user)
+    return redirect("benchmarks:evalimport", pk=job.pk)
+
+
+@login_required
+def evalimport_detail(request, pk: int):
+    _operator(request)
+    job = get_object_or_404(EvalImport.objects.defer("data").select_related("eval_set", "created_by"), pk=pk)
+    return render(request, "benchmarks/evalimport.html", {"job": job})
+
+
+@login_required
+def evalset_detail(request, pk: int):
+    _operator(request)
+    eval_set = get_object_or_404(EvalSet.objects.select_related("created_by"), pk=pk)
+    items = eval_set.items.defer("data")
+    page = Paginator(items, 50).get_page(request.GET.get("page"))
+    return render(request, "benchmarks/evalset.html", {
+        "set": eval_set, "page": page, "item_form": EvalItemForm(), "count": page.paginator.count,
+        "profiles": eval_set.profiles.order_by("name"),
+        "tasks": eval_set.items.values("task_type").annotate(n=Count("id")).order_by("task_type")})
+
+
+@login_required
+@require_POST
+def evalset_delete(request, pk: int):
+    _operator(request)
+    eval_set = get_object_or_404(EvalSet, pk=pk)
+    try:
+        evalsets.evalset_delete(eval_set=eval_set)
+    except evalsets.EvalSetError as exc:
+        messages.error(request, str(exc))
+        return redirect("benchmarks:evalset", pk=pk)
+    messages.success(request, f"Set {eval_set.name} deleted.")
+    return redirect("benchmarks:evalsets")
+
+
+@login_required
+@require_POST
+def evalitem_add(request, pk: int):
+    _operator(request)
+    eval_set = get_object_or_404(EvalSet, pk=pk)
+    form = EvalItemForm(request.POST, request.FILES)
+    if form.is_valid():
+        evalsets.eval_item_add(eval_set=eval_set, **form.item_fields())
+        messages.success(request, "Item added.")
+    else:
+        messages.error(request, _form_errors(form))
+    return redirect("benchmarks:evalset", pk=pk)
+
+
+@login_required
+@require_POST
+def evalitem_delete(request, pk: int, item_pk: int):
+    _operator(request)
+    get_object_or_404(EvalItem, pk=item_pk, eval_set_id=pk).delete()
+    return redirect("benchmarks:evalset", pk=pk)
+
+
+THUMBNAIL_PX = 160
+
+
+@login_required
+@require_GET
+def evalitem_image(request, pk: int, item_pk: int):
+    """An item's image, scaled to a thumbnail (checked when it was saved)."""
+    import io
+
+    from PIL import Image
+
+    _operator(request)
+    item = get_object_or_404(EvalItem, pk=item_pk, eval_set_id=pk)
+    with Image.open(io.BytesIO(bytes(item.data))) as image:
+        image.draft("RGB", (THUMBNAIL_PX, THUMBNAIL_PX))
+        thumb = image.convert("RGB")
+        thumb.thumbnail((THUMBNAIL_PX, THUMBNAIL_PX))
+    buffer = io.BytesIO()
+    thumb.save(buffer, "JPEG", quality=80)
+    response = HttpResponse(buffer.getvalue(), content_type="image/jpeg")
+    response["Cache-Control"] = "private, max-age=3600"
+    return response

@@ -25,6 +25,7 @@ PURE_MODULES = [
     "controlplane.prompts",
     "controlplane.metering.rating",
     "controlplane.benchmarks.scoring",
+    "controlplane.benchmarks.evalfiles",
     "controlplane.alerts.slack",
     "controlplane.gateway.prepare",
     "workers.engines.launch",

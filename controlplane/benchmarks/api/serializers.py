@@ -1,9 +1,10 @@
 from __future__ import annotations
 
 from django.core.exceptions import ValidationError as DjangoValidationError
+from django.db import models
 from rest_framework import serializers
 
-from controlplane.benchmarks.models import BenchmarkProfile, BenchmarkRun
+from controlplane.benchmarks.models import BenchmarkProfile, BenchmarkRun, EvalSet
 
 
 class ProfileSerializer(serializers.ModelSerializer):
@@ -22,8 +23,8 @@ class ProfileSerializer(serializers.ModelSerializer):
         fields = ["id", "name", "description", "kind", "tier", "target", "gateway_url", "instance", "text_share",
                   "images_per_request_min", "images_per_request_max", "image_source", "image_buckets",
                   "prompt_tokens_min", "prompt_tokens_max", "output_tokens_min", "output_tokens_max",
-                  "arrival", "sweep", "stage_duration_s", "seed", "pixel_caps", "ttft_slo_ms", "tpot_slo_ms",
-                  "schedule_enabled", "schedule_cron", "schedule_task", "created_at", "updated_at"]
+                  "arrival", "sweep", "stage_duration_s", "seed", "eval_set", "pixel_caps", "ttft_slo_ms",
+                  "tpot_slo_ms", "schedule_enabled", "schedule_cron", "schedule_task", "created_at", "updated_at"]
         read_only_fields = ["created_at", "updated_at"]
 
     def get_schedule_task(self, profile) -> str | None:
@@ -62,3 +63,18 @@ class RunDetailSerializer(RunSerializer):
 
 class RunStartSerializer(serializers.Serializer):
     label = serializers.CharField(max_length=128, required=False, allow_blank=True, default="")
+
+
+class EvalSetSerializer(serializers.ModelSerializer):
+    items = serializers.IntegerField(source="item_count", read_only=True)
+    task_types = serializers.SerializerMethodField(help_text="Items per task type")
+
+    class Meta:
+        model = EvalSet
+        fields = ["id", "name", "description", "source", "generator", "seed", "file_name", "items", "task_types",
+                  "created_at"]
+        read_only_fields = fields
+
+    def get_task_types(self, eval_set) -> dict[str, int]:
+        return dict(sorted((task, n) for task, n in
+                           eval_set.items.values_list("task_type").annotate(n=models.Count("id"))))

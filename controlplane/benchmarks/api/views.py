@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from django.db.models import Count
 from drf_spectacular.utils import OpenApiParameter, extend_schema, extend_schema_view
 from rest_framework import mixins, permissions, status, viewsets
 from rest_framework.decorators import action
@@ -9,12 +10,13 @@ from rest_framework.response import Response
 
 from controlplane.benchmarks import services
 from controlplane.benchmarks.api.serializers import (
+    EvalSetSerializer,
     ProfileSerializer,
     RunDetailSerializer,
     RunSerializer,
     RunStartSerializer,
 )
-from controlplane.benchmarks.models import BenchmarkProfile, BenchmarkRun
+from controlplane.benchmarks.models import BenchmarkProfile, BenchmarkRun, EvalSet
 from controlplane.tenants import roles
 
 
@@ -87,3 +89,12 @@ class RunViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
         run = self.get_object()
         services.benchmark_cancel(run=run)
         return Response(RunDetailSerializer(run).data, status=status.HTTP_202_ACCEPTED)
+
+
+@extend_schema(tags=["benchmarks"])
+class EvalSetViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
+    """Evaluation sets a profile may ask at each pixel cap: where each came from and its items per task type."""
+
+    serializer_class = EvalSetSerializer
+    permission_classes = [IsOperator]
+    queryset = EvalSet.objects.annotate(item_count=Count("items")).order_by("name")

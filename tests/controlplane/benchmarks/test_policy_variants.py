@@ -11,7 +11,7 @@ from tests.images import image_bytes
 
 def receipt() -> Item:
     return Item(key="receipt", data=image_bytes(1000, 15000, "PNG"), width=1000, height=15000,
-                content_type="image/png", question="What is the total?", task_type="read", expected=("42.50",))
+                content_type="image/png", question="What is the total?", task_type="read", answers=("42.50",))
 
 
 def test_a_long_receipt_under_the_default_policy_is_squashed_into_one_narrow_image():
@@ -37,4 +37,4 @@ def test_each_variant_is_a_stage_asking_every_item_with_all_its_images():
     parts = tiled_spec.body["messages"][0]["content"]
     assert [p["type"] for p in parts] == ["image_url"] * 4 + ["text"]
     assert tiled_spec.images == 4 and tiled_spec.image_tokens == sum(w * h // 784 for w, h in tiled_spec.sizes)
-    assert stages[0][0].meta == {"item": "receipt", "task_type": "read", "expected": ["42.50"]}
+    assert stages[0][0].meta == {"item": "receipt", "task_type": "read", "answers": ["42.50"]}

@@ -187,30 +187,18 @@ def test_everyone_else_is_refused(client, world, who):
         assert 'href="/benchmarks/"' not in client.get("/").content.decode()
 
 
-def test_evaluation_items_are_added_with_their_image_and_removed(client, world):
-    from django.core.files.uploadedfile import SimpleUploadedFile
-
-    from controlplane.benchmarks.models import EvalItem
-
-    client.force_login(world.operator)
-    profile = make_profile(world.vision, kind="resolution")
-    upload = SimpleUploadedFile("receipt.jpg", image_bytes(600, 900), content_type="image/jpeg")
-    client.post(f"/benchmarks/{profile.pk}/eval/", {"task_type": "ocr", "question": "What is the total?",
-                                                    "expected": "42.50\n$42.50", "image": upload})
-    item = EvalItem.objects.get()
-    assert (item.task_type, item.width, item.height) == ("ocr", 600, 900)
-    page = client.get(f"/benchmarks/{profile.pk}/").content.decode()
-    assert "What is the total?" in page and "42.50<br>$42.50" in page
-    client.post(f"/benchmarks/{profile.pk}/eval/{item.pk}/delete/")
-    assert not EvalItem.objects.exists()
-
-
 def resolution_run(profile, high_anls=1.0):
     dist = {"p50": 40.0, "p90": 50.0, "p99": 60.0, "mean": 45.0}
     caps = [{"cap": cap, "requests": 4, "errors": 0, "mean_image_tokens": tokens, "mean_output_tokens": 8,
-             "ttft": dist, "e2e": dist, "cost_per_image": cost, "answers": [[cap, "item-1", "ocr", "42", 1.0, 1.0]],
-             "tasks": {"ocr": {"items": 2, "exact_match": em, "anls": em}}}
-            for cap, tokens, cost, em in ((200704, 258, "0.000039", 0.5), (1003520, 1282, "0.000192", high_anls))]
+             "ttft": dist, "e2e": dist, "cost_per_image": cost, "cost_per_right_answer": per_right,
+             "answers": [[cap, "row-1", "read", "42", 1.0, ""]],
+             "tasks": {"read": {"items": 2, "metric": "anls", "value": em, "interval": [em / 2, 1.0],
+                                "exact_match": em},
+                       "presence": {"items": 2, "metric": "f1", "value": 0.5, "interval": [0.0, 1.0], "exact_match": 0.5,
+                                    "pope": {"accuracy": 0.5, "precision": 0.5, "recall": 1.0, "yes_ratio": 1.0,
+                                             "unclear": 0}}}}
+            for cap, tokens, cost, per_right, em in ((200704, 258, "0.000039", "0.000078", 0.5),
+                                                     (1003520, 1282, "0.000192", "0.000256", high_anls))]
     return BenchmarkRun.objects.create(profile=profile, state="succeeded", progress=1.0,
                                        config={"kind": "resolution", "pixel_caps": [200704, 1003520]},
                                        results={"kind": "resolution", "caps": caps})
@@ -222,7 +210,8 @@ def test_two_resolution_sweeps_compare_cap_by_cap(client, world):
     a, b = resolution_run(profile, 0.75), resolution_run(profile, 1.0)
     page = client.get(f"/benchmarks/compare/?a={a.pk}&b={b.pk}").content.decode()
     row = page.split('data-cap="1003520"')[1].split("</tr>")[0]
-    assert "1282 / 1282" in row and "ocr 0.75 / 1.00" in row
+    assert "1282 / 1282" in row and "read 0.75 / 1.00 ([0.38, 1.00] / [0.50, 1.00])" in row
+    assert "0.000256 / 0.000256" in row  # the cost of a right answer
     assert 'id="quality-cost-chart"' in page
 
 
@@ -231,8 +220,22 @@ def test_a_resolution_run_page_shows_each_cap_and_the_quality_cost_curve(client,
     run = resolution_run(make_profile(world.vision, kind="resolution"))
     page = client.get(f"/benchmarks/runs/{run.pk}/").content.decode()
     row = page.split('data-cap="1003520"')[1].split("</tr>")[0]
-    assert "1282" in row and "0.000192" in row and "ocr 1.00 / 1.00 (2)" in row
+    assert "1282" in row and "0.000192" in row and "0.000256" in row
+    assert "read ANLS 1.00 [0.50, 1.00] (2)" in row
+    assert "presence F1 0.50 [0.00, 1.00] (2): accuracy 0.50, precision 0.50, recall 1.00, yes-ratio 1.00" in row
     assert 'id="quality-cost-chart"' in page and 'id="resolution-chart"' in page
+
+
+def test_a_sweep_stored_before_headline_metrics_still_shows_its_anls(client, world):
+    client.force_login(world.operator)
+    run = resolution_run(make_profile(world.vision, kind="resolution"))
+    for cap in run.results["caps"]:
+        cap["tasks"] = {"ocr": {"items": 2, "exact_match": 0.5, "anls": 0.75}}
+        del cap["cost_per_right_answer"]
+    run.save()
+    page = client.get(f"/benchmarks/runs/{run.pk}/").content.decode()
+    assert "ocr ANLS 0.75 (2)" in page.split('data-cap="1003520"')[1].split("</tr>")[0]
+    assert 'id="quality-cost-chart"' in page
 
 
 def test_the_admin_lists_and_opens_profiles_and_runs(admin_client, world):
