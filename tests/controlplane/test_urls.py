@@ -124,7 +124,7 @@ class Visitor:
 @pytest.fixture
 def fuzz_world(world):
     """The world, with one of each thing a page shows: a request, an engine, a rule, a webhook,
-    a benchmark profile with its run."""
+    a benchmark profile with its run, an evaluation set with its item and an import."""
     from controlplane.alerts.models import AlertRule, Webhook
     from controlplane.benchmarks.models import BenchmarkProfile, BenchmarkRun
     from controlplane.fleet.models import EngineInstance, Node
@@ -140,6 +140,13 @@ def fuzz_world(world):
     profile = BenchmarkProfile.objects.create(name="smoke", tier=world.vision, sweep=[2],
                                               image_buckets=[{"width": 640, "height": 480, "weight": 1}])
     BenchmarkRun.objects.create(profile=profile)
+    from controlplane.benchmarks.models import EvalImport, EvalItem, EvalSet
+
+    eval_set = EvalSet.objects.create(name="reading", source="imported", file_name="reading.jsonl")
+    EvalItem.objects.create(eval_set=eval_set, row=1, task_type="read", question="What is written?", answers=["42"],
+                            content_type="image/jpeg", width=16, height=16, data=image_bytes(16, 16))
+    EvalImport.objects.create(name="reading", file_name="reading.jsonl", task_type="read", state="failed",
+                              errors=[[2, "question is empty"]], error_count=1)
     return world
 
 
