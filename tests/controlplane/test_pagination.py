@@ -5,7 +5,8 @@ import pytest
 pytestmark = pytest.mark.django_db
 
 
-@pytest.mark.parametrize("url", ["/api/v1/benchmarks/profiles/", "/api/v1/benchmarks/runs/"])
+@pytest.mark.parametrize("url", ["/api/v1/benchmarks/profiles/", "/api/v1/benchmarks/runs/",
+                                 "/api/v1/benchmarks/eval-sets/"])
 @pytest.mark.parametrize("query, named", [
     ({"limit": "9" * 30}, "limit"), ({"offset": "9" * 30}, "offset"), ({"limit": "-1"}, "limit"),
     ({"offset": "١٢"}, "offset"), ({"limit": "0"}, "limit"),

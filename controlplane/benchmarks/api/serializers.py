@@ -4,7 +4,7 @@ from django.core.exceptions import ValidationError as DjangoValidationError
 from django.db import models
 from rest_framework import serializers
 
-from controlplane.benchmarks.models import BenchmarkProfile, BenchmarkRun, EvalSet
+from controlplane.benchmarks.models import BenchmarkProfile, BenchmarkRun, EvalItem, EvalSet
 
 
 class ProfileSerializer(serializers.ModelSerializer):
@@ -76,5 +76,15 @@ class EvalSetSerializer(serializers.ModelSerializer):
         read_only_fields = fields
 
     def get_task_types(self, eval_set) -> dict[str, int]:
-        return dict(sorted((task, n) for task, n in
-                           eval_set.items.values_list("task_type").annotate(n=models.Count("id"))))
+        counts = self.context.get("task_counts")
+        if counts is None:  # one query for every set listed (see EvalSetViewSet)
+            counts = self.context["task_counts"] = task_counts()
+        return dict(sorted(counts.get(eval_set.pk, {}).items()))
+
+
+def task_counts() -> dict[int, dict[str, int]]:
+    """Items per task type of every set."""
+    counts: dict[int, dict[str, int]] = {}
+    for set_id, task, n in EvalItem.objects.values_list("eval_set_id", "task_type").annotate(n=models.Count("id")):
+        counts.setdefault(set_id, {})[task] = n
+    return counts

@@ -222,3 +222,15 @@ def test_the_set_pages_render_for_operators(client, world):
     for url in ("/benchmarks/sets/", f"/benchmarks/sets/{eval_set.pk}/", f"/benchmarks/sets/{eval_set.pk}/?page=x"):
         assert client.get(url).status_code == 200, url
     assert 'href="/benchmarks/sets/"' in client.get("/benchmarks/").content.decode()
+
+
+def test_listing_sets_through_the_api_takes_the_same_queries_for_one_set_or_many(client, world,
+                                                                                 django_assert_max_num_queries):
+    client.force_login(world.operator)
+    evalsets.evalset_generate(name="one", task="read", count=1, seed=0)
+    with django_assert_max_num_queries(8) as one:
+        client.get("/api/v1/benchmarks/eval-sets/")
+    for n in range(5):
+        evalsets.evalset_generate(name=f"more {n}", task="count", count=1, seed=n)
+    with django_assert_max_num_queries(len(one.captured_queries)):
+        assert len(client.get("/api/v1/benchmarks/eval-sets/").json()["results"]) == 6
