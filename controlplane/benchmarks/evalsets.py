@@ -19,6 +19,9 @@ from controlplane.benchmarks.models import EvalImport, EvalItem, EvalSet
 log = logging.getLogger(__name__)
 
 MAX_LISTED_ERRORS = 100
+# The import task's hard time limit (tasks.evalset_import): no worker still runs an import that
+# started longer ago than this.
+IMPORT_TIME_LIMIT_S = 3700
 PROGRESS_EVERY_S = 0.5
 BATCH = 200
 
@@ -151,6 +154,17 @@ def evalset_import_execute(*, import_id: int) -> None:
                     f"{error_count} row{'s' if error_count != 1 else ''} refused; nothing was imported")
         return
     _import_end(job, EvalImport.State.SUCCEEDED, f"imported {eval_set.items.count()} items", eval_set=eval_set)
+
+
+def evalimports_abandoned_end() -> int:
+    """End the imports still marked running past their task's hard time limit: their worker
+    died without saying so, and nothing else ever will."""
+    import datetime as dt
+
+    too_old = timezone.now() - dt.timedelta(seconds=IMPORT_TIME_LIMIT_S)
+    return EvalImport.objects.filter(state=EvalImport.State.RUNNING, started_at__lt=too_old).update(
+        state=EvalImport.State.FAILED, finished_at=timezone.now(), data=b"",
+        message="the worker running it stopped without finishing it; nothing was imported")
 
 
 def _import_end(job: EvalImport, state: str, message: str, *, eval_set: EvalSet | None = None) -> None:

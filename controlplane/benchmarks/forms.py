@@ -67,6 +67,20 @@ class EvalItemForm(ImageUploadForm):
 
     field_order = ["task_type", "question", "answers", "image"]
 
+    def clean_image(self):
+        from controlplane.benchmarks import evalfiles
+
+        upload = self.cleaned_data["image"]
+        if upload.size > evalfiles.MAX_IMAGE_BYTES:
+            raise forms.ValidationError("images up to 20 MB")
+        data = upload.read()
+        try:  # the checks an imported item's image passes
+            content_type, width, height = evalfiles.checked_image(data)
+        except evalfiles.RowRefused as exc:
+            raise forms.ValidationError(str(exc)) from None
+        self.image_info = {"content_type": content_type, "width": width, "height": height, "data": data}
+        return upload
+
     def clean(self):
         from controlplane.benchmarks import presence
 
@@ -83,8 +97,7 @@ class EvalItemForm(ImageUploadForm):
         return cleaned
 
     def item_fields(self) -> dict:
-        info = {k: v for k, v in self.image_info.items() if k != "name"}
-        return {**info, "task_type": self.cleaned_data["task_type"], "question": self.cleaned_data["question"],
+        return {**self.image_info, "task_type": self.cleaned_data["task_type"], "question": self.cleaned_data["question"],
                 "answers": self.cleaned_data["answer_list"]}
 
 

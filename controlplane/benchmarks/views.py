@@ -159,6 +159,7 @@ def compare(request):
 @login_required
 def evalset_list(request):
     _operator(request)
+    evalsets.evalimports_abandoned_end()
     sets = EvalSet.objects.annotate(item_count=Count("items")).select_related("created_by").order_by("name")
     return render(request, "benchmarks/evalsets.html", {
         "sets": sets, "imports": EvalImport.objects.defer("data")[:10],
@@ -207,6 +208,7 @@ def evalset_import(request):
 @login_required
 def evalimport_detail(request, pk: int):
     _operator(request)
+    evalsets.evalimports_abandoned_end()
     job = get_object_or_404(EvalImport.objects.defer("data").select_related("eval_set", "created_by"), pk=pk)
     return render(request, "benchmarks/evalimport.html", {"job": job})
 

@@ -234,3 +234,35 @@ def test_listing_sets_through_the_api_takes_the_same_queries_for_one_set_or_many
         evalsets.evalset_generate(name=f"more {n}", task="count", count=1, seed=n)
     with django_assert_max_num_queries(len(one.captured_queries)):
         assert len(client.get("/api/v1/benchmarks/eval-sets/").json()["results"]) == 6
+
+
+def test_an_item_added_by_hand_passes_the_same_image_checks_as_an_import(client, world):
+    client.force_login(world.operator)
+    eval_set = EvalSet.objects.create(name="hand", source="imported", file_name="x.jsonl")
+    bomb = png_with_header(20_000, 20_000, rows_of_zeros=False)
+    response = client.post(f"/benchmarks/sets/{eval_set.pk}/items/", {
+        "task_type": "read", "question": "q", "answers": "a",
+        "image": SimpleUploadedFile("bomb.png", bomb, content_type="image/png")}, follow=True)
+    assert "image refused" in response.content.decode()
+    client.post(f"/benchmarks/sets/{eval_set.pk}/items/", {
+        "task_type": "presence", "question": "Is there a cat?", "answers": "perhaps",
+        "image": SimpleUploadedFile("a.png", image_bytes(8, 8, "PNG"), content_type="image/png")})
+    assert not eval_set.items.exists()
+
+
+def test_an_import_whose_worker_died_is_shown_as_failed_once_past_its_time_limit(client, world):
+    import datetime as dt
+
+    from django.utils import timezone
+
+    client.force_login(world.operator)
+    long_ago = timezone.now() - dt.timedelta(seconds=evalsets.IMPORT_TIME_LIMIT_S + 60)
+    dead = EvalImport.objects.create(name="x", file_name="x.jsonl", task_type="read", state="running",
+                                     started_at=long_ago, data=b"{}")
+    alive = EvalImport.objects.create(name="y", file_name="y.jsonl", task_type="read", state="running",
+                                      started_at=timezone.now())
+    page = client.get(f"/benchmarks/sets/imports/{dead.pk}/").content.decode()
+    assert "the worker running it stopped" in page and 'http-equiv="refresh"' not in page
+    dead.refresh_from_db()
+    alive.refresh_from_db()
+    assert (dead.state, bytes(dead.data), alive.state) == ("failed", b"", "running")
