@@ -233,8 +233,8 @@ def _answers(row: dict) -> list[str]:
 
 
 def _task(value, default: str) -> str:
-    task = default if value in (None, "") else value
-    if task not in TASKS:
+    task = default if value is None or value == "" else value
+    if not isinstance(task, str) or task not in TASKS:
         raise RowRefused(f"task_type {str(task)[:40]!r} is not one of {', '.join(TASKS)}")
     return task
 

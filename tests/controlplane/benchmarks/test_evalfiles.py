@@ -10,6 +10,8 @@ import json
 import zipfile
 
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from controlplane.benchmarks import evalfiles
 from tests.images import data_url, image_bytes
@@ -131,3 +133,26 @@ def test_images_are_checked_as_the_gateway_checks_them():
     with pytest.raises(evalfiles.RowRefused, match="image refused"):
         evalfiles.checked_image(polyglot)
     assert evalfiles.checked_image(image_bytes(30, 20, "WEBP")) == ("image/webp", 30, 20)
+
+
+json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
+                           lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner,
+                                                                                     max_size=3), max_leaves=8)
+
+
+@settings(max_examples=150, deadline=None)
+@given(rows=st.lists(st.dictionaries(st.sampled_from(["image", "question", "answer", "answers", "task_type",
+                                                      "category"]), json_values), max_size=4))
+@example(rows=[{"question": "q", "answer": "a", "task_type": ["read"]}, {"question": "q", "answers": {"a": 1}}])
+def test_any_jsonl_row_is_an_item_or_a_refusal_never_a_crash(rows):
+    _, read_back = read(jsonl(*rows) or b"{}", "fuzz.jsonl")
+    assert all(isinstance(r, evalfiles.RowError) for r in read_back)  # none has an image
+
+
+@settings(max_examples=150, deadline=None)
+@given(text=st.text(max_size=300))
+def test_any_tsv_text_is_rows_or_a_refusal_of_the_file(text):
+    try:
+        read(("index\timage\tquestion\tanswer\tA\tB\n" + text).encode(), "fuzz.tsv")
+    except evalfiles.FileRefused:
+        pass
