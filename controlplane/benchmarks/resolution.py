@@ -16,7 +16,7 @@ from decimal import Decimal
 
 from PIL import Image
 
-from controlplane.benchmarks import scoring, stats
+from controlplane.benchmarks import intervals, scoring, stats
 from controlplane.benchmarks.loadgen import Sample
 from controlplane.benchmarks.workload import IMAGE, RequestSpec, data_url
 from controlplane.imaging.policy import Policy, fit_within, normalise_tiles
@@ -139,6 +139,7 @@ def cap_summary(samples: list[Sample], specs: dict[int, RequestSpec], *, cap: in
         "cost_per_image": stats.cost_per_image(ok, rates) if rates is not None else None,
         "cost_per_right_answer": cost_per_right,
         "tasks": {task: scoring.summarise(task, results) for task, results in sorted(by_task.items())},
+        "overall": set_figures(samples, specs) if by_task else None,
         "answers": answers,
     }
 
@@ -150,3 +151,22 @@ def task_line(task: str, figures: dict) -> str:
     interval = figures.get("interval")
     text = f"{task} {name} {value:.2f}" if value is not None else f"{task} {name} -"
     return text + (f" [{interval[0]:.2f}, {interval[1]:.2f}]" if interval else "")
+
+
+def set_figures(samples: list, specs: dict) -> dict:
+    """The mean of the items' headline scores, with its 95 % interval, and the mean image
+    tokens: one figure for the whole set, each item counted once."""
+    scores = []
+    for sample in samples:
+        meta = specs[sample.index].meta
+        if not meta.get("task_type"):
+            continue
+        result = scoring.score(sample.text, meta["answers"], meta["task_type"]) if sample.ok \
+            else scoring.unanswered(meta["answers"], meta["task_type"])
+        scores.append(result["score"])
+    ok = [s for s in samples if s.ok]
+    interval = intervals.mean_interval(scores)
+    return {"accuracy": round(sum(scores) / len(scores), 4) if scores else None,
+            "interval": None if interval is None else [round(interval[0], 4), round(interval[1], 4)],
+            "answered": len(ok), "items": len(samples),
+            "mean_image_tokens": round(sum(s.image_tokens for s in ok) / len(ok), 1) if ok else None}

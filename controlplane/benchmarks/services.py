@@ -22,7 +22,7 @@ from django.utils import timezone
 
 from controlplane import outbound
 from controlplane.benchmarks import loadgen, stats
-from controlplane.benchmarks.models import BenchmarkImage, BenchmarkProfile, BenchmarkRun
+from controlplane.benchmarks.models import BenchmarkImage, BenchmarkProfile, BenchmarkRun, EvalSet
 from controlplane.benchmarks.workload import (
     CLASS_NAMES,
     Mix,
@@ -338,18 +338,22 @@ def _measure_resolution(run: BenchmarkRun, target: loadgen.Target) -> None:
     _drive(run, results, start, summarise)
 
 
+def set_items(eval_set: EvalSet) -> list:
+    """An evaluation set's items, as a sweep asks them."""
+    from controlplane.benchmarks.resolution import Item
+
+    return [Item(key=f"row-{i.row}", data=bytes(i.data), width=i.width, height=i.height,
+                 content_type=i.content_type, question=i.question, task_type=i.task_type, answers=tuple(i.answers))
+            for i in eval_set.items.all()]
+
+
 def resolution_items(profile: BenchmarkProfile) -> list:
     """The items of its evaluation set, else the uploaded images, else one synthetic image per
     size bucket."""
     from controlplane.benchmarks.resolution import Item
     from controlplane.benchmarks.workload import synthetic_jpeg
 
-    items = []
-    if profile.eval_set_id:
-        items = [Item(key=f"row-{i.row}", data=bytes(i.data), width=i.width, height=i.height,
-                      content_type=i.content_type, question=i.question, task_type=i.task_type,
-                      answers=tuple(i.answers))
-                 for i in profile.eval_set.items.all()]
+    items = set_items(profile.eval_set) if profile.eval_set_id else []
     if not items:
         items = [Item(key=f"image-{i.pk}", data=bytes(i.data), width=i.width, height=i.height,
                       content_type=i.content_type) for i in profile.images.all()]
