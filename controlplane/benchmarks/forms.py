@@ -148,3 +148,23 @@ class EvalImportForm(forms.Form):
 class CompareForm(forms.Form):
     a = forms.IntegerField(label="Run A (before)")
     b = forms.IntegerField(label="Run B (after)")
+
+
+class GateForm(forms.Form):
+    tier = forms.ModelChoiceField(queryset=None, help_text="Its resolution policy's changes are checked first")
+    eval_set = forms.ModelChoiceField(queryset=None, label="Gate set", help_text="What a change is measured on")
+    tolerance_points = forms.FloatField(min_value=0, max_value=100, initial=2.0,
+                                        help_text="The largest drop in accuracy, in points, a change may bring")
+    max_tokens = forms.IntegerField(min_value=1, max_value=4096, initial=16, help_text="Longest answer asked for")
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        from controlplane.catalog.models import ModelTier
+
+        self.fields["tier"].queryset = ModelTier.objects.filter(kind=ModelTier.Kind.VISION).order_by("name")
+        self.fields["eval_set"].queryset = EvalSet.objects.order_by("name")
+
+
+class OverrideForm(forms.Form):
+    reason = forms.CharField(max_length=2000, required=False, widget=forms.Textarea(attrs={"rows": 2}),
+                             help_text="Needed to apply a blocked change; kept in the policy's history")

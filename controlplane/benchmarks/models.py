@@ -350,3 +350,61 @@ class BenchmarkRun(models.Model):
     @property
     def finished(self) -> bool:
         return self.state in self.FINAL
+
+
+class QualityGate(models.Model):
+    """A tier's quality gate: a change of its resolution policy is measured on the gate set,
+    the policy in force against the one proposed, before it goes live; a drop past the
+    tolerance blocks the change unless an operator overrides it."""
+
+    tier = models.OneToOneField("catalog.ModelTier", on_delete=models.CASCADE, related_name="quality_gate")
+    eval_set = models.ForeignKey(EvalSet, on_delete=models.PROTECT, related_name="gates",
+                                 help_text="The gate set: what a change is measured on")
+    tolerance_points = models.FloatField(
+        default=2.0, validators=[MinValueValidator(0.0), MaxValueValidator(100.0)],
+        help_text="The largest drop in accuracy, in percentage points, a change may bring")
+    max_tokens = models.PositiveIntegerField(default=16, validators=[MinValueValidator(1), MaxValueValidator(4096)],
+                                             help_text="Longest answer asked for")
+
+    def __str__(self):
+        return f"quality gate of {self.tier}"
+
+
+class GateCheck(models.Model):
+    """One proposed change of a resolution policy, measured on every gated tier that uses it.
+    The change is applied only from here: at once when every tier passed, or by an operator's
+    override, with its reason, when one was blocked. Both are audited with the policy."""
+
+    class State(models.TextChoices):
+        RUNNING = "running", "measuring"
+        PASSED = "passed", "passed"
+        BLOCKED = "blocked", "blocked"
+        FAILED = "failed", "could not be measured"
+        APPLIED = "applied", "applied"
+        OVERRIDDEN = "overridden", "applied over a block"
+        DISCARDED = "discarded", "discarded"
+
+    DECIDED = (State.APPLIED, State.OVERRIDDEN, State.DISCARDED)
+
+    policy = models.ForeignKey("catalog.ResolutionPolicy", on_delete=models.CASCADE, related_name="gate_checks")
+    current = models.JSONField(help_text="The policy's fields when the check began")
+    proposed = models.JSONField(help_text="The policy's fields as proposed")
+    state = models.CharField(max_length=16, choices=State.choices, default=State.RUNNING)
+    progress = models.FloatField(default=0.0)
+    log = models.TextField(blank=True)
+    # Per tier: the gate set's accuracy under each policy, with its interval, and the drop.
+    results = models.JSONField(default=dict, blank=True)
+    requested_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL,
+                                     related_name="+")
+    decided_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL,
+                                   related_name="+")
+    override_reason = models.TextField(blank=True)
+    created_at = models.DateTimeField(default=timezone.now)
+    finished_at = models.DateTimeField(null=True, blank=True)
+    decided_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+
+    def __str__(self):
+        return f"quality check {self.pk} of policy {self.policy}"

@@ -24,3 +24,11 @@ def evalset_import(import_id: int) -> None:
     from controlplane.benchmarks.evalsets import evalset_import_execute
 
     evalset_import_execute(import_id=import_id)
+
+
+@shared_task(name="benchmarks.gate_check", soft_time_limit=1800, time_limit=1900)
+def gate_check_run(check_id: int) -> None:
+    """Measure a proposed policy change on its gated tiers."""
+    from controlplane.benchmarks.gates import check_execute
+
+    check_execute(check_id=check_id)

@@ -1,6 +1,6 @@
 from django.urls import path
 
-from controlplane.benchmarks import views
+from controlplane.benchmarks import gate_views, views
 
 app_name = "benchmarks"
 urlpatterns = [
@@ -23,4 +23,9 @@ urlpatterns = [
     path("sets/<int:pk>/items/", views.evalitem_add, name="evalitem-add"),
     path("sets/<int:pk>/items/<int:item_pk>/image/", views.evalitem_image, name="evalitem-image"),
     path("sets/<int:pk>/items/<int:item_pk>/delete/", views.evalitem_delete, name="evalitem-delete"),
+    path("gates/", gate_views.gate_list, name="gates"),
+    path("gates/<int:pk>/delete/", gate_views.gate_delete, name="gate-delete"),
+    path("gates/checks/<int:pk>/", gate_views.check_detail, name="gate-check"),
+    path("gates/checks/<int:pk>/apply/", gate_views.check_apply, name="gate-check-apply"),
+    path("gates/checks/<int:pk>/discard/", gate_views.check_discard, name="gate-check-discard"),
 ]

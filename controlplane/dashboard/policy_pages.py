@@ -12,6 +12,7 @@ from django.shortcuts import get_object_or_404, redirect, render
 
 from controlplane.audit.models import AuditEntry
 from controlplane.audit.services import audit_record, field_values, history
+from controlplane.benchmarks import gates
 from controlplane.catalog.models import ModelTier, ResolutionPolicy
 from controlplane.catalog.preview import engine_image_bounds, rates_now, samples
 from controlplane.dashboard.access import operators_only
@@ -37,6 +38,13 @@ def _policy_form(request, policy: ResolutionPolicy):
     form = PolicyForm(request.POST or None, instance=policy)
     preview = None
     if request.method == "POST" and form.is_valid():
+        gated = [] if creating else gates.gated_tiers(saved)
+        if "save" in request.POST and gated and form.has_changed():
+            # Not saved: measured first on the gated tiers; applied from the check.
+            check = gates.check_start(policy=saved, proposed=form.instance, user=request.user)
+            messages.info(request, f"{', '.join(t.name for t in gated)} {'is' if len(gated) == 1 else 'are'} "
+                                   f"gated: the change is being measured before it goes live.")
+            return redirect("benchmarks:gate-check", pk=check.pk)
         if "save" in request.POST:
             policy = form.save()
             audit_record(actor=request.user.get_username(),
@@ -53,6 +61,7 @@ def _policy_form(request, policy: ResolutionPolicy):
         "form": form, "policy": policy, "creating": creating, "preview": preview, "used_by": used_by,
         "engine_bounds": [(tier, engine_image_bounds(tier)) for tier in used_by
                           if tier.kind == ModelTier.Kind.VISION],
+        "gated": [] if creating else gates.gated_tiers(saved),
         "history": [] if creating else history(policy)[:20]})
 
 

@@ -31,6 +31,7 @@ PURE_MODULES = [
     "workers.engines.launch",
     "workers.engines.simulator.engine",
     "controlplane.benchmarks.synthetic",
+    "controlplane.benchmarks.advisor",
 ]
 
 _PROBE = """
