@@ -122,14 +122,13 @@ def build_tokenizer(out: Path) -> dict[str, int]:
     return ids
 
 
-def build(out: Path) -> Path:
-    import torch
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+def model_config(ids: dict[str, int], initializer_range: float = 0.02):
+    """Qwen2.5-VL's configuration at the tiny size: hidden 128, 2 layers; vision hidden 64,
+    depth 2. `ids` are the special tokens' ids from `build_tokenizer`."""
+    from transformers import Qwen2_5_VLConfig
 
-    out.mkdir(parents=True, exist_ok=True)
-    ids = build_tokenizer(out)
     vocab = 2048 + 64  # learned vocabulary plus room, a multiple of 64 as vLLM prefers
-    config = Qwen2_5_VLConfig(
+    return Qwen2_5_VLConfig(
         text_config={
             "vocab_size": vocab, "hidden_size": 128, "intermediate_size": 256,
             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -137,25 +136,39 @@ def build(out: Path) -> Path:
             "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0,
                                 "mrope_section": [4, 6, 6]},  # sums to head_dim / 2 = 16
             "bos_token_id": ids["<|endoftext|>"], "eos_token_id": ids["<|im_end|>"],
-            "tie_word_embeddings": False,
+            "tie_word_embeddings": False, "initializer_range": initializer_range,
         },
         vision_config={
             "depth": 2, "hidden_size": 64, "intermediate_size": 128, "num_heads": 2,
             "out_hidden_size": 128, "patch_size": 14, "spatial_merge_size": 2,
             "temporal_patch_size": 2, "window_size": 112, "fullatt_block_indexes": [1],
+            "initializer_range": initializer_range,
         },
         image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
-        tie_word_embeddings=False,
+        tie_word_embeddings=False, initializer_range=initializer_range,
     )
-    torch.manual_seed(0)
-    model = Qwen2_5_VLForConditionalGeneration(config).to(torch.bfloat16)
-    model.save_pretrained(out, safe_serialization=True)
+
+
+def write_processor_files(out: Path, ids: dict[str, int]) -> None:
+    """Qwen2.5-VL's preprocessor settings and the generation defaults (stop at <|im_end|>)."""
     (out / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR, indent=1))
     (out / "generation_config.json").write_text(json.dumps({
         "bos_token_id": ids["<|endoftext|>"], "eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]],
         "pad_token_id": ids["<|endoftext|>"],
     }))
+
+
+def build(out: Path) -> Path:
+    import torch
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    out.mkdir(parents=True, exist_ok=True)
+    ids = build_tokenizer(out)
+    torch.manual_seed(0)
+    model = Qwen2_5_VLForConditionalGeneration(model_config(ids)).to(torch.bfloat16)
+    model.save_pretrained(out, safe_serialization=True)
+    write_processor_files(out, ids)
     (out / "TINY_MODEL_VERSION").write_text(VERSION)
     return out
 
