@@ -132,6 +132,16 @@ def test_a_low_detail_cap_below_the_chosen_one_is_kept(client, world, run):
     assert (policy.max_pixels, policy.low_detail_max_pixels) == (401_408, 200_704)
 
 
+def test_a_cap_the_policy_cannot_take_is_refused_with_the_policy_s_reason(client, world, run):
+    ResolutionPolicy.objects.filter(pk=world.vision.resolution_policy_id).update(min_pixels=300_000,
+                                                                                low_detail_max_pixels=401_408)
+    client.force_login(world.operator)
+    page = _advise(client, run, "within", "20")
+    assert ("Nothing to apply: the policy standard cannot cap at 200,704 px: max_pixels must not be below "
+            "min_pixels") in page
+    assert 'id="advice-apply"' not in page
+
+
 def test_a_policy_changed_since_the_page_was_shown_is_not_overwritten(client, world, run):
     client.force_login(world.operator)
     page = _advise(client, run)
