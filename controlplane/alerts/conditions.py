@@ -10,6 +10,7 @@ from decimal import Decimal
 from django.db.models import Count, Max
 
 from controlplane.alerts.models import AlertRule
+from controlplane.benchmarks.models import BenchmarkProfile, BenchmarkRun
 from controlplane.fleet.models import EngineEvent, EngineInstance
 from controlplane.metering.models import SERVER_ERROR, UsageEvent
 from controlplane.metering.selectors import quota_use
@@ -149,10 +150,65 @@ def _count_disagree(rule: AlertRule, now: dt.datetime) -> list[Reading]:
             for row in rows]
 
 
+def _set_figures(run: BenchmarkRun) -> dict[int, dict]:
+    """A sweep's whole-set accuracy and interval by cap, for the caps that have both."""
+    return {cap["cap"]: cap["overall"] for cap in (run.results or {}).get("caps") or []
+            if (cap.get("overall") or {}).get("accuracy") is not None and cap["overall"].get("interval")}
+
+
+def _accuracy(figures: dict, run: BenchmarkRun) -> str:
+    low, high = figures["interval"]
+    return f"{figures['accuracy']:.1%} [{low:.1%}, {high:.1%}] in run #{run.pk}"
+
+
+def _quality_regression(rule: AlertRule, now: dt.datetime) -> list[Reading]:
+    profiles = BenchmarkProfile.objects.filter(kind=BenchmarkProfile.Kind.RESOLUTION).select_related("tier")
+    if rule.tier_id:
+        profiles = profiles.filter(tier_id=rule.tier_id)
+    succeeded = BenchmarkRun.objects.filter(state=BenchmarkRun.State.SUCCEEDED, finished_at__lte=now)
+    found = []
+    for profile in profiles.order_by("name"):
+        runs = succeeded.filter(profile=profile).order_by("-finished_at", "-id")
+        latest = runs.filter(finished_at__gte=now - dt.timedelta(minutes=rule.window_minutes)).first()
+        if latest is None:
+            continue
+        eval_set = (latest.config or {}).get("eval_set")
+        previous = runs.filter(finished_at__lte=latest.finished_at, config__eval_set=eval_set).exclude(
+            pk=latest.pk).exclude(finished_at=latest.finished_at, pk__gt=latest.pk).first()
+        if previous is None:
+            continue
+        now_figures, before = _set_figures(latest), _set_figures(previous)
+        caps = []
+        for cap in sorted(set(now_figures) & set(before)):
+            drop = Decimal(str(round(100 * (before[cap]["accuracy"] - now_figures[cap]["accuracy"]), 2)))
+            apart = now_figures[cap]["interval"][1] < before[cap]["interval"][0]
+            caps.append((drop >= rule.threshold and apart, drop, apart, cap))
+        if not caps:
+            continue
+        breached, drop, apart, cap = max(caps)  # the largest breach, else the largest drop
+        where = f"{profile.tier.name} (sweep {profile.name} on {eval_set or 'its images'})"
+        figures = (f"{_accuracy(now_figures[cap], latest)} against {_accuracy(before[cap], previous)}")
+        if breached:
+            others = sum(1 for c in caps if c[0]) - 1
+            message = (f"{where}: accuracy fell {drop:.1f} points at {cap:,} px, {figures}; the intervals do not "
+                       "overlap" + (f"; {others} more {'cap' if others == 1 else 'caps'} fell past the threshold"
+                                    if others else ""))
+        elif drop >= rule.threshold:
+            message = (f"{where}: accuracy fell {drop:.1f} points at {cap:,} px, {figures}, but the intervals "
+                       "overlap: within the set's noise")
+        elif drop > 0:
+            message = f"{where}: at most {drop:.1f} points lost at any cap ({cap:,} px: {figures})"
+        else:
+            message = f"{where}: no cap lost accuracy ({cap:,} px: {figures})"
+        found.append(Reading(subject=f"profile:{profile.name}", value=drop, breached=breached, message=message))
+    return found
+
+
 _READERS = {
     AlertRule.Kind.QUOTA_USE: _quota_use,
     AlertRule.Kind.ENGINE_UNHEALTHY: _engine_unhealthy,
     AlertRule.Kind.UNRATED_USAGE: _unrated_usage,
     AlertRule.Kind.ERROR_RATE: _error_rate,
     AlertRule.Kind.COUNT_DISAGREE: _count_disagree,
+    AlertRule.Kind.QUALITY_REGRESSION: _quality_regression,
 }

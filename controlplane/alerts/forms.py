@@ -15,7 +15,8 @@ class AlertRuleForm(forms.ModelForm):
                   "for_seconds": "Down for (seconds)", "min_requests": "Minimum requests",
                   "tier": "Only tier", "tenant": "Only tenant"}
         help_texts = {"threshold": "Quota use and error rate: a percent; engines: crashes in the window; "
-                                   "unrated usage and disagreements: requests in the window"}
+                                   "unrated usage and disagreements: requests in the window; accuracy between sweeps: "
+                                   "points lost at a cap"}
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

@@ -28,6 +28,7 @@ class KindSpec:
     uses_window: bool = True
     uses_for_seconds: bool = False
     uses_min_requests: bool = False
+    unit: str | None = None  # after the bounds in a refusal; None: " %" for a share, nothing for a count
 
 
 class AlertRule(models.Model):
@@ -37,6 +38,7 @@ class AlertRule(models.Model):
         UNRATED_USAGE = "unrated_usage", "usage stored without a rate"
         ERROR_RATE = "error_rate", "a tier's error rate"
         COUNT_DISAGREE = "count_disagree", "the engine's image tokens disagree with the gateway's"
+        QUALITY_REGRESSION = "quality_regression", "a tier's accuracy falling between two resolution sweeps"
 
     SPECS = {
         Kind.QUOTA_USE: KindSpec("percent of any limit", Decimal(1), Decimal(100), False, ("tenant",),
@@ -49,6 +51,8 @@ class AlertRule(models.Model):
                                   ("tier", "tenant"), uses_min_requests=True),
         Kind.COUNT_DISAGREE: KindSpec("disagreeing requests in the window", Decimal(1), Decimal(10**9), True,
                                       ("tier", "tenant")),
+        Kind.QUALITY_REGRESSION: KindSpec("points of accuracy lost at a cap", Decimal("0.1"), Decimal(100), False,
+                                          ("tier",), unit=" points"),
     }
     WINDOW_MAX_MINUTES = 7 * 24 * 60
     FOR_SECONDS_MAX = 24 * 3600
@@ -85,7 +89,7 @@ class AlertRule(models.Model):
         if spec is None:
             return  # the field's own choices say so
         if self.threshold is not None:
-            unit = "" if spec.whole else " %"
+            unit = spec.unit if spec.unit is not None else "" if spec.whole else " %"
             if not spec.minimum <= self.threshold <= spec.maximum:
                 errors["threshold"] = (f"for {self.get_kind_display()}, {spec.threshold_label}: "
                                        f"from {spec.minimum:g}{unit} to {spec.maximum:g}{unit}")

@@ -1,4 +1,4 @@
-"""Plotly charts of benchmark results: latency against load, and goodput against load."""
+"""Plotly charts of benchmark results: latency and goodput against load, and quality against cost."""
 
 from __future__ import annotations
 
@@ -87,6 +87,30 @@ def quality_cost_chart(runs: list[tuple[str, dict]], div_id: str = "quality-cost
     figure.update_layout(title="Quality against cost, one point per pixel cap (bars: 95 % intervals)",
                          xaxis_title="cost per image", yaxis_title="each task's headline metric",
                          yaxis={"range": [0, 1.05]}, margin={"l": 60, "r": 20, "t": 50, "b": 50}, height=380)
+    return _html(figure, div_id)
+
+
+def set_curve_chart(runs: list[tuple[str, dict]], div_id: str = "set-curve-chart") -> str:
+    """Per run: accuracy on the whole set (with its 95 % interval as error bars) against the
+    cost of an image, one point per pixel cap; caps without both figures are left out."""
+    figure = go.Figure()
+    for name, results in runs:
+        points = [(float(c["cost_per_image"]), c["overall"]["accuracy"], c["overall"].get("interval"), c["cap"])
+                  for c in results.get("caps") or []
+                  if c.get("cost_per_image") is not None and (c.get("overall") or {}).get("accuracy") is not None]
+        points.sort()
+        errors = {"type": "data", "symmetric": False,
+                  "array": [(i[1] - y) if i else 0 for _, y, i, _ in points],
+                  "arrayminus": [(y - i[0]) if i else 0 for _, y, i, _ in points]}
+        figure.add_scatter(name=name, x=[x for x, _, _, _ in points], y=[y for _, y, _, _ in points],
+                           text=[f"{cap:,} px" for _, _, _, cap in points], error_y=errors,
+                           mode="lines+markers+text", textposition="top center",
+                           hovertemplate="%{text}: accuracy %{y:.1%}, %{x} per image")
+    figure.update_layout(title="Accuracy on the set against cost per image, one point per pixel cap "
+                               "(bars: 95 % intervals)",
+                         xaxis_title="cost per image", yaxis_title="accuracy on the set",
+                         yaxis={"range": [0, 1.05], "tickformat": ".0%"}, showlegend=True,
+                         margin={"l": 60, "r": 20, "t": 50, "b": 50}, height=400)
     return _html(figure, div_id)
 
 

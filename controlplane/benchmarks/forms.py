@@ -168,3 +168,24 @@ class GateForm(forms.Form):
 class OverrideForm(forms.Form):
     reason = forms.CharField(max_length=2000, required=False, widget=forms.Textarea(attrs={"rows": 2}),
                              help_text="Needed to apply a blocked change; kept in the policy's history")
+
+
+class AdviceForm(forms.Form):
+    """A quality target for the advisor; applying its advice also carries the policy's stamp
+    as the page showed it."""
+
+    target_kind = forms.ChoiceField(label="Target", choices=[])
+    target_points = forms.FloatField(label="Points", min_value=0, max_value=100, initial=2.0,
+                                     help_text="N points of the best cap, or X % on the set")
+    stamp = forms.CharField(max_length=64, required=False, widget=forms.HiddenInput)
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        from controlplane.benchmarks.advisor import TARGET_KINDS
+
+        self.fields["target_kind"].choices = list(TARGET_KINDS.items())
+
+    def target(self):
+        from controlplane.benchmarks.advisor import Target
+
+        return Target(self.cleaned_data["target_kind"], self.cleaned_data["target_points"])

@@ -52,15 +52,18 @@ def gated_tiers(policy: ResolutionPolicy) -> list[ModelTier]:
                 .select_related("quality_gate__eval_set").order_by("name"))
 
 
-def check_start(*, policy: ResolutionPolicy, proposed: ResolutionPolicy, user=None) -> GateCheck:
+def check_start(*, policy: ResolutionPolicy, proposed: ResolutionPolicy, user=None, note: str = "") -> GateCheck:
     """Start measuring `proposed` (an unsaved copy of `policy`, validated) on every gated tier
-    that uses `policy`. The policy itself is left as it is."""
+    that uses `policy`. The policy itself is left as it is; `note`, if any, says in the check's
+    log where the change came from."""
     from controlplane.benchmarks.tasks import gate_check_run
 
     if not gated_tiers(policy):
         raise GateError(f"no gated tier uses the policy {policy.name}")
     check = GateCheck.objects.create(policy=policy, current=policy_fields(policy), proposed=policy_fields(proposed),
                                      requested_by=user)
+    if note:
+        _log(check, note)
     transaction.on_commit(lambda: gate_check_run.delay(check.pk))
     return check
 

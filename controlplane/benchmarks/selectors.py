@@ -109,3 +109,24 @@ def cap_task_rows(caps: list[dict]) -> list[dict]:
                  for task, figures in cap["tasks"].items()]
         rows.append({**cap, "task_rows": tasks})
     return rows
+
+
+def curve_points(results: dict) -> list:
+    """A resolution sweep's quality–cost curve for the advisor: each cap with its accuracy on
+    the whole set (`overall`), that accuracy's interval and its cost per image. Caps without
+    a figure for the set (unlabelled items, or nothing answered) are left out."""
+    from decimal import Decimal
+
+    from controlplane.benchmarks.advisor import Point
+
+    points = []
+    for cap in results.get("caps") or []:
+        overall = cap.get("overall") or {}
+        if overall.get("accuracy") is None or not overall.get("interval"):
+            continue
+        cost = cap.get("cost_per_image")
+        points.append(Point(cap=cap["cap"], accuracy=overall["accuracy"], low=overall["interval"][0],
+                            high=overall["interval"][1], items=overall.get("items") or 0,
+                            cost_per_image=None if cost is None else Decimal(str(cost)),
+                            image_tokens=cap.get("mean_image_tokens")))
+    return points

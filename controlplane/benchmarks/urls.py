@@ -1,6 +1,6 @@
 from django.urls import path
 
-from controlplane.benchmarks import gate_views, views
+from controlplane.benchmarks import curve_views, gate_views, views
 
 app_name = "benchmarks"
 urlpatterns = [
@@ -13,6 +13,9 @@ urlpatterns = [
     path("<int:pk>/images/<int:image_pk>/delete/", views.image_delete, name="image-delete"),
     path("runs/<int:pk>/", views.run_detail, name="run"),
     path("runs/<int:pk>/cancel/", views.run_cancel, name="run-cancel"),
+    path("runs/<int:pk>/advice/apply/", curve_views.run_advice_apply, name="run-advice-apply"),
+    path("runs/<int:pk>/curve.csv", curve_views.run_curve_csv, name="run-curve-csv"),
+    path("runs/<int:pk>/answers.csv", curve_views.run_answers_csv, name="run-answers-csv"),
     path("compare/", views.compare, name="compare"),
     path("sets/", views.evalset_list, name="evalsets"),
     path("sets/generate/", views.evalset_generate, name="evalset-generate"),

@@ -12,7 +12,7 @@ from django.http import HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_GET, require_POST
 
-from controlplane.benchmarks import charts, evalsets, selectors, services
+from controlplane.benchmarks import charts, curve_views, evalsets, selectors, services
 from controlplane.benchmarks.forms import (
     CompareForm,
     EvalImportForm,
@@ -109,7 +109,7 @@ def image_delete(request, pk: int, image_pk: int):
 @login_required
 def run_detail(request, pk: int):
     _operator(request)
-    run = get_object_or_404(BenchmarkRun.objects.select_related("profile__tier", "created_by"), pk=pk)
+    run = get_object_or_404(BenchmarkRun.objects.select_related("profile__tier__price_plan", "created_by"), pk=pk)
     results = run.results or {}
     has_stages = bool(results.get("stages"))
     caps = results.get("caps") or []
@@ -126,6 +126,7 @@ def run_detail(request, pk: int):
         if has_stages else None,
         "throughput_chart": charts.throughput_chart([(str(run), results)]) if has_stages else None,
         "others": BenchmarkRun.objects.filter(profile=run.profile).exclude(pk=run.pk)[:20],
+        **curve_views.run_curve_context(request, run),
     })
 
 
@@ -153,6 +154,8 @@ def compare(request):
                        throughput_chart=charts.throughput_chart(named))
         if any(results.get("caps") for _, results in named):
             context.update(quality_chart=charts.quality_cost_chart(named), caps_rows=selectors.cap_rows(a, b))
+            if any(selectors.curve_points(results) for _, results in named):
+                context["curve_chart"] = charts.set_curve_chart(named)
     return render(request, "benchmarks/compare.html", context)
 
 

@@ -194,9 +194,17 @@ def export_response(export: Export, *, asgi: bool) -> StreamingHttpResponse:
 
 # -- CSV --------------------------------------------------------------------------------------
 
+# A text cell a spreadsheet would read as a formula (or, after a tab or a return, as the start
+# of one) is prefixed with an apostrophe, so that it stays text: names and answers in an export
+# come from outside.
+FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
+
+
 def _csv_cell(value):
     if value is None:
         return ""
+    if isinstance(value, str):
+        return f"'{value}" if value.startswith(FORMULA_STARTS) else value
     if isinstance(value, bool):
         return "yes" if value else "no"
     if isinstance(value, dt.datetime):

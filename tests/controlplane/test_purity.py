@@ -32,6 +32,7 @@ PURE_MODULES = [
     "workers.engines.simulator.engine",
     "controlplane.benchmarks.synthetic",
     "controlplane.benchmarks.advisor",
+    "controlplane.benchmarks.curves",
 ]
 
 _PROBE = """

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import re
 import shutil
 
@@ -262,3 +263,65 @@ def test_an_operator_tries_a_model_with_an_image_sees_the_estimate_then_the_mete
     page.locator("#pg-usage-cost a").click()
     expect(page.get_by_role("heading", name=f"Request {request_id}")).to_be_visible()
     expect(page.locator("#timings")).to_contain_text("Time to first token")
+
+
+def _sweep_on_a_gated_tier(django_db_blocker, db: str = "system"):
+    """A resolution sweep of a tier of its own (disabled: no engine starts for it), whose policy
+    changes are gated: 1,003,520 px scores 88 %, 401,408 px 86 % for less than half the cost.
+    Written on a thread of its own: Playwright's event loop runs on this one, where Django
+    refuses database calls."""
+    with django_db_blocker.unblock(), concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(_write_sweep_on_a_gated_tier, db).result()
+
+
+def _write_sweep_on_a_gated_tier(db: str):
+    from django.db import connections
+
+    try:
+        return _sweep_rows(db)
+    finally:
+        connections[db].close()
+
+
+def _sweep_rows(db: str):
+    from controlplane.benchmarks.models import BenchmarkProfile, BenchmarkRun, EvalSet, QualityGate
+    from controlplane.catalog.models import ModelTier, PricePlan, ResolutionPolicy
+
+    policy = ResolutionPolicy.objects.using(db).create(name="advised", max_pixels=1_003_520,
+                                                       low_detail_max_pixels=200_704)
+    tier = ModelTier.objects.using(db).create(
+        name="zz-advised", family="qwen2_5_vl", kind="vision", engine_kind="simulator", model_id="advised",
+        enabled=False, replicas=0, resolution_policy=policy, price_plan=PricePlan.objects.using(db).get(name="vlm-lite"))
+    eval_set = EvalSet.objects.using(db).create(name="advised-gate", source="imported", file_name="gate.jsonl")
+    QualityGate.objects.using(db).create(tier=tier, eval_set=eval_set)
+    profile = BenchmarkProfile.objects.using(db).create(name="advised-sweep", kind="resolution", tier=tier)
+    caps = [{"cap": cap, "requests": 100, "errors": 0, "mean_image_tokens": cap / 784, "cost_per_image": cost,
+             "ttft": {"p50": 40.0, "p99": 60.0}, "e2e": {"p50": 90.0, "p99": 120.0}, "tasks": {},
+             "overall": {"accuracy": accuracy, "interval": interval, "items": 100}, "answers": []}
+            for cap, accuracy, interval, cost in ((200_704, 0.70, [0.61, 0.78], "0.000039"),
+                                                  (401_408, 0.86, [0.78, 0.91], "0.000080"),
+                                                  (1_003_520, 0.88, [0.80, 0.93], "0.000192"))]
+    return BenchmarkRun.objects.using(db).create(
+        profile=profile, state="succeeded", progress=1.0, config={"kind": "resolution", "eval_set": "advised-gate"},
+        results={"kind": "resolution", "caps": caps})
+
+
+def test_an_operator_asks_the_advisor_for_a_target_applies_it_and_sees_it_measured_first(system, django_db_blocker,
+                                                                                        page):
+    run = _sweep_on_a_gated_tier(django_db_blocker)
+    _login(page, system.base_url, "operator", "operator")
+    page.goto(f"{system.base_url}/benchmarks/runs/{run.pk}/")
+    expect(page.locator("#set-curve-chart .main-svg").first).to_be_visible()
+    advisor = page.locator("#advisor")
+    advisor.get_by_label("Target").select_option("within")
+    advisor.get_by_label("Points").fill("3")
+    advisor.get_by_role("button", name="Advise").click()
+    expect(page.locator("#advice-summary")).to_contain_text("401,408 px is the smallest cap within 3 points")
+    expect(page.locator("#advice")).to_contain_text("within the set's noise")
+
+    page.get_by_role("button", name="Check and apply 401408 px to advised").click()
+    expect(page.get_by_role("heading", name=re.compile(r"check #\d+ of advised"))).to_be_visible()
+    changed = page.locator("#changed")
+    expect(changed).to_contain_text("max_pixels")
+    expect(changed).to_contain_text("401408")
+    expect(page.locator("#log")).to_contain_text(f"from the advisor: run {run.pk}")
