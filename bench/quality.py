@@ -1,0 +1,215 @@
+"""The quality–cost curve of the model the project trains, through the gateway, on the real
+vLLM CPU engine: what each pixel cap costs and what it is worth.
+
+    python -m bench.quality [--items 60] [--tasks read,count,presence] [--json PATH]
+
+One vLLM CPU engine serves the trained Qwen2.5-VL (workers/engines/cpu/seeing_model.py),
+launched as the fleet launches a tier; our gateway runs as bench/gateway runs it, its vision
+tier on that engine. Each task's held-out questions (controlplane/benchmarks/synthetic.py, a
+seed the model never trained on) are asked at every cap, the client scaling each picture as
+an operator's pixel cap would, by the product's own resolution sweep; answers are scored by
+each task's metric with a 95 % interval. Printed per cap: accuracy per task and over the set,
+image tokens and cost per image, cost per correct answer, latency; then the policy advisor's
+pick for a target within 2 points of the best cap, against the naive policy (every picture at
+full size), with the saving per 1,000 images. Last, the same questions at full size sent to
+the engine directly, answer for answer against the gateway's: the gateway must not change
+what the model sees.
+
+With --long, tall and wide strips (receipts of 1:6 to 1:15) under a pixel cap that binds
+(`--long-cap`), each made by the gateway's own policy code as it would send them, asked of the
+engine directly: squashed whole into the cap (tiling off), and tiled past each aspect-ratio
+threshold (every tile gets the full cap); accuracy, image tokens and images per strip for each,
+so that the tiling threshold is set from what it buys.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shutil
+import signal
+import sys
+import tempfile
+from decimal import Decimal
+from pathlib import Path
+
+from bench.engine_path import EngineGateway, engine_start, engine_stop, engine_wait
+from bench.gateway import free_port
+
+FULL = 224 * 224  # the trained model's canvas
+CAPS = (FULL, FULL // 2, FULL // 4, FULL // 8, FULL // 16)
+TASKS = ("read", "count", "presence")
+SEED = 1_000_000_007  # held out: the model trained on seeds below it
+TARGET_POINTS = 2.0
+
+
+def items(tasks: list[str], per_task: int) -> list:
+    from controlplane.benchmarks import synthetic
+    from controlplane.benchmarks.resolution import Item
+    from workers.engines.cpu import seeing_model
+
+    found = []
+    for task in tasks:
+        for n, sample in enumerate(synthetic.generate(task, per_task, SEED, style=seeing_model.STYLE)):
+            found.append(Item(key=f"{task}-{n}", data=sample.image, width=sample.width, height=sample.height,
+                              content_type="image/png", question=sample.question, task_type=task,
+                              answers=sample.answers))
+    return found
+
+
+def sweep(url: str, key: str, model: str, caps: list[int], questions: list, max_tokens: int) -> list[tuple]:
+    """(cap, samples, specs) per cap, asked through `url`."""
+    from controlplane.benchmarks import loadgen, resolution
+    from controlplane.benchmarks.services import token_estimator
+    from controlplane.catalog.models import ModelTier
+
+    tier = ModelTier.objects.select_related("resolution_policy").get(name=model)
+    stages = resolution.sweep_specs(questions, caps, max_tokens=max_tokens, estimate_tokens=token_estimator(tier))
+    target = loadgen.Target(url=url, model=model, api_key=key)
+    samples, _ = asyncio.run(loadgen.run_fixed(target, stages, concurrency=2))
+    return [(cap, stage_samples, {s.index: s for s in stage})
+            for cap, stage_samples, stage in zip(caps, samples, stages, strict=True)]
+
+
+def run(per_task: int, tasks: list[str], caps: list[int], json_path: Path | None, long_cap: int | None = None,
+        thresholds: tuple[float, ...] = (10, 6, 4, 3, 2)) -> dict:
+    from controlplane.benchmarks import advisor, resolution
+    from controlplane.benchmarks.services import _rates
+    from controlplane.catalog.models import ModelTier
+    from workers.engines.cpu import install, seeing_model
+
+    python = install.ensure()
+    model = seeing_model.ensure(python)
+    engine_port = free_port()
+    folder = Path(tempfile.mkdtemp(prefix="bench-quality-"))
+    gateway = EngineGateway(engine_port, model, python)
+    try:
+        key = gateway.start()
+        engine = engine_start(engine_port, folder)
+        engine_wait(engine, engine_port)
+        tier = ModelTier.objects.get(name="vlm")
+        rates = _rates(tier)
+        questions = items(tasks, per_task)
+        print(f"{len(questions)} held-out questions ({per_task} per task: {', '.join(tasks)}), caps {caps}",
+              flush=True)
+        through = sweep(f"http://127.0.0.1:{gateway.port}/v1/chat/completions", key, "vlm", caps, questions, 8)
+        rows, points = [], []
+        header = (f"{'cap px':>7} {'tokens':>6} " + " ".join(f"{t:>16}" for t in tasks)
+                  + f" {'set':>16} {'$/1k img':>9} {'$/1k right':>10} {'p50 ms':>7}")
+        print(header)
+        for cap, samples, specs in through:
+            summary = resolution.cap_summary(samples, specs, cap=cap, rates=rates)
+            overall = resolution.set_figures(samples, specs)
+            cost = Decimal(str(summary["cost_per_image"])) if summary["cost_per_image"] is not None else None
+            right = overall["accuracy"] * len(samples) if overall["accuracy"] is not None else 0
+            per_right = cost * len(samples) / Decimal(str(right)) if cost is not None and right else None
+            cells = []
+            for task in tasks:
+                figures = summary["tasks"].get(task, {})
+                low, high = figures.get("interval") or (None, None)
+                cells.append(f"{_pct(figures.get('value'))} ({_pct(low, 0)}–{_pct(high, 0)})")
+            low, high = overall["interval"] or (None, None)
+            p50 = summary["e2e"]["p50"] if summary["e2e"] else None
+            print(f"{cap:7d} {summary['mean_image_tokens'] or 0:6.0f} " + " ".join(f"{c:>16}" for c in cells)
+                  + f" {_pct(overall['accuracy']) + f' ({_pct(low, 0)}–{_pct(high, 0)})':>16}"
+                  + f" {_money(cost, 1000):>9} {_money(per_right, 1000):>10} {p50 or 0:7.0f}", flush=True)
+            rows.append({"cap": cap, "tasks": summary["tasks"], "overall": overall,
+                         "mean_image_tokens": summary["mean_image_tokens"],
+                         "cost_per_image": str(cost) if cost is not None else None,
+                         "cost_per_correct": str(per_right) if per_right is not None else None, "e2e": summary["e2e"],
+                         "errors": summary["errors"]})
+            points.append(advisor.Point(cap=cap, accuracy=overall["accuracy"] or 0.0, low=low or 0.0,
+                                        high=high or 0.0, items=len(samples), cost_per_image=cost,
+                                        image_tokens=summary["mean_image_tokens"]))
+        advice = advisor.advise(points, advisor.Target(advisor.WITHIN, TARGET_POINTS), current_cap=max(caps))
+        print(f"\nnaive policy (every picture at full size, {max(caps):,} px) against the advisor's pick "
+              f"within {TARGET_POINTS:g} points of the best cap:\n  {advice.summary()}")
+        direct = sweep(f"http://127.0.0.1:{engine_port}/v1/chat/completions", "", "vlm", [max(caps)], questions, 8)
+        by_index = {}
+        for _, samples, specs in (through[0], direct[0]):
+            for sample in samples:
+                by_index.setdefault(specs[sample.index].meta["item"], []).append(sample.text.strip())
+        same = sum(1 for answers in by_index.values() if len(answers) == 2 and answers[0] == answers[1])
+        print(f"\nthe gateway against the engine directly, full size: {same} of {len(by_index)} answers the same")
+        result = {"caps": rows, "tasks": tasks, "per_task": per_task, "seed": SEED,
+                  "advice": {"target_points": TARGET_POINTS, "cap": advice.chosen.cap if advice.chosen else None,
+                             "summary": advice.summary(),
+                             "saving_per_1000": str(advice.saving_per_1000) if advice.saving_per_1000 is not None
+                             else None},
+                  "gateway_matches_direct": [same, len(by_index)]}
+        if long_cap:
+            result["long"] = long_images(f"http://127.0.0.1:{engine_port}/v1/chat/completions", per_task, long_cap,
+                                         list(thresholds))
+        if json_path is not None:
+            json_path.write_text(json.dumps(result, indent=1, default=str))
+            print(f"written to {json_path}")
+        return result
+    finally:
+        for step in (engine_stop, gateway.stop):
+            try:
+                step()
+            except Exception as exc:  # clean up the rest whatever one step says
+                print(f"cleanup: {exc!r}", file=sys.stderr)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def long_images(engine_url: str, per_task: int, cap: int, thresholds: list[float]) -> list[dict]:
+    """Strips under each tiling choice at `cap`, sent to the engine as the gateway would send them."""
+    from controlplane.benchmarks import loadgen, resolution, synthetic
+    from controlplane.imaging.policy import Policy
+    from controlplane.imaging.tokens import count_image_tokens
+    from workers.engines.cpu import seeing_model
+
+    strips = [resolution.Item(key=f"long-{n}", data=s.image, width=s.width, height=s.height, content_type="image/png",
+                              question=s.question, task_type="long", answers=s.answers)
+              for n, s in enumerate(synthetic.generate("long", per_task, SEED, style=seeing_model.STYLE))]
+    choices = [("squashed (no tiling)", Policy(grid=28, max_pixels=cap, low_detail_max_pixels=cap,
+                                              tile_long_images=False, max_aspect_ratio=200))]
+    choices += [(f"tiled past {t:g}:1", Policy(grid=28, max_pixels=cap, low_detail_max_pixels=cap, max_aspect_ratio=t,
+                                               max_images_per_request=32)) for t in thresholds]
+    stages = resolution.variant_specs(strips, [resolution.under_policy(p) for _, p in choices], max_tokens=8,
+                                      estimate_tokens=lambda w, h: count_image_tokens("qwen2_5_vl", w, h))
+    target = loadgen.Target(url=engine_url, model="vlm")
+    samples, _ = asyncio.run(loadgen.run_fixed(target, stages, concurrency=2))
+    rows = []
+    print(f"\nlong strips ({len(strips)}, 1:6 to 1:15) at a {cap:,}-pixel cap, sent to the engine as the gateway "
+          f"would:\n{'policy':22} {'accuracy':>18} {'images':>6} {'tokens':>7}")
+    for (name, _), stage, stage_samples in zip(choices, stages, samples, strict=True):
+        specs = {spec.index: spec for spec in stage}
+        figures = resolution.set_figures(stage_samples, specs)
+        images = sum(spec.images for spec in stage) / len(stage)
+        tokens = sum(spec.image_tokens for spec in stage) / len(stage)
+        low, high = figures["interval"] or (None, None)
+        print(f"{name:22} {_pct(figures['accuracy']) + f' ({_pct(low, 0)}–{_pct(high, 0)})':>18} {images:6.1f} "
+              f"{tokens:7.0f}", flush=True)
+        rows.append({"policy": name, "accuracy": figures["accuracy"], "interval": figures["interval"],
+                     "images_per_strip": images, "image_tokens_per_strip": tokens})
+    return rows
+
+
+def _pct(value, places: int = 1) -> str:
+    return "—" if value is None else f"{100 * value:.{places}f}%"
+
+
+def _money(value, per: int) -> str:
+    return "—" if value is None else f"{value * per:.4f}"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--items", type=int, default=60, help="held-out questions per task (default 60)")
+    parser.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated (default {','.join(TASKS)})")
+    parser.add_argument("--caps", help="comma-separated pixel caps (default: the full canvas down to 1/16)")
+    parser.add_argument("--json", type=Path, help="also write the figures to this file")
+    parser.add_argument("--long", action="store_true", help="also measure tiling long strips")
+    parser.add_argument("--long-cap", type=int, default=FULL, help=f"the pixel cap for --long (default {FULL})")
+    args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds through run's cleanup
+    caps = [int(c) for c in args.caps.split(",")] if args.caps else list(CAPS)
+    run(args.items, args.tasks.split(","), sorted(caps, reverse=True), args.json,
+        long_cap=args.long_cap if args.long else None)
+
+
+if __name__ == "__main__":
+    main()
