@@ -15,7 +15,7 @@ saving per 1,000 images. Last, the same questions at full size sent to
 the engine directly, answer for answer against the gateway's: the gateway must not change
 what the model sees.
 
-With --long, tall and wide strips (receipts of 1:6 to 1:15) under a pixel cap that binds
+With --long, wide banners (1:6 to 1:15, as tall as the model's canvas) under a pixel cap that binds
 (`--long-cap`), each made by the gateway's own policy code as it would send them, asked of the
 engine directly: squashed whole into the cap (tiling off), and tiled past each aspect-ratio
 threshold (every tile gets the full cap; at most four tiles, as the tier's engine takes four images a
@@ -168,9 +168,12 @@ def long_images(engine_url: str, per_task: int, cap: int, thresholds: list[float
     from controlplane.imaging.tokens import count_image_tokens
     from workers.engines.cpu import seeing_model
 
+    # Banners as tall as the model's canvas, the number in the type it learned to read: over the
+    # cap, they are squashed (or tiled) as a long photo of a receipt or a screenshot would be.
     strips = [resolution.Item(key=f"long-{n}", data=s.image, width=s.width, height=s.height, content_type="image/png",
-                              question=s.question, task_type="long", answers=s.answers)
-              for n, s in enumerate(synthetic.generate("long", per_task, SEED, style=seeing_model.STYLE))]
+                              question=s.question, task_type="read", answers=s.answers)
+              for n, s in enumerate(synthetic.generate("long", per_task, SEED, style=seeing_model.STYLE,
+                                                       strip="banner", height=224))]
     choices = [("squashed (no tiling)", Policy(grid=28, max_pixels=cap, low_detail_max_pixels=cap,
                                               tile_long_images=False, max_aspect_ratio=200))]
     choices += [(f"tiled past {t:g}:1", Policy(grid=28, max_pixels=cap, low_detail_max_pixels=cap, max_aspect_ratio=t,
@@ -180,7 +183,7 @@ def long_images(engine_url: str, per_task: int, cap: int, thresholds: list[float
     target = loadgen.Target(url=engine_url, model="vlm")
     samples, _ = asyncio.run(loadgen.run_fixed(target, stages, concurrency=2))
     rows = []
-    print(f"\nlong strips ({len(strips)}, 1:6 to 1:15) at a {cap:,}-pixel cap, sent to the engine as the gateway "
+    print(f"\nlong banners ({len(strips)}, 1:6 to 1:15) at a {cap:,}-pixel cap, sent to the engine as the gateway "
           f"would:\n{'policy':22} {'accuracy':>18} {'images':>6} {'tokens':>7}")
     for (name, _), stage, stage_samples in zip(choices, stages, samples, strict=True):
         specs = {spec.index: spec for spec in stage}

@@ -52,12 +52,15 @@ class Sample:
 
 def generate(task: str, count: int, seed: int, *, style: str = "varied", fonts: str = "all",
              width: int = 224, height: int = 224, content: str = "number",
-             negatives: str = "mixed") -> list[Sample]:
+             negatives: str = "mixed", strip: str = "mixed") -> list[Sample]:
     """`count` samples of `task`. Options: `style` ("plain" or "varied"); `fonts` ("all":
     Pillow's font and the TrueType fonts under /usr/share/fonts, or "default"); the canvas
     `width` and `height` (all tasks but "long", whose strips are 1:6 to 1:15); for "read",
     `content` ("number", "word" or "mixed"); for "presence", `negatives` ("random",
-    "adversarial": an absent object sharing a colour or shape with a present one, or "mixed")."""
+    "adversarial": an absent object sharing a colour or shape with a present one, or "mixed");
+    for "long", `strip` ("receipt": tall receipt strips; "banner": wide banners `height`
+    pixels tall, the number in the read task's type; or "mixed": either, banners 56 pixels
+    tall)."""
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r}; known: {', '.join(TASKS)}")
     if not isinstance(count, int) or count < 0:
@@ -70,12 +73,14 @@ def generate(task: str, count: int, seed: int, *, style: str = "varied", fonts: 
         raise ValueError("content must be 'number', 'word' or 'mixed'")
     if negatives not in ("random", "adversarial", "mixed"):
         raise ValueError("negatives must be 'random', 'adversarial' or 'mixed'")
+    if strip not in ("receipt", "banner", "mixed"):
+        raise ValueError("strip must be 'receipt', 'banner' or 'mixed'")
     if not (56 <= width <= 4096 and 56 <= height <= 4096):
         raise ValueError("width and height must lie between 56 and 4096 pixels")
     draw = {"read": _read, "count": _count, "presence": _presence, "chart": _chart,
             "long": _long}[task]
     options = {"style": style, "fonts": fonts, "width": width, "height": height,
-               "content": content, "negatives": negatives}
+               "content": content, "negatives": negatives, "strip": strip}
     samples = []
     for i in range(count):
         rng = random.Random(f"{task}:{seed}:{i}")
@@ -359,7 +364,10 @@ def _long(rng: random.Random, options: dict):
     ratio = rng.uniform(6, 15)
     total = str(rng.randint(1, 9999))
     background, ink = _palette(rng, options, light_only=True)
-    if rng.random() < 0.5:  # a tall receipt strip: find the total among the priced lines
+    receipt = rng.random() < 0.5
+    if options["strip"] != "mixed":
+        receipt = options["strip"] == "receipt"
+    if receipt:  # a tall receipt strip: find the total among the priced lines
         w = 112
         h = round(w * ratio)
         size = 12 if options["style"] == "plain" else rng.randint(10, 16)
@@ -377,7 +385,7 @@ def _long(rng: random.Random, options: dict):
                 _text(draw, (4, y), f"{rng.choice(_FILLER)} {rng.randint(1, 99)}", font, ink)
         question, orientation = "What is the total on the receipt?", "tall"
     else:  # a wide banner with one number somewhere along it
-        h = 56
+        h = options["height"] if options["strip"] == "banner" else 56
         w = round(h * ratio)
         size = 30 if options["style"] == "plain" else rng.randint(12, 40)
         font, size = _fitting_font(_font_name(rng, options), size, total, w - 6)

@@ -130,3 +130,14 @@ def test_pillow_font_alone_is_accepted():
 def test_bad_arguments_are_refused_with_a_clear_error(args, options, message):
     with pytest.raises(ValueError, match=message):
         generate(*args, **options)
+
+
+def test_banners_can_be_asked_for_as_tall_as_a_canvas_with_the_read_tasks_type():
+    for sample in generate("long", 6, 11, style="plain", strip="banner", height=224):
+        assert sample.height == 224 and 6 <= sample.width / sample.height <= 15
+        assert sample.meta["orientation"] == "wide" and sample.meta["font_size"] == 30
+        assert sample.question == "What number is written in the image?"
+    receipts = generate("long", 4, 11, strip="receipt")
+    assert all(s.meta["orientation"] == "tall" for s in receipts)
+    with pytest.raises(ValueError):
+        generate("long", 1, 11, strip="scroll")
