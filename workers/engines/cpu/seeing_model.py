@@ -45,6 +45,22 @@ CELL_CLASSES = (["none"] + list("0123456789abcdefghijklmnopqrstuvwxyz") + list(s
                 + [f"{c} {s}" for c in synthetic.COLOURS for s in synthetic.SHAPES])
 
 
+# What the text side learns to name at the position that answers a presence question (the
+# second auxiliary loss).
+OBJECTS = [f"{c} {s}" for c in synthetic.COLOURS for s in synthetic.SHAPES]
+
+
+def _object_targets(samples):
+    """Per presence question, the object asked about and the objects drawn (multi-hot)."""
+    asked, drawn = [], []
+    for sample in samples:
+        if sample.task != "presence":
+            continue
+        asked.append(OBJECTS.index(sample.meta["object"]))
+        drawn.append([float(any(item[0] == o for item in sample.meta["items"])) for o in OBJECTS])
+    return asked, drawn
+
+
 def messages(question: str) -> list[dict]:
     return [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
 
@@ -79,11 +95,11 @@ def _cell_targets(samples, grids):
     return targets
 
 
-def _batch(step_seed: int, size: int, caps=TRAIN_CAPS):
+def _batch(step_seed: int, size: int, caps=TRAIN_CAPS, tasks=TASKS):
     rng = random.Random(step_seed)
     samples = []
     for k in range(size):
-        task = TASKS[k % len(TASKS)]
+        task = tasks[k % len(tasks)]
         samples += synthetic.generate(task, 1, seed=step_seed * 64 + k, style=STYLE)
     images = [shrink(s.image, rng.choice(caps)) for s in samples]
     return samples, images
@@ -98,7 +114,10 @@ def _inputs(processor, samples, images, answers: bool):
 
 
 def train(out: Path, *, seed: int, steps: int, threads: int, batch: int = 32, lr: float = 2e-3,
-          log=print) -> dict:
+          presence_first: float = 0.0, text_aux: float = 0.0, mix=TASKS, log=print) -> dict:
+    """`presence_first`: the fraction of the steps, at the start, trained on presence alone;
+    `text_aux`: the weight of the text side's auxiliary loss on presence questions; `mix`: the
+    tasks of a batch after that, in turn."""
     import torch
     from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration
 
@@ -114,7 +133,13 @@ def train(out: Path, *, seed: int, steps: int, threads: int, batch: int = 32, lr
     captured = {}
     model.model.visual.register_forward_hook(
         lambda module, args, output: captured.__setitem__("cells", output.pooler_output))
+    # Text side: at the position that answers, after the first layer, the object asked about
+    # and the objects drawn.
     parameters = list(model.parameters()) + list(head.parameters())
+    if text_aux:
+        asked_head = torch.nn.Linear(model.config.text_config.hidden_size, len(OBJECTS))
+        drawn_head = torch.nn.Linear(model.config.text_config.hidden_size, len(OBJECTS))
+        parameters += list(asked_head.parameters()) + list(drawn_head.parameters())
     optimiser = torch.optim.AdamW(parameters, lr=lr, weight_decay=0.0)
     warmup = max(1, steps // 20)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimiser, lambda s: min(
@@ -124,17 +149,30 @@ def train(out: Path, *, seed: int, steps: int, threads: int, batch: int = 32, lr
     model.train()
     started, losses, first = time.monotonic(), [], None
     for step in range(steps):
-        samples, images = _batch(seed * 1_000_003 + step, batch)
+        tasks = ("presence",) if step < presence_first * steps else mix
+        samples, images = _batch(seed * 1_000_003 + step, batch, tasks=tasks)
         inputs = _inputs(processor, samples, images, answers=True)
         labels = inputs["input_ids"].clone()
+        answering = []
         for row in range(labels.shape[0]):
             last = (inputs["input_ids"][row] == im_start).nonzero().max().item()
             labels[row, :last + len(answer_start)] = -100
+            if samples[row].task == "presence":
+                answering.append((row, last + len(answer_start) - 1))
         labels[inputs["attention_mask"] == 0] = -100
-        output = model(**inputs, labels=labels)
+        output = model(**inputs, labels=labels, output_hidden_states=bool(text_aux))
         targets = torch.tensor(_cell_targets(samples, inputs["image_grid_thw"]))
         aux = torch.nn.functional.cross_entropy(head(captured["cells"]), targets)
         loss = output.loss + AUX_WEIGHT * aux
+        objects = torch.zeros(())
+        if text_aux and answering:
+            rows, positions = zip(*answering, strict=True)
+            state = output.hidden_states[1][list(rows), list(positions)]
+            asked, drawn = _object_targets(samples)
+            objects = (torch.nn.functional.cross_entropy(asked_head(state), torch.tensor(asked))
+                       + torch.nn.functional.binary_cross_entropy_with_logits(
+                           drawn_head(state), torch.tensor(drawn), reduction="sum") / len(drawn))
+            loss = loss + text_aux * objects
         optimiser.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(parameters, 1.0)
@@ -144,6 +182,7 @@ def train(out: Path, *, seed: int, steps: int, threads: int, batch: int = 32, lr
         first = first if first is not None else losses[0]
         if step % 25 == 0 or step == steps - 1:
             log(f"step {step} answer loss {output.loss.item():.4f} cell loss {aux.item():.4f} "
+                f"object loss {objects.item():.4f} "
                 f"{time.monotonic() - started:.0f}s")
     model.eval()
     model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
@@ -226,7 +265,14 @@ def main(argv: list[str]) -> None:
     training.add_argument("out", type=Path)
     training.add_argument("--seed", type=int, default=0)
     training.add_argument("--steps", type=int, default=1000)
-    training.add_argument("--threads", type=int, default=2)
+    training.add_argument("--threads", type=int, default=2,
+                          help="one is faster on a busy machine (docs/design/seeing-model.md)")
+    training.add_argument("--presence-first", type=float, default=0.0,
+                          help="fraction of the steps, at the start, on presence alone")
+    training.add_argument("--text-aux", type=float, default=0.0,
+                          help="weight of the text side's auxiliary loss on presence questions")
+    training.add_argument("--mix", default=",".join(TASKS),
+                          help="tasks of a batch after presence alone, in turn, comma-separated")
     training.add_argument("--eval-count", type=int, default=100,
                           help="held-out questions per task measured after training (0: none)")
     evaluation = commands.add_parser("eval", help="exact match per task and pixel fraction")
@@ -241,8 +287,14 @@ def main(argv: list[str]) -> None:
     if args.command == "train":
         if args.steps < 1 or args.threads < 1:
             parser.error("--steps and --threads must be positive")
+        mix = tuple(args.mix.split(","))
+        if not set(mix) <= set(TASKS):
+            parser.error(f"--mix takes tasks among {', '.join(TASKS)}")
+        if not 0 <= args.presence_first < 1 or args.text_aux < 0:
+            parser.error("--presence-first must lie in [0, 1) and --text-aux be non-negative")
         record = {"command": "python -m workers.engines.cpu.seeing_model " + " ".join(argv),
                   **train(args.out, seed=args.seed, steps=args.steps, threads=args.threads,
+                          presence_first=args.presence_first, text_aux=args.text_aux, mix=mix,
                           log=log)}
         if args.eval_count:
             found = evaluate(args.out, count=args.eval_count, threads=args.threads, log=log)
