@@ -31,9 +31,7 @@ from controlplane.imaging.tokens import image_grid
 log = logging.getLogger(__name__)
 
 # The fields of a policy a check compares and applies (what the policy editor edits).
-POLICY_FIELDS = ("min_pixels", "max_pixels", "low_detail_max_pixels", "default_detail", "max_long_edge",
-                 "max_aspect_ratio", "tile_long_images", "max_images_per_request", "max_total_pixels",
-                 "max_input_pixels", "allowed_formats", "output_format", "output_quality")
+POLICY_FIELDS = ResolutionPolicy.BOUNDS
 CONCURRENCY = 2
 POLL_S = 0.5
 

@@ -139,7 +139,8 @@ def cap_summary(samples: list[Sample], specs: dict[int, RequestSpec], *, cap: in
         "cost_per_image": stats.cost_per_image(ok, rates) if rates is not None else None,
         "cost_per_right_answer": cost_per_right,
         "tasks": {task: scoring.summarise(task, results) for task, results in sorted(by_task.items())},
-        "overall": set_figures(samples, specs) if by_task else None,
+        "overall": _set_figures([r["score"] for results in by_task.values() for r in results], samples)
+        if by_task else None,
         "answers": answers,
     }
 
@@ -164,6 +165,10 @@ def set_figures(samples: list, specs: dict) -> dict:
         result = scoring.score(sample.text, meta["answers"], meta["task_type"]) if sample.ok \
             else scoring.unanswered(meta["answers"], meta["task_type"])
         scores.append(result["score"])
+    return _set_figures(scores, samples)
+
+
+def _set_figures(scores: list[float], samples: list) -> dict:
     ok = [s for s in samples if s.ok]
     interval = intervals.mean_interval(scores)
     return {"accuracy": round(sum(scores) / len(scores), 4) if scores else None,

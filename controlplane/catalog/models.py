@@ -13,6 +13,11 @@ from controlplane.imaging.tokens import FAMILIES
 class ResolutionPolicy(models.Model):
     """How far an image may grow before it reaches the model: the first cost gate."""
 
+    # The fields that decide what an image becomes (all but the name), in the editor's order.
+    BOUNDS = ("max_pixels", "low_detail_max_pixels", "min_pixels", "default_detail", "max_long_edge",
+              "max_aspect_ratio", "tile_long_images", "max_images_per_request", "max_total_pixels",
+              "max_input_pixels", "allowed_formats", "output_format", "output_quality")
+
     name = models.SlugField(max_length=64, unique=True)
     min_pixels = models.PositiveIntegerField(default=3136)
     max_pixels = models.PositiveIntegerField(default=1003520, help_text="'high' detail cap")

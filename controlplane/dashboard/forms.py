@@ -356,9 +356,7 @@ class PolicyForm(forms.ModelForm):
         from controlplane.catalog.models import ResolutionPolicy
 
         model = ResolutionPolicy
-        fields = ["name", "max_pixels", "low_detail_max_pixels", "min_pixels", "default_detail", "max_long_edge",
-                  "max_aspect_ratio", "tile_long_images", "max_images_per_request", "max_total_pixels",
-                  "max_input_pixels", "allowed_formats", "output_format", "output_quality"]
+        fields = ["name", *ResolutionPolicy.BOUNDS]
         labels = {"max_pixels": "Pixel cap ('high' detail)", "low_detail_max_pixels": "Pixel cap ('low' detail)",
                   "min_pixels": "Smallest size (pixels)", "max_long_edge": "Longest edge (pixels)",
                   "max_aspect_ratio": "Most elongated (long : short)", "tile_long_images": "Tile long images",

@@ -15,7 +15,7 @@ import httpx
 import pytest
 from celery import Celery
 
-from controlplane.benchmarks import advisor, loadgen, resolution, synthetic
+from controlplane.benchmarks import advisor, gates, loadgen, resolution, synthetic
 from controlplane.benchmarks.models import EvalItem, EvalSet, GateCheck, QualityGate
 from controlplane.catalog.models import ModelTier
 from tests.system.conftest import REAL_TIER, SYSTEM_REDIS_DB
@@ -100,10 +100,7 @@ def test_a_gate_blocks_a_cap_that_makes_the_text_unreadable_before_it_serves(sys
                  content_type="image/png", width=item.width, height=item.height, data=item.data)
         for n, item in enumerate(_questions())])
     QualityGate.objects.using(system_db).create(tier=tier, eval_set=eval_set, tolerance_points=5, max_tokens=8)
-    fields = ("min_pixels", "max_pixels", "low_detail_max_pixels", "default_detail", "max_long_edge",
-              "max_aspect_ratio", "tile_long_images", "max_images_per_request", "max_total_pixels",
-              "max_input_pixels", "allowed_formats", "output_format", "output_quality")
-    current = {name: getattr(policy, name) for name in fields}
+    current = gates.policy_fields(policy)
     check = GateCheck.objects.using(system_db).create(
         policy=policy, current=current,
         proposed={**current, "max_pixels": FULL // 8, "low_detail_max_pixels": FULL // 8})
