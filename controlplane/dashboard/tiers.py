@@ -12,6 +12,7 @@ from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_POST
 
 from controlplane.audit.services import history
+from controlplane.benchmarks import gates
 from controlplane.catalog.changes import tier_save, tier_set_enabled
 from controlplane.catalog.models import ModelTier
 from controlplane.catalog.preview import tier_plan
@@ -60,6 +61,13 @@ def _tier_form(request, tier: ModelTier, engine_kind: str):
     form = TierForm(request.POST or None, instance=tier, engine_kind=engine_kind)
     plan = None
     if request.method == "POST" and form.is_valid():
+        saved = None if creating else ModelTier.objects.get(pk=tier.pk)
+        if "save" in request.POST and saved is not None and gates.tier_change_gated(saved, form.instance):
+            # Not saved: measured first on a candidate engine; applied from the check.
+            check = gates.tier_check_start(tier=saved, proposed=form.save(commit=False), user=request.user)
+            messages.info(request, f"{saved.name} is gated: the change is measured on a candidate engine "
+                                   f"before it goes live.")
+            return redirect("benchmarks:gate-check", pk=check.pk)
         if "save" in request.POST:
             took = {flag: ModelTier.objects.filter(**{flag: True}).exclude(pk=tier.pk).first()
                     for flag in ("default_for_text", "default_for_images") if form.cleaned_data.get(flag)}

@@ -25,7 +25,8 @@ def failing_instance_ids(*, tier_id: int) -> set[int]:
 
 
 def routable_instances(*, tier_id: int):
-    """Instances the gateway may send work to: running, healthy, recently checked, not draining."""
+    """Instances the gateway may send work to: running, healthy, recently checked, not draining,
+    and not a candidate (an engine started only to measure a proposed change)."""
     now = timezone.now()
     fresh = now - dt.timedelta(seconds=HEALTH_FRESH_SECONDS)
     latest = EngineInstance.objects.aggregate(latest=models.Max("last_health_at"))["latest"]
@@ -41,7 +42,7 @@ def routable_instances(*, tier_id: int):
         ).filter(
             # launched here (a node and a port) or registered by URL (external)
             models.Q(port__isnull=False, node__isnull=False) | ~models.Q(external_url=""),
-        ).select_related("node")
+        ).exclude(pool="candidate").select_related("node")
     )
 
 
