@@ -68,13 +68,13 @@ def sglang_python(vllm_cpu_python):
 
 @pytest.fixture(autouse=True)
 def _fresh_gateway_caches():
-    from controlplane.gateway import handlers, ledger, state
+    from controlplane.gateway import admission, handlers, ledger, state
     from controlplane.gateway.ledger import redis_store
 
     state.clear_caches()
     redis_store._handed.clear()  # what earlier tests handed over is theirs
     ledger._finished.clear()  # and the requests they finished (ids repeat from test to test)
-    handlers._beside = handlers._Beside()  # and what their admissions taught the gateway
+    admission.optimistic = admission.OptimisticAdmission()  # and what their admissions taught the gateway
     handlers.repeats.clear()  # and the pictures they sent (tenant ids repeat too)
     yield
     state.clear_caches()

@@ -18,8 +18,11 @@ import random
 import threading
 import weakref
 from collections import OrderedDict, defaultdict, deque
+from dataclasses import dataclass
 
-from controlplane.gateway.state import InstanceSpec
+from controlplane.gateway import state
+from controlplane.gateway.prepare import Prepared, TierSpec
+from controlplane.gateway.state import InstanceSpec, read_or_unavailable
 
 AFFINITY_SLACK = 2
 AFFINITY_ITEMS = 20_000
@@ -117,3 +120,23 @@ class FairSlots:
             waiters.remove(waiter)
             if not waiters:
                 del self._waiting[tenant_id]
+
+
+@dataclass(frozen=True)
+class Route:
+    candidates: list
+    large: bool
+    images: tuple[str, ...]  # the keys of its images' bytes, by which engines are preferred
+    # The engine chosen before admission, journaled with it: one round trip to the ledger
+    # fewer. None when a large image must wait for its turn first (chosen after the wait).
+    first: object = None
+
+
+async def route_request(key: state.KeyInfo, tier: TierSpec, prepared: Prepared) -> Route:
+    candidates = await read_or_unavailable("the engines", state.instances(tier.id))
+    large = prepared.image_tokens > tier.large_image_threshold
+    # Per tenant: one tenant's requests never steer toward the engine holding another's images.
+    images = tuple(f"{key.tenant_id}:{p.key}" for p in prepared.images)
+    waits = large and not has_dedicated_large_pool(candidates)
+    first = None if waits else choose(candidates, large=large, images=images)
+    return Route(candidates, large, images, first)

@@ -18,6 +18,7 @@ from django.conf import settings
 from django.utils import timezone
 
 from controlplane.catalog.engine_settings import EngineSettingsError
+from controlplane.gateway.errors import GatewayError
 from controlplane.gateway.ledger import Limits
 from controlplane.gateway.prepare import TierSpec
 from controlplane.imaging.fetch import FetchPolicy
@@ -316,3 +317,14 @@ async def failing(tier_id: int) -> set[int]:
     from controlplane.fleet.selectors import failing_instance_ids
 
     return await _failing.fetch(tier_id, lambda: failing_instance_ids(tier_id=tier_id))
+
+
+async def read_or_unavailable(what: str, fetching):
+    """What the gateway reads from the database (through its caches), or a 503 when it can
+    neither read it nor serve what it knew."""
+    try:
+        return await fetching
+    except Exception:
+        log.exception("%s cannot be read", what)
+        raise GatewayError(503, f"{what} cannot be read right now; retry shortly", code="service_unavailable",
+                           headers={"Retry-After": "5"}) from None

@@ -18,7 +18,7 @@ from django.utils import timezone
 
 from controlplane.asgi import application
 from controlplane.fleet.models import EngineInstance, Node
-from controlplane.gateway import handlers, ledger
+from controlplane.gateway import ledger, recording
 from controlplane.gateway.ledger import Ask, Limits, Refused
 from controlplane.gateway.ledger.redis_store import _ADMIT, _sha
 from controlplane.metering.models import UsageEvent
@@ -166,8 +166,8 @@ async def _admitted_then(held, engine: Engine, asking: asyncio.Task):
 
 async def _settled() -> None:
     """Every hand-over of this process done."""
-    while handlers._background:
-        await asyncio.wait_for(asyncio.gather(*list(handlers._background), return_exceptions=True), 30)
+    while recording.background:
+        await asyncio.wait_for(asyncio.gather(*list(recording.background), return_exceptions=True), 30)
 
 
 def _stored() -> list[UsageEvent]:

@@ -11,7 +11,7 @@ import pytest
 from asgiref.sync import async_to_sync, sync_to_async
 from django.conf import settings as django_settings
 
-from controlplane.gateway import handlers, ledger
+from controlplane.gateway import admission, ledger, recording
 from controlplane.gateway.ledger import Ask, RedisLedger
 from controlplane.metering.models import UsageEvent
 from controlplane.metering.outbox import usage_ingest
@@ -44,15 +44,15 @@ def test_a_client_leaving_while_its_usage_is_handed_over_still_has_it_recorded_a
         record.output_tokens = 50
         # The database thread is busy with other requests' work when this one finishes...
         other = asyncio.ensure_future(sync_to_async(busy.wait)())
-        recording = asyncio.ensure_future(handlers._record(record, time.monotonic()))
+        handing = asyncio.ensure_future(recording.hand_over_usage(record, time.monotonic()))
         for _ in range(3):
             await asyncio.sleep(0)
-        recording.cancel()  # ...and the client leaves just then
+        handing.cancel()  # ...and the client leaves just then
         busy.set()
         await other
-        await asyncio.gather(recording, return_exceptions=True)
-        while handlers._background:
-            await asyncio.gather(*list(handlers._background), return_exceptions=True)
+        await asyncio.gather(handing, return_exceptions=True)
+        while recording.background:
+            await asyncio.gather(*list(recording.background), return_exceptions=True)
 
     answered_then_client_leaves()
     [event] = _stored(mode)
@@ -323,17 +323,17 @@ def test_a_client_leaving_during_an_admission_whose_reply_was_lost_leaves_no_res
 
     @async_to_sync
     async def client_leaves_while_admitted():
-        admitting = asyncio.ensure_future(handlers._admit("req-gone", key, tier, prepared, time.monotonic()))
+        admitting = asyncio.ensure_future(admission.admit("req-gone", key, tier, prepared, time.monotonic()))
         for _ in range(5):
             await asyncio.sleep(0)
         admitting.cancel()
         replying.set()
         await asyncio.gather(admitting, return_exceptions=True)
         deadline = time.monotonic() + 3  # the admission ends after the client left: its record follows
-        while not handlers._background and time.monotonic() < deadline:
+        while not recording.background and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
-        while handlers._background:
-            await asyncio.gather(*list(handlers._background), return_exceptions=True)
+        while recording.background:
+            await asyncio.gather(*list(recording.background), return_exceptions=True)
 
     client_leaves_while_admitted()
     monkeypatch.setattr(redis_store, "_eval", original)
