@@ -12,7 +12,7 @@ from django.http import HttpResponse
 from django.utils import timezone
 
 from controlplane.fleet.models import EngineInstance
-from controlplane.gateway import counters
+from controlplane.gateway.apps import current_process
 from controlplane.metering.models import DailyUsage
 
 
@@ -41,7 +41,7 @@ def render() -> str:
     for name, (help_text, attribute) in per_instance.items():
         out += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge"]
         out += [_line(name, {"instance": i.pk, "tier": i.tier.name}, getattr(i, attribute)) for i in instances]
-    requests, image_tokens, disagreements, pictures = counters.snapshot()
+    requests, image_tokens, disagreements, pictures = current_process().counters.snapshot()
     out += ["# HELP vlmcp_gateway_requests_total Requests this gateway process answered.",
             "# TYPE vlmcp_gateway_requests_total counter"]
     out += [_line("vlmcp_gateway_requests_total", {"tier": t, "status": s}, n) for (t, s), n in sorted(requests.items())]
@@ -63,7 +63,7 @@ def render() -> str:
             "here), dropped (too many waiting to be written).",
             "# TYPE vlmcp_gateway_shared_pictures_total counter"]
     out += [_line("vlmcp_gateway_shared_pictures_total", {"outcome": outcome}, n)
-            for outcome, n in sorted(counters.shared_snapshot().items())]
+            for outcome, n in sorted(current_process().counters.shared_snapshot().items())]
     out += ["# HELP vlmcp_usage_image_tokens_today Image tokens metered today (UTC), from the rollups.",
             "# TYPE vlmcp_usage_image_tokens_today gauge"]
     today = DailyUsage.objects.filter(day=timezone.now().date()).values("tier__name").annotate(

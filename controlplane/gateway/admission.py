@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from django.utils import timezone
 
 from controlplane.gateway import ledger, state
+from controlplane.gateway.apps import current_process
 from controlplane.gateway.errors import GatewayError, NotAdmitted
 from controlplane.gateway.ledger import Ask, Flight, Refused
 from controlplane.gateway.prepare import Prepared, TierSpec
@@ -62,7 +63,6 @@ class OptimisticAdmission:
         self.store_silent = True
 
 
-optimistic = OptimisticAdmission()
 
 
 @dataclass(frozen=True)
@@ -120,7 +120,7 @@ async def admit(request_id: str, key: state.KeyInfo, tier: TierSpec, prepared: P
                                f"per minute; retry after {retry}s", code="rate_limit_exceeded",
                                headers={"Retry-After": str(retry)})
     written = asyncio.get_running_loop().create_future() \
-        if engine is not None and not (ask is not None and ask.large) and optimistic.likely(key.tenant_id) else None
+        if engine is not None and not (ask is not None and ask.large) and current_process().optimistic.likely(key.tenant_id) else None
     answer = asyncio.ensure_future(admission_answer(record, key, ask, key_counted_at, written))
     answer.add_done_callback(lambda done: done.cancelled() or done.exception())  # whoever looks, or none
     try:
@@ -144,7 +144,7 @@ async def admission_answer(record: UsageRecord, key: state.KeyInfo, ask: Ask | N
     try:
         flight = await ledger.admit(record, key.limits, ask, written)
     except Refused as refused:
-        optimistic.answered(key.tenant_id, admitted=False)
+        current_process().optimistic.answered(key.tenant_id, admitted=False)
         if key_counted_at is not None:
             await ledger.key_rate_return(key.key_id, key_counted_at)
         code = "rate_limit_exceeded" if refused.limit in ("requests_per_minute", "concurrent_large_images") \
@@ -152,13 +152,13 @@ async def admission_answer(record: UsageRecord, key: state.KeyInfo, ask: Ask | N
         raise NotAdmitted(429, str(refused), code=code, headers={"Retry-After": str(refused.retry_after)}) from None
     except Exception:
         # The quota cannot be checked (its store does not answer): nothing is answered unchecked.
-        optimistic.unanswered()
+        current_process().optimistic.unanswered()
         log.exception("could not admit %s against its quota", record.request_id)
         raise quota_unavailable() from None
     if flight.answered:
-        optimistic.answered(key.tenant_id, admitted=True)
+        current_process().optimistic.answered(key.tenant_id, admitted=True)
     else:  # a request without a quota goes on without its journal: not an answer
-        optimistic.unanswered()
+        current_process().optimistic.unanswered()
     return flight
 
 

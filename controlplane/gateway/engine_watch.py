@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import weakref
 
 from django.conf import settings
 
 from controlplane.gateway import state
+from controlplane.gateway.apps import current_process
 
 log = logging.getLogger(__name__)
 
@@ -52,14 +52,12 @@ class EngineWatch:
                         callback()
 
 
-_watches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> its EngineWatch
-
-
 def _loop_watch() -> EngineWatch:
     loop = asyncio.get_running_loop()
-    watch = _watches.get(loop)
+    watches = current_process().engine_watches
+    watch = watches.get(loop)
     if watch is None:
-        watch = _watches[loop] = EngineWatch()
+        watch = watches[loop] = EngineWatch()
     return watch
 
 

@@ -12,11 +12,12 @@ from django.conf import settings
 
 from controlplane.gateway import ledger, routing, state, upstream
 from controlplane.gateway.admission import Admission
+from controlplane.gateway.apps import current_process
 from controlplane.gateway.beside import answer_once_checks_pass, image_refusal, record_image_refusal
 from controlplane.gateway.engine_watch import EngineFailing, unless_engine_fails
 from controlplane.gateway.errors import GatewayError, NotAdmitted, error_response
 from controlplane.gateway.prepare import Prepared, TierSpec
-from controlplane.gateway.recording import hand_over_usage, ms_since, refusal_of, tier_names
+from controlplane.gateway.recording import hand_over_usage, ms_since, refusal_of
 from controlplane.gateway.relaying import engine_failed_response, relay_answer, relay_stream
 from controlplane.gateway.routing import Route
 from controlplane.imaging.policy import DecodedDataURL
@@ -55,7 +56,7 @@ def engine_body(key: state.KeyInfo, tier: TierSpec, prepared: Prepared, *, large
 
 async def forward(request_id: str, key: state.KeyInfo, tier: TierSpec, prepared: Prepared, admission: Admission,
                    started: float, route: Route):
-    tier_names[tier.id] = tier.name
+    current_process().tier_names[tier.id] = tier.name
     record = admission.record
     large, images, candidates = route.large, route.images, route.candidates
     body = engine_body(key, tier, prepared, large=large)
@@ -64,7 +65,7 @@ async def forward(request_id: str, key: state.KeyInfo, tier: TierSpec, prepared:
     try:
         if large and not routing.has_dedicated_large_pool(candidates):
             # No isolated pool: large requests take turns, so they never fill every batch.
-            slot = LargeImageTurn(routing.large_slots(tier.id, tier.large_image_concurrency))
+            slot = LargeImageTurn(current_process().engines.large_slots(tier.id, tier.large_image_concurrency))
             try:
                 await slot.acquire(key.tenant_id, timeout=settings.GATEWAY_LARGE_IMAGE_WAIT_S)
             except TimeoutError:
@@ -116,12 +117,12 @@ async def _try_engines(request_id, tier, prepared, admission, candidates, payloa
     record = admission.record
     tried: set[int] = set()
     for attempt in range(2):  # a request that never reached an engine is retried once elsewhere
-        instance = first if attempt == 0 and first is not None else routing.choose(
+        instance = first if attempt == 0 and first is not None else current_process().engines.choose(
             candidates, exclude=tried, large=large, images=images)
         if instance is None:
             break
         tried.add(instance.id)
-        routing.outstanding[instance.id] += 1
+        current_process().engines.outstanding[instance.id] += 1
         handed_over = False  # to the stream, which then owns the counter and the record
         try:
             if instance.id != record.instance_id:  # another than the one it was journaled with
@@ -152,7 +153,7 @@ async def _try_engines(request_id, tier, prepared, admission, candidates, payloa
                 log.warning("engine %s failed %s mid-request: %s", instance.id, request_id, exc)
                 return await engine_failed_response(record, started)
             if response.status_code == 200:
-                routing.remember(images, instance.id)
+                current_process().engines.remember(images, instance.id)
             if record.stream and response.status_code == 200:
                 handed_over = True
                 if slot is not None:
@@ -174,7 +175,7 @@ async def _try_engines(request_id, tier, prepared, admission, candidates, payloa
             raise
         finally:
             if not handed_over:
-                routing.outstanding[instance.id] -= 1
+                current_process().engines.outstanding[instance.id] -= 1
     if (failed := await admission.failure()) is not None:
         raise failed
     broken = await image_refusal(prepared)

@@ -13,6 +13,7 @@ from django.conf import settings
 
 from controlplane.gateway import intake, moderation, state
 from controlplane.gateway.admission import admit
+from controlplane.gateway.apps import current_process
 from controlplane.gateway.authentication import authenticate, check_before_body, declares_large_body
 from controlplane.gateway.beside import image_refusal
 from controlplane.gateway.body import LARGE_BODY, TooComplex, read_body
@@ -21,20 +22,14 @@ from controlplane.gateway.forwarding import forward
 from controlplane.gateway.http import Request, Response, json_response
 from controlplane.gateway.prepare import RequestInvalid, image_parts, prepare, validate_body
 from controlplane.gateway.recording import drain, hand_over_usage, in_background
-from controlplane.gateway.repeats import Repeats, Shared
 from controlplane.gateway.routing import route_request
 from controlplane.gateway.state import read_or_unavailable
 from controlplane.gateway.tier_choice import AUTO, allowed_tiers, auto_tier, tier_asked
-from controlplane.imaging.budget import MB, DecodeBudget, DecodeLimits, DecodeMemory, DecodersBusy
+from controlplane.imaging.budget import MB, DecodeBudget, DecodeLimits, DecodersBusy
 from controlplane.metering.services import UsageRecord
 
 __all__ = ("chat_completions", "check_before_body", "drain", "models", "not_found")
 log = logging.getLogger(__name__)
-# What pictures sent before became, for the requests that send them again.
-repeats = Repeats(settings.GATEWAY_REPEATS_MB * 1024 * 1024, shared=Shared.from_settings())
-# The memory this process's decodes may hold at once, whatever the requests bringing pictures.
-decode_memory = DecodeMemory(settings.GATEWAY_DECODE_MEMORY_MB * MB, wait_s=settings.GATEWAY_DECODE_WAIT_MS / 1000,
-                             decodes=settings.GATEWAY_DECODES_AT_ONCE)
 
 
 def decode_limits() -> DecodeLimits:
@@ -134,9 +129,9 @@ async def _chat_completions(request: Request, request_id: str, meters: list):
         try:
             if tier.policy is not None:
                 meter.budget = DecodeBudget(decode_limits(), pixels=tier.policy.max_total_pixels,
-                                            shared=decode_memory)
+                                            shared=current_process().decode_memory)
             prepared = await prepare(body, tier, max_image_bytes=settings.GATEWAY_MAX_BODY_BYTES,
-                                     scope=str(key.tenant_id), repeats=repeats, budget=meter.budget)
+                                     scope=str(key.tenant_id), repeats=current_process().prepared_images, budget=meter.budget)
         except RequestInvalid as exc:
             raise GatewayError(400, str(exc), code=exc.code, param=exc.param) from None
         except DecodersBusy as exc:

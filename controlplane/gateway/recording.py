@@ -8,14 +8,13 @@ import asyncio
 import logging
 import time
 
-from controlplane.gateway import counters, ledger
+from controlplane.gateway import ledger
+from controlplane.gateway.apps import current_process
 from controlplane.gateway.errors import NotAdmitted
 from controlplane.metering.services import UsageRecord
 from controlplane.redis_clients import until_written
 
 log = logging.getLogger(__name__)
-background: set[asyncio.Task] = set()
-tier_names: dict[int, str] = {}
 
 
 def ms_since(started: float) -> int:
@@ -44,14 +43,16 @@ def release_if_admitted(done: asyncio.Future, record: UsageRecord, started: floa
 async def drain() -> None:
     """Wait for the work left of answered requests: hand-overs awaiting Redis's reply, and
     what a failed one calls for (each bounded by its store's timeouts). Before the process exits."""
-    while background:
-        await asyncio.gather(*background, return_exceptions=True)
+    hand_overs = current_process().hand_overs
+    while hand_overs:
+        await asyncio.gather(*hand_overs, return_exceptions=True)
 
 
 def in_background(coroutine) -> asyncio.Task:
     task = asyncio.ensure_future(coroutine)
-    background.add(task)
-    task.add_done_callback(background.discard)
+    hand_overs = current_process().hand_overs
+    hand_overs.add(task)
+    task.add_done_callback(hand_overs.discard)
     return task
 
 
@@ -78,7 +79,8 @@ async def _hand_over(record: UsageRecord, written: asyncio.Future | None = None)
             and record.status == "aborted":
         record = refusal_of(record, failed.status)
         record.recorded = True
-    counters.count(tier=tier_names.get(record.tier_id, str(record.tier_id)), status=record.status,
+    process = current_process()
+    process.counters.count(tier=process.tier_names.get(record.tier_id, str(record.tier_id)), status=record.status,
                    images=record.image_tokens, disagree=record.image_tokens_disagree)
     if record.checking is not None:
         # Its images sent as they came get their fingerprints once checked (a refused one keeps

@@ -7,7 +7,8 @@ import logging
 
 import orjson
 
-from controlplane.gateway import routing, upstream
+from controlplane.gateway import upstream
+from controlplane.gateway.apps import current_process
 from controlplane.gateway.engine_watch import EngineFailing, watched_lines
 from controlplane.gateway.errors import error_response
 from controlplane.gateway.http import Response, json_response
@@ -101,7 +102,7 @@ def relay_stream(request_id, tier, flight, prepared, response, instance, started
         try:
             await response.aclose()
         finally:
-            routing.outstanding[instance.id] -= 1
+            current_process().engines.outstanding[instance.id] -= 1
             if slot is not None:
                 slot.release()
             if not progress["finished"] and record.status == "ok":

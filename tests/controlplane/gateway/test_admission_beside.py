@@ -18,7 +18,8 @@ from django.utils import timezone
 
 from controlplane.asgi import application
 from controlplane.fleet.models import EngineInstance, Node
-from controlplane.gateway import ledger, recording
+from controlplane.gateway import ledger
+from controlplane.gateway.apps import current_process
 from controlplane.gateway.ledger import Ask, Limits, Refused
 from controlplane.gateway.ledger.redis_store import _ADMIT, _sha
 from controlplane.metering.models import UsageEvent
@@ -166,8 +167,8 @@ async def _admitted_then(held, engine: Engine, asking: asyncio.Task):
 
 async def _settled() -> None:
     """Every hand-over of this process done."""
-    while recording.background:
-        await asyncio.wait_for(asyncio.gather(*list(recording.background), return_exceptions=True), 30)
+    while current_process().hand_overs:
+        await asyncio.wait_for(asyncio.gather(*list(current_process().hand_overs), return_exceptions=True), 30)
 
 
 def _stored() -> list[UsageEvent]:

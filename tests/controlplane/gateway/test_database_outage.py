@@ -8,7 +8,7 @@ import json
 import pytest
 from django.db import connection
 
-from controlplane.gateway import state
+from controlplane.gateway.apps import current_process
 from tests.controlplane.gateway.test_views import image_message, post
 from tests.images import data_url, image_bytes
 
@@ -40,7 +40,8 @@ def database_down(monkeypatch, settings, tmp_path):
 
 
 def test_known_keys_and_models_are_served_while_the_database_is_down(client, world, monkeypatch, database_down):
-    for cache in (state._keys, state._tiers, state._instances):
+    caches = current_process().caches
+    for cache in (caches.keys, caches.tiers, caches.instances):
         monkeypatch.setattr(cache, "seconds", 0)  # every entry already past its freshness
     assert client.get("/v1/models", HTTP_AUTHORIZATION=f"Bearer {world.alice_key}").status_code == 200
     body = {"model": "vlm-lite", "messages": image_message(data_url(image_bytes(64, 64)))}
@@ -58,7 +59,7 @@ def test_known_keys_and_models_are_served_while_the_database_is_down(client, wor
 
 
 def test_what_was_known_is_not_served_past_its_limit(client, world, monkeypatch, settings, database_down):
-    monkeypatch.setattr(state._keys, "seconds", 0)
+    monkeypatch.setattr(current_process().caches.keys, "seconds", 0)
     settings.GATEWAY_STALE_MAX_S = 0
     assert client.get("/v1/models", HTTP_AUTHORIZATION=f"Bearer {world.alice_key}").status_code == 200
     database_down()

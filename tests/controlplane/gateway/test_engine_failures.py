@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from controlplane.gateway import routing
+from controlplane.gateway.apps import current_process
 from controlplane.metering.models import UsageEvent
 from controlplane.tenants.models import Quota
 from tests.controlplane.gateway.conftest import ingested
@@ -52,7 +52,7 @@ def test_an_answer_cut_off_is_a_502_metered_once_and_frees_the_large_image_slot(
     ingested()
     events = UsageEvent.objects.filter(tenant=world.alice)
     assert [(e.status, e.http_status, e.cost) for e in events] == [("error", 502, 0)] * 2
-    assert not any(routing.outstanding.values())
+    assert not any(current_process().engines.outstanding.values())
 
 
 def test_a_stream_the_engine_drops_ends_with_an_error_event(world):

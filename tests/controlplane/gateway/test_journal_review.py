@@ -12,6 +12,7 @@ from asgiref.sync import async_to_sync, sync_to_async
 from django.conf import settings as django_settings
 
 from controlplane.gateway import admission, ledger, recording
+from controlplane.gateway.apps import current_process
 from controlplane.gateway.ledger import Ask, RedisLedger
 from controlplane.metering.models import UsageEvent
 from controlplane.metering.outbox import usage_ingest
@@ -51,8 +52,8 @@ def test_a_client_leaving_while_its_usage_is_handed_over_still_has_it_recorded_a
         busy.set()
         await other
         await asyncio.gather(handing, return_exceptions=True)
-        while recording.background:
-            await asyncio.gather(*list(recording.background), return_exceptions=True)
+        while current_process().hand_overs:
+            await asyncio.gather(*list(current_process().hand_overs), return_exceptions=True)
 
     answered_then_client_leaves()
     [event] = _stored(mode)
@@ -330,10 +331,10 @@ def test_a_client_leaving_during_an_admission_whose_reply_was_lost_leaves_no_res
         replying.set()
         await asyncio.gather(admitting, return_exceptions=True)
         deadline = time.monotonic() + 3  # the admission ends after the client left: its record follows
-        while not recording.background and time.monotonic() < deadline:
+        while not current_process().hand_overs and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
-        while recording.background:
-            await asyncio.gather(*list(recording.background), return_exceptions=True)
+        while current_process().hand_overs:
+            await asyncio.gather(*list(current_process().hand_overs), return_exceptions=True)
 
     client_leaves_while_admitted()
     monkeypatch.setattr(redis_store, "_eval", original)

@@ -129,11 +129,11 @@ def test_a_picture_past_the_requests_total_is_refused_by_its_header(client, rout
 
 
 def test_a_picture_that_finds_every_decode_busy_is_a_503_to_retry(client, routed, ledger_mode, monkeypatch):  # noqa: F811
-    from controlplane.gateway import handlers
+    from controlplane.gateway.apps import current_process
     from controlplane.imaging.budget import DecodeMemory
 
     shared = DecodeMemory(64 << 20, wait_s=0.05)
-    monkeypatch.setattr(handlers, "decode_memory", shared)
+    monkeypatch.setattr(current_process(), "decode_memory", shared)
     with shared.holding(64 << 20):  # other requests' decodes hold all of it
         busy = post(client, routed.alice_key, _ask(data_url(image_bytes(2400, 1800))))
     assert (busy.status_code, error_of(busy)["code"]) == (503, "service_unavailable")
