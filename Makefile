@@ -57,8 +57,11 @@ test: install-dev browser engine-cpu engine-sglang
 	DATABASE_URL=sqlite:///var/tests/embedded.sqlite3 REDIS_URL= \
 		$(PY) -m pytest -n $(TEST_WORKERS) -m accounting $(PYTEST_ARGS)
 
+# Ruff, and the subjects of the commits after .ci/commits-base (at most 72 characters, then a
+# blank line before the body).
 lint: install-dev
 	$(PY) -m ruff check .
+	.ci/check-commits
 
 $(STAMP_DIR)/.installed-bench: pyproject.toml $(STAMP_DIR)/.installed-dev
 	$(PY) -m pip install --quiet -e ".[dev,bench]"
