@@ -1,6 +1,10 @@
-"""The reference pages say what the code does now."""
+"""The documentation site: its reference pages say what the code does now, and it builds
+without a warning (a broken link or anchor fails it)."""
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -54,3 +58,18 @@ def test_a_variable_read_without_a_help_text_stops_the_generator(tmp_path, monke
     monkeypatch.setattr(generate, "PRODUCT", ("controlplane",))
     with pytest.raises(generate.SourceError, match="UNEXPLAINED_SECONDS is read without a help text"):
         generate.variables()
+
+
+def test_the_site_builds_without_a_warning(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+        cwd=ROOT, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"}, capture_output=True, text=True,
+        timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "WARNING" not in result.stderr
+    index = (tmp_path / "site" / "index.html").read_text()
+    assert "A first request" in index  # README's getting-started part, included
+
+
+def test_the_readme_stays_short():
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 150
