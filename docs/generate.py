@@ -235,7 +235,8 @@ _GROUPS = {
 
 
 def engine_settings_page() -> str:
-    sys.path.insert(0, str(ROOT))
+    if str(ROOT) not in sys.path:  # run from outside the checkout
+        sys.path.insert(0, str(ROOT))
     from controlplane.catalog.engine_settings import SETTINGS
 
     out = ["# Engine settings\n\n", GENERATED,
