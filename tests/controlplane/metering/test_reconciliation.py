@@ -3,7 +3,7 @@ micro-dollar, over generated months with a mid-month price change, a tier moved 
 mid-month, cache hits (whole and partial), failures, interruptions, aborted requests, long
 images cut into tiles and a tier priced only from the third day (its first requests unrated).
 
-What each figure includes (one meaning each, docs/roles.md "What each figure includes"):
+What each figure includes (one meaning each, docs/finance.md "What each figure includes"):
 - a usage event's cost: what the request is billed at the rate it names; 0 for requests refused
   or failed before an engine worked on them; aborted and interrupted requests are billed for
   what the engine did;
