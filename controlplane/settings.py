@@ -272,8 +272,8 @@ CELERY_BEAT_SCHEDULE = {
         "schedule": timedelta(seconds=FLEET_RECONCILE_SECONDS),
         "options": {"expire_seconds": max(1, int(FLEET_RECONCILE_SECONDS * 0.9))},
     },
-    "metering-ingest": {
-        "task": "metering.ingest",
+    "usage-ingest": {
+        "task": "gateway.usage_ingest",
         "schedule": timedelta(seconds=INGEST_SECONDS),
         "options": {"expire_seconds": max(1, int(INGEST_SECONDS * 0.9))},
     },

@@ -5,7 +5,7 @@ from drf_spectacular.views import SpectacularSwaggerView
 
 from controlplane.dashboard.login import LoginForm
 from controlplane.dashboard.users import Invitation
-from controlplane.fleet.prometheus import metrics
+from controlplane.metrics import metrics
 from controlplane.schema import SchemaView
 
 urlpatterns = [

@@ -7,7 +7,7 @@ Environment variables come from the strict readers' calls (`env_int("NAME", defa
 help=...)`, controlplane/env.py) wherever the product reads one; engine settings from
 `SETTINGS` (controlplane/catalog/engine_settings.py); alert kinds from `AlertRule.Kind` and
 its `SPECS`; gateway error codes from every place a gateway error is made; metrics from the
-control plane's `/metrics` (controlplane/fleet/prometheus.py). The code is read, not run
+control plane's `/metrics` (controlplane/metrics.py). The code is read, not run
 (Django is not needed), except for the engine settings, a plain module.
 """
 
@@ -489,7 +489,7 @@ class Metric:
 
 
 def metrics() -> list[Metric]:
-    tree = _parse(ROOT / "controlplane" / "fleet" / "prometheus.py")
+    tree = _parse(ROOT / "controlplane" / "metrics.py")
     found: dict[str, Metric] = {}
     declared_in_table: list[str] = []
     table_type = ""
@@ -518,7 +518,7 @@ def metrics() -> list[Metric]:
             for name in names:
                 found[name].labels = labels
     if any(not metric.kind or not metric.help for metric in found.values()):
-        raise SourceError("a metric of controlplane/fleet/prometheus.py without its HELP or TYPE")
+        raise SourceError("a metric of controlplane/metrics.py without its HELP or TYPE")
     return list(found.values())
 
 

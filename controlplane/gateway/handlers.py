@@ -131,7 +131,10 @@ async def _chat_completions(request: Request, request_id: str, meters: list):
                 meter.budget = DecodeBudget(decode_limits(), pixels=tier.policy.max_total_pixels,
                                             shared=current_process().decode_memory)
             prepared = await prepare(body, tier, max_image_bytes=settings.GATEWAY_MAX_BODY_BYTES,
-                                     scope=str(key.tenant_id), repeats=current_process().prepared_images, budget=meter.budget)
+                                     scope=str(key.tenant_id), repeats=current_process().prepared_images,
+                                     budget=meter.budget)
+            for again in prepared.pictures_again:
+                current_process().counters.picture(tier=tier.name, again=again)
         except RequestInvalid as exc:
             raise GatewayError(400, str(exc), code=exc.code, param=exc.param) from None
         except DecodersBusy as exc:

@@ -1,5 +1,6 @@
-"""The control plane's own /metrics: the fleet as the database knows it, and this gateway
-process's request counters. Scraped by Prometheus beside the engines' own /metrics."""
+"""The control plane's own /metrics: the fleet as the database knows it, this gateway
+process's request counters and today's metered image tokens. Scraped by Prometheus beside the
+engines' own /metrics; it reads several apps, so it sits above them."""
 
 from __future__ import annotations
 
