@@ -14,13 +14,13 @@ from django.views.decorators.http import require_POST
 
 from controlplane.catalog.models import ModelTier
 from controlplane.catalog.routing import tenant_auto
-from controlplane.dashboard.fields import UtcDateTimeField
 from controlplane.metering.models import UsageEvent
 from controlplane.metering.periods import period_start
 from controlplane.metering.selectors import quota_use
 from controlplane.tenants import roles
 from controlplane.tenants.models import ApiKey, Quota
 from controlplane.tenants.services import TenantInactive, api_key_create, api_key_revoke
+from controlplane.web.fields import UtcDateTimeField
 
 
 class OwnKeyForm(forms.Form):

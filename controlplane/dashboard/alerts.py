@@ -29,7 +29,7 @@ from controlplane.alerts.services import (
     webhook_set_enabled,
 )
 from controlplane.audit.services import history
-from controlplane.dashboard.access import operators_only
+from controlplane.web.access import operators_only
 
 RECENT = dt.timedelta(days=7)
 

@@ -10,7 +10,7 @@ from django.shortcuts import render
 from django.utils import timezone
 
 from controlplane.audit.models import AuditEntry
-from controlplane.dashboard.access import staff_only
+from controlplane.web.access import staff_only
 
 PAGE_SIZE = 50
 

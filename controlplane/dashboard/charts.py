@@ -4,27 +4,8 @@ import datetime as dt
 from decimal import Decimal
 
 import plotly.graph_objects as go
-import plotly.io as pio
 
-_MARGIN = {"l": 60, "r": 20, "t": 50, "b": 50}
-# A tier (or tenant) keeps its colour on every chart: chosen from its name, not from its
-# place in a chart's legend, which differs from chart to chart.
-PALETTE = ("#2f6fde", "#e8710a", "#1b9e77", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
-           "#bcbd22", "#17becf", "#1f3f8f", "#a15c00", "#0b6e4f", "#8c1d18", "#5b3f8c", "#b85c9e")
-
-
-def colour_of(name: str) -> str:
-    """The colour of a series named `name` ("others" grey), the same on every chart and page."""
-    import zlib
-
-    if name == "others":
-        return "#b0b7c3"
-    return PALETTE[zlib.crc32(name.encode()) % len(PALETTE)]
-
-
-def figure_html(figure: go.Figure, div_id: str) -> str:
-    return pio.to_html(figure, include_plotlyjs=False, full_html=False, div_id=div_id,
-                       config={"displaylogo": False})
+from controlplane.web.charts import MARGIN, colour_of, figure_html, money
 
 
 def _unit(slots: list) -> str:
@@ -43,7 +24,7 @@ def _stacked_bars(slots: list, series: dict[str, list], *, title: str, axis: str
         figure.add_bar(name=name, x=x, y=[float(v) for v in values], marker_color=colour_of(name))
     figure.update_layout(
         barmode="stack", title=title, xaxis_title=f"{unit} (UTC)", yaxis_title=axis,
-        margin=_MARGIN, height=380, xaxis={"type": "category"},
+        margin=MARGIN, height=380, xaxis={"type": "category"},
     )
     return figure_html(figure, div_id)
 
@@ -80,7 +61,7 @@ def cache_savings_chart(slots: list, savings: dict[str, list[Decimal]], cached_t
         xaxis_title=f"{unit} (UTC)", yaxis={"title": f"saved per {unit} ({currency})"},
         yaxis2={"title": "cached image tokens", "overlaying": "y", "side": "right", "showgrid": False,
                 "rangemode": "tozero"},
-        margin={**_MARGIN, "r": 70}, height=380, xaxis={"type": "category"},
+        margin={**MARGIN, "r": 70}, height=380, xaxis={"type": "category"},
     )
     return figure_html(figure, "cache-savings-chart")
 
@@ -103,15 +84,10 @@ def cost_per_image_chart(distribution, *, currency: str, since: dt.date | None =
         if distribution.mean is not None and single else ""
     figure.update_layout(
         barmode="stack", title=f"Cost per image{f' since {since}' if since else ''}: {distribution.images} images{mean}",
-        xaxis_title=f"cost of one image ({currency})", yaxis_title="images", margin=_MARGIN, height=380,
+        xaxis_title=f"cost of one image ({currency})", yaxis_title="images", margin=MARGIN, height=380,
         xaxis={"type": "category"},
     )
     return figure_html(figure, "cost-per-image-chart")
-
-
-def money(amount) -> str:
-    """An amount as every report prints it: to the micro-unit, six places, thousands apart."""
-    return f"{Decimal(amount).quantize(Decimal('0.000001')):,f}"
 
 
 def resolution_curves_chart(curves: dict[str, list[tuple[float, int]]], *, div_id: str = "resolution-curves") -> str:
@@ -121,7 +97,7 @@ def resolution_curves_chart(curves: dict[str, list[tuple[float, int]]], *, div_i
                            line_color=colour_of(tier))
     figure.update_layout(
         title="Image tokens by source resolution (4:3 photo)", xaxis_title="source megapixels",
-        yaxis_title="image tokens", margin=_MARGIN, height=340,
+        yaxis_title="image tokens", margin=MARGIN, height=340,
     )
     return figure_html(figure, div_id)
 

@@ -1,7 +1,7 @@
 from django import forms
 
-from controlplane.dashboard.fields import UtcDateTimeField
 from controlplane.tenants.models import QuotaLimits, Tenant
+from controlplane.web.fields import UtcDateTimeField
 
 
 class ApiKeyForm(forms.Form):

@@ -15,11 +15,11 @@ from django.shortcuts import render
 from django.utils import timezone
 
 from controlplane.catalog.models import ModelTier
-from controlplane.dashboard.access import operators_only
-from controlplane.dashboard.charts import colour_of, figure_html
 from controlplane.fleet.models import EngineInstance
 from controlplane.fleet.selectors import engine_series, node_summaries
 from controlplane.metering.traffic import traffic_by_tier
+from controlplane.web.access import operators_only
+from controlplane.web.charts import colour_of, figure_html
 
 # The windows an operator picks from, and the bucket each is drawn in (about 60 points).
 WINDOWS = {"1h": (dt.timedelta(hours=1), dt.timedelta(minutes=1)),

@@ -15,8 +15,8 @@ from controlplane.audit.services import audit_record, field_values, history
 from controlplane.benchmarks import gates
 from controlplane.catalog.models import ModelTier, ResolutionPolicy
 from controlplane.catalog.preview import engine_image_bounds, rates_now, samples
-from controlplane.dashboard.access import operators_only
 from controlplane.dashboard.forms import PolicyForm
+from controlplane.web.access import operators_only
 
 
 @login_required

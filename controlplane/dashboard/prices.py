@@ -13,12 +13,12 @@ from controlplane.audit.services import history
 from controlplane.catalog.models import PricePlan, PriceRate
 from controlplane.catalog.preview import SAMPLE_SIZES
 from controlplane.catalog.services import tier_image_tokens
-from controlplane.dashboard.access import staff_only
 from controlplane.dashboard.forms import PricePlanForm, PriceRateForm
 from controlplane.imaging.errors import ImageError
 from controlplane.imaging.policy import sent_sizes
 from controlplane.metering.ratebook import NoRate, RateBook
 from controlplane.metering.rating import Usage, images_price, price
+from controlplane.web.access import staff_only
 
 
 @login_required

@@ -12,11 +12,11 @@ from django.http import Http404
 from django.shortcuts import render
 
 from controlplane.catalog.models import ModelTier
-from controlplane.dashboard.fields import UtcDateTimeField
 from controlplane.metering.models import UsageEvent
 from controlplane.metering.selectors import LogCursor, LogQuery, usage_event_detail, usage_log
 from controlplane.tenants import roles
 from controlplane.tenants.models import ApiKey
+from controlplane.web.fields import UtcDateTimeField
 
 PAGE_SIZE = 50
 FAILED = "failed"

@@ -10,11 +10,11 @@ from django.shortcuts import get_object_or_404, redirect, render
 from django.utils import timezone
 
 from controlplane.audit.services import history
-from controlplane.dashboard.access import operators_only
 from controlplane.dashboard.forms import QUOTA_LIMITS, QuotaDefaultForm, TenantForm
 from controlplane.metering.selectors import quota_use
 from controlplane.tenants.models import Quota, QuotaDefault, Tenant
 from controlplane.tenants.services import quota_default_set, tenant_save
+from controlplane.web.access import operators_only
 
 
 @login_required

@@ -17,8 +17,8 @@ from controlplane.catalog.changes import tier_save, tier_set_enabled
 from controlplane.catalog.models import ModelTier
 from controlplane.catalog.preview import tier_plan
 from controlplane.catalog.routing import resolve_auto
-from controlplane.dashboard.access import operators_only
 from controlplane.dashboard.forms import TierForm
+from controlplane.web.access import operators_only
 
 ENGINE_KINDS = dict(ModelTier.EngineKind.choices)
 

@@ -12,10 +12,10 @@ from django.shortcuts import get_object_or_404, redirect, render
 from django.urls import reverse_lazy
 
 from controlplane.audit.services import history
-from controlplane.dashboard.access import operators_only
 from controlplane.dashboard.forms import UserChangeForm, UserInviteForm, role_value
 from controlplane.tenants import roles
 from controlplane.tenants.users import Role, invitation_path, user_change, user_invite
+from controlplane.web.access import operators_only
 
 
 @login_required
