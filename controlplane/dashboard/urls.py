@@ -1,8 +1,7 @@
-from django.urls import path
+from django.urls import include, path
 
 from controlplane.dashboard import (
     account,
-    alerts,
     audit,
     exports,
     operations,
@@ -17,6 +16,8 @@ from controlplane.dashboard import (
     views,
 )
 
+# The pages of each app are the app's own (its urls.py); they are mounted here, in one URL
+# namespace, so that every page keeps its path and its name (`dashboard:tiers`, ...).
 app_name = "dashboard"
 urlpatterns = [
     path("", views.index, name="index"),
@@ -29,16 +30,6 @@ urlpatterns = [
     path("fleet/<int:pk>/<str:action>/", views.fleet_action, name="fleet-action"),
     path("account/", account.account, name="account"),
     path("account/keys/<int:pk>/revoke/", account.account_key_revoke, name="account-key-revoke"),
-    path("alerts/", alerts.alert_list, name="alerts"),
-    path("alerts/rules/new/", alerts.rule_new, name="alert-rule-new"),
-    path("alerts/rules/<int:pk>/", alerts.rule_edit, name="alert-rule-edit"),
-    path("alerts/rules/<int:pk>/enable/", alerts.rule_enable, {"enabled": True}, name="alert-rule-enable"),
-    path("alerts/rules/<int:pk>/disable/", alerts.rule_enable, {"enabled": False}, name="alert-rule-disable"),
-    path("alerts/webhooks/new/", alerts.webhook_new, name="webhook-new"),
-    path("alerts/webhooks/<int:pk>/", alerts.webhook_edit, name="webhook-edit"),
-    path("alerts/webhooks/<int:pk>/enable/", alerts.webhook_enable, {"enabled": True}, name="webhook-enable"),
-    path("alerts/webhooks/<int:pk>/disable/", alerts.webhook_enable, {"enabled": False}, name="webhook-disable"),
-    path("alerts/webhooks/<int:pk>/test/", alerts.webhook_test, name="webhook-test"),
     path("audit/", audit.audit_log, name="audit"),
     path("prices/", prices.plan_list, name="prices"),
     path("prices/<slug:name>/", prices.plan_detail, name="price-plan"),
@@ -63,4 +54,5 @@ urlpatterns = [
     path("capacity/", views.capacity, name="capacity"),
     path("exports/", exports.exports, name="exports"),
     path("exports/<slug:report>.<str:filetype>", exports.download, name="export"),
+    path("", include("controlplane.alerts.urls")),
 ]

@@ -41,7 +41,7 @@ def alert_list(request):
     webhooks = webhooks_with_delivery_status(since=since)
     for webhook in webhooks:
         webhook.shown_url = masked_url(webhook.url)
-    return render(request, "dashboard/alerts.html", {
+    return render(request, "alerts/alerts.html", {
         "firing": list(alerts_firing()), "resolved": list(alerts_resolved_recently(since=since)),
         "webhooks": webhooks, "failed": list(deliveries_failed_recently(since=since)),
         "rules": list(AlertRule.objects.select_related("tier", "tenant")),
@@ -67,7 +67,7 @@ def _rule_form(request, rule: AlertRule):
         rule = alert_rule_save(rule=form.save(commit=False), actor=request.user.get_username())
         messages.success(request, f"Rule {rule.name} {'created' if creating else 'saved'}; it applies from the next evaluation.")
         return redirect("dashboard:alerts")
-    return render(request, "dashboard/alert_rule_form.html", {
+    return render(request, "alerts/alert_rule_form.html", {
         "form": form, "rule": rule, "creating": creating, "specs": AlertRule.SPECS,
         "history": [] if creating else list(history(rule)[:20])})
 
@@ -101,7 +101,7 @@ def _webhook_form(request, webhook: Webhook):
         webhook = webhook_save(webhook=form.save(commit=False), actor=request.user.get_username())
         messages.success(request, f"Webhook {webhook.name} {'created' if creating else 'saved'}.")
         return redirect("dashboard:alerts")
-    return render(request, "dashboard/webhook_form.html", {
+    return render(request, "alerts/webhook_form.html", {
         "form": form, "webhook": webhook, "creating": creating,
         "history": [] if creating else list(history(webhook)[:20])})
 
