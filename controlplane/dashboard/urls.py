@@ -2,7 +2,6 @@ from django.urls import include, path
 
 from controlplane.dashboard import (
     account,
-    audit,
     exports,
     operations,
     playground,
@@ -30,7 +29,6 @@ urlpatterns = [
     path("fleet/<int:pk>/<str:action>/", views.fleet_action, name="fleet-action"),
     path("account/", account.account, name="account"),
     path("account/keys/<int:pk>/revoke/", account.account_key_revoke, name="account-key-revoke"),
-    path("audit/", audit.audit_log, name="audit"),
     path("prices/", prices.plan_list, name="prices"),
     path("prices/<slug:name>/", prices.plan_detail, name="price-plan"),
     path("users/", users.user_list, name="users"),
@@ -55,4 +53,5 @@ urlpatterns = [
     path("exports/", exports.exports, name="exports"),
     path("exports/<slug:report>.<str:filetype>", exports.download, name="export"),
     path("", include("controlplane.alerts.urls")),
+    path("", include("controlplane.audit.urls")),
 ]

@@ -43,7 +43,7 @@ def audit_log(request):
     page = Paginator(entries, PAGE_SIZE).get_page(request.GET.get("page"))
     query = request.GET.copy()
     query.pop("page", None)
-    return render(request, "dashboard/audit.html", {
+    return render(request, "audit/audit.html", {
         "page": page, "chosen": chosen, "query": query.urlencode(),
         "types": AuditEntry.objects.order_by("object_type").values_list("object_type", flat=True).distinct(),
         "actors": AuditEntry.objects.order_by("actor").values_list("actor", flat=True).distinct(),
