@@ -2,13 +2,10 @@ from django.urls import include, path
 
 from controlplane.dashboard import (
     account,
-    exports,
     operations,
     playground,
     policy_pages,
     prices,
-    requests,
-    statements,
     tenants,
     tiers,
     users,
@@ -35,9 +32,6 @@ urlpatterns = [
     path("users/<int:pk>/", users.user_edit, name="user-edit"),
     path("operations/", operations.operations, name="operations"),
     path("playground/", playground.playground, name="playground"),
-    path("requests/", requests.request_log, name="requests"),
-    path("requests/<str:request_id>/", requests.request_detail, name="request"),
-    path("statements/", statements.statements, name="statements"),
     path("tenants/", tenants.tenant_list, name="tenants"),
     path("tenants/new/", tenants.tenant_new, name="tenant-new"),
     path("tenants/<slug:name>/", tenants.tenant_edit, name="tenant-edit"),
@@ -50,8 +44,7 @@ urlpatterns = [
     path("policies/new/", policy_pages.policy_new, name="policy-new"),
     path("policies/<slug:name>/", policy_pages.policy_edit, name="policy-edit"),
     path("capacity/", views.capacity, name="capacity"),
-    path("exports/", exports.exports, name="exports"),
-    path("exports/<slug:report>.<str:filetype>", exports.download, name="export"),
     path("", include("controlplane.alerts.urls")),
     path("", include("controlplane.audit.urls")),
+    path("", include("controlplane.metering.urls")),
 ]

@@ -10,27 +10,27 @@ from django.shortcuts import get_object_or_404, redirect, render
 from django.utils import timezone
 from django.views.decorators.http import require_POST
 
-from controlplane.dashboard.charts import (
+from controlplane.catalog.services import resolution_curves
+from controlplane.dashboard.charts import resolution_curves_chart
+from controlplane.dashboard.forms import ApiKeyForm
+from controlplane.fleet.models import EngineEvent, EngineInstance
+from controlplane.metering.charts import (
     cache_savings_chart,
     cost_chart,
     cost_per_image_chart,
     image_tokens_chart,
-    resolution_curves_chart,
 )
-from controlplane.dashboard.forms import ApiKeyForm
-from controlplane.dashboard.selectors import (
+from controlplane.metering.selectors import image_count_disagreements
+from controlplane.metering.usage import (
     DEFAULT_PERIOD,
     PERIODS,
     UsageScope,
     currency_label,
     image_cost_distribution,
-    resolution_curves,
     usage_over_time,
     usage_table,
     usage_totals,
 )
-from controlplane.fleet.models import EngineEvent, EngineInstance
-from controlplane.metering.selectors import image_count_disagreements
 from controlplane.tenants import roles
 from controlplane.tenants.models import ApiKey
 from controlplane.tenants.services import TenantInactive, api_key_create, api_key_revoke

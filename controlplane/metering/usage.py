@@ -212,12 +212,3 @@ def image_cost_distribution(*, scope: UsageScope) -> CostDistribution:
         cost=sum((sum(b.cost.values(), start=Decimal(0)) for b in buckets), start=Decimal(0)),
     )
 
-
-def resolution_curves(*, tier=None) -> dict[str, list[tuple[float, int]]]:
-    """Image tokens against source resolution under each vision tier's policy (or `tier`'s)."""
-    from controlplane.catalog.services import resolution_curve, vision_tiers
-
-    tiers = vision_tiers()
-    if tier is not None:
-        tiers = tiers.filter(pk=tier.pk)
-    return {t.name: resolution_curve(t) for t in tiers}

@@ -33,7 +33,7 @@ def statements(request):
         error, (year, month) = f"{month_text!r}: {exc}", (now.year, now.month)
     found = statement(tenant=tenant, year=year, month=month) if tenant is not None else None
     start, end = month_bounds(year, month)
-    return render(request, "dashboard/statements.html", {
+    return render(request, "metering/statements.html", {
         "tenants": tenants, "tenant": tenant, "staff": staff, "month": f"{year:04d}-{month:02d}", "error": error,
         "statement": found, "first_day": start.date(), "last_day": (end - dt.timedelta(days=1)).date(),
     })
