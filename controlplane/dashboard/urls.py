@@ -1,14 +1,11 @@
 from django.urls import include, path
 
 from controlplane.dashboard import (
-    account,
     operations,
     playground,
     policy_pages,
     prices,
-    tenants,
     tiers,
-    users,
     views,
 )
 
@@ -17,24 +14,15 @@ from controlplane.dashboard import (
 app_name = "dashboard"
 urlpatterns = [
     path("", views.index, name="index"),
-    path("keys/", views.keys, name="keys"),
-    path("keys/<int:pk>/revoke/", views.key_revoke, name="key-revoke"),
     path("fleet/", views.fleet, name="fleet"),
     path("fleet/external/", views.fleet_register_external, name="fleet-external"),
     path("fleet/tiers/<slug:name>/replicas/", views.fleet_replicas, name="fleet-replicas"),
     path("fleet/<int:pk>/", views.fleet_instance, name="fleet-instance"),
     path("fleet/<int:pk>/<str:action>/", views.fleet_action, name="fleet-action"),
-    path("account/", account.account, name="account"),
-    path("account/keys/<int:pk>/revoke/", account.account_key_revoke, name="account-key-revoke"),
     path("prices/", prices.plan_list, name="prices"),
     path("prices/<slug:name>/", prices.plan_detail, name="price-plan"),
-    path("users/", users.user_list, name="users"),
-    path("users/<int:pk>/", users.user_edit, name="user-edit"),
     path("operations/", operations.operations, name="operations"),
     path("playground/", playground.playground, name="playground"),
-    path("tenants/", tenants.tenant_list, name="tenants"),
-    path("tenants/new/", tenants.tenant_new, name="tenant-new"),
-    path("tenants/<slug:name>/", tenants.tenant_edit, name="tenant-edit"),
     path("tiers/", tiers.tier_list, name="tiers"),
     path("tiers/new/", tiers.tier_new, name="tier-new"),
     path("tiers/<slug:name>/", tiers.tier_edit, name="tier-edit"),
@@ -47,4 +35,5 @@ urlpatterns = [
     path("", include("controlplane.alerts.urls")),
     path("", include("controlplane.audit.urls")),
     path("", include("controlplane.metering.urls")),
+    path("", include("controlplane.tenants.urls")),
 ]

@@ -3,7 +3,6 @@ this month), what is left of its quota, and its statements."""
 
 from __future__ import annotations
 
-from django import forms
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.core.exceptions import PermissionDenied
@@ -12,36 +11,14 @@ from django.shortcuts import get_object_or_404, redirect, render
 from django.utils import timezone
 from django.views.decorators.http import require_POST
 
-from controlplane.catalog.models import ModelTier
 from controlplane.catalog.routing import tenant_auto
 from controlplane.metering.models import UsageEvent
 from controlplane.metering.periods import period_start
 from controlplane.metering.selectors import quota_use
 from controlplane.tenants import roles
+from controlplane.tenants.forms import OwnKeyForm
 from controlplane.tenants.models import ApiKey, Quota
 from controlplane.tenants.services import TenantInactive, api_key_create, api_key_revoke
-from controlplane.web.fields import UtcDateTimeField
-
-
-class OwnKeyForm(forms.Form):
-    name = forms.CharField(max_length=64, required=False, help_text="What it is for, e.g. the app that uses it")
-    tiers = forms.ModelMultipleChoiceField(queryset=None, required=False, widget=forms.CheckboxSelectMultiple,
-                                           label="Models it may use", help_text="None ticked: every model of yours")
-    expires_at = UtcDateTimeField(required=False, label="Expires", help_text="Optional, e.g. 2027-06-30 00:00")
-    requests_per_minute = forms.IntegerField(min_value=1, max_value=10**6, required=False,
-                                             label="Requests per minute", help_text="Optional: this key's own limit")
-
-    def __init__(self, *args, tenant, **kwargs):
-        super().__init__(*args, **kwargs)
-        allowed = tenant.allowed_tiers.all()
-        self.fields["tiers"].queryset = (allowed if allowed.exists() else ModelTier.objects.filter(enabled=True)
-                                         ).order_by("name")
-
-    def clean_expires_at(self):
-        when = self.cleaned_data["expires_at"]
-        if when is not None and when <= timezone.now():
-            raise forms.ValidationError("that moment has passed")
-        return when
 
 
 def _tenant(request):
@@ -74,7 +51,7 @@ def account(request):
     for key in keys:
         key.spend = spend.get(key.pk) or 0
     quota = Quota.objects.filter(tenant=tenant).first()
-    return render(request, "dashboard/account.html", {
+    return render(request, "tenants/account.html", {
         "tenant": tenant, "form": form, "keys": keys, "issued": request.session.pop("issued_key", None),
         "quota": quota, "use": quota_use(tenant=tenant, quota=quota, now=now), "auto": tenant_auto(tenant), "month": f"{now:%Y-%m}", "now": now,
     })

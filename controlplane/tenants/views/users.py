@@ -12,8 +12,8 @@ from django.shortcuts import get_object_or_404, redirect, render
 from django.urls import reverse_lazy
 
 from controlplane.audit.services import history
-from controlplane.dashboard.forms import UserChangeForm, UserInviteForm, role_value
 from controlplane.tenants import roles
+from controlplane.tenants.forms import UserChangeForm, UserInviteForm, role_value
 from controlplane.tenants.users import Role, invitation_path, user_change, user_invite
 from controlplane.web.access import operators_only
 
@@ -30,7 +30,7 @@ def user_list(request):
     people = list(get_user_model().objects.order_by("username").select_related("membership__tenant"))
     for person in people:
         person.role = Role.of(person)
-    return render(request, "dashboard/users.html", {
+    return render(request, "tenants/users.html", {
         "form": form, "people": people, "invitation": request.session.pop("invitation", None),
         "invite_days": settings.PASSWORD_RESET_TIMEOUT // 86400})
 
@@ -53,7 +53,7 @@ def user_edit(request, pk: int):
     invite = None
     if request.method == "POST" and "reinvite" in request.POST and person.is_active and not person.has_usable_password():
         invite = request.build_absolute_uri(invitation_path(person))
-    return render(request, "dashboard/user_form.html", {"form": form, "person": person, "invite": invite,
+    return render(request, "tenants/user_form.html", {"form": form, "person": person, "invite": invite,
                                                         "history": history(person)[:20]})
 
 

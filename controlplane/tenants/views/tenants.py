@@ -10,8 +10,8 @@ from django.shortcuts import get_object_or_404, redirect, render
 from django.utils import timezone
 
 from controlplane.audit.services import history
-from controlplane.dashboard.forms import QUOTA_LIMITS, QuotaDefaultForm, TenantForm
 from controlplane.metering.selectors import quota_use
+from controlplane.tenants.forms import QUOTA_LIMITS, QuotaDefaultForm, TenantForm
 from controlplane.tenants.models import Quota, QuotaDefault, Tenant
 from controlplane.tenants.services import quota_default_set, tenant_save
 from controlplane.web.access import operators_only
@@ -30,7 +30,7 @@ def tenant_list(request):
         quota_default_set(values=form.cleaned_data, actor=request.user.get_username())
         messages.success(request, "New tenants now start with this quota.")
         return redirect("dashboard:tenants")
-    return render(request, "dashboard/tenants.html", {"tenants": tenants, "defaults_form": form,
+    return render(request, "tenants/tenants.html", {"tenants": tenants, "defaults_form": form,
                                                       "defaults": defaults})
 
 
@@ -56,7 +56,7 @@ def _tenant_form(request, tenant: Tenant):
         return redirect("dashboard:tenant-edit", name=tenant.name)
     quota = None if creating else Quota.objects.filter(tenant=tenant).first()
     use = {row["name"]: row for row in quota_use(tenant=tenant, quota=quota)} if not creating else {}
-    return render(request, "dashboard/tenant_form.html", {
+    return render(request, "tenants/tenant_form.html", {
         "form": form, "tenant": tenant, "creating": creating,
         "tenant_fields": [form[name] for name in TenantForm.Meta.fields],
         "limit_rows": [(form[name], use.get(name)) for name in QUOTA_LIMITS],
