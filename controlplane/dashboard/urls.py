@@ -1,7 +1,6 @@
 from django.urls import include, path
 
 from controlplane.dashboard import (
-    operations,
     playground,
     policy_pages,
     prices,
@@ -14,14 +13,8 @@ from controlplane.dashboard import (
 app_name = "dashboard"
 urlpatterns = [
     path("", views.index, name="index"),
-    path("fleet/", views.fleet, name="fleet"),
-    path("fleet/external/", views.fleet_register_external, name="fleet-external"),
-    path("fleet/tiers/<slug:name>/replicas/", views.fleet_replicas, name="fleet-replicas"),
-    path("fleet/<int:pk>/", views.fleet_instance, name="fleet-instance"),
-    path("fleet/<int:pk>/<str:action>/", views.fleet_action, name="fleet-action"),
     path("prices/", prices.plan_list, name="prices"),
     path("prices/<slug:name>/", prices.plan_detail, name="price-plan"),
-    path("operations/", operations.operations, name="operations"),
     path("playground/", playground.playground, name="playground"),
     path("tiers/", tiers.tier_list, name="tiers"),
     path("tiers/new/", tiers.tier_new, name="tier-new"),
@@ -31,9 +24,9 @@ urlpatterns = [
     path("policies/", views.policies, name="policies"),
     path("policies/new/", policy_pages.policy_new, name="policy-new"),
     path("policies/<slug:name>/", policy_pages.policy_edit, name="policy-edit"),
-    path("capacity/", views.capacity, name="capacity"),
     path("", include("controlplane.alerts.urls")),
     path("", include("controlplane.audit.urls")),
+    path("", include("controlplane.fleet.urls")),
     path("", include("controlplane.metering.urls")),
     path("", include("controlplane.tenants.urls")),
 ]

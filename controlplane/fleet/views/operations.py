@@ -63,7 +63,7 @@ def operations(request):
         _lines("engine-ttft-chart", "Engine time to first token (s), its own histogram", "s", engines,
                lambda p: p.ttft_p50, lambda p: p.ttft_p95),
     ]
-    return render(request, "dashboard/operations.html", {
+    return render(request, "fleet/operations.html", {
         "charts": charts, "windows": list(WINDOWS), "window": window, "tiers": tiers, "chosen": chosen,
         "bucket": bucket, "nodes": node_summaries(), "totals": _totals(traffic, length),
     })
