@@ -5,8 +5,8 @@ from django.core.exceptions import PermissionDenied
 from django.shortcuts import render
 from django.utils import timezone
 
+from controlplane.catalog.charts import resolution_curves_chart
 from controlplane.catalog.services import resolution_curves
-from controlplane.dashboard.charts import resolution_curves_chart
 from controlplane.metering.charts import (
     cache_savings_chart,
     cost_chart,
@@ -82,43 +82,3 @@ def index(request):
         "table": table, "totals": totals,
         "first_day": scope.first_day, "last_day": scope.last_day,
     })
-
-
-@login_required
-def policies(request):
-    """Drop in a sample image: what each vision tier makes of it, and what it would cost."""
-    _require(lambda u: roles.is_operator(u) or roles.is_finance(u), request.user)
-    from controlplane.catalog.models import ResolutionPolicy
-    from controlplane.catalog.services import policy_preview, resolution_curve, vision_tiers
-    from controlplane.dashboard.charts import resolution_curves_chart
-    from controlplane.dashboard.forms import PolicyPreviewForm
-
-    form = PolicyPreviewForm(request.POST or None, request.FILES or None)
-    preview = source = commercial = error = None
-    if request.method == "POST" and form.is_valid():
-        data = form.cleaned_data["image"].read()
-        source, error = _source_size(data)
-        if source:
-            from controlplane.imaging.commercial import commercial_costs
-
-            preview = policy_preview(data=data, detail=form.cleaned_data["detail"])
-            commercial = commercial_costs(*source, detail=form.cleaned_data["detail"])
-    tiers = list(vision_tiers())
-    return render(request, "dashboard/policies.html", {
-        "form": form, "preview": preview, "source": source, "commercial": commercial, "error": error,
-        "tiers": tiers, "policies": ResolutionPolicy.objects.order_by("name"),
-        "chart": resolution_curves_chart({t.name: resolution_curve(t) for t in tiers}) if tiers else "",
-    })
-
-
-def _source_size(data: bytes):
-    """The upright size of an uploaded image, or the reason it cannot be read."""
-    from controlplane.imaging.decode import open_image, orientation
-    from controlplane.imaging.errors import ImageError
-
-    try:
-        image = open_image(data, allowed_formats=(), max_input_pixels=200_000_000)
-    except ImageError as exc:
-        return None, str(exc)
-    width, height = image.size
-    return ((height, width) if orientation(image) in (5, 6, 7, 8) else (width, height)), None

@@ -14,10 +14,10 @@ from django.views.decorators.http import require_POST
 from controlplane.audit.services import history
 from controlplane.benchmarks import gates
 from controlplane.catalog.changes import tier_save, tier_set_enabled
+from controlplane.catalog.forms import TierForm
 from controlplane.catalog.models import ModelTier
 from controlplane.catalog.preview import tier_plan
 from controlplane.catalog.routing import resolve_auto
-from controlplane.dashboard.forms import TierForm
 from controlplane.web.access import operators_only
 
 ENGINE_KINDS = dict(ModelTier.EngineKind.choices)
@@ -30,7 +30,7 @@ def tier_list(request):
     tiers = ModelTier.objects.select_related("resolution_policy", "price_plan").annotate(
         running=Count("instances", filter=Q(instances__actual_state="running"))).order_by("name")
     enabled = [tier for tier in tiers if tier.enabled]
-    return render(request, "dashboard/tiers.html", {
+    return render(request, "catalog/tiers.html", {
         "tiers": tiers, "engine_kinds": ENGINE_KINDS,
         "auto_text": resolve_auto(enabled, has_images=False), "auto_images": resolve_auto(enabled, has_images=True)})
 
@@ -82,7 +82,7 @@ def _tier_form(request, tier: ModelTier, engine_kind: str):
         plan = tier_plan(form.instance)
     elif request.method == "GET" and not creating:
         plan = tier_plan(tier)
-    return render(request, "dashboard/tier_form.html", {
+    return render(request, "catalog/tier_form.html", {
         "form": form, "tier": tier, "creating": creating, "engine_kind": engine_kind,
         "engine_label": ENGINE_KINDS[engine_kind], "engine_kinds": ENGINE_KINDS, "plan": plan,
         "history": history(tier)[:20] if not creating else [],

@@ -1,3 +1,6 @@
+"""The forms of the catalog pages: tiers and their engine settings, resolution policies and
+their preview, price plans and their rates."""
+
 from django import forms
 
 from controlplane.web.fields import UtcDateTimeField

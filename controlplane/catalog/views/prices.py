@@ -10,10 +10,10 @@ from django.shortcuts import get_object_or_404, redirect, render
 from django.utils import timezone
 
 from controlplane.audit.services import history
+from controlplane.catalog.forms import PricePlanForm, PriceRateForm
 from controlplane.catalog.models import PricePlan, PriceRate
 from controlplane.catalog.preview import SAMPLE_SIZES
 from controlplane.catalog.services import tier_image_tokens
-from controlplane.dashboard.forms import PricePlanForm, PriceRateForm
 from controlplane.imaging.errors import ImageError
 from controlplane.imaging.policy import sent_sizes
 from controlplane.metering.ratebook import NoRate, RateBook
@@ -37,7 +37,7 @@ def plan_list(request):
             plan.current = book.rate_at(plan.pk, now)
         except NoRate:
             plan.current = None
-    return render(request, "dashboard/prices.html", {"plans": plans, "form": form})
+    return render(request, "catalog/prices.html", {"plans": plans, "form": form})
 
 
 @login_required
@@ -58,7 +58,7 @@ def plan_detail(request, name):
     for rate in rates:
         rate.billed = rate.billed_requests()
     entries = sorted((e for r in rates for e in history(r)[:10]), key=lambda e: e.at, reverse=True)[:20]
-    return render(request, "dashboard/price_plan.html", {"plan": plan, "rates": rates, "form": form,
+    return render(request, "catalog/price_plan.html", {"plan": plan, "rates": rates, "form": form,
                                                          "preview": preview, "history": entries})
 
 

@@ -1,3 +1,5 @@
+"""The catalog's charts: image tokens against source resolution under each tier's policy."""
+
 from __future__ import annotations
 
 import plotly.graph_objects as go
