@@ -1,3 +1,5 @@
+"""The product pages' URLs: the home page and the playground, and every app's pages."""
+
 from django.urls import include, path
 
 from controlplane.dashboard import playground, views

@@ -1,3 +1,6 @@
+"""The home page: the reader's usage, read from the metering rollups, and each vision tier's
+resolution curve."""
+
 from __future__ import annotations
 
 from django.contrib.auth.decorators import login_required
