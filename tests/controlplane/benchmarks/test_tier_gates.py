@@ -15,8 +15,8 @@ from django.utils import timezone
 from controlplane.audit.models import AuditEntry
 from controlplane.benchmarks import gates
 from controlplane.benchmarks.models import EvalItem, EvalSet, GateCheck, QualityGate
+from controlplane.catalog.forms import TierForm
 from controlplane.catalog.models import ModelTier
-from controlplane.dashboard.forms import TierForm
 from controlplane.fleet.models import EngineInstance
 from controlplane.fleet.selectors import routable_instances
 from controlplane.fleet.services import instances_place
