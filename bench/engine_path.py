@@ -84,7 +84,7 @@ class EngineGateway(Gateway):
         self.model = model
 
     def _seed(self) -> str:
-        from controlplane.catalog.demo import CPU_ENGINE_SETTINGS
+        from controlplane.demo import CPU_ENGINE_SETTINGS
         from controlplane.catalog.models import ModelTier
 
         key = super()._seed()

@@ -62,7 +62,7 @@ def system(tmp_path_factory, django_db_blocker, vllm_cpu_python):
 
 
 def _add_real_tier(python) -> None:
-    from controlplane.catalog.demo import CPU_ENGINE_SETTINGS
+    from controlplane.demo import CPU_ENGINE_SETTINGS
     from controlplane.catalog.models import ModelTier, PricePlan, ResolutionPolicy
     from workers.engines.cpu import seeing_model
 

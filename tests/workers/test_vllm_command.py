@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from controlplane.catalog.demo import seed_demo
+from controlplane.demo import seed_demo
 from controlplane.catalog.engine_settings import applicable
 from controlplane.catalog.models import ModelTier
 from controlplane.fleet.models import EngineInstance, Gpu, Node

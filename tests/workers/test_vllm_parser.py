@@ -11,7 +11,7 @@ import subprocess
 import pytest
 from django.db import transaction
 
-from controlplane.catalog.demo import seed_demo
+from controlplane.demo import seed_demo
 from controlplane.catalog.engine_settings import applicable
 from controlplane.catalog.models import ModelTier
 from controlplane.fleet.models import EngineInstance, Gpu, Node

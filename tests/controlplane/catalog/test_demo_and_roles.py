@@ -7,7 +7,7 @@ import pytest
 from django.core.exceptions import ValidationError
 from django.utils import timezone
 
-from controlplane.catalog.demo import demo_api_key, seed_demo
+from controlplane.demo import demo_api_key, seed_demo
 from controlplane.catalog.models import ModelTier, PriceRate
 from controlplane.fleet.models import EngineInstance
 from controlplane.metering.services import UsageRecord, usage_record

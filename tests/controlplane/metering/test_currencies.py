@@ -10,7 +10,7 @@ from decimal import Decimal
 import pytest
 from django.utils import timezone
 
-from controlplane.catalog.demo import PRICES_FROM
+from controlplane.demo import PRICES_FROM
 from controlplane.catalog.models import PricePlan, PriceRate
 from controlplane.metering.exports import monthly_summary_rows, per_image_rows
 from controlplane.metering.services import ImageLine, UsageRecord, rollup_daily, usage_record

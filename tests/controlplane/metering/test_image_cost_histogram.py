@@ -6,7 +6,7 @@ from decimal import Decimal
 import pytest
 from django.utils import timezone
 
-from controlplane.catalog.demo import PRICES_FROM
+from controlplane.demo import PRICES_FROM
 from controlplane.catalog.models import PricePlan, PriceRate
 from controlplane.imaging.policy import Policy, normalise
 from controlplane.metering.exports import per_image_rows

@@ -1,7 +1,7 @@
 from django.conf import settings
 from django.core.management.base import BaseCommand
 
-from controlplane.catalog.demo import USERS, demo_api_key, seed_demo
+from controlplane.demo import USERS, demo_api_key, seed_demo
 
 
 class Command(BaseCommand):

