@@ -57,10 +57,11 @@ test: install-dev browser engine-cpu engine-sglang
 	DATABASE_URL=sqlite:///var/tests/embedded.sqlite3 REDIS_URL= \
 		$(PY) -m pytest -n $(TEST_WORKERS) -m accounting $(PYTEST_ARGS)
 
-# Ruff, and the subjects of the commits after .ci/commits-base (at most 72 characters, then a
-# blank line before the body).
+# Ruff, the import layers (pyproject.toml), and the subjects of the commits after
+# .ci/commits-base (at most 72 characters, then a blank line before the body).
 lint: install-dev
 	$(PY) -m ruff check .
+	$(dir $(PY))lint-imports
 	.ci/check-commits
 
 # The documentation site: the reference pages regenerated from the code, then built into site/

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import plotly.graph_objects as go
 
+from controlplane.fleet.engine_metrics import Histogram
 from controlplane.web.charts import figure_html
 
 
 def engine_load_chart(samples) -> str:
     """Queue depth, KV usage and TTFT (p50 of each interval) from an engine's recent scrapes."""
-    from workers.engines.metrics import Histogram
-
     samples = sorted(samples, key=lambda s: s.at)
     times = [s.at.isoformat() for s in samples]
     figure = go.Figure()

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from django.db import models
 from django.utils import timezone
 
+from controlplane.fleet.engine_metrics import Histogram
 from controlplane.fleet.models import EngineInstance, EngineMetricSample, Node
 
 # A health result older than this means the node agent stopped watching: route elsewhere...
@@ -64,8 +65,6 @@ class EnginePoint:
 def engine_series(*, since: dt.datetime, until: dt.datetime, bucket: dt.timedelta,
                   tier_ids: list[int] | None = None) -> dict[int, list[EnginePoint]]:
     """Per engine instance, its scrapes summarised per bucket, oldest first."""
-    from workers.engines.metrics import Histogram
-
     samples = EngineMetricSample.objects.filter(at__gte=since, at__lt=until).order_by("instance_id", "at").only(
         "instance_id", "at", "running", "waiting", "kv_cache_usage", "prompt_tokens", "generation_tokens", "ttft")
     if tier_ids is not None:

@@ -17,8 +17,8 @@ from controlplane.benchmarks import gates
 from controlplane.catalog.charts import resolution_curves_chart
 from controlplane.catalog.forms import PolicyForm, PolicyPreviewForm
 from controlplane.catalog.models import ModelTier, ResolutionPolicy
-from controlplane.catalog.preview import engine_image_bounds, rates_now, samples
 from controlplane.catalog.services import policy_preview, resolution_curve, vision_tiers
+from controlplane.catalog.views.preview import engine_image_bounds, rates_now, samples
 from controlplane.web.access import operators_only, staff_only
 
 

@@ -12,8 +12,8 @@ from django.utils import timezone
 from controlplane.audit.services import history
 from controlplane.catalog.forms import PricePlanForm, PriceRateForm
 from controlplane.catalog.models import PricePlan, PriceRate
-from controlplane.catalog.preview import SAMPLE_SIZES
 from controlplane.catalog.services import tier_image_tokens
+from controlplane.catalog.views.preview import SAMPLE_SIZES
 from controlplane.imaging.errors import ImageError
 from controlplane.imaging.policy import sent_sizes
 from controlplane.metering.ratebook import NoRate, RateBook

@@ -16,8 +16,8 @@ from controlplane.benchmarks import gates
 from controlplane.catalog.changes import tier_save, tier_set_enabled
 from controlplane.catalog.forms import TierForm
 from controlplane.catalog.models import ModelTier
-from controlplane.catalog.preview import tier_plan
 from controlplane.catalog.routing import resolve_auto
+from controlplane.catalog.views.preview import tier_plan
 from controlplane.web.access import operators_only
 
 ENGINE_KINDS = dict(ModelTier.EngineKind.choices)

@@ -186,7 +186,7 @@ def test_an_external_engine_inside_the_network_is_an_explicit_choice(client, wor
 
 
 def test_the_control_plane_exposes_its_own_prometheus_metrics(client, fleet, settings):
-    from workers.engines.metrics import parse
+    from controlplane.fleet.engine_metrics import parse
 
     world, node, running = fleet
     assert client.get("/metrics").status_code == 403  # outside DEBUG, no token: nothing to see

@@ -34,7 +34,7 @@ def _ask(url, detail=None, **extra):
 
 def _images(client) -> dict[tuple[str, str], float]:
     """vlmcp_gateway_images_total by (tier, prepared)."""
-    from workers.engines.metrics import parse
+    from controlplane.fleet.engine_metrics import parse
 
     series = parse(client.get("/metrics").content.decode())
     return {(labels["tier"], labels["prepared"]): value for labels, value in series.get("vlmcp_gateway_images_total", [])}
@@ -202,7 +202,7 @@ def _prefix() -> str:
 
 
 def _shared_outcomes(client) -> dict[str, float]:
-    from workers.engines.metrics import parse
+    from controlplane.fleet.engine_metrics import parse
 
     series = parse(client.get("/metrics").content.decode())
     return {labels["outcome"]: value for labels, value in series.get("vlmcp_gateway_shared_pictures_total", [])}

@@ -10,8 +10,8 @@ from decimal import Decimal
 import pytest
 from django.utils import timezone
 
-from controlplane.demo import PRICES_FROM
 from controlplane.catalog.models import PricePlan, PriceRate
+from controlplane.demo import PRICES_FROM
 from controlplane.metering.exports import monthly_summary_rows, per_image_rows
 from controlplane.metering.services import ImageLine, UsageRecord, rollup_daily, usage_record
 from controlplane.metering.statements import statement

@@ -6,8 +6,8 @@ from decimal import Decimal
 import pytest
 from django.utils import timezone
 
-from controlplane.demo import PRICES_FROM
 from controlplane.catalog.models import PricePlan, PriceRate
+from controlplane.demo import PRICES_FROM
 from controlplane.imaging.policy import Policy, normalise
 from controlplane.metering.exports import per_image_rows
 from controlplane.metering.models import ImageCostHistogram, RollupState, UsageEvent

@@ -1,4 +1,4 @@
-"""What a tier will do, shown on its page before it is saved: the command its engines start
+"""What a tier will do, shown on its pages before it is saved: the command its engines start
 with, what sample images cost on it, and whether it fits the GPUs it would run on."""
 
 from __future__ import annotations
@@ -14,11 +14,14 @@ from django.utils import timezone
 from controlplane.catalog.engine_settings import EngineSettingsError
 from controlplane.catalog.models import ModelTier
 from controlplane.catalog.services import tier_image_tokens
+from controlplane.fleet.models import Gpu
 from controlplane.imaging import kv
 from controlplane.imaging.errors import ImageError
 from controlplane.imaging.policy import sent_sizes
 from controlplane.metering.ratebook import NoRate, RateBook
 from controlplane.metering.rating import images_price
+from workers.engines.launch import build_command
+from workers.supervision.engine import tier_launch_spec
 
 # Photos as tenants send them: a small web image, HD, full HD, a 12 MP phone photo.
 SAMPLE_SIZES = ((640, 480), (1280, 720), (1920, 1080), (4032, 3024))
@@ -56,8 +59,6 @@ class TierPlan:
 
 def tier_plan(tier: ModelTier) -> TierPlan:
     """What `tier` will do, as it stands (saved or not)."""
-    from workers.engines.launch import build_command
-    from workers.supervision.engine import tier_launch_spec
 
     plan = TierPlan(currency=tier.price_plan.currency if tier.price_plan_id else "")
     try:
@@ -91,8 +92,6 @@ BOUNDS_FLAGS = ("--mm-processor-kwargs", "--mm-process-config")
 def engine_image_bounds(tier: ModelTier) -> str:
     """How the tier's engine is told the policy's pixel bounds, as its command line says it
     (the same bounds the gateway counts image tokens with), or why it is not."""
-    from workers.engines.launch import build_command
-    from workers.supervision.engine import tier_launch_spec
 
     if tier.engine_kind == ModelTier.EngineKind.EXTERNAL:
         return "not launched here: the engine keeps its own bounds (SGLang's Qwen-VL default takes up to 12.8 MP)"
@@ -146,7 +145,6 @@ def _fits(tier: ModelTier) -> list[GpuFit]:
     """For each GPU type of the fleet (or an H100 when the fleet has none yet): does one
     replica hold its weights, a request of the full context length, and how many requests
     with images at the policy's cap run at once."""
-    from controlplane.fleet.models import Gpu
 
     engine = tier.settings
     if tier.engine_kind != ModelTier.EngineKind.VLLM or engine.runs_on_cpu:

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from workers.engines.metrics import Histogram, MetricsError, parse, snapshot
+from controlplane.fleet.engine_metrics import Histogram, MetricsError, parse, snapshot
 
 VLLM_TEXT = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.
