@@ -61,7 +61,7 @@ test: install-dev browser engine-cpu engine-sglang
 # .ci/commits-base (at most 72 characters, then a blank line before the body).
 lint: install-dev
 	$(PY) -m ruff check .
-	$(dir $(PY))lint-imports
+	$(PY) -c "from importlinter.cli import lint_imports_command; lint_imports_command()"
 	.ci/check-commits
 
 # The documentation site: the reference pages regenerated from the code, then built into site/

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import httpx
 from django.conf import settings
 
+from controlplane.fleet.engine_metrics import MetricsError, Snapshot, snapshot
 from controlplane.fleet.models import EngineInstance, EngineMetricSample
-from workers.engines.metrics import MetricsError, Snapshot, snapshot
 
 log = logging.getLogger(__name__)
 HANG_AFTER = dt.timedelta(seconds=20)  # work pending, counters frozen this long: hung
