@@ -16,7 +16,7 @@ from controlplane.gateway.errors import GatewayError, NotAdmitted
 from controlplane.gateway.ledger import Ask, Flight, Refused
 from controlplane.gateway.prepare import Prepared, TierSpec
 from controlplane.gateway.recording import ms_since, release_if_admitted
-from controlplane.metering.services import UsageRecord
+from controlplane.metering.records import UsageRecord
 from controlplane.redis_clients import until_written
 
 log = logging.getLogger(__name__)

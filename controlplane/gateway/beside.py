@@ -11,7 +11,7 @@ from controlplane.gateway.errors import GatewayError
 from controlplane.gateway.http import Response
 from controlplane.gateway.prepare import Prepared, RequestInvalid
 from controlplane.gateway.recording import hand_over_usage
-from controlplane.metering.services import UsageRecord
+from controlplane.metering.records import UsageRecord
 
 
 async def image_refusal(prepared: Prepared | None) -> GatewayError | None:

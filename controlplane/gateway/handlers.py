@@ -26,7 +26,7 @@ from controlplane.gateway.routing import route_request
 from controlplane.gateway.state import read_or_unavailable
 from controlplane.gateway.tier_choice import AUTO, allowed_tiers, auto_tier, tier_asked
 from controlplane.imaging.budget import MB, DecodeBudget, DecodeLimits, DecodersBusy
-from controlplane.metering.services import UsageRecord
+from controlplane.metering.records import UsageRecord
 
 __all__ = ("chat_completions", "check_before_body", "drain", "models", "not_found")
 log = logging.getLogger(__name__)

@@ -11,7 +11,7 @@ import time
 from controlplane.gateway import ledger
 from controlplane.gateway.apps import current_process
 from controlplane.gateway.errors import NotAdmitted
-from controlplane.metering.services import UsageRecord
+from controlplane.metering.records import UsageRecord
 from controlplane.redis_clients import until_written
 
 log = logging.getLogger(__name__)

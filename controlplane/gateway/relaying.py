@@ -15,7 +15,7 @@ from controlplane.gateway.http import Response, json_response
 from controlplane.gateway.prepare import Prepared
 from controlplane.gateway.recording import hand_over_usage, ms_since
 from controlplane.imaging.tokens import engine_image_tokens
-from controlplane.metering.services import UsageRecord
+from controlplane.metering.records import UsageRecord
 
 log = logging.getLogger(__name__)
 

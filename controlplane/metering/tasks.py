@@ -7,6 +7,6 @@ from celery import shared_task
 
 @shared_task(name="metering.rollup_daily", soft_time_limit=300, time_limit=360)
 def metering_rollup_daily() -> int:
-    from controlplane.metering.services import rollup_daily
+    from controlplane.metering.rollups import rollup_daily
 
     return rollup_daily()  # the hours first, then the days from them

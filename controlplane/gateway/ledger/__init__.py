@@ -43,7 +43,8 @@ from controlplane.gateway.ledger.base import (
 )
 from controlplane.gateway.ledger.database_store import DatabaseLedger
 from controlplane.gateway.ledger.redis_store import RedisLedger
-from controlplane.metering.services import UsageRecord, usage_record
+from controlplane.metering.records import UsageRecord
+from controlplane.metering.services import usage_record
 
 __all__ = ("Ask", "DatabaseLedger", "Flight", "IntakeLimits", "Limits", "RedisLedger", "Refused", "Reservation", "admit",
            "engine_chosen", "finish", "intake_charge", "intake_over", "journal_reap", "ledger", "settlement")

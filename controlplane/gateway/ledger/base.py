@@ -7,7 +7,7 @@ import datetime as dt
 from dataclasses import dataclass
 
 from controlplane.metering.periods import minute_window, seconds_to_period_end
-from controlplane.metering.services import UsageRecord, is_billable, usage_from_json, usage_to_json
+from controlplane.metering.records import UsageRecord, is_billable, usage_from_json, usage_to_json
 
 LIMITS = ("image_tokens", "total_tokens", "requests_per_minute", "concurrent_large_images")
 NAMES = {"image_tokens": "image tokens", "total_tokens": "total tokens",

@@ -37,7 +37,8 @@ from controlplane.gateway.ledger.base import (
 )
 from controlplane.gateway.ledger.spool import spool
 from controlplane.metering.periods import minute_window, period_window
-from controlplane.metering.services import UsageRecord, metered_so_far, usage_record
+from controlplane.metering.records import UsageRecord
+from controlplane.metering.services import metered_so_far, usage_record
 
 log = logging.getLogger(__name__)
 

@@ -53,14 +53,8 @@ from controlplane.metering.periods import (
     period_window,
     seconds_to_period_end,
 )
-from controlplane.metering.services import (
-    UsageRecord,
-    metered_so_far,
-    usage_from_json,
-    usage_record,
-    usage_record_many,
-    usage_to_json,
-)
+from controlplane.metering.records import UsageRecord, usage_from_json, usage_to_json
+from controlplane.metering.services import metered_so_far, usage_record, usage_record_many
 from controlplane.redis_clients import once_written
 
 log = logging.getLogger(__name__)

@@ -200,7 +200,8 @@ def test_the_control_plane_exposes_its_own_prometheus_metrics(client, fleet, set
 
 
 def test_operators_see_which_tiers_engines_counted_other_image_tokens(client, fleet):
-    from controlplane.metering.services import UsageRecord, usage_record
+    from controlplane.metering.records import UsageRecord
+    from controlplane.metering.services import usage_record
 
     world, _, running = fleet
     client.force_login(world.operator)

@@ -14,7 +14,8 @@ from django.conf import settings
 from django.db import connection
 
 from controlplane.gateway.ledger import Ask, DatabaseLedger, Limits, RedisLedger, Refused
-from controlplane.metering.services import UsageRecord, usage_record
+from controlplane.metering.records import UsageRecord
+from controlplane.metering.services import usage_record
 from controlplane.tenants.models import Quota
 from tests.conftest import skip_without_redis
 from tests.controlplane.gateway.conftest import ingested

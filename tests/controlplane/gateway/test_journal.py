@@ -20,7 +20,7 @@ from controlplane.gateway.ledger.redis_store import _FINISH
 from controlplane.gateway.models import InFlightRequest
 from controlplane.metering.models import UsageEvent
 from controlplane.metering.outbox import stream_key, usage_ingest
-from controlplane.metering.services import UsageRecord
+from controlplane.metering.records import UsageRecord
 from tests.conftest import skip_without_redis
 from tests.images import image_bytes
 

@@ -197,7 +197,7 @@ def test_an_admission_whose_reply_was_lost_is_released_as_it_was_made(world, mod
 
     from controlplane.gateway.ledger import redis_store
     from controlplane.metering.periods import period_window
-    from controlplane.metering.services import UsageRecord
+    from controlplane.metering.records import UsageRecord
 
     store, client = RedisLedger(), redis.Redis.from_url(django_settings.REDIS_URL)
     first = async_to_sync(ledger.admit)(_record(world, "req-first"), LIMITS, Ask(0, 100, False))

@@ -40,14 +40,9 @@ from controlplane.metering.exports import (
 from controlplane.metering.models import ImageCostHistogram, UsageEvent
 from controlplane.metering.periods import month_bounds
 from controlplane.metering.rating import MICRO, price_parts
-from controlplane.metering.services import (
-    ImageLine,
-    UsageRecord,
-    billed,
-    rollup_daily,
-    usage_record,
-    usage_record_many,
-)
+from controlplane.metering.records import ImageLine, UsageRecord
+from controlplane.metering.rollups import rollup_daily
+from controlplane.metering.services import billed, usage_record, usage_record_many
 from controlplane.metering.statements import statement
 from controlplane.tenants.models import Tenant
 from tests.factories import VisionTierFactory
