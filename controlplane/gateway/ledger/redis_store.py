@@ -491,6 +491,14 @@ class RedisLedger:
 
     # -- keep_safe -------------------------------------------------------------------------
 
+    @staticmethod
+    def finish_spooled(record: UsageRecord, journaled: bool) -> bool:
+        """A finish that waited on disk goes straight into the database: the usage stream is
+        how Redis gets it there, and Redis could not be reached when it was spooled. (Its
+        reservation settles by expiring with its period.)"""
+        usage_record(record=record)
+        return True
+
     async def keep_safe(self) -> int:
         """If Redis started afresh since this process last looked, store what it handed over
         lately in the database. Returns how many records it wrote."""
