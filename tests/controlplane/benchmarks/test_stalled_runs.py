@@ -11,7 +11,7 @@ from django.utils import timezone
 from controlplane.benchmarks.models import BenchmarkProfile, BenchmarkRun
 from controlplane.benchmarks.services import benchmark_cancel
 from controlplane.benchmarks.tasks import benchmark_run
-from tests.controlplane.benchmarks.conftest import make_profile
+from tests.controlplane.benchmarks.runs import make_profile
 
 pytestmark = pytest.mark.django_db
 

@@ -11,17 +11,10 @@ from controlplane.gateway.apps import current_process
 from controlplane.metering.models import UsageEvent
 from controlplane.tenants.models import Quota
 from tests.controlplane.gateway.conftest import ingested
-from tests.engines import read_request, with_raw_engine
+from tests.engines import dies_mid_body, read_request, with_raw_engine
 from tests.images import data_url, image_bytes
 
 pytestmark = pytest.mark.django_db(transaction=True)
-
-
-async def dies_mid_body(reader, writer):
-    await read_request(reader)
-    writer.write(b'HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 5000\r\n\r\n{"id":"x"')
-    await writer.drain()
-    writer.close()
 
 
 async def dies_mid_stream(reader, writer):

@@ -16,16 +16,14 @@ from controlplane.gateway.apps import current_process
 from controlplane.gateway.ledger import Ask, RedisLedger
 from controlplane.metering.models import UsageEvent
 from controlplane.metering.outbox import usage_ingest
-from tests.controlplane.gateway.test_journal import (  # noqa: F401 - fixtures
+from tests.controlplane.gateway.journal import (
     ASK,
     LIMITS,
-    _assert_room,
-    _forwarded,
-    _reap,
-    _record,
-    _stored,
-    engine,
-    mode,
+    assert_room,
+    forwarded,
+    reap_twice,
+    record_of,
+    stored,
 )
 
 pytestmark = pytest.mark.accounting  # also run in embedded mode (SQLite, no Redis)
@@ -34,7 +32,7 @@ pytestmark = pytest.mark.accounting  # also run in embedded mode (SQLite, no Red
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.parametrize("mode", ["embedded", "redis"], indirect=True)
 def test_a_client_leaving_while_its_usage_is_handed_over_still_has_it_recorded_and_settled(world, mode, engine):  # noqa: F811
-    record = _record(world, "req-left")
+    record = record_of(world, "req-left")
     record.stream = False
     busy = threading.Event()
 
@@ -56,17 +54,17 @@ def test_a_client_leaving_while_its_usage_is_handed_over_still_has_it_recorded_a
             await asyncio.gather(*list(current_process().hand_overs), return_exceptions=True)
 
     answered_then_client_leaves()
-    [event] = _stored(mode)
+    [event] = stored(mode)
     assert (event.request_id, event.status, event.output_tokens) == ("req-left", "ok", 50)
-    _assert_room(world, 820)  # settled to the 180 tokens used, the large-image slot free again
+    assert_room(world, 820)  # settled to the 180 tokens used, the large-image slot free again
 
 
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.parametrize("mode", ["redis"], indirect=True)
 def test_a_request_finished_while_the_journal_was_unreachable_is_settled_once(world, mode, engine, settings):  # noqa: F811
-    record = _record(world, "req-outage")
+    record = record_of(world, "req-outage")
 
-    _forwarded(record, engine, LIMITS, ASK)
+    forwarded(record, engine, LIMITS, ASK)
     record.output_tokens = 50
     reachable = settings.REDIS_URL
     settings.REDIS_URL = "redis://127.0.0.1:1/0"  # the journal's Redis does not answer the finish...
@@ -74,12 +72,12 @@ def test_a_request_finished_while_the_journal_was_unreachable_is_settled_once(wo
     settings.REDIS_URL = reachable  # ...and is back a moment later, the entry still in it
 
     later = time.time() + django_settings.GATEWAY_JOURNAL_STALE_S + 1
-    _reap(later)
-    [event] = _stored(mode)
+    reap_twice(later)
+    [event] = stored(mode)
     assert (event.status, event.output_tokens) == ("ok", 50)  # stored once, as the gateway knew it
     # The reservation settled once, by the reaper, to the usage the database holds (130 prompt
     # and 50 output tokens), not to the prompt alone the journal knew.
-    _assert_room(world, 820)
+    assert_room(world, 820)
 
 
 @pytest.mark.django_db(transaction=True)
@@ -87,7 +85,7 @@ def test_a_request_finished_while_the_journal_was_unreachable_is_settled_once(wo
 def test_quota_counters_started_afresh_count_what_was_settled(world, mode):  # noqa: F811
     import redis
 
-    record = _record(world, "req-gave-up")
+    record = record_of(world, "req-gave-up")
 
     async def gave_up_waiting_for_a_slot():
         await ledger.admit(record, LIMITS, ASK)
@@ -95,14 +93,14 @@ def test_quota_counters_started_afresh_count_what_was_settled(world, mode):  # n
         await ledger.finish(record)
 
     async_to_sync(gave_up_waiting_for_a_slot)()
-    [event] = _stored(mode)
+    [event] = stored(mode)
     assert (event.status, event.cost) == ("aborted", 0)
-    _assert_room(world, 1000)  # no engine worked on it: nothing held against the quota
+    assert_room(world, 1000)  # no engine worked on it: nothing held against the quota
     # Redis restarts without its counters: they start again from what is metered, alike.
     client = redis.Redis.from_url(django_settings.REDIS_URL)
     for key in client.scan_iter(f"{django_settings.CACHES['default']['KEY_PREFIX']}:quota:*"):
         client.delete(key)
-    _assert_room(world, 1000)
+    assert_room(world, 1000)
 
 
 @pytest.mark.django_db(transaction=True)
@@ -110,7 +108,7 @@ def test_quota_counters_started_afresh_count_what_was_settled(world, mode):  # n
 def test_a_request_finishing_after_redis_lost_its_counters_does_not_open_the_quota(world, mode, engine):  # noqa: F811
     import redis
 
-    record = _record(world, "req-through-restart")
+    record = record_of(world, "req-through-restart")
 
     async def answered():
         await ledger.engine_chosen(await ledger.admit(record, LIMITS, ASK), engine.pk)
@@ -121,9 +119,9 @@ def test_a_request_finishing_after_redis_lost_its_counters_does_not_open_the_quo
         await ledger.finish(record)
 
     async_to_sync(answered)()
-    [event] = _stored(mode)
+    [event] = stored(mode)
     assert event.status == "ok"
-    _assert_room(world, 820)  # counted from what is metered: the 180 tokens used, no more room
+    assert_room(world, 820)  # counted from what is metered: the 180 tokens used, no more room
 
 
 def _redis_restarts_empty():
@@ -138,7 +136,7 @@ def _redis_restarts_empty():
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.parametrize("mode", ["redis"], indirect=True)
 def test_a_request_in_flight_across_a_redis_restart_is_still_metered(world, mode, engine):  # noqa: F811
-    record = _record(world, "req-across")
+    record = record_of(world, "req-across")
 
     async def answered_across_a_restart():
         await ledger.engine_chosen(await ledger.admit(record, LIMITS, ASK), engine.pk)
@@ -147,14 +145,14 @@ def test_a_request_in_flight_across_a_redis_restart_is_still_metered(world, mode
         await ledger.finish(record)
 
     async_to_sync(answered_across_a_restart)()
-    [event] = _stored(mode)
+    [event] = stored(mode)
     assert (event.request_id, event.status, event.output_tokens) == ("req-across", "ok", 50)
 
 
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.parametrize("mode", ["redis"], indirect=True)
 def test_quota_counters_rebuilt_after_a_restart_equal_metered_usage(world, mode, engine):  # noqa: F811
-    before, after = _record(world, "req-before"), _record(world, "req-after")
+    before, after = record_of(world, "req-before"), record_of(world, "req-after")
 
     async def two_requests_across_a_restart():
         await ledger.engine_chosen(await ledger.admit(before, LIMITS, ASK), engine.pk)
@@ -169,7 +167,7 @@ def test_quota_counters_rebuilt_after_a_restart_equal_metered_usage(world, mode,
     async_to_sync(two_requests_across_a_restart)()
     usage_ingest()
     assert UsageEvent.objects.count() == 2
-    _assert_room(world, 1000 - 2 * 180)
+    assert_room(world, 1000 - 2 * 180)
 
 
 @pytest.mark.django_db(transaction=True)
@@ -177,7 +175,7 @@ def test_quota_counters_rebuilt_after_a_restart_equal_metered_usage(world, mode,
 def test_usage_handed_over_just_before_redis_restarts_empty_is_not_lost(world, mode, engine):  # noqa: F811
     """Answered, handed over to the usage stream, and gone with it before the ingest moved it:
     the gateway that handed it over writes it to the database itself."""
-    record = _record(world, "req-just-before")
+    record = record_of(world, "req-just-before")
 
     async def answered_then_redis_restarts():
         store = ledger.ledger()
@@ -202,7 +200,7 @@ def test_a_gateway_started_beside_others_raises_no_false_alarm_of_a_redis_restar
     before a restart of the process) hands usage over from its first request, and first
     looks at Redis from its heartbeat: Redis did not restart, so nothing is written to the
     database behind the ingest, and no warning says Redis started afresh."""
-    record = _record(world, "req-first-of-a-process")
+    record = record_of(world, "req-first-of-a-process")
 
     async def a_process_hands_over_then_beats():
         store = ledger.ledger()
@@ -226,7 +224,7 @@ def test_a_process_that_starts_with_many_requests_at_once_marks_redis_once_befor
     """Thirty-two first requests of a process end together, while its marking of Redis is slow
     to come back (a busy Redis): none hands its usage over before Redis is marked (so no usage
     could go with a restart unseen), and there is no alarm."""
-    records = [_record(world, f"req-together-{n}") for n in range(32)]
+    records = [record_of(world, f"req-together-{n}") for n in range(32)]
     looking = RedisLedger.keep_safe
 
     async def slow_to_answer(self):
@@ -255,7 +253,7 @@ def test_a_process_that_starts_with_many_requests_at_once_marks_redis_once_befor
 def test_a_restart_just_after_a_process_first_hand_over_is_still_found(world, mode, engine):  # noqa: F811
     """The process marked Redis on its own before handing over (no look of its own before):
     a restart that takes the usage stream just after is found, and the usage kept."""
-    record = _record(world, "req-first-then-restart")
+    record = record_of(world, "req-first-then-restart")
 
     async def first_hand_over_then_restart():
         store = ledger.ledger()
@@ -276,7 +274,7 @@ def test_a_restart_just_after_a_process_first_hand_over_is_still_found(world, mo
 def test_counters_started_again_count_usage_still_in_the_stream(world, mode, engine):  # noqa: F811
     """A request reserved before the restart and finished after it, before any counter was
     started again: its usage waits in the new stream, and the new counters include it."""
-    before, after = _record(world, "req-pending"), _record(world, "req-next")
+    before, after = record_of(world, "req-pending"), record_of(world, "req-next")
 
     async def scenario():
         await ledger.engine_chosen(await ledger.admit(before, LIMITS, ASK), engine.pk)
@@ -290,7 +288,7 @@ def test_counters_started_again_count_usage_still_in_the_stream(world, mode, eng
     async_to_sync(scenario)()
     usage_ingest()
     assert UsageEvent.objects.count() == 2
-    _assert_room(world, 1000 - 2 * 180)
+    assert_room(world, 1000 - 2 * 180)
 
 
 @pytest.mark.django_db(transaction=True)
@@ -338,6 +336,6 @@ def test_a_client_leaving_during_an_admission_whose_reply_was_lost_leaves_no_res
 
     client_leaves_while_admitted()
     monkeypatch.setattr(redis_store, "_eval", original)
-    [event] = _stored(mode)
+    [event] = stored(mode)
     assert (event.request_id, event.status, event.http_status, event.cost) == ("req-gone", "aborted", 499, 0)
-    _assert_room(world, 1000)  # nothing held: no engine was sent it
+    assert_room(world, 1000)  # nothing held: no engine was sent it

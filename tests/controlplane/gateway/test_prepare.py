@@ -11,8 +11,8 @@ import pytest
 from controlplane.imaging.policy import Policy, normalise
 from controlplane.metering.models import UsageEvent, UsageImage
 from controlplane.tenants.models import Quota
+from tests.controlplane.gateway.calls import error_of, image_message, post
 from tests.controlplane.gateway.conftest import ingested
-from tests.controlplane.gateway.test_views import engines, error_of, image_message, post, routed  # noqa: F401
 from tests.images import data_url, image_bytes
 from tests.imaging_corpus import jpeg_scan_bomb, png_claiming
 
@@ -67,8 +67,7 @@ def test_a_request_that_fails_at_its_engine_is_metered_with_its_images_fingerpri
     from the check, which may still be running when the request is admitted."""
     from PIL import Image
 
-    from tests.controlplane.gateway.test_engine_failures import dies_mid_body
-    from tests.engines import with_raw_engine
+    from tests.engines import dies_mid_body, with_raw_engine
 
     noise = io.BytesIO()  # a photo whose check takes a few milliseconds, longer than its admission
     Image.effect_noise((1155, 866), 80).convert("RGB").save(noise, "JPEG", quality=95)

@@ -17,8 +17,8 @@ from asgiref.sync import async_to_sync
 from controlplane.asgi import application
 from controlplane.imaging.policy import Policy, normalise, normalise_tiles
 from controlplane.metering.models import UsageImage
+from tests.controlplane.gateway.calls import error_of, image_message, post
 from tests.controlplane.gateway.conftest import ingested
-from tests.controlplane.gateway.test_views import engines, error_of, image_message, post, routed  # noqa: F401
 from tests.images import data_url, image_bytes
 
 pytestmark = pytest.mark.django_db(transaction=True)

@@ -1,4 +1,6 @@
-"""The findings of the security test of a running system, each reproduced as it was found."""
+"""Bad input where a user can send it (export links, statement periods, estimates, OpenAI
+parameters, message counts) is a clear 400, never reflected; the embedded database and key
+are their owner's alone; logins are throttled."""
 
 from __future__ import annotations
 
@@ -40,7 +42,7 @@ def test_an_estimate_out_of_any_range_is_a_400(client, world, fields):
     ("user", {"id": 1}), ("tools", "all"), ("presence_penalty", True), ("metadata", [1]),
 ])
 def test_an_openai_parameter_of_the_wrong_type_is_a_400_naming_it(client, world, field, value):
-    from tests.controlplane.gateway.test_views import post
+    from tests.controlplane.gateway.calls import post
 
     response = post(client, world.alice_key, {"model": "text", "messages": [{"role": "user", "content": "hi"}],
                                               field: value})
@@ -50,7 +52,7 @@ def test_an_openai_parameter_of_the_wrong_type_is_a_400_naming_it(client, world,
 
 
 def test_a_request_with_too_many_messages_or_parts_is_a_400(client, world):
-    from tests.controlplane.gateway.test_views import post
+    from tests.controlplane.gateway.calls import post
 
     many = [{"role": "user", "content": "hi"}] * 2049
     assert post(client, world.alice_key, {"model": "text", "messages": many}).status_code == 400
