@@ -9,8 +9,9 @@ import asyncio
 from controlplane.gateway.admission import Admission
 from controlplane.gateway.errors import GatewayError
 from controlplane.gateway.http import Response
-from controlplane.gateway.prepare import Prepared, RequestInvalid
+from controlplane.gateway.prepare import Prepared
 from controlplane.gateway.recording import hand_over_usage
+from controlplane.gateway.validation import RequestInvalid
 from controlplane.metering.records import UsageRecord
 
 

@@ -30,7 +30,7 @@ import secrets
 
 import orjson
 
-from controlplane.gateway.prepare import image_parts, image_url_place
+from controlplane.gateway.validation import image_parts, image_url_place
 from controlplane.imaging.policy import DecodedDataURL, decoded_data_url
 
 _LARGE_URL = 64 * 1024  # characters of a data URL worth decoding where it lies

@@ -20,11 +20,12 @@ from controlplane.gateway.body import LARGE_BODY, TooComplex, read_body
 from controlplane.gateway.errors import GatewayError, error_response
 from controlplane.gateway.forwarding import forward
 from controlplane.gateway.http import Request, Response, json_response
-from controlplane.gateway.prepare import RequestInvalid, image_parts, prepare, validate_body
+from controlplane.gateway.prepare import prepare
 from controlplane.gateway.recording import drain, hand_over_usage, in_background
 from controlplane.gateway.routing import route_request
 from controlplane.gateway.state import read_or_unavailable
 from controlplane.gateway.tier_choice import AUTO, allowed_tiers, auto_tier, tier_asked
+from controlplane.gateway.validation import RequestInvalid, image_parts, validate_body
 from controlplane.imaging.budget import MB, DecodeBudget, DecodeLimits, DecodersBusy
 from controlplane.metering.records import UsageRecord
 

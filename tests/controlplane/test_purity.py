@@ -28,6 +28,7 @@ PURE_MODULES = [
     "controlplane.benchmarks.evalfiles",
     "controlplane.alerts.slack",
     "controlplane.gateway.prepare",
+    "controlplane.gateway.validation",
     "workers.engines.launch",
     "workers.engines.simulator.engine",
     "controlplane.benchmarks.synthetic",

@@ -13,7 +13,8 @@ from django.utils import timezone
 
 from controlplane.fleet.models import EngineInstance, Node
 from controlplane.gateway.apps import current_process
-from controlplane.gateway.prepare import Prepared, RequestInvalid, TierSpec, prepare, validate_body
+from controlplane.gateway.prepare import Prepared, TierSpec, prepare
+from controlplane.gateway.validation import RequestInvalid, validate_body
 from controlplane.imaging.policy import Policy
 from controlplane.metering.models import UsageEvent
 from tests.engines import simulator
