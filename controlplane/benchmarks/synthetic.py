@@ -52,10 +52,12 @@ class Sample:
 
 def generate(task: str, count: int, seed: int, *, style: str = "varied", fonts: str = "all",
              width: int = 224, height: int = 224, content: str = "number",
-             negatives: str = "mixed", strip: str = "mixed") -> list[Sample]:
+             negatives: str = "mixed", strip: str = "mixed",
+             ratio: tuple[float, float] = (6, 15)) -> list[Sample]:
     """`count` samples of `task`. Options: `style` ("plain" or "varied"); `fonts` ("all":
     Pillow's font and the TrueType fonts under /usr/share/fonts, or "default"); the canvas
-    `width` and `height` (all tasks but "long", whose strips are 1:6 to 1:15); for "read",
+    `width` and `height` (all tasks but "long", whose strips are 1:`ratio`, by default 1:6 to
+    1:15, drawn uniformly between the two); for "read",
     `content` ("number", "word" or "mixed"); for "presence", `negatives` ("random",
     "adversarial": an absent object sharing a colour or shape with a present one, or "mixed");
     for "long", `strip` ("receipt": tall receipt strips; "banner": wide banners `height`
@@ -75,12 +77,14 @@ def generate(task: str, count: int, seed: int, *, style: str = "varied", fonts: 
         raise ValueError("negatives must be 'random', 'adversarial' or 'mixed'")
     if strip not in ("receipt", "banner", "mixed"):
         raise ValueError("strip must be 'receipt', 'banner' or 'mixed'")
+    if not 1 <= ratio[0] <= ratio[1] <= 60:
+        raise ValueError("ratio must be (low, high) with 1 <= low <= high <= 60")
     if not (56 <= width <= 4096 and 56 <= height <= 4096):
         raise ValueError("width and height must lie between 56 and 4096 pixels")
     draw = {"read": _read, "count": _count, "presence": _presence, "chart": _chart,
             "long": _long}[task]
     options = {"style": style, "fonts": fonts, "width": width, "height": height,
-               "content": content, "negatives": negatives, "strip": strip}
+               "content": content, "negatives": negatives, "strip": strip, "ratio": ratio}
     samples = []
     for i in range(count):
         rng = random.Random(f"{task}:{seed}:{i}")
@@ -361,7 +365,7 @@ def _chart(rng: random.Random, options: dict):
 
 
 def _long(rng: random.Random, options: dict):
-    ratio = rng.uniform(6, 15)
+    ratio = rng.uniform(*options["ratio"])
     total = str(rng.randint(1, 9999))
     background, ink = _palette(rng, options, light_only=True)
     receipt = rng.random() < 0.5
