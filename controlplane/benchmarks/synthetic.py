@@ -208,18 +208,7 @@ def _read(rng: random.Random, options: dict):
     image = _canvas(rng, options, (w, h), background)
     draw = ImageDraw.Draw(image)
     if options["style"] == "plain":
-        font = _font("default", 30)
-        cols, rows = w // CELL, h // CELL
-        if len(text) > cols:
-            raise ValueError("the canvas is too narrow for the text")
-        row, col = rng.randrange(rows), rng.randint(0, cols - len(text))
-        items = []
-        for k, ch in enumerate(text):  # each glyph centred in its own token cell
-            left, top, right, bottom = font.getbbox(ch)
-            x = (col + k) * CELL + (CELL - (right - left)) // 2
-            y = row * CELL + (CELL - (bottom - top)) // 2
-            items += _text(draw, (x, y), ch, font, ink)
-        size = 30
+        items, size = _in_cells(rng, draw, text, (w, h), ink), 30
     else:
         size = round(2 ** rng.uniform(3.2, 5.4))  # 9 to 42 pixel fonts, more of the small ones
         font, size = _fitting_font(_font_name(rng, options), size, text, w - 6)
@@ -229,6 +218,23 @@ def _read(rng: random.Random, options: dict):
         items = _text(draw, (x, y), text, font, ink)
     question = f"What {'word' if word else 'number'} is written in the image?"
     return image, question, (text.lower(),), {"text": text, "font_size": size, "items": items}
+
+
+def _in_cells(rng: random.Random, draw: ImageDraw.ImageDraw, text: str, size, ink) -> list:
+    """The plain style's text: 30-pixel glyphs, each centred in its own token cell, along a
+    row and from a column drawn at random."""
+    font = _font("default", 30)
+    cols, rows = size[0] // CELL, size[1] // CELL
+    if len(text) > cols:
+        raise ValueError("the canvas is too narrow for the text")
+    row, col = rng.randrange(rows), rng.randint(0, cols - len(text))
+    items = []
+    for k, ch in enumerate(text):
+        left, top, right, bottom = font.getbbox(ch)
+        x = (col + k) * CELL + (CELL - (right - left)) // 2
+        y = row * CELL + (CELL - (bottom - top)) // 2
+        items += _text(draw, (x, y), ch, font, ink)
+    return items
 
 
 def _shape(draw: ImageDraw.ImageDraw, shape: str, box, fill) -> None:
@@ -391,14 +397,16 @@ def _long(rng: random.Random, options: dict):
     else:  # a wide banner with one number somewhere along it
         h = options["height"] if options["strip"] == "banner" else 56
         w = round(h * ratio)
-        size = 30 if options["style"] == "plain" else rng.randint(12, 40)
-        font, size = _fitting_font(_font_name(rng, options), size, total, w - 6)
         image = _canvas(rng, options, (w, h), background)
         draw = ImageDraw.Draw(image)
-        left, top, right, bottom = font.getbbox(total)
-        x = rng.randint(2, w - 2 - (right - left))
-        y = rng.randint(2, max(2, h - 2 - (bottom - top)))
-        items = _text(draw, (x, y), total, font, ink)
+        if options["style"] == "plain":  # as the read task draws it
+            items, size = _in_cells(rng, draw, total, (w, h), ink), 30
+        else:
+            font, size = _fitting_font(_font_name(rng, options), rng.randint(12, 40), total, w - 6)
+            left, top, right, bottom = font.getbbox(total)
+            x = rng.randint(2, w - 2 - (right - left))
+            y = rng.randint(2, max(2, h - 2 - (bottom - top)))
+            items = _text(draw, (x, y), total, font, ink)
         question, orientation = "What number is written in the image?", "wide"
     return (image, question, (total,),
             {"orientation": orientation, "ratio": round(ratio, 2), "font_size": size,

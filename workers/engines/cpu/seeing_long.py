@@ -35,6 +35,7 @@ from workers.engines.cpu import seeing_model
 
 CAP = 224 * 224  # the seeing model's canvas: a cap that binds on every long strip
 STRIPS = ("banner", "receipt")
+TRAIN_STRIPS = ("banner", "banner", "banner", "receipt")  # drawn from: three banners to a receipt
 # Tiling thresholds a training strip is sent under (None: squashed whole, tiling off).
 TRAIN_THRESHOLDS = (None, 2, 3, 4, 6, 8, 12, 20)
 TRAIN_RATIOS = (2, 32)
@@ -99,7 +100,7 @@ def _item(sample, sent: list[dict]) -> dict:
 
 def long_item(seed: int, rng: random.Random) -> dict:
     """A training strip drawn from `seed`, as the gateway sends it under a threshold drawn by `rng`."""
-    strip = rng.choice(STRIPS)
+    strip = rng.choice(TRAIN_STRIPS)
     sample = synthetic.generate("long", 1, seed, style=seeing_model.STYLE, strip=strip,
                                 height=rng.choice(BANNER_HEIGHTS), ratio=TRAIN_RATIOS)[0]
     threshold = rng.choice([t for t in TRAIN_THRESHOLDS if _fits(sample.meta["ratio"], t)])
@@ -366,7 +367,7 @@ def main(argv: list[str]) -> None:
         before.pop("long_stage", None)
         stage = {"command": "python -m workers.engines.cpu.seeing_long " + " ".join(map(str, argv)),
                  "seed": args.seed, "steps": args.steps, "threads": args.threads, "batch": args.batch,
-                 "lr": args.lr, "long_share": LONG_SHARE, "cap": CAP,
+                 "lr": args.lr, "long_share": LONG_SHARE, "cap": CAP, "strips": list(TRAIN_STRIPS),
                  "thresholds": [policy_name(t) for t in TRAIN_THRESHOLDS], "ratios": list(TRAIN_RATIOS),
                  "pixel_caps": list(TRAIN_CAPS), "max_tiles": MAX_TRAIN_TILES}
         with tempfile.TemporaryDirectory(prefix="seeing-long-") as folder:
