@@ -35,14 +35,17 @@ from workers.engines.cpu import seeing_model
 
 CAP = 224 * 224  # the seeing model's canvas: a cap that binds on every long strip
 STRIPS = ("banner", "receipt")
-TRAIN_STRIPS = ("banner", "banner", "banner", "receipt")  # drawn from: three banners to a receipt
+TRAIN_STRIPS = ("banner",) * 5 + ("receipt",)  # drawn from: five banners to a receipt
 # Tiling thresholds a training strip is sent under (None: squashed whole, tiling off).
 TRAIN_THRESHOLDS = (None, 2, 3, 4, 6, 8, 12, 20)
 TRAIN_RATIOS = (2, 32)
 TRAIN_CAPS = (CAP, CAP, CAP // 2)
 BANNER_HEIGHTS = (112, 168, 224)
-MAX_TRAIN_TILES = 8
-LONG_SHARE = 0.5  # of each batch; the rest is the seeing model's tasks, in turn
+MAX_TRAIN_TILES = 6
+LONG_SHARE = 0.75  # of each batch; the rest is the seeing model's tasks, in turn
+# The read task's canvases in training: wide ones too, so that a number is read at every place
+# along a tile (the model had seen only square images).
+READ_CANVASES = ((224, 224), (336, 112), (448, 112), (448, 224), (672, 224))
 # Measured: strips of these ratios under each threshold (None: squashed).
 EVAL_RATIOS = ((6, 15), (15, 30))
 EVAL_THRESHOLDS = (None, 2, 4, 8, 20)
@@ -107,9 +110,10 @@ def long_item(seed: int, rng: random.Random) -> dict:
     return _item(sample, as_sent(sample, threshold, rng.choice(TRAIN_CAPS)))
 
 
-def short_item(task: str, seed: int, fraction: float) -> dict:
+def short_item(task: str, seed: int, fraction: float, canvas: tuple[int, int] = (224, 224)) -> dict:
     """One of the seeing model's own questions, its image shrunk as its training shrinks it."""
-    sample = synthetic.generate(task, 1, seed=seed, style=seeing_model.STYLE)[0]
+    width, height = canvas
+    sample = synthetic.generate(task, 1, seed=seed, style=seeing_model.STYLE, width=width, height=height)[0]
     image = seeing_model.shrink(sample.image, fraction)
     out = io.BytesIO()
     image.save(out, format="PNG")
@@ -121,11 +125,15 @@ def short_item(task: str, seed: int, fraction: float) -> dict:
 def batch(step_seed: int, size: int) -> list[dict]:
     """A training batch: long strips first, then the seeing model's tasks in turn."""
     rng = random.Random(step_seed)
-    longs = round(size * LONG_SHARE)
-    return [long_item(step_seed * 64 + k, rng) if k < longs else
-            short_item(seeing_model.TASKS[k % len(seeing_model.TASKS)], step_seed * 64 + k,
-                       rng.choice(seeing_model.TRAIN_CAPS))
-            for k in range(size)]
+    items = []
+    for k in range(size):
+        if k < round(size * LONG_SHARE):
+            items.append(long_item(step_seed * 64 + k, rng))
+        else:
+            task = seeing_model.TASKS[k % len(seeing_model.TASKS)]
+            items.append(short_item(task, step_seed * 64 + k, rng.choice(seeing_model.TRAIN_CAPS),
+                                    rng.choice(READ_CANVASES) if task == "read" else (224, 224)))
+    return items
 
 
 def write_batches(path: Path, *, seed: int, steps: int, size: int) -> None:
