@@ -77,8 +77,8 @@ def generate(task: str, count: int, seed: int, *, style: str = "varied", fonts: 
         raise ValueError("negatives must be 'random', 'adversarial' or 'mixed'")
     if strip not in ("receipt", "banner", "mixed"):
         raise ValueError("strip must be 'receipt', 'banner' or 'mixed'")
-    if not 1 <= ratio[0] <= ratio[1] <= 60:
-        raise ValueError("ratio must be (low, high) with 1 <= low <= high <= 60")
+    if not 1 <= ratio[0] <= ratio[1] <= 100:
+        raise ValueError("ratio must be (low, high) with 1 <= low <= high <= 100")
     if not (56 <= width <= 4096 and 56 <= height <= 4096):
         raise ValueError("width and height must lie between 56 and 4096 pixels")
     draw = {"read": _read, "count": _count, "presence": _presence, "chart": _chart,

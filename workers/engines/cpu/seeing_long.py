@@ -326,10 +326,10 @@ def main(argv: list[str]) -> None:
     training.add_argument("--from", dest="source", type=Path, required=True, help="a trained model directory")
     training.add_argument("--out", type=Path, required=True)
     training.add_argument("--seed", type=int, default=0)
-    training.add_argument("--steps", type=int, default=400)
+    training.add_argument("--steps", type=int, default=300)
     training.add_argument("--threads", type=int, default=1)
     training.add_argument("--batch", type=int, default=24)
-    training.add_argument("--lr", type=float, default=1e-3)
+    training.add_argument("--lr", type=float, default=2e-3)
     training.add_argument("--eval-count", type=int, default=60,
                           help="held-out strips per kind, ratio range and threshold measured after (0: none)")
     evaluation = commands.add_parser("eval", help="long strips: squashed against tiled at each threshold")
