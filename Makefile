@@ -10,7 +10,7 @@ else
 endif
 TEST_WORKERS ?= 2
 
-.PHONY: run test install install-dev browser engine-cpu engine-sglang lint migrate seed bench clean
+.PHONY: run test install install-dev browser engine-cpu engine-sglang lint docs migrate seed bench clean
 
 $(STAMP_DIR)/.installed-run: pyproject.toml setup.py controlplane/imaging/_jpegrows.c
 	@test -x $(PY) || $(PYTHON) -m venv .venv
@@ -57,8 +57,18 @@ test: install-dev browser engine-cpu engine-sglang
 	DATABASE_URL=sqlite:///var/tests/embedded.sqlite3 REDIS_URL= \
 		$(PY) -m pytest -n $(TEST_WORKERS) -m accounting $(PYTEST_ARGS)
 
+# Ruff, the import layers (pyproject.toml), and the subjects of the commits after
+# .ci/commits-base (at most 72 characters, then a blank line before the body).
 lint: install-dev
 	$(PY) -m ruff check .
+	$(PY) -c "from importlinter.cli import lint_imports_command; lint_imports_command()"
+	.ci/check-commits
+
+# The documentation site: the reference pages regenerated from the code, then built into site/
+# (`mkdocs serve` to read it while writing). A warning (a broken link or anchor) fails it.
+docs: install-dev
+	$(PY) -m docs.generate
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
 
 $(STAMP_DIR)/.installed-bench: pyproject.toml $(STAMP_DIR)/.installed-dev
 	$(PY) -m pip install --quiet -e ".[dev,bench]"
@@ -76,4 +86,4 @@ bench: $(STAMP_DIR)/.installed-bench engine-cpu
 	$(PY) -m bench.request_log
 
 clean:
-	rm -rf var/ .pytest_cache
+	rm -rf var/ .pytest_cache site/

@@ -84,8 +84,8 @@ class EngineGateway(Gateway):
         self.model = model
 
     def _seed(self) -> str:
-        from controlplane.catalog.demo import CPU_ENGINE_SETTINGS
         from controlplane.catalog.models import ModelTier
+        from controlplane.demo import CPU_ENGINE_SETTINGS
 
         key = super()._seed()
         ModelTier.objects.filter(name=TIER).update(engine_kind="vllm", model_id=str(self.model),

@@ -162,7 +162,7 @@ def usage_records(world: World, count: int, label: str) -> list:
     """Records as the gateway hands them over: half carry one to four images."""
     from django.utils import timezone
 
-    from controlplane.metering.services import ImageLine, UsageRecord
+    from controlplane.metering.records import ImageLine, UsageRecord
 
     now, records = timezone.now(), []
     for i in range(count):
@@ -507,7 +507,7 @@ def bench_rollup(world: World, size: int, new_events: int, days: int) -> None:
 
     from django.utils import timezone
 
-    from controlplane.metering.services import rollup_daily, rollup_hourly
+    from controlplane.metering.rollups import rollup_daily, rollup_hourly
 
     _history_reset()
     now = timezone.now()

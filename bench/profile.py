@@ -18,8 +18,9 @@ from pathlib import Path
 PARTS = (
     ("quota and journal (Redis: admit, finish)", ("redis_store.py", "redis/")),
     ("the hop to the engine (aiohttp)", ("aiohttp/", "upstream.py")),
-    ("request checks, routing, counting (gateway)", ("prepare.py", "routing.py", "textcount.py", "prompts.py",
-                                                     "state.py", "handlers.py")),
+    ("request checks, routing, counting (gateway)", tuple(f"gateway/{name}.py" for name in (
+        "prepare", "routing", "state", "handlers", "authentication", "tier_choice", "admission", "forwarding",
+        "beside", "relaying", "recording", "engine_watch")) + ("textcount.py", "prompts.py")),
     ("HTTP server (uvicorn, httptools, ASGI front)", ("uvicorn/", "httptools", "gateway/asgi.py")),
     ("JSON (orjson)", ("orjson",)),
     ("event loop and the rest", ("",)),

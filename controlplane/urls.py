@@ -3,10 +3,10 @@ from django.contrib.auth import views as auth_views
 from django.urls import include, path
 from drf_spectacular.views import SpectacularSwaggerView
 
-from controlplane.dashboard.login import LoginForm
-from controlplane.dashboard.users import Invitation
-from controlplane.fleet.prometheus import metrics
+from controlplane.metrics import metrics
 from controlplane.schema import SchemaView
+from controlplane.tenants.forms import LoginForm
+from controlplane.tenants.views.users import Invitation
 
 urlpatterns = [
     path("v1/", include("controlplane.gateway.urls")),

@@ -67,17 +67,21 @@ def sglang_python(vllm_cpu_python):
 
 
 @pytest.fixture(autouse=True)
-def _fresh_gateway_caches():
-    from controlplane.gateway import handlers, ledger, state
-    from controlplane.gateway.ledger import redis_store
+def _fresh_gateway_process():
+    """Each test serves from a gateway process of its own: nothing an earlier test cached,
+    counted, or taught the admissions (tenant and request ids repeat from test to test)."""
+    from django.apps import apps
 
-    state.clear_caches()
+    from controlplane.gateway import ledger
+    from controlplane.gateway.ledger import redis_store
+    from controlplane.gateway.process import GatewayProcess
+
+    config = apps.get_app_config("gateway")
+    config.process = GatewayProcess.from_settings()
     redis_store._handed.clear()  # what earlier tests handed over is theirs
-    ledger._finished.clear()  # and the requests they finished (ids repeat from test to test)
-    handlers._beside = handlers._Beside()  # and what their admissions taught the gateway
-    handlers.repeats.clear()  # and the pictures they sent (tenant ids repeat too)
+    ledger._finished.clear()  # and the requests they finished
     yield
-    state.clear_caches()
+    config.process = None
     redis_store._handed.clear()
     ledger._finished.clear()
 

@@ -74,3 +74,11 @@ def with_raw_engine(world, handler, request_body):
         return results
 
     return run()
+
+
+async def dies_mid_body(reader, writer):
+    """An engine that starts a plain answer and dies halfway through its body."""
+    await read_request(reader)
+    writer.write(b'HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 5000\r\n\r\n{"id":"x"')
+    await writer.drain()
+    writer.close()

@@ -4,8 +4,8 @@ import factory
 from django.contrib.auth import get_user_model
 from django.contrib.auth.models import Group
 
-from controlplane.catalog.demo import PRICES_FROM
 from controlplane.catalog.models import ModelTier, PricePlan, PriceRate, ResolutionPolicy
+from controlplane.demo import PRICES_FROM
 from controlplane.tenants.models import Membership, Tenant
 
 

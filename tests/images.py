@@ -3,7 +3,7 @@
 import base64
 import io
 
-from PIL import Image
+from PIL import Image, ImageDraw
 
 
 def image_bytes(width, height, fmt="JPEG", mode="RGB", color=(180, 40, 30), **save):
@@ -55,3 +55,14 @@ def serve_files(files: dict[str, tuple[bytes, str]]):
             server.shutdown()
 
     return running()
+
+
+def picture(seed: int) -> Image.Image:
+    """A photo-like picture of rectangles and ellipses, different for each `seed`."""
+    image = Image.new("RGB", (640 + seed * 23, 480 - seed * 7), ((seed * 47) % 255, 90, 160))
+    draw = ImageDraw.Draw(image)
+    for k in range(25):
+        x, y = (k * 97 + seed * 31) % image.width, (k * 53 + seed * 17) % image.height
+        draw.rectangle([x, y, x + 60 + k * 3, y + 30 + seed], fill=((k * 40) % 255, (seed * 60) % 255, (k * seed) % 255))
+        draw.ellipse([y % 300, x % 200, y % 300 + 50, x % 200 + 40], fill=(k * 9 % 255, 200, 40))
+    return image

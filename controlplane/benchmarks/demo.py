@@ -1,4 +1,4 @@
-"""The demo's benchmark profiles (seeded with the demo world, see catalog/demo.py)."""
+"""The demo's benchmark profiles (seeded with the demo world, see controlplane/demo.py)."""
 
 from __future__ import annotations
 

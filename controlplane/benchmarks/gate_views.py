@@ -14,8 +14,22 @@ from controlplane.benchmarks import gates
 from controlplane.benchmarks.forms import GateForm, OverrideForm
 from controlplane.benchmarks.models import GateCheck, QualityGate
 from controlplane.benchmarks.views import _operator
+from controlplane.catalog.models import PricePlan, ResolutionPolicy
 
 GATE_FIELDS = ("tier_id", "eval_set_id", "tolerance_points", "max_tokens")
+# A tier's fields that name another row: shown by that row's name.
+NAMED = {"resolution_policy_id": ResolutionPolicy, "price_plan_id": PricePlan}
+
+
+def _label(name: str) -> str:
+    return name.removesuffix("_id").replace("_", " ")
+
+
+def _shown(name: str, value):
+    if name in NAMED and value is not None:
+        found = NAMED[name].objects.filter(pk=value).first()
+        return found.name if found else f"#{value} (deleted)"
+    return "—" if value in (None, "") else value
 
 
 @login_required
@@ -32,7 +46,7 @@ def gate_list(request):
         audit_record(actor=request.user.get_username(),
                      action=AuditEntry.Action.CREATED if created else AuditEntry.Action.CHANGED,
                      obj=gate, before=before, after=field_values(gate, GATE_FIELDS))
-        messages.success(request, f"{gate.tier.name}'s policy changes are now checked on {gate.eval_set.name}.")
+        messages.success(request, f"{gate.tier.name}'s policy, model and engine changes are now checked on {gate.eval_set.name}.")
         return redirect("benchmarks:gates")
     return render(request, "benchmarks/gates.html", {
         "form": form, "gates": QualityGate.objects.select_related("tier", "eval_set").order_by("tier__name"),
@@ -47,16 +61,17 @@ def gate_delete(request, pk: int):
     audit_record(actor=request.user.get_username(), action=AuditEntry.Action.DELETED, obj=gate,
                  before=field_values(gate, GATE_FIELDS))
     gate.delete()
-    messages.success(request, f"{gate.tier.name}'s policy changes are no longer gated.")
+    messages.success(request, f"{gate.tier.name}'s changes are no longer gated.")
     return redirect("benchmarks:gates")
 
 
 @login_required
 def check_detail(request, pk: int):
     _operator(request)
-    check = get_object_or_404(GateCheck.objects.select_related("policy", "requested_by", "decided_by"), pk=pk)
-    changed = [(name, check.current.get(name), value) for name, value in check.proposed.items()
-               if check.current.get(name) != value]
+    check = get_object_or_404(GateCheck.objects.select_related("policy", "tier", "candidate", "requested_by",
+                                                               "decided_by"), pk=pk)
+    changed = [(_label(name), _shown(name, check.current.get(name)), _shown(name, value))
+               for name, value in check.proposed.items() if check.current.get(name) != value]
     return render(request, "benchmarks/gate_check.html", {
         "check": check, "changed": changed, "override_form": OverrideForm(),
         "open": check.state not in GateCheck.DECIDED})
@@ -72,11 +87,11 @@ def check_apply(request, pk: int):
         messages.error(request, "; ".join(e for errors in form.errors.values() for e in errors))
         return redirect("benchmarks:gate-check", pk=pk)
     try:
-        policy = gates.check_apply(check=check, user=request.user, override_reason=form.cleaned_data["reason"])
+        changed = gates.check_apply(check=check, user=request.user, override_reason=form.cleaned_data["reason"])
     except gates.GateError as exc:
         messages.error(request, str(exc))
         return redirect("benchmarks:gate-check", pk=pk)
-    messages.success(request, f"Policy {policy.name} changed.")
+    messages.success(request, f"{'Policy' if check.policy_id else 'Tier'} {changed.name} changed.")
     return redirect("benchmarks:gate-check", pk=pk)
 
 
@@ -86,5 +101,5 @@ def check_discard(request, pk: int):
     _operator(request)
     check = get_object_or_404(GateCheck, pk=pk)
     gates.check_discard(check=check, user=request.user)
-    messages.success(request, "The change was discarded; the policy is as it was.")
+    messages.success(request, f"The change was discarded; the {'policy' if check.policy_id else 'tier'} is as it was.")
     return redirect("benchmarks:gate-check", pk=pk)

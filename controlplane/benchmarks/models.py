@@ -371,9 +371,11 @@ class QualityGate(models.Model):
 
 
 class GateCheck(models.Model):
-    """One proposed change of a resolution policy, measured on every gated tier that uses it.
-    The change is applied only from here: at once when every tier passed, or by an operator's
-    override, with its reason, when one was blocked. Both are audited with the policy."""
+    """One proposed change, measured before it goes live: of a resolution policy, on every
+    gated tier that uses it; or of a gated tier's model or engine settings, on a candidate
+    engine that runs the tier as the change would make it, beside the engines serving it. The
+    change is applied only from here: at once when every tier passed, or by an operator's
+    override, with its reason, when one was blocked. Both are audited with what changed."""
 
     class State(models.TextChoices):
         RUNNING = "running", "measuring"
@@ -386,9 +388,15 @@ class GateCheck(models.Model):
 
     DECIDED = (State.APPLIED, State.OVERRIDDEN, State.DISCARDED)
 
-    policy = models.ForeignKey("catalog.ResolutionPolicy", on_delete=models.CASCADE, related_name="gate_checks")
-    current = models.JSONField(help_text="The policy's fields when the check began")
-    proposed = models.JSONField(help_text="The policy's fields as proposed")
+    # What changes: a policy, or a tier (then `candidate` is the engine measured).
+    policy = models.ForeignKey("catalog.ResolutionPolicy", null=True, blank=True, on_delete=models.CASCADE,
+                               related_name="gate_checks")
+    tier = models.ForeignKey("catalog.ModelTier", null=True, blank=True, on_delete=models.CASCADE,
+                             related_name="gate_checks")
+    candidate = models.ForeignKey("fleet.EngineInstance", null=True, blank=True, on_delete=models.SET_NULL,
+                                  related_name="+")
+    current = models.JSONField(help_text="The policy's or tier's fields when the check began")
+    proposed = models.JSONField(help_text="The policy's or tier's fields as proposed")
     state = models.CharField(max_length=16, choices=State.choices, default=State.RUNNING)
     progress = models.FloatField(default=0.0)
     log = models.TextField(blank=True)
@@ -405,6 +413,12 @@ class GateCheck(models.Model):
 
     class Meta:
         ordering = ["-created_at", "-id"]
+        constraints = [models.CheckConstraint(
+            condition=models.Q(policy__isnull=True) ^ models.Q(tier__isnull=True), name="gate_check_of_one_thing")]
 
     def __str__(self):
-        return f"quality check {self.pk} of policy {self.policy}"
+        return f"quality check {self.pk} of {self.subject}"
+
+    @property
+    def subject(self) -> str:
+        return f"policy {self.policy}" if self.policy_id else f"tier {self.tier}"

@@ -20,9 +20,10 @@ def _before(tier: ModelTier) -> dict:
 
 
 @transaction.atomic
-def tier_save(*, tier: ModelTier, actor: str) -> ModelTier:
-    """Save a tier that passed its checks (full_clean), recording what changed. Marking it the
-    default for text or images takes the mark from the tier that had it (recorded too)."""
+def tier_save(*, tier: ModelTier, actor: str, note: str = "") -> ModelTier:
+    """Save a tier that passed its checks (full_clean), recording what changed (and `note`, say
+    the quality check that measured the change). Marking it the default for text or images takes
+    the mark from the tier that had it (recorded too)."""
     created, before = tier.pk is None, _before(tier)
     for flag in ("default_for_text", "default_for_images"):
         if getattr(tier, flag):
@@ -33,8 +34,11 @@ def tier_save(*, tier: ModelTier, actor: str) -> ModelTier:
                 audit_record(actor=actor, action=AuditEntry.Action.CHANGED, obj=previous, before=was,
                              after=field_values(previous, AUDITED))
     tier.save()
+    after = field_values(tier, AUDITED)
+    if note:
+        before, after = {**before, "quality_check": None}, {**after, "quality_check": note}
     audit_record(actor=actor, action=AuditEntry.Action.CREATED if created else AuditEntry.Action.CHANGED,
-                 obj=tier, before=before, after=field_values(tier, AUDITED))
+                 obj=tier, before=before, after=after)
     return tier
 
 

@@ -67,3 +67,11 @@ def resolution_curve(tier: ModelTier, *, aspect=(4, 3), megapixels=(0.1, 0.25, 0
         width = round(height * aspect[0] / aspect[1])
         points.append((mp, sum(tier_image_tokens(tier, *sent) for sent in sent_sizes(width, height, policy))))
     return points
+
+
+def resolution_curves(*, tier=None) -> dict[str, list[tuple[float, int]]]:
+    """Image tokens against source resolution under each vision tier's policy (or `tier`'s)."""
+    tiers = vision_tiers()
+    if tier is not None:
+        tiers = tiers.filter(pk=tier.pk)
+    return {t.name: resolution_curve(t) for t in tiers}

@@ -5,10 +5,10 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 from pathlib import Path
 
 from controlplane.catalog.models import ModelTier, TierTokenizer
+from controlplane.env import env_str
 from controlplane.prompts import ChatTokenizer
 
 log = logging.getLogger(__name__)
@@ -55,8 +55,13 @@ def model_directory(model_id: str) -> Path | None:
         return path
     if "/" not in model_id:
         return None
-    cache = Path(os.environ.get("HF_HUB_CACHE") or Path(os.environ.get("HF_HOME") or
-                                                         Path.home() / ".cache" / "huggingface") / "hub")
+    hf_home = env_str("HF_HOME", str(Path.home() / ".cache" / "huggingface"),
+                      help="Hugging Face's home; the hub cache is `HF_HOME/hub` unless HF_HUB_CACHE says "
+                           "otherwise. Default: `~/.cache/huggingface`.")
+    cache = Path(env_str("HF_HUB_CACHE", str(Path(hf_home) / "hub"),
+                         help="Where the node agent looks for a model named by hub id (its tokenizer "
+                              "and chat template), as Hugging Face's libraries do. Default: "
+                              "`HF_HOME/hub`."))
     snapshots = cache / f"models--{model_id.replace('/', '--')}" / "snapshots"
     found = sorted((p.parent for p in snapshots.glob("*/tokenizer.json")), key=lambda p: p.stat().st_mtime)
     return found[-1] if found else None

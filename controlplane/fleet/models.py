@@ -6,6 +6,7 @@ from django.db import models
 from django.utils import timezone
 
 from controlplane import outbound
+from controlplane.catalog.models import ModelTier, ResolutionPolicy
 
 
 def engine_api_key() -> str:
@@ -72,8 +73,13 @@ class EngineInstance(models.Model):
     )
     gpus = models.ManyToManyField(Gpu, blank=True, related_name="instances")
     pool = models.CharField(
-        max_length=16, default="standard", choices=[("standard", "standard"), ("large", "large images")]
+        max_length=16, default="standard",
+        choices=[("standard", "standard"), ("large", "large images"), ("candidate", "candidate, not served")]
     )
+    # A candidate runs the tier as a proposed change would make it, to be measured before the
+    # change goes live: these fields of the tier, instead of the tier's (quality gates). The
+    # gateway never routes to it.
+    overrides = models.JSONField(default=dict, blank=True)
     desired_state = models.CharField(max_length=16, choices=Desired.choices, default=Desired.RUNNING)
     actual_state = models.CharField(max_length=16, choices=Actual.choices, default=Actual.PENDING)
     port = models.PositiveIntegerField(null=True, blank=True)
@@ -110,6 +116,18 @@ class EngineInstance(models.Model):
 
     def __str__(self):
         return f"{self.tier}#{self.pk}"
+
+    def serving_tier(self):
+        """The tier as this engine runs it: the tier itself, or for a candidate the tier with
+        the proposed fields (unsaved)."""
+        if not self.overrides:
+            return self.tier
+        tier = ModelTier.objects.select_related("resolution_policy", "price_plan").get(pk=self.tier_id)
+        for name, value in self.overrides.items():
+            setattr(tier, name, value)
+        if "resolution_policy_id" in self.overrides:
+            tier.resolution_policy = ResolutionPolicy.objects.filter(pk=self.overrides["resolution_policy_id"]).first()
+        return tier
 
     def external_url_refusal(self) -> str | None:
         """Why this external engine's URL may not be called, or None: an operator set it, so

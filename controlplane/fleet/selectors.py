@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from django.db import models
 from django.utils import timezone
 
+from controlplane.fleet.engine_metrics import Histogram
 from controlplane.fleet.models import EngineInstance, EngineMetricSample, Node
 
 # A health result older than this means the node agent stopped watching: route elsewhere...
@@ -25,7 +26,8 @@ def failing_instance_ids(*, tier_id: int) -> set[int]:
 
 
 def routable_instances(*, tier_id: int):
-    """Instances the gateway may send work to: running, healthy, recently checked, not draining."""
+    """Instances the gateway may send work to: running, healthy, recently checked, not draining,
+    and not a candidate (an engine started only to measure a proposed change)."""
     now = timezone.now()
     fresh = now - dt.timedelta(seconds=HEALTH_FRESH_SECONDS)
     latest = EngineInstance.objects.aggregate(latest=models.Max("last_health_at"))["latest"]
@@ -41,7 +43,7 @@ def routable_instances(*, tier_id: int):
         ).filter(
             # launched here (a node and a port) or registered by URL (external)
             models.Q(port__isnull=False, node__isnull=False) | ~models.Q(external_url=""),
-        ).select_related("node")
+        ).exclude(pool="candidate").select_related("node")
     )
 
 
@@ -63,8 +65,6 @@ class EnginePoint:
 def engine_series(*, since: dt.datetime, until: dt.datetime, bucket: dt.timedelta,
                   tier_ids: list[int] | None = None) -> dict[int, list[EnginePoint]]:
     """Per engine instance, its scrapes summarised per bucket, oldest first."""
-    from workers.engines.metrics import Histogram
-
     samples = EngineMetricSample.objects.filter(at__gte=since, at__lt=until).order_by("instance_id", "at").only(
         "instance_id", "at", "running", "waiting", "kv_cache_usage", "prompt_tokens", "generation_tokens", "ttft")
     if tier_ids is not None:

@@ -171,11 +171,12 @@ def instances_place(now=None) -> int:
         .select_related("tier")
     )
     for instance in pending:
-        need = instance.tier.gpus_per_replica
-        if instance.tier.runs_on_cpu:
+        tier = instance.serving_tier()  # a candidate may need what the proposed change asks
+        need = tier.gpus_per_replica
+        if tier.runs_on_cpu:
             need = 0  # vLLM's CPU build: host memory and cores, no GPU
-        elif instance.tier.engine_kind in (ModelTier.EngineKind.VLLM, ModelTier.EngineKind.SGLANG):
-            need = max(need, instance.tier.settings.tensor_parallel_size)
+        elif tier.engine_kind in (ModelTier.EngineKind.VLLM, ModelTier.EngineKind.SGLANG):
+            need = max(need, tier.settings.tensor_parallel_size)
         for node in sorted(nodes, key=lambda n: load.get(n.pk, 0)):
             free = [g for g in node.gpus.all() if g.pk not in busy]
             if len(free) < need:
@@ -194,6 +195,25 @@ def instances_place(now=None) -> int:
             placed += 1
             break
     return placed
+
+
+def tier_engines_replace(*, tier: ModelTier, candidate: EngineInstance | None, reason: str) -> None:
+    """After a change of what `tier`'s engines run: its candidate, an engine already running the
+    tier as changed, becomes one of its replicas when it still runs; every engine that ran the
+    tier as it was drains, and the replicas sync launches the tier's replacements."""
+    promoted = None
+    if candidate is not None and EngineInstance.objects.filter(
+            pk=candidate.pk, pool="candidate", desired_state=EngineInstance.Desired.RUNNING).update(
+            pool="standard", overrides={}):
+        promoted = candidate.pk
+        EngineEvent.objects.create(instance_id=promoted, from_state=candidate.actual_state,
+                                   to_state=candidate.actual_state, reason=f"now a replica: {reason}")
+    for instance in (tier.instances.filter(desired_state=EngineInstance.Desired.RUNNING)
+                     .exclude(pool="candidate").exclude(pk=promoted)):
+        instance.drain = True
+        instance.save(update_fields=["drain"])
+        instance_set_desired(instance=instance, desired=EngineInstance.Desired.STOPPED,
+                             reason=f"drain, to be replaced: {reason}")
 
 
 def instance_set_desired(*, instance: EngineInstance, desired: str, reason: str) -> None:

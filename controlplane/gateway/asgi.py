@@ -14,6 +14,7 @@ from django.db import close_old_connections
 
 from controlplane.client_slots import Cap, ClientSlots, client_address
 from controlplane.gateway import handlers, state, upstream
+from controlplane.gateway.apps import current_process
 from controlplane.gateway.body import ShapeCount, TooComplex
 from controlplane.gateway.errors import error_response
 from controlplane.gateway.http import Request, Response
@@ -163,6 +164,7 @@ async def lifespan(receive, send) -> None:
     while True:
         message = await receive()
         if message["type"] == "lifespan.startup":
+            current_process()  # built before the first request, not by it
             await send({"type": "lifespan.startup.complete"})
         elif message["type"] == "lifespan.shutdown":
             await handlers.drain()

@@ -44,3 +44,13 @@ def error_response(status: int, message: str, *, code: str | None = None, param:
     if request_id:
         headers["x-request-id"] = request_id
     return json_response(body, status=status, headers=headers)
+
+
+class NotAdmitted(GatewayError):
+    """A request's admission failed: its tenant's quota refused it (429), or the quota's store
+    did not answer (503; it may have made the reservation all the same, which the request's
+    record then settles as it was made)."""
+
+    @property
+    def refused(self) -> bool:
+        return self.status == 429

@@ -10,7 +10,6 @@ import asyncio
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from controlplane.gateway import counters
 from controlplane.gateway.repeats import Key, Picture, Repeats, digest
 from controlplane.imaging.budget import DecodeBudget
 from controlplane.imaging.errors import ImageError
@@ -85,6 +84,8 @@ class Prepared:
     checking: asyncio.Future | None = None
     # What its pictures may cost and have cost to decode (their CPU time, checks included).
     budget: DecodeBudget | None = None
+    # Per picture: whether what it became was kept from a request that sent it before.
+    pictures_again: list[bool] = field(default_factory=list)
 
     @property
     def image_tokens(self) -> int:
@@ -433,7 +434,7 @@ async def _prepare_images(prepared: Prepared, parts: list[dict], tier: TierSpec,
             prepared.images.append(PreparedImage(
                 image=tile, tokens=tokens, number=index + 1, key=sent,
                 checking=None if tile.check is None else (picture.checking, number)))
-        counters.picture(tier=tier.name, again=picture.again)
+        prepared.pictures_again.append(picture.again)
         # What the engine receives: the normalised image (or its tiles, in reading order),
         # without the client's multimodal UUID or detail hint.
         replacements[id(part)] = [{"type": "image_url", "image_url": {"url": t.data_url()}} for t, _ in tiles]

@@ -37,7 +37,7 @@ import orjson
 import redis
 import xxhash
 
-from controlplane.gateway import counters
+from controlplane.gateway.counters import Counters
 from controlplane.imaging.decode import pixel_content
 from controlplane.imaging.policy import NormalisedImage
 from controlplane.threads import Threads
@@ -172,8 +172,8 @@ class Shared:
     READ_TIMEOUT_S = 0.1
     WRITE_TIMEOUT_S = 2.0
 
-    def __init__(self, url: str, *, prefix: str, ttl_s: int):
-        self.prefix, self.ttl_s = f"{prefix}:repeats:{maker()}:", ttl_s
+    def __init__(self, url: str, *, prefix: str, ttl_s: int, counters: Counters):
+        self.prefix, self.ttl_s, self.counters = f"{prefix}:repeats:{maker()}:", ttl_s, counters
         self._reads, self._writes = (redis.Redis(connection_pool=redis.BlockingConnectionPool.from_url(
             url, max_connections=connections, timeout=timeout, socket_timeout=timeout,
             socket_connect_timeout=timeout)) for connections, timeout in
@@ -184,13 +184,14 @@ class Shared:
         self._reads_rest_until = self._writes_rest_until = 0.0
 
     @classmethod
-    def from_settings(cls) -> Shared | None:
+    def from_settings(cls, counters: Counters) -> Shared | None:
         from django.conf import settings
 
         from controlplane.redis_clients import key_prefix
 
         url = settings.GATEWAY_SHARED_REPEATS_URL
-        return cls(url, prefix=key_prefix(), ttl_s=settings.GATEWAY_SHARED_REPEATS_TTL_S) if url else None
+        return cls(url, prefix=key_prefix(), ttl_s=settings.GATEWAY_SHARED_REPEATS_TTL_S,
+                   counters=counters) if url else None
 
     def name(self, key: Key) -> str:
         picture = xxhash.xxh3_128_hexdigest(repr(key.policy).encode() + b"\0" + key.digest)
@@ -205,7 +206,7 @@ class Shared:
         except Exception as exc:  # noqa: BLE001 - whatever it is, the picture is prepared here
             self._failed("read", exc)
             return None
-        counters.shared_picture("hit" if found is not None else "miss")
+        self.counters.shared_picture("hit" if found is not None else "miss")
         return found
 
     def put(self, key: Key, images: Picture) -> None:
@@ -213,7 +214,7 @@ class Shared:
             dropped = self._writing >= self.MAX_WRITING or time.monotonic() < self._writes_rest_until
             self._writing += not dropped
         if dropped:
-            counters.shared_picture("dropped")
+            self.counters.shared_picture("dropped")
             return
         self._writer().submit(self._write, key, images)
 
@@ -221,7 +222,7 @@ class Shared:
         """On the writer's thread: the entry packed (a copy of megabytes) off the request's."""
         try:
             if time.monotonic() < self._writes_rest_until:  # a write before this one failed
-                counters.shared_picture("dropped")
+                self.counters.shared_picture("dropped")
             else:
                 self._writes.set(self.name(key), packed(images, key), ex=self.ttl_s)
         except Exception as exc:  # noqa: BLE001 - a thread of its own: nothing above it to tell
@@ -231,7 +232,7 @@ class Shared:
                 self._writing -= 1
 
     def _failed(self, doing: str, exc: Exception) -> None:
-        counters.shared_picture("failed")
+        self.counters.shared_picture("failed")
         attribute = "_reads_rest_until" if doing == "read" else "_writes_rest_until"
         with self._lock:
             resting = time.monotonic() < getattr(self, attribute)

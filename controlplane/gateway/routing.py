@@ -18,58 +18,64 @@ import random
 import threading
 import weakref
 from collections import OrderedDict, defaultdict, deque
+from dataclasses import dataclass
 
-from controlplane.gateway.state import InstanceSpec
+from controlplane.gateway import state
+from controlplane.gateway.apps import current_process
+from controlplane.gateway.prepare import Prepared, TierSpec
+from controlplane.gateway.state import InstanceSpec, read_or_unavailable
 
 AFFINITY_SLACK = 2
 AFFINITY_ITEMS = 20_000
 
-outstanding: defaultdict[int, int] = defaultdict(int)  # this process's requests in flight, per engine
-_affinity: OrderedDict[str, int] = OrderedDict()  # an image's key (its bytes' digest) -> engine last sent it
-_lock = threading.Lock()
-_slots: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # loop -> {tier id: Semaphore}
+class EngineLoads:
+    """One process's view of its engines: its requests in flight on each, which engine last
+    encoded each picture, and the large-image turns of each tier. Kept by its GatewayProcess."""
 
+    def __init__(self):
+        self.outstanding: defaultdict[int, int] = defaultdict(int)  # this process's requests in flight
+        self._affinity: OrderedDict[str, int] = OrderedDict()  # an image's key -> engine last sent it
+        self._lock = threading.Lock()
+        self._slots: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # loop -> {tier: FairSlots}
 
-def choose(candidates: list[InstanceSpec], *, exclude=frozenset(), large: bool = False,
-           images: tuple[str, ...] = ()) -> InstanceSpec | None:
-    dedicated = [c for c in candidates if c.pool == "large"]
-    if large and dedicated:  # isolated: never spill into the standard engines, even on a retry
-        pool = [c for c in dedicated if c.id not in exclude]
-    else:
-        pool = [c for c in candidates if c.pool != "large" and c.id not in exclude]
-    if not pool:
-        return None
-    load = {c.id: outstanding[c.id] + c.queued for c in pool}
-    least = min(load.values())
-    with _lock:
-        warm = [_affinity.get(image) for image in images]
-    for instance_id in warm:
-        if instance_id in load and load[instance_id] <= least + AFFINITY_SLACK:
-            return next(c for c in pool if c.id == instance_id)
-    return random.choice([c for c in pool if load[c.id] == least])
+    def choose(self, candidates: list[InstanceSpec], *, exclude=frozenset(), large: bool = False,
+               images: tuple[str, ...] = ()) -> InstanceSpec | None:
+        dedicated = [c for c in candidates if c.pool == "large"]
+        if large and dedicated:  # isolated: never spill into the standard engines, even on a retry
+            pool = [c for c in dedicated if c.id not in exclude]
+        else:
+            pool = [c for c in candidates if c.pool != "large" and c.id not in exclude]
+        if not pool:
+            return None
+        load = {c.id: self.outstanding[c.id] + c.queued for c in pool}
+        least = min(load.values())
+        with self._lock:
+            warm = [self._affinity.get(image) for image in images]
+        for instance_id in warm:
+            if instance_id in load and load[instance_id] <= least + AFFINITY_SLACK:
+                return next(c for c in pool if c.id == instance_id)
+        return random.choice([c for c in pool if load[c.id] == least])
 
+    def remember(self, images: tuple[str, ...], instance_id: int) -> None:
+        with self._lock:
+            for image in images:
+                self._affinity[image] = instance_id
+                self._affinity.move_to_end(image)
+            while len(self._affinity) > AFFINITY_ITEMS:
+                self._affinity.popitem(last=False)
 
-def remember(images: tuple[str, ...], instance_id: int) -> None:
-    with _lock:
-        for image in images:
-            _affinity[image] = instance_id
-            _affinity.move_to_end(image)
-        while len(_affinity) > AFFINITY_ITEMS:
-            _affinity.popitem(last=False)
+    def large_slots(self, tier_id: int, size: int) -> FairSlots:
+        """This process's cap on concurrent large-image requests of a tier without a large pool."""
+        loop = asyncio.get_running_loop()
+        per_loop = self._slots.setdefault(loop, {})
+        slots = per_loop.get((tier_id, size))  # a new size (the tier was edited) gets new slots
+        if slots is None:
+            slots = per_loop[(tier_id, size)] = FairSlots(size)
+        return slots
 
 
 def has_dedicated_large_pool(candidates: list[InstanceSpec]) -> bool:
     return any(c.pool == "large" for c in candidates)
-
-
-def large_slots(tier_id: int, size: int) -> FairSlots:
-    """This process's cap on concurrent large-image requests of a tier without a large pool."""
-    loop = asyncio.get_running_loop()
-    per_loop = _slots.setdefault(loop, {})
-    slots = per_loop.get((tier_id, size))  # a new size (the tier was edited) gets new slots
-    if slots is None:
-        slots = per_loop[(tier_id, size)] = FairSlots(size)
-    return slots
 
 
 class FairSlots:
@@ -117,3 +123,23 @@ class FairSlots:
             waiters.remove(waiter)
             if not waiters:
                 del self._waiting[tenant_id]
+
+
+@dataclass(frozen=True)
+class Route:
+    candidates: list
+    large: bool
+    images: tuple[str, ...]  # the keys of its images' bytes, by which engines are preferred
+    # The engine chosen before admission, journaled with it: one round trip to the ledger
+    # fewer. None when a large image must wait for its turn first (chosen after the wait).
+    first: object = None
+
+
+async def route_request(key: state.KeyInfo, tier: TierSpec, prepared: Prepared) -> Route:
+    candidates = await read_or_unavailable("the engines", state.instances(tier.id))
+    large = prepared.image_tokens > tier.large_image_threshold
+    # Per tenant: one tenant's requests never steer toward the engine holding another's images.
+    images = tuple(f"{key.tenant_id}:{p.key}" for p in prepared.images)
+    waits = large and not has_dedicated_large_pool(candidates)
+    first = None if waits else current_process().engines.choose(candidates, large=large, images=images)
+    return Route(candidates, large, images, first)

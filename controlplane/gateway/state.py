@@ -18,6 +18,8 @@ from django.conf import settings
 from django.utils import timezone
 
 from controlplane.catalog.engine_settings import EngineSettingsError
+from controlplane.gateway.apps import current_process
+from controlplane.gateway.errors import GatewayError
 from controlplane.gateway.ledger import Limits
 from controlplane.gateway.prepare import TierSpec
 from controlplane.imaging.fetch import FetchPolicy
@@ -165,16 +167,28 @@ class TTLCache:
         self._ahead.clear()
 
 
-_keys = TTLCache(settings.GATEWAY_KEY_CACHE_SECONDS)
-_tiers = TTLCache(5)
-_instances = TTLCache(2)
-_failing = TTLCache(2)
 _MISSING = object()
 
 
+class Caches:
+    """What one process read from the database, kept for a few seconds (keys for
+    GATEWAY_KEY_CACHE_SECONDS), and the tiers' tokenizers, built again only when they change."""
+
+    def __init__(self):
+        self.keys = TTLCache(settings.GATEWAY_KEY_CACHE_SECONDS)
+        self.tiers = TTLCache(5)
+        self.instances = TTLCache(2)
+        self.failing = TTLCache(2)
+        self.tokenizers: dict[int, tuple[str, object]] = {}  # tier id -> (digest, ChatTokenizer)
+
+    def clear(self) -> None:
+        for cache in (self.keys, self.tiers, self.instances, self.failing):
+            cache.clear()
+
+
 def clear_caches() -> None:
-    for cache in (_keys, _tiers, _instances, _failing):
-        cache.clear()
+    """Forget what this process read (the next requests read afresh)."""
+    current_process().caches.clear()
 
 
 def _salt(tenant_name: str) -> str:
@@ -214,11 +228,8 @@ def _load_key(secret: str) -> KeyInfo | None:
 
 async def key_info(secret: str) -> KeyInfo | None:
     digest = hashlib.sha256(secret.encode()).digest()
-    cached = await _keys.fetch(digest, lambda: _load_key(secret) or _MISSING)
+    cached = await current_process().caches.keys.fetch(digest, lambda: _load_key(secret) or _MISSING)
     return None if cached is _MISSING else cached
-
-
-_tokenizers: dict[int, tuple[str, object]] = {}  # tier id -> (digest, ChatTokenizer)
 
 
 def _tier_tokenizers(tier_ids) -> dict:
@@ -227,9 +238,9 @@ def _tier_tokenizers(tier_ids) -> dict:
     from controlplane.catalog.models import TierTokenizer
     from controlplane.prompts import ChatTokenizer
 
-    found = {}
+    found, built = {}, current_process().caches.tokenizers
     for tier_id, digest in TierTokenizer.objects.filter(tier_id__in=tier_ids).values_list("tier_id", "digest"):
-        cached = _tokenizers.get(tier_id)
+        cached = built.get(tier_id)
         if cached is None or cached[0] != digest:
             row = TierTokenizer.objects.get(tier_id=tier_id)
             try:
@@ -237,7 +248,7 @@ def _tier_tokenizers(tier_ids) -> dict:
             except Exception:  # noqa: BLE001 - a broken upload: the estimate serves instead
                 log.exception("the tokenizer of tier %s does not load", tier_id)
                 cached = (digest, None)
-            _tokenizers[tier_id] = cached
+            built[tier_id] = cached
         found[tier_id] = cached[1]
     return found
 
@@ -294,7 +305,7 @@ def _load_tiers() -> dict[str, TierSpec]:
 
 
 async def tiers() -> dict[str, TierSpec]:
-    return await _tiers.fetch("all", _load_tiers)
+    return await current_process().caches.tiers.fetch("all", _load_tiers)
 
 
 def _load_instances(tier_id: int) -> list[InstanceSpec]:
@@ -308,11 +319,22 @@ def _load_instances(tier_id: int) -> list[InstanceSpec]:
 
 
 async def instances(tier_id: int) -> list[InstanceSpec]:
-    return await _instances.fetch(tier_id, lambda: _load_instances(tier_id))
+    return await current_process().caches.instances.fetch(tier_id, lambda: _load_instances(tier_id))
 
 
 async def failing(tier_id: int) -> set[int]:
     """Instances of the tier supervision found hung or dead (see failing_instance_ids)."""
     from controlplane.fleet.selectors import failing_instance_ids
 
-    return await _failing.fetch(tier_id, lambda: failing_instance_ids(tier_id=tier_id))
+    return await current_process().caches.failing.fetch(tier_id, lambda: failing_instance_ids(tier_id=tier_id))
+
+
+async def read_or_unavailable(what: str, fetching):
+    """What the gateway reads from the database (through its caches), or a 503 when it can
+    neither read it nor serve what it knew."""
+    try:
+        return await fetching
+    except Exception:
+        log.exception("%s cannot be read", what)
+        raise GatewayError(503, f"{what} cannot be read right now; retry shortly", code="service_unavailable",
+                           headers={"Retry-After": "5"}) from None

@@ -20,12 +20,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import orjson
 from django.conf import settings
 
-from controlplane.metering.services import (
-    usage_from_json,
-    usage_record,
-    usage_rows,
-    usage_rows_store,
-)
+from controlplane.metering.records import usage_from_json
+from controlplane.metering.services import usage_record, usage_rows, usage_rows_store
 from controlplane.redis_clients import key_prefix, sync_redis
 
 log = logging.getLogger(__name__)

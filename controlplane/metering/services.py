@@ -1,153 +1,34 @@
+"""Usage recorded: each request's record priced at the rate in effect and stored once, in bulk
+from the usage stream or one at a time, and what has been billed so far."""
+
 from __future__ import annotations
 
 import datetime as dt
 import logging
-from dataclasses import dataclass, field
-from typing import NamedTuple
 
 from django.db import IntegrityError, connection, transaction
-from django.db.models import Count, F, Max, Min, Q, Sum, Value
-from django.db.models.functions import Coalesce, TruncDate, TruncHour
+from django.db.models import F, Q, Sum
 from django.utils import timezone
 
 from controlplane.catalog.models import ModelTier
-from controlplane.metering.models import (
-    TOTALS,
-    DailyUsage,
-    HourlyUsage,
-    ImageCostHistogram,
-    RollupState,
-    UsageEvent,
-    UsageImage,
-)
+from controlplane.metering.models import UsageEvent, UsageImage
 from controlplane.metering.periods import period_start
 from controlplane.metering.ratebook import NoRate, RateBook
+from controlplane.metering.records import CUT_SHORT, UsageRecord, image_lines, is_billable
 
 log = logging.getLogger(__name__)
-# Events are stamped before they commit; a slow commit can land behind the watermark. Each
-# run looks back this far again (recomputing a day is idempotent, so overlap costs little).
-ROLLUP_OVERLAP = dt.timedelta(minutes=5)
 
-
-@dataclass
-class UsageRecord:
-    request_id: str
-    tenant_id: int
-    api_key_id: int | None
-    tier_id: int
-    stream: bool = False
-    images: list = field(default_factory=list)  # (NormalisedImage, tokens, of which from the prefix cache)
-    image_tokens: int = 0
-    text_tokens: int = 0
-    output_tokens: int = 0
-    cached_tokens: int = 0  # prompt tokens the engine reused from its prefix cache
-    cached_image_tokens: int = 0  # of which image tokens (each image's share of the cached prefix)
-    # The engine's own count of image tokens (vLLM's multimodal_tokens.image), None when it
-    # reported none; and whether it disagrees with the gateway's image_tokens.
-    engine_image_tokens: int | None = None
-    image_tokens_disagree: bool = False
-    # The gateway's own prompt count before forwarding (text and images), and whether its
-    # text part was the estimate rather than the tier's tokenizer's exact count.
-    counted_prompt_tokens: int | None = None
-    prompt_estimated: bool = True
-    instance_id: int | None = None
-    status: str = "ok"
-    http_status: int = 200
-    latency_ms: int = 0  # from arrival at the gateway to the last byte of the answer
-    # Where the time went: preparing the images (decode, resize, count), waiting in the
-    # gateway (admission, a large-image turn) before an engine was sent the request, and
-    # from arrival to the first token streamed (None when not streamed or never reached).
-    prepare_ms: int | None = None
-    queue_ms: int | None = None
-    ttft_ms: int | None = None
-    created_at: dt.datetime = field(default_factory=timezone.now)
-    reservation: object = None  # the quota reservation to settle (gateway only)
-    # The checks of its images sent as they came (gateway only): its image lines get their
-    # fingerprints from them, whether or not they had finished when it was admitted.
-    checking: object = None
-    # Its admission, when that ran beside the engine's work (gateway only): the record is
-    # handed over once the admission has its answer.
-    admission: object = None
-    recorded: bool = False  # set once the gateway has handed the record over
-
-
-_SCALARS = ("request_id", "tenant_id", "api_key_id", "tier_id", "stream", "image_tokens", "text_tokens",
-            "output_tokens", "cached_tokens", "cached_image_tokens", "instance_id", "status", "http_status",
-            "latency_ms", "engine_image_tokens", "image_tokens_disagree", "counted_prompt_tokens", "prompt_estimated",
-            "prepare_ms", "queue_ms", "ttft_ms")
-# Fields newer than some records already in flight (streams and journals outlive a deploy).
-_SCALAR_DEFAULTS = {"engine_image_tokens": None, "image_tokens_disagree": False, "counted_prompt_tokens": None,
-                    "prompt_estimated": True, "prepare_ms": None, "queue_ms": None, "ttft_ms": None}
-_IMAGE_FIELDS = ("source_format", "source_width", "source_height", "width", "height", "fingerprint", "tile", "tiles")
-
-
-class ImageLine(NamedTuple):
-    """What metering keeps of an image (never its pixels). A named tuple: the ingest makes
-    thousands a second, and a frozen dataclass costs five times as much to make."""
-
-    source_format: str
-    source_width: int
-    source_height: int
-    width: int
-    height: int
-    fingerprint: str
-    tile: int = 0  # its place among the tiles of a long picture cut by the policy
-    tiles: int = 1
-
-
-def usage_to_json(record: UsageRecord) -> dict:
-    """A record as plain JSON, for the usage stream."""
-    data = {name: getattr(record, name) for name in _SCALARS}
-    data["created_at"] = record.created_at.isoformat()
-    data["images"] = [[{f: getattr(image, f) for f in _IMAGE_FIELDS}, tokens, cached]
-                      for image, tokens, cached in _lines(record.images)]
-    return data
-
-
-_REQUIRED = tuple(name for name in _SCALARS if name not in _SCALAR_DEFAULTS)
-
-
-def usage_from_json(data: dict) -> UsageRecord:
-    values = {name: data[name] for name in _REQUIRED}
-    for name, default in _SCALAR_DEFAULTS.items():
-        values[name] = data.get(name, default)
-    record = UsageRecord(**values, created_at=dt.datetime.fromisoformat(data["created_at"]))
-    record.images = _lines([(ImageLine(**image), tokens, cached) for image, tokens, cached in data["images"]])
-    return record
-
-
-def _lines(images: list) -> list:
-    """(image, tokens, cached tokens) lines. A pair is an image none of which came from the
-    cache; a flag (records made before shares were kept) means all of it or none."""
-    lines = []
-    for item in images:
-        image, tokens, cached = item if len(item) == 3 else (*item, 0)
-        if isinstance(cached, bool):
-            cached = tokens if cached else 0
-        lines.append((image, tokens, int(cached)))
-    return lines
-
-
-def is_billable(record: UsageRecord) -> bool:
-    """Completed work is billed, and so is work an engine did for a client that left; a request
-    refused or failed before an engine worked on it is not. Work interrupted by a gateway crash
-    is billed as far as its journal knew."""
-    return record.status == "ok" or (record.status in _CUT_SHORT and record.instance_id is not None)
-
-
-_CUT_SHORT = ("aborted", "interrupted")  # billed only if an engine worked on them
 
 
 def billed(path: str = "") -> Q:
     """is_billable as a filter on usage events; `path` reaches them from another model
     ("event__" from their images)."""
-    return Q(**{f"{path}status": "ok"}) | Q(**{f"{path}status__in": _CUT_SHORT, f"{path}instance__isnull": False})
+    return Q(**{f"{path}status": "ok"}) | Q(**{f"{path}status__in": CUT_SHORT, f"{path}instance__isnull": False})
 
 
 def metered_so_far(tenant_id: int, period: str, now: dt.datetime) -> tuple[int, int]:
     """Image and total tokens the tenant has used this period, as quotas count them: only
     billed requests. A quota counter starts from this at the start of a period."""
-    from django.db.models import F
 
     totals = UsageEvent.objects.filter(billed(), tenant_id=tenant_id, created_at__gte=period_start(period, now)).aggregate(
         image=Sum("image_tokens"), total=Sum(F("image_tokens") + F("text_tokens") + F("output_tokens")))
@@ -295,7 +176,7 @@ def _usage_values(record: UsageRecord, tier: ModelTier, book: RateBook) -> tuple
     when it was made: what either way of storing them (one by one, or copied in bulk) writes.
     The ingest makes these thousands of times a second: dict displays, and each line walked
     once."""
-    record.images = _lines(record.images)
+    record.images = image_lines(record.images)
     lines, unlined = _priced_lines(record)
     cached_image = unlined[1]
     images, kept = [], []
@@ -361,192 +242,3 @@ def _usage_values(record: UsageRecord, tier: ModelTier, book: RateBook) -> tuple
         "rate_id": rate_id,
     }
     return event, images
-
-
-def rollup_daily(*, now: dt.datetime | None = None) -> int:
-    """Recompute the daily totals of every day that received events since the last run, and
-    that day's cost-per-image histogram.
-
-    Recomputing a whole period makes the run idempotent, and a late event (recorded today,
-    dated yesterday) reopens its own day. A day's totals are the sums of its hours' (the
-    hourly rollup is brought up to date first), so the events are read once, by the hourly
-    rollup, not again for each day. Returns the days rewritten.
-    """
-    now = now or timezone.now()
-    rollup_hourly(now=now)
-    return _rollup("daily", DailyUsage, "day", TruncDate, dt.timedelta(days=1), now, source=_days_from_hours,
-                   also=_image_costs_rewrite)
-
-
-def rollup_hourly(*, now: dt.datetime | None = None) -> int:
-    """The same per hour, from the events. Returns the hours rewritten."""
-    return _rollup("hourly", HourlyUsage, "hour", TruncHour, dt.timedelta(hours=1), now, source=_hours_from_events)
-
-
-def _rollup(name, model, field, trunc, length, now, *, source, also=None) -> int:
-    now = now or timezone.now()
-    with transaction.atomic():
-        with connection.cursor() as cursor:
-            _analytic(cursor)
-        state, _ = RollupState.objects.select_for_update().get_or_create(name=name)
-        # Events recorded up to a moment ago; anything still being written lands next run.
-        upto = now - dt.timedelta(seconds=1)
-        full = state.watermark is None
-        if full:
-            periods = _every_period(field, length, upto)
-        else:
-            new = UsageEvent.objects.filter(recorded_at__lte=upto, recorded_at__gt=state.watermark - ROLLUP_OVERLAP)
-            periods = sorted(new.annotate(period=trunc("created_at", tzinfo=dt.UTC))
-                             .values_list("period", flat=True).order_by().distinct())
-        if periods:
-            # The periods' rows are replaced in two statements, the new ones computed and
-            # written by the database itself (INSERT ... SELECT: no row comes into Python).
-            # An upsert would not do: the unique constraint never matches rows without a key,
-            # as NULLs are distinct.
-            model.objects.filter(**{f"{field}__in": periods}).delete()
-            _insert_select(model, [field, "tenant_id", "api_key_id", "tier_id", *TOTALS], source(periods, length))
-            if also is not None:
-                also(periods, full=full)
-        state.watermark = upto if full else max(state.watermark, upto)
-        state.ran_at = now
-        state.save()
-    return len(periods)
-
-
-def _every_period(field: str, length: dt.timedelta, upto: dt.datetime) -> list:
-    """Every hour (or day, by `field`) with events recorded by `upto`, named as TruncHour (or
-    TruncDate) names it, found by walking the events' index on created_at from one period to the next: a lookup per period
-    (hundreds), where a DISTINCT over the events read every one of them (seconds at ten
-    million)."""
-    events = UsageEvent.objects.filter(recorded_at__lte=upto).order_by("created_at").values_list("created_at",
-                                                                                                 flat=True)
-    periods, at = [], events.first()
-    while at is not None:
-        at = at.astimezone(dt.UTC)
-        periods.append(at.date() if field == "day" else at.replace(minute=0, second=0, microsecond=0))
-        at = events.filter(created_at__gte=_start(periods[-1]) + length).first()
-    return periods
-
-
-_SUMMED = (("images", "image_count"), ("image_tokens", "image_tokens"), ("cached_tokens", "cached_tokens"),
-           ("cached_image_tokens", "cached_image_tokens"), ("text_tokens", "text_tokens"),
-           ("output_tokens", "output_tokens"), ("cost", "cost"), ("cache_savings", "cache_savings"))
-
-
-def _insert_select(model, columns: list[str], rows) -> None:
-    """Insert what the `rows` query selects (its columns in the order of `columns`)."""
-    sql, params = rows.query.sql_with_params()
-    names = ", ".join(connection.ops.quote_name(model._meta.get_field(c).column) for c in columns)
-    with connection.cursor() as cursor:
-        cursor.execute(f"INSERT INTO {connection.ops.quote_name(model._meta.db_table)} ({names}) {sql}", params)
-
-
-def _start(period) -> dt.datetime:
-    return period if isinstance(period, dt.datetime) else dt.datetime.combine(period, dt.time.min, tzinfo=dt.UTC)
-
-
-def _within(periods: list, length: dt.timedelta, field: str) -> Q:
-    """`field` inside one of the (sorted) periods: a range per run of consecutive periods,
-    which an index walks, rather than a test of each row against the list of periods."""
-    runs, first, last = Q(), None, None
-    for period in periods:
-        start = _start(period)
-        if last is not None and start == last:
-            last = start + length
-            continue
-        if first is not None:
-            runs |= Q(**{f"{field}__gte": first, f"{field}__lt": last})
-        first, last = start, start + length
-    return runs | Q(**{f"{field}__gte": first, f"{field}__lt": last})
-
-
-def _analytic(cursor) -> None:
-    """Settings for a rollup run's few large grouped queries, in its transaction only: memory
-    to group in (not on disk), no JIT compilation (seconds of it, for queries run once), and
-    parallel workers where they pay."""
-    if connection.vendor == "postgresql":
-        cursor.execute("SET LOCAL work_mem = '64MB'")
-        cursor.execute("SET LOCAL jit = off")
-        # Joins and scans of millions of rows on every core the server offers (its defaults
-        # keep the images' join with their events on one).
-        cursor.execute("SET LOCAL parallel_setup_cost = 10")
-        cursor.execute("SET LOCAL parallel_tuple_cost = 0.001")
-        # Grouped by hashing, never by sorting: the planner takes the groups of a join (the
-        # images' with their events) for as many as its rows, and would sort ten million rows
-        # into a few thousand groups.
-        cursor.execute("SET LOCAL enable_sort = off")
-
-
-def _hours_from_events(hours: list, length: dt.timedelta):
-    """Each hour's totals per tenant, key and tier, from its events: one grouped query for
-    every hour at once (unbilled requests counted apart and adding nothing else)."""
-    return (
-        UsageEvent.objects.filter(_within(hours, length, "created_at"))
-        .annotate(period=TruncHour("created_at", tzinfo=dt.UTC))
-        .values("period", "tenant_id", "api_key_id", "tier_id")
-        .annotate(**_totals(requests=Count("id"), unbilled_requests=Count("id", filter=~billed()),
-                            **{name: Coalesce(Sum(column, filter=billed()), Value(0),
-                                                output_field=UsageEvent._meta.get_field(column))
-                               for name, column in _SUMMED}))
-        .order_by()
-    )
-
-
-def _days_from_hours(days: list, length: dt.timedelta):
-    """Each day's totals per tenant, key and tier: the sums of its hours'."""
-    return (
-        HourlyUsage.objects.filter(_within(days, length, "hour"))
-        .annotate(period=TruncDate("hour", tzinfo=dt.UTC))
-        .values("period", "tenant_id", "api_key_id", "tier_id")
-        .annotate(**_totals(**{name: Sum(name) for name in TOTALS}))
-        .order_by()
-    )
-
-
-def _totals(**aggregates) -> dict:
-    """The aggregates in the order of TOTALS (the columns an INSERT ... SELECT names), each
-    under a name of its own (a period's row field must not be shadowed by its sum)."""
-    return {f"total_{name}": aggregates[name] for name in TOTALS}
-
-
-def _image_costs_rewrite(days: list, *, full: bool = False) -> None:
-    """Rewrite the days' cost-per-image histograms from their images: the images the
-    per-image cost report lists (those of billed requests), each priced as it prices them, at
-    the rate that priced its request.
-
-    Images are counted in SQL by (day, tenant, tier, rate, tokens, cached tokens), every day
-    in one query, and each such group is priced once, so the run reads no image row into
-    Python however many there are.
-    """
-    book, bins = RateBook(), {}
-    images = UsageImage.objects.filter(billed("event__"), _within(days, dt.timedelta(days=1), "event__created_at"))
-    if not full:
-        # The days' events' ids bound their images' (a redundant condition, which lets the
-        # images be read by their event's index rather than all of them scanned for a day's
-        # few). (Of id + 0: a plain MIN(id) with a condition would walk the primary key from
-        # the first event until one matched, nearly the whole table for today's events.) A full
-        # run reads every image anyway.
-        within = _within(days, dt.timedelta(days=1), "created_at")
-        ids = UsageEvent.objects.filter(within).aggregate(low=Min(F("id") + 0), high=Max(F("id") + 0))
-        if ids["low"] is None:
-            ImageCostHistogram.objects.filter(day__in=days).delete()
-            return
-        images = images.filter(event_id__gte=ids["low"], event_id__lte=ids["high"])
-    groups = (
-        images
-        .annotate(day=TruncDate("event__created_at", tzinfo=dt.UTC))
-        .values("day", "event__tenant_id", "event__tier_id", "event__rate_id", "tokens", "cached_tokens")
-        .annotate(count=Count("id"))
-        .order_by()
-    )
-    for group in groups:
-        each = book.image_price(group["event__rate_id"], group["tokens"], group["cached_tokens"])
-        key = (group["day"], group["event__tenant_id"], group["event__tier_id"], ImageCostHistogram.bucket(each))
-        row = bins.get(key)
-        if row is None:
-            row = bins[key] = ImageCostHistogram(day=key[0], tenant_id=key[1], tier_id=key[2], cost_from=key[3])
-        row.images += group["count"]
-        row.image_tokens += group["count"] * group["tokens"]
-        row.cost += group["count"] * (each or 0)
-    ImageCostHistogram.objects.filter(day__in=days).delete()
-    ImageCostHistogram.objects.bulk_create(bins.values(), batch_size=5000)

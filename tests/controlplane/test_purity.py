@@ -33,6 +33,7 @@ PURE_MODULES = [
     "controlplane.benchmarks.synthetic",
     "controlplane.benchmarks.advisor",
     "controlplane.benchmarks.curves",
+    "controlplane.fleet.engine_metrics",
 ]
 
 _PROBE = """

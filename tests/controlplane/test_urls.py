@@ -128,7 +128,8 @@ def fuzz_world(world):
     from controlplane.alerts.models import AlertRule, Webhook
     from controlplane.benchmarks.models import BenchmarkProfile, BenchmarkRun
     from controlplane.fleet.models import EngineInstance, Node
-    from controlplane.metering.services import UsageRecord, usage_record
+    from controlplane.metering.records import UsageRecord
+    from controlplane.metering.services import usage_record
 
     usage_record(record=UsageRecord(request_id="req-1", tenant_id=world.alice.pk,
                                     api_key_id=world.alice.api_keys.get().pk, tier_id=world.vision.pk,

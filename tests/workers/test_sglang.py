@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 
 from controlplane.catalog.engine_settings import BY_KEY, EngineSettings
+from controlplane.fleet.engine_metrics import SGLANG_NAMES
 from controlplane.imaging.tokens import count_image_tokens, engine_image_tokens
 from workers.engines import sglang_server
 from workers.engines.launch import SGLANG_SERVER, LaunchSpec, build_command
-from workers.engines.metrics import SGLANG_NAMES
 from workers.engines.simulator.metrics import Metrics
 from workers.engines.simulator.server import SGLANG_ROUTES
 from workers.supervision import compat

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from controlplane.catalog.demo import seed_demo
 from controlplane.catalog.engine_settings import applicable
 from controlplane.catalog.models import ModelTier
+from controlplane.demo import seed_demo
 from controlplane.fleet.models import EngineInstance, Gpu, Node
 from tests.workers.vllm_flags import check
 from workers.engines.launch import build_command

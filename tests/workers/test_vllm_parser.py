@@ -11,9 +11,9 @@ import subprocess
 import pytest
 from django.db import transaction
 
-from controlplane.catalog.demo import seed_demo
 from controlplane.catalog.engine_settings import applicable
 from controlplane.catalog.models import ModelTier
+from controlplane.demo import seed_demo
 from controlplane.fleet.models import EngineInstance, Gpu, Node
 from workers.engines.cpu import tiny_model
 from workers.engines.launch import build_command

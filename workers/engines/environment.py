@@ -7,17 +7,21 @@ from __future__ import annotations
 
 import argparse
 import fcntl
-import os
 import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from controlplane.env import env_str
+
 STAMP_FILE = "engine-env.stamp"
 
 
 def cache_path(name: str) -> Path:
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    cache = Path(env_str("XDG_CACHE_HOME", str(Path.home() / ".cache"),
+                         help="The user's cache: engine environments (vLLM's CPU build, SGLang) are "
+                              "built under `XDG_CACHE_HOME/vlm-controlplane/engines/` and reused. "
+                              "Default: `~/.cache`."))
     return cache / "vlm-controlplane" / "engines" / name
 
 

@@ -62,7 +62,7 @@ def engine_marker(instance: EngineInstance) -> str:
 
 def launch_spec(instance: EngineInstance, port: int) -> LaunchSpec:
     return tier_launch_spec(
-        instance.tier, port=port, gpu_indices=tuple(instance.gpus.values_list("index", flat=True)),
+        instance.serving_tier(), port=port, gpu_indices=tuple(instance.gpus.values_list("index", flat=True)),
         api_key=instance.api_key, transformers_version=instance.node.transformers_version if instance.node else "")
 
 
@@ -117,7 +117,8 @@ def _free_port(node: Node, instance: EngineInstance) -> int:
 
 
 def engine_launch(instance: EngineInstance, node: Node) -> None:
-    refusal = compat.launch_refusal(instance.tier, node)
+    tier = instance.serving_tier()  # a candidate runs the tier as a proposed change makes it
+    refusal = compat.launch_refusal(tier, node)
     if refusal:
         instance_transition(instance=instance, to_state=A.FAILED, reason=refusal)
         return
@@ -129,12 +130,12 @@ def engine_launch(instance: EngineInstance, node: Node) -> None:
     except ValueError as exc:
         instance_transition(instance=instance, to_state=A.FAILED, reason=f"cannot launch: {exc}")
         return
-    if instance.tier.engine_kind == "sglang":
+    if tier.engine_kind == "sglang":
         refusal = compat.sglang_refusal(argv, env)
         if refusal:
             instance_transition(instance=instance, to_state=A.FAILED, reason=f"cannot launch: {refusal}")
             return
-    if instance.tier.engine_kind in LOADS_THE_MODEL:
+    if tier.engine_kind in LOADS_THE_MODEL and not instance.overrides:
         # The model is on this node: its tokenizer lets the gateway count prompts exactly.
         tier_tokenizer_publish(tier=instance.tier, source=f"node {node.name}")
     log_path = Path(settings.ENGINE_LOG_DIR) / f"instance-{instance.pk}.log"
@@ -231,14 +232,14 @@ def engine_check(instance: EngineInstance, now: dt.datetime) -> None:
         if instance.actual_state != A.RUNNING:
             instance_transition(instance=instance, to_state=A.RUNNING, reason="serving: health and probe passed",
                                 **fields)
-            if instance.tier.engine_kind in LOADS_THE_MODEL:
+            if instance.tier.engine_kind in LOADS_THE_MODEL and not instance.overrides:
                 # A model named by its hub id is in the local cache only once vLLM has
                 # downloaded it: published now if it was not found at launch.
                 tier_tokenizer_publish(tier=instance.tier, source=f"node {instance.node.name}")
         else:
             EngineInstance.objects.filter(pk=instance.pk).update(**fields)
         return
-    grace = STARTUP_GRACE.get(instance.tier.engine_kind, dt.timedelta(seconds=30))
+    grace = STARTUP_GRACE.get(instance.serving_tier().engine_kind, dt.timedelta(seconds=30))
     if instance.actual_state == A.STARTING and instance.started_at and now - instance.started_at < grace:
         EngineInstance.objects.filter(pk=instance.pk).update(**fields)
         return

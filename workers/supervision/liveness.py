@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import httpx
 from django.conf import settings
 
+from controlplane.fleet.engine_metrics import MetricsError, Snapshot, snapshot
 from controlplane.fleet.models import EngineInstance, EngineMetricSample
-from workers.engines.metrics import MetricsError, Snapshot, snapshot
 
 log = logging.getLogger(__name__)
 HANG_AFTER = dt.timedelta(seconds=20)  # work pending, counters frozen this long: hung
@@ -65,7 +65,7 @@ def probe(instance: EngineInstance) -> bool:
     """A real one-token completion: the engine must still be able to serve."""
     body = {"model": instance.tier.name, "max_tokens": 1,
             "messages": [{"role": "user", "content": "ping"}]}
-    if instance.tier.settings.scheduling_policy == "priority":
+    if instance.serving_tier().settings.scheduling_policy == "priority":
         body["priority"] = -1000  # ahead of tenant traffic, so a busy engine is not mistaken for a hung one
     try:
         with _http(instance) as http:

@@ -36,6 +36,7 @@ from controlplane.gateway.ledger.base import (
     Ask,
     Flight,
     IntakeLimits,
+    Ledger,
     Limits,
     Refused,
     Reservation,
@@ -43,7 +44,7 @@ from controlplane.gateway.ledger.base import (
 )
 from controlplane.gateway.ledger.database_store import DatabaseLedger
 from controlplane.gateway.ledger.redis_store import RedisLedger
-from controlplane.metering.services import UsageRecord, usage_record
+from controlplane.metering.records import UsageRecord
 
 __all__ = ("Ask", "DatabaseLedger", "Flight", "IntakeLimits", "Limits", "RedisLedger", "Refused", "Reservation", "admit",
            "engine_chosen", "finish", "intake_charge", "intake_over", "journal_reap", "ledger", "settlement")
@@ -63,10 +64,10 @@ _finished: dict[str, None] = {}
 _heartbeats: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> its heartbeat task
 
 
-_ledgers: dict[tuple, RedisLedger | DatabaseLedger] = {}
+_ledgers: dict[tuple, Ledger] = {}
 
 
-def ledger() -> RedisLedger | DatabaseLedger:
+def ledger() -> Ledger:
     """The ledger of the store the settings name (one object per store, made once)."""
     store = settings.USAGE_OUTBOX
     key = (store, settings.REDIS_URL, settings.CACHES["default"].get("KEY_PREFIX")) if store == "redis" else (store,)
@@ -168,10 +169,9 @@ def _keep(memory: dict, request_id: str, value) -> None:
 
 
 def _apply_spooled(record: UsageRecord, journaled: bool, kind: str) -> None:
-    if kind == "database":
-        DatabaseLedger()._finish(record, journaled)
-    else:
-        usage_record(record=record)
+    """A finish that waited on disk, recorded by the kind of ledger that spooled it."""
+    store = DatabaseLedger() if kind == "database" else RedisLedger
+    store.finish_spooled(record, journaled)
 
 
 def drain_spool() -> int:
@@ -206,11 +206,10 @@ async def _heartbeat() -> None:
                 await sync_to_async(drain_spool)()
             except Exception as exc:
                 log.warning("could not move spooled usage: %s", exc)
-        if isinstance(store, RedisLedger):
-            try:
-                await store.keep_safe()
-            except Exception as exc:  # Redis unreachable: looked at again next time
-                log.warning("could not check that the usage handed over is safe: %s", exc)
+        try:
+            await store.keep_safe()
+        except Exception as exc:  # the store unreachable: looked at again next time
+            log.warning("could not check that the usage handed over is safe: %s", exc)
         flights = [flight for flight in list(_live.values())
                    if flight.journaled and (full or flight.produced != flight.beaten)]
         if not flights:

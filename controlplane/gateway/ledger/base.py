@@ -1,13 +1,16 @@
 """What both ledgers share: a quota's limits, what a request asks of them, its reservation,
-a journaled request (a flight), and what a request holds against its quota once it ends."""
+a journaled request (a flight), what a request holds against its quota once it ends, and
+what a ledger does (Ledger)."""
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 from dataclasses import dataclass
+from typing import Protocol
 
 from controlplane.metering.periods import minute_window, seconds_to_period_end
-from controlplane.metering.services import UsageRecord, is_billable, usage_from_json, usage_to_json
+from controlplane.metering.records import UsageRecord, is_billable, usage_from_json, usage_to_json
 
 LIMITS = ("image_tokens", "total_tokens", "requests_per_minute", "concurrent_large_images")
 NAMES = {"image_tokens": "image tokens", "total_tokens": "total tokens",
@@ -157,3 +160,36 @@ def interrupted(data: dict, beat: dict | None) -> UsageRecord:
         started = record.created_at.timestamp()
         record.latency_ms = max(0, int((beat["t"] - started) * 1000))
     return record
+
+
+class Ledger(Protocol):
+    """What the gateway asks of the store that holds quotas, the in-flight journal and the
+    usage handed over: Redis (redis_store.RedisLedger) or the database (database_store.
+    DatabaseLedger), chosen once by USAGE_OUTBOX."""
+
+    async def admit(self, flight: Flight, limits: Limits | None, ask: Ask | None, now: dt.datetime,
+                    written: asyncio.Future | None = None) -> None: ...
+
+    async def intake_over(self, tenant_id: int, key_id: int, limits: IntakeLimits, now: dt.datetime, *,
+                          take_bytes: int = 0) -> str | None: ...
+
+    async def intake_charge(self, tenant_id: int, key_id: int, limits: IntakeLimits, now: dt.datetime, *,
+                            cpu_ms: int, body_bytes: int = 0, refused: bool) -> None: ...
+
+    async def key_rate(self, key_id: int, limit: int, now: dt.datetime) -> bool: ...
+
+    async def key_rate_return(self, key_id: int, now: dt.datetime) -> None: ...
+
+    async def beat(self, flights: list[Flight]) -> None: ...
+
+    async def finish(self, flight: Flight, written: asyncio.Future | None = None) -> None: ...
+
+    async def keep_safe(self) -> int:
+        """Make sure what was handed over survives a store that lost it (how many were saved)."""
+        ...
+
+    def finish_spooled(self, record: UsageRecord, journaled: bool) -> bool:
+        """Record a finish that waited on disk (spool.py) while the store could not be reached."""
+        ...
+
+    def reap(self, *, stale_before: float, now: float) -> int: ...

@@ -37,7 +37,8 @@ from controlplane.gateway.ledger.base import (
 )
 from controlplane.gateway.ledger.spool import spool
 from controlplane.metering.periods import minute_window, period_window
-from controlplane.metering.services import UsageRecord, metered_so_far, usage_record
+from controlplane.metering.records import UsageRecord
+from controlplane.metering.services import metered_so_far, usage_record
 
 log = logging.getLogger(__name__)
 
@@ -243,13 +244,14 @@ class DatabaseLedger:
         """Store the usage and settle, in one transaction (`written` is not used: the database
         has it once the transaction commits, when it also says so)."""
         try:
-            await sync_to_async(self._finish)(flight.record, flight.journaled)
+            await sync_to_async(self.finish_spooled)(flight.record, flight.journaled)
         except Exception:  # the database does not answer: on disk until it does
             log.exception("could not record the usage of %s", flight.record.request_id)
             await sync_to_async(spool)(flight.record, journaled=flight.journaled, ledger="database")
 
-    def _finish(self, record: UsageRecord, journaled: bool) -> bool:
-        """Store the usage and settle, removing the entry. False when the reaper had already."""
+    def finish_spooled(self, record: UsageRecord, journaled: bool) -> bool:
+        """Store the usage and settle, removing the entry. False when the reaper had already.
+        (What `finish` does, in the calling thread: a finish that waited on disk.)"""
         from controlplane.gateway.models import InFlightRequest
 
         with transaction.atomic():
@@ -261,6 +263,10 @@ class DatabaseLedger:
                 image_tokens, total_tokens = settlement(record)
                 self.settle_sync(record.reservation, image_tokens=image_tokens, total_tokens=total_tokens)
         return True
+
+    async def keep_safe(self) -> int:
+        """Nothing to do: the database keeps what it committed."""
+        return 0
 
     # -- reap ------------------------------------------------------------------------------
 
@@ -285,7 +291,7 @@ class DatabaseLedger:
                     if moment - row.suspected_at < dt.timedelta(seconds=2 * settings.GATEWAY_HEARTBEAT_S):
                         continue
                     beat = {"t": row.beat_at.timestamp(), "produced": row.produced, "instance": row.instance_id}
-                    reaped += self._finish(interrupted(row.record, beat), True)
+                    reaped += self.finish_spooled(interrupted(row.record, beat), True)
             except Exception:  # one bad entry must not stop the others (nor the ingest after them)
                 log.exception("could not record the interrupted request %s", request_id)
         return reaped

@@ -53,14 +53,8 @@ from controlplane.metering.periods import (
     period_window,
     seconds_to_period_end,
 )
-from controlplane.metering.services import (
-    UsageRecord,
-    metered_so_far,
-    usage_from_json,
-    usage_record,
-    usage_record_many,
-    usage_to_json,
-)
+from controlplane.metering.records import UsageRecord, usage_from_json, usage_to_json
+from controlplane.metering.services import metered_so_far, usage_record, usage_record_many
 from controlplane.redis_clients import once_written
 
 log = logging.getLogger(__name__)
@@ -496,6 +490,14 @@ class RedisLedger:
         self._marked = True
 
     # -- keep_safe -------------------------------------------------------------------------
+
+    @staticmethod
+    def finish_spooled(record: UsageRecord, journaled: bool) -> bool:
+        """A finish that waited on disk goes straight into the database: the usage stream is
+        how Redis gets it there, and Redis could not be reached when it was spooled. (Its
+        reservation settles by expiring with its period.)"""
+        usage_record(record=record)
+        return True
 
     async def keep_safe(self) -> int:
         """If Redis started afresh since this process last looked, store what it handed over

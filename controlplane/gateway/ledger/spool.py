@@ -20,7 +20,7 @@ from pathlib import Path
 from django.conf import settings
 
 from controlplane.gateway.ledger.base import entry, reservation_from_json
-from controlplane.metering.services import UsageRecord, usage_from_json
+from controlplane.metering.records import UsageRecord, usage_from_json
 
 log = logging.getLogger(__name__)
 _FILE = f"usage-{os.getpid()}-{uuid.uuid4().hex[:8]}.jsonl"

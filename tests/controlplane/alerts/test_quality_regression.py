@@ -10,8 +10,7 @@ from controlplane.alerts.models import Alert, AlertRule
 from controlplane.alerts.services import alerts_evaluate
 from controlplane.audit.models import AuditEntry
 from tests.controlplane.alerts.conftest import later
-from tests.controlplane.benchmarks.conftest import make_profile
-from tests.controlplane.benchmarks.test_policy_advice import sweep
+from tests.controlplane.benchmarks.runs import make_profile, sweep
 from tests.factories import VisionTierFactory
 
 pytestmark = pytest.mark.django_db

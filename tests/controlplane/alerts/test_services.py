@@ -14,7 +14,8 @@ from controlplane.alerts import conditions
 from controlplane.alerts.models import Alert, AlertDelivery, AlertRule
 from controlplane.alerts.services import alert_rule_set_enabled, alerts_evaluate
 from controlplane.fleet.models import EngineEvent, EngineInstance
-from controlplane.metering.services import UsageRecord, usage_record
+from controlplane.metering.records import UsageRecord
+from controlplane.metering.services import usage_record
 from controlplane.tenants.models import Quota
 from tests.controlplane.alerts.conftest import later, usage
 from tests.factories import AlertRuleFactory, WebhookFactory

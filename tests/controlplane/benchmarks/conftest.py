@@ -11,7 +11,6 @@ from asgiref.sync import sync_to_async
 from django.db import connections
 from django.utils import timezone
 
-from controlplane.benchmarks.models import BenchmarkProfile
 from controlplane.fleet.models import EngineInstance, Node
 from tests.engines import simulator
 from tests.system.harness import free_port, wait_for
@@ -51,14 +50,3 @@ def gateway_url(settings):
     import asyncio
 
     asyncio.run(sync_to_async(connections.close_all)())
-
-
-def make_profile(tier, **fields) -> BenchmarkProfile:
-    defaults = {"name": "smoke", "target": "instance", "text_share": 0.5, "sweep": [2],
-                "stage_duration_s": 1.0, "image_buckets": [{"width": 640, "height": 480, "weight": 1}],
-                "prompt_tokens_min": 16, "prompt_tokens_max": 32, "output_tokens_min": 8,
-                "output_tokens_max": 16, "ttft_slo_ms": 5000, "tpot_slo_ms": 1000}
-    profile = BenchmarkProfile(tier=tier, **{**defaults, **fields})
-    profile.full_clean()
-    profile.save()
-    return profile

@@ -9,7 +9,7 @@ from django_celery_beat.models import PeriodicTask
 from drf_spectacular.drainage import GENERATOR_STATS
 
 from controlplane.benchmarks.models import BenchmarkProfile, BenchmarkRun
-from tests.controlplane.benchmarks.conftest import make_profile
+from tests.controlplane.benchmarks.runs import make_profile
 
 pytestmark = pytest.mark.django_db
 PROFILES = "/api/v1/benchmarks/profiles/"

@@ -10,9 +10,7 @@ import re
 
 import pytest
 
-from tests.controlplane.benchmarks.conftest import make_profile
-from tests.controlplane.benchmarks.test_policy_advice import sweep
-from tests.controlplane.benchmarks.test_views import finished_run
+from tests.controlplane.benchmarks.runs import finished_run, make_profile, sweep
 from tests.factories import VisionTierFactory
 
 pytestmark = pytest.mark.django_db

@@ -4,7 +4,7 @@ import pytest
 
 from controlplane.benchmarks.models import BenchmarkProfile
 from controlplane.benchmarks.services import workload_for
-from controlplane.catalog.demo import seed_demo
+from controlplane.demo import seed_demo
 
 pytestmark = pytest.mark.django_db
 

@@ -173,7 +173,7 @@ def test_a_set_shows_thumbnails_and_takes_and_loses_items(client, world):
 
 
 def test_a_profile_chooses_a_set_which_cannot_be_deleted_while_it_is_used(client, world):
-    from tests.controlplane.benchmarks.test_views import form_data
+    from tests.controlplane.benchmarks.runs import form_data
 
     client.force_login(world.operator)
     eval_set = evalsets.evalset_generate(name="shapes", task="presence", count=4, seed=1)

@@ -13,7 +13,16 @@ BEFORE = [("benchmarks", "0006_eval_sets")]
 AFTER = [("benchmarks", "0008_eval_items_in_sets")]
 
 
+@pytest.fixture
+def latest_schema_after():
+    """The tests that follow in this process need every migration applied again."""
+    yield
+    executor = MigrationExecutor(connection)
+    executor.migrate(executor.loader.graph.leaf_nodes())
+
+
 @pytest.mark.django_db(transaction=True)
+@pytest.mark.usefixtures("latest_schema_after")
 def test_each_profiles_items_become_a_set_it_uses_and_probes_become_presence_questions(world):
     executor = MigrationExecutor(connection)
     executor.migrate(BEFORE)

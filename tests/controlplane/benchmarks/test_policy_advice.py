@@ -9,34 +9,12 @@ import re
 import pytest
 
 from controlplane.audit.models import AuditEntry
-from controlplane.benchmarks.models import BenchmarkRun, EvalSet, GateCheck, QualityGate
+from controlplane.benchmarks.models import EvalSet, GateCheck, QualityGate
 from controlplane.catalog.models import ResolutionPolicy
-from tests.controlplane.benchmarks.conftest import make_profile
+from tests.controlplane.benchmarks.runs import make_profile, sweep
 from tests.factories import VisionTierFactory
 
 pytestmark = pytest.mark.django_db
-
-# (cap, accuracy, interval, cost per image): the smallest cap is measurably worse than the best;
-# the middle one is within the noise of it.
-CURVE = ((200_704, 0.70, [0.61, 0.78], "0.000039"), (401_408, 0.86, [0.78, 0.91], "0.000080"),
-         (1_003_520, 0.88, [0.80, 0.93], "0.000192"))
-
-
-def sweep(profile, curve=CURVE, **fields) -> BenchmarkRun:
-    dist = {"p50": 40.0, "p90": 50.0, "p99": 60.0, "mean": 45.0}
-    caps = [{"cap": cap, "requests": 100, "errors": 0, "mean_image_tokens": cap / 784, "mean_output_tokens": 4,
-             "ttft": dist, "e2e": dist, "cost_per_image": cost, "cost_per_right_answer": None,
-             "tasks": {"read": {"items": 100, "metric": "anls", "value": accuracy, "interval": interval}},
-             "overall": {"accuracy": accuracy, "interval": interval, "answered": 100, "items": 100,
-                         "mean_image_tokens": cap / 784},
-             "answers": [[cap, "row-1", "read", "42", 1.0, ""]]}
-            for cap, accuracy, interval, cost in curve]
-    fields = {"state": "succeeded", "progress": 1.0, **fields}
-    return BenchmarkRun.objects.create(
-        profile=profile, config={"kind": "resolution", "pixel_caps": [c[0] for c in curve], "eval_set": "receipts",
-                                 "tier": {"name": profile.tier.name}},
-        results={"kind": "resolution", "caps": caps}, **fields)
-
 
 @pytest.fixture
 def run(world):

@@ -11,7 +11,7 @@ from PIL import Image
 from controlplane.benchmarks.models import BenchmarkRun, EvalItem, EvalSet
 from controlplane.benchmarks.resolution import Item, scaled, sweep_specs
 from controlplane.benchmarks.services import benchmark_execute, profile_config
-from tests.controlplane.benchmarks.conftest import make_profile
+from tests.controlplane.benchmarks.runs import make_profile
 from tests.images import image_bytes
 
 

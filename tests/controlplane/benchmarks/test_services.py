@@ -23,7 +23,7 @@ from controlplane.catalog.models import ModelTier
 from controlplane.fleet.models import EngineInstance
 from controlplane.metering.models import UsageEvent
 from controlplane.tenants.models import ApiKey
-from tests.controlplane.benchmarks.conftest import make_profile
+from tests.controlplane.benchmarks.runs import make_profile
 
 
 @pytest.mark.django_db

@@ -9,23 +9,10 @@ import pytest
 from django_celery_beat.models import PeriodicTask
 
 from controlplane.benchmarks.models import BenchmarkImage, BenchmarkProfile, BenchmarkRun
-from tests.controlplane.benchmarks.conftest import make_profile
+from tests.controlplane.benchmarks.runs import finished_run, form_data, make_profile
 from tests.images import image_bytes
 
 pytestmark = pytest.mark.django_db
-
-
-def form_data(world, **overrides):
-    data = {"name": "mixed", "description": "", "tier": world.vision.pk, "target": "gateway",
-            "gateway_url": "", "instance": "", "text_share": "0.5",
-            "images_per_request_min": "1", "images_per_request_max": "2", "image_source": "buckets",
-            "image_buckets": json.dumps([{"width": 640, "height": 480, "weight": 3}]),
-            "prompt_tokens_min": "32", "prompt_tokens_max": "64", "output_tokens_min": "16",
-            "output_tokens_max": "32", "arrival": "open", "sweep": "[1, 2.5, 5]", "stage_duration_s": "20",
-            "seed": "0", "kind": "load", "pixel_caps": "[200704, 1003520]", "ttft_slo_ms": "800",
-            "tpot_slo_ms": "50", "schedule_cron": ""}
-    data.update(overrides)
-    return {k: v for k, v in data.items() if v is not None}
 
 
 def test_it_creates_a_profile_and_its_beat_schedule_from_the_form(client, world):
@@ -106,21 +93,6 @@ def test_images_can_be_uploaded_to_a_profile_and_removed(client, world):
     assert "not an image" in response.content.decode() and BenchmarkImage.objects.count() == 1
     client.post(f"/benchmarks/{profile.pk}/images/{image.pk}/delete/")
     assert not BenchmarkImage.objects.exists()
-
-
-def finished_run(profile, label, ttft_p99_text, level=4.0, **config):
-    def figures(p99):
-        dist = {"p50": p99 / 2, "p90": p99 * 0.9, "p99": p99, "mean": p99 / 2}
-        return {"requests": 10, "errors": 0, "ttft": dist, "tpot": dist, "itl": dist, "e2e": dist,
-                "slo_attained": 9, "goodput_per_s": 1.5, "mean_image_tokens": 0}
-    stage = {"level": level, "duration_s": 6.0, "requests": 20, "errors": 0, "error_examples": [],
-             "throughput": {"requests_per_s": 3.3, "output_tokens_per_s": 100.0, "image_tokens_per_s": 900.0},
-             "goodput": {"requests_per_s": 3.0, "share": 0.9}, "all": figures(ttft_p99_text),
-             "classes": {"text": figures(ttft_p99_text), "image": figures(500.0)},
-             "cost": {"per_image": "0.000321", "per_request": {}, "total": "0.01"}}
-    return BenchmarkRun.objects.create(profile=profile, label=label, state="succeeded", progress=1.0,
-                                       config={"sweep": [level], "tier": {"engine_settings": config}},
-                                       results={"arrival": "closed", "stages": [stage]}, log="done\n")
 
 
 def test_a_run_page_shows_progress_results_per_class_and_latency_charts(client, world):

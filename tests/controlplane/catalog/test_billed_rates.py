@@ -16,7 +16,9 @@ from django.utils import timezone
 from controlplane.catalog.models import PricePlan, PriceRate, RateInUse
 from controlplane.metering.exports import per_image_rows
 from controlplane.metering.models import ImageCostHistogram, UsageEvent
-from controlplane.metering.services import ImageLine, UsageRecord, rollup_daily, usage_record
+from controlplane.metering.records import ImageLine, UsageRecord
+from controlplane.metering.rollups import rollup_daily
+from controlplane.metering.services import usage_record
 from controlplane.tenants.models import Tenant
 
 pytestmark = [pytest.mark.django_db, pytest.mark.accounting]

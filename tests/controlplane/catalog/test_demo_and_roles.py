@@ -7,10 +7,11 @@ import pytest
 from django.core.exceptions import ValidationError
 from django.utils import timezone
 
-from controlplane.catalog.demo import demo_api_key, seed_demo
 from controlplane.catalog.models import ModelTier, PriceRate
+from controlplane.demo import demo_api_key, seed_demo
 from controlplane.fleet.models import EngineInstance
-from controlplane.metering.services import UsageRecord, usage_record
+from controlplane.metering.records import UsageRecord
+from controlplane.metering.services import usage_record
 from controlplane.tenants.models import ApiKey, Tenant
 
 pytestmark = pytest.mark.django_db

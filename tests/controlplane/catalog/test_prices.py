@@ -13,7 +13,8 @@ from django.utils import timezone
 
 from controlplane.catalog.models import PricePlan, PriceRate, RateInUse
 from controlplane.metering.ratebook import RateBook
-from controlplane.metering.services import UsageRecord, usage_record
+from controlplane.metering.records import UsageRecord
+from controlplane.metering.services import usage_record
 
 pytestmark = [pytest.mark.django_db, pytest.mark.accounting]
 

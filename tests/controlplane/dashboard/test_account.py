@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from controlplane.metering.services import UsageRecord, usage_record
+from controlplane.metering.records import UsageRecord
+from controlplane.metering.services import usage_record
 from controlplane.tenants.models import ApiKey, Quota
 from controlplane.tenants.services import api_key_create
 from tests.pages import field_errors

@@ -186,7 +186,7 @@ def test_an_external_engine_inside_the_network_is_an_explicit_choice(client, wor
 
 
 def test_the_control_plane_exposes_its_own_prometheus_metrics(client, fleet, settings):
-    from workers.engines.metrics import parse
+    from controlplane.fleet.engine_metrics import parse
 
     world, node, running = fleet
     assert client.get("/metrics").status_code == 403  # outside DEBUG, no token: nothing to see
@@ -200,7 +200,8 @@ def test_the_control_plane_exposes_its_own_prometheus_metrics(client, fleet, set
 
 
 def test_operators_see_which_tiers_engines_counted_other_image_tokens(client, fleet):
-    from controlplane.metering.services import UsageRecord, usage_record
+    from controlplane.metering.records import UsageRecord
+    from controlplane.metering.services import usage_record
 
     world, _, running = fleet
     client.force_login(world.operator)

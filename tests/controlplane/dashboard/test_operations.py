@@ -10,7 +10,8 @@ from django.utils import timezone
 
 from controlplane.fleet.models import EngineInstance, EngineMetricSample, Gpu, Node
 from controlplane.fleet.selectors import engine_series, node_summaries
-from controlplane.metering.services import UsageRecord, usage_record
+from controlplane.metering.records import UsageRecord
+from controlplane.metering.services import usage_record
 from controlplane.metering.traffic import traffic_by_tier, traffic_in_python
 from tests.factories import VisionTierFactory
 

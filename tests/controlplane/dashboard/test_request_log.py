@@ -10,7 +10,8 @@ import pytest
 from django.utils import timezone
 
 from controlplane.fleet.models import EngineInstance, Node
-from controlplane.metering.services import ImageLine, UsageRecord, usage_record
+from controlplane.metering.records import ImageLine, UsageRecord
+from controlplane.metering.services import usage_record
 from controlplane.tenants.services import api_key_create
 from tests.pages import field_errors
 

@@ -8,7 +8,8 @@ from decimal import Decimal
 import pytest
 from django.utils import timezone
 
-from controlplane.metering.services import UsageRecord, usage_record
+from controlplane.metering.records import UsageRecord
+from controlplane.metering.services import usage_record
 
 pytestmark = pytest.mark.django_db
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from controlplane.audit.models import AuditEntry
-from controlplane.metering.services import UsageRecord, usage_record
+from controlplane.metering.records import UsageRecord
+from controlplane.metering.services import usage_record
 from controlplane.tenants.models import Quota, QuotaDefault, Tenant
 from tests.pages import field_errors
 

@@ -15,7 +15,9 @@ from django.utils import timezone
 from controlplane.catalog.services import resolution_curve
 from controlplane.imaging.policy import Policy, normalise
 from controlplane.metering.models import DailyUsage, HourlyUsage, UsageEvent, UsageImage
-from controlplane.metering.services import UsageRecord, rollup_daily, rollup_hourly, usage_record
+from controlplane.metering.records import UsageRecord
+from controlplane.metering.rollups import rollup_daily, rollup_hourly
+from controlplane.metering.services import usage_record
 from tests.factories import ResolutionPolicyFactory, TenantFactory, VisionTierFactory
 from tests.images import image_bytes
 

@@ -14,7 +14,8 @@ from django.conf import settings
 from django.db import connection
 
 from controlplane.gateway.ledger import Ask, DatabaseLedger, Limits, RedisLedger, Refused
-from controlplane.metering.services import UsageRecord, usage_record
+from controlplane.metering.records import UsageRecord
+from controlplane.metering.services import usage_record
 from controlplane.tenants.models import Quota
 from tests.conftest import skip_without_redis
 from tests.controlplane.gateway.conftest import ingested
@@ -133,7 +134,7 @@ def test_a_period_starts_from_what_is_already_metered(world, make_backend):
 
 @pytest.mark.django_db(transaction=True)
 def test_the_gateway_refuses_past_the_quota_with_a_429_naming_the_limit(client, world, ledger_mode):
-    from tests.controlplane.gateway.test_views import image_message, post
+    from tests.controlplane.gateway.calls import image_message, post
     from tests.images import data_url, image_bytes
 
     Quota.objects.create(tenant=world.alice, period="day", requests_per_minute=1)
@@ -151,7 +152,7 @@ def test_the_gateway_refuses_past_the_quota_with_a_429_naming_the_limit(client, 
 @pytest.mark.django_db(transaction=True)
 def test_a_refused_request_is_in_the_tenants_usage_at_no_cost(client, world, ledger_mode):
     from controlplane.metering.models import UsageEvent
-    from tests.controlplane.gateway.test_views import image_message, post
+    from tests.controlplane.gateway.calls import image_message, post
     from tests.images import data_url
 
     Quota.objects.create(tenant=world.alice, period="day", image_tokens=10)

@@ -18,7 +18,8 @@ from django.utils import timezone
 
 from controlplane.asgi import application
 from controlplane.fleet.models import EngineInstance, Node
-from controlplane.gateway import handlers, ledger
+from controlplane.gateway import ledger
+from controlplane.gateway.apps import current_process
 from controlplane.gateway.ledger import Ask, Limits, Refused
 from controlplane.gateway.ledger.redis_store import _ADMIT, _sha
 from controlplane.metering.models import UsageEvent
@@ -166,11 +167,11 @@ async def _admitted_then(held, engine: Engine, asking: asyncio.Task):
 
 async def _settled() -> None:
     """Every hand-over of this process done."""
-    while handlers._background:
-        await asyncio.wait_for(asyncio.gather(*list(handlers._background), return_exceptions=True), 30)
+    while current_process().hand_overs:
+        await asyncio.wait_for(asyncio.gather(*list(current_process().hand_overs), return_exceptions=True), 30)
 
 
-def _stored() -> list[UsageEvent]:
+def stored() -> list[UsageEvent]:
     while usage_ingest():
         pass
     return list(UsageEvent.objects.order_by("created_at"))
@@ -217,7 +218,7 @@ def test_the_engine_is_sent_a_request_while_its_admission_is_on_its_way_and_answ
     answered_before_admitted, answer = async_to_sync(scenario)()
     assert not answered_before_admitted, "the engine's answer was relayed before Redis admitted the request"
     assert answer.status_code == 200, answer.text
-    [event] = _stored()
+    [event] = stored()
     assert (event.request_id, event.status, event.output_tokens) == (answer.headers["x-request-id"], "ok", 1)
     assert _journaled(settings) == {}
     assert _room(world) == QUOTA - (event.text_tokens + event.output_tokens)  # settled to what was used
@@ -254,7 +255,7 @@ def test_a_request_refused_while_its_engine_has_it_is_a_429_and_the_exchange_is_
     assert "Retry-After" in refused.headers
     assert second.status_code == 429
     assert sent == 1, "the engine was sent the tenant's request after its previous one was refused"
-    events = _stored()
+    events = stored()
     assert [(e.status, e.http_status, e.cost, e.image_tokens, e.text_tokens) for e in events] == \
         [("error", 429, 0, 0, 0)] * 2
     assert _journaled(settings) == {}
@@ -279,7 +280,7 @@ def test_a_client_leaving_while_its_admission_is_beside_the_engine_is_recorded_o
         engine.stop()
 
     async_to_sync(scenario)()
-    [event] = _stored()
+    [event] = stored()
     # Billed for its prompt, as any request its client left once an engine had it.
     assert (event.status, event.http_status, event.instance_id is not None, event.cost > 0) == \
         ("aborted", 499, True, True)
@@ -309,7 +310,7 @@ def test_a_quota_store_that_does_not_answer_is_a_503_and_the_next_request_waits_
     assert (first.status_code, second.status_code) == (503, 503)
     assert first.json()["error"]["code"] == "quota_unavailable" and first.headers["Retry-After"]
     assert sent == 1, "the engine was sent a request while the quota's store did not answer"
-    events = _stored()
+    events = stored()
     assert [(e.status, e.http_status, e.cost) for e in events] == [("error", 503, 0)] * 2
     # Redis made both admissions, only their replies were lost: their 503s settled them.
     assert _journaled(settings) == {}
@@ -333,7 +334,7 @@ def test_an_engine_that_breaks_before_the_admission_is_answered_is_answered_for_
     answered_before_admitted, answer = async_to_sync(scenario)()
     assert not answered_before_admitted, "the engine's failure was answered before Redis answered the admission"
     assert answer.status_code == status, answer.text  # a refusal over the engine's failure
-    assert [(e.status, e.http_status, e.cost) for e in _stored()] == [("error", status, 0)]
+    assert [(e.status, e.http_status, e.cost) for e in stored()] == [("error", status, 0)]
     assert _journaled(settings) == {}
     assert _room(world, quota) == quota
 
@@ -362,7 +363,7 @@ def test_a_client_leaving_after_the_engines_headers_and_before_its_admission_clo
             engine.stop()
 
     async_to_sync(scenario)()
-    [event] = _stored()
+    [event] = stored()
     assert (event.status, event.http_status) == ("aborted", 499)
     assert _journaled(settings) == {}
 
@@ -431,7 +432,7 @@ def test_a_request_whose_first_engine_cannot_be_reached_goes_to_another_once_adm
     tried_before_admitted, answer = async_to_sync(scenario)()
     assert not tried_before_admitted, "another engine was tried before the admission was answered"
     assert answer.status_code == 200, answer.text
-    [event] = _stored()
+    [event] = stored()
     assert (event.status, event.instance_id) == ("ok", engine.instance.pk)  # the engine that did the work
     assert _journaled(settings) == {}
     assert _room(world) == QUOTA - (event.text_tokens + event.output_tokens)

@@ -15,7 +15,7 @@ from controlplane.imaging.errors import ImageTooLarge
 from controlplane.imaging.intake import image_source_bytes
 from controlplane.imaging.policy import DecodedDataURL, decode_data_url
 from controlplane.metering.models import UsageEvent
-from tests.controlplane.gateway.test_views import engines, error_of, image_message, post, routed  # noqa: F401
+from tests.controlplane.gateway.calls import error_of, image_message, post
 from tests.images import data_url, noise_bytes
 
 PHOTO = random.Random(1).randbytes(900_000)  # base64 of 1.2 MB: a body the gateway looks through

@@ -8,8 +8,8 @@ import json
 import pytest
 from django.db import connection
 
-from controlplane.gateway import state
-from tests.controlplane.gateway.test_views import image_message, post
+from controlplane.gateway.apps import current_process
+from tests.controlplane.gateway.calls import image_message, post
 from tests.images import data_url, image_bytes
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -40,7 +40,8 @@ def database_down(monkeypatch, settings, tmp_path):
 
 
 def test_known_keys_and_models_are_served_while_the_database_is_down(client, world, monkeypatch, database_down):
-    for cache in (state._keys, state._tiers, state._instances):
+    caches = current_process().caches
+    for cache in (caches.keys, caches.tiers, caches.instances):
         monkeypatch.setattr(cache, "seconds", 0)  # every entry already past its freshness
     assert client.get("/v1/models", HTTP_AUTHORIZATION=f"Bearer {world.alice_key}").status_code == 200
     body = {"model": "vlm-lite", "messages": image_message(data_url(image_bytes(64, 64)))}
@@ -58,7 +59,7 @@ def test_known_keys_and_models_are_served_while_the_database_is_down(client, wor
 
 
 def test_what_was_known_is_not_served_past_its_limit(client, world, monkeypatch, settings, database_down):
-    monkeypatch.setattr(state._keys, "seconds", 0)
+    monkeypatch.setattr(current_process().caches.keys, "seconds", 0)
     settings.GATEWAY_STALE_MAX_S = 0
     assert client.get("/v1/models", HTTP_AUTHORIZATION=f"Bearer {world.alice_key}").status_code == 200
     database_down()
@@ -76,10 +77,10 @@ def test_usage_finished_while_the_database_is_down_waits_on_disk_and_is_not_lost
     from controlplane.gateway.ledger import Ask, Limits
     from controlplane.metering.models import UsageEvent
     from controlplane.tenants.models import QuotaCounter
-    from tests.controlplane.gateway.test_journal import _record
+    from tests.controlplane.gateway.journal import record_of
 
     settings.USAGE_OUTBOX, settings.VAR_DIR = "database", tmp_path
-    record = _record(world, "req-spooled")
+    record = record_of(world, "req-spooled")
     async_to_sync(ledger.admit)(record, Limits(total_tokens=1000), Ask(110, 900, False))
     record.output_tokens = 50
     database_down()
@@ -112,13 +113,7 @@ def test_usage_finished_while_redis_and_the_database_are_both_down_waits_on_disk
     from controlplane.metering.models import UsageEvent
     from controlplane.metering.outbox import usage_ingest
     from tests.conftest import skip_without_redis
-    from tests.controlplane.gateway.test_journal import (
-        ASK,
-        LIMITS,
-        _assert_room,
-        _forwarded,
-        _record,
-    )
+    from tests.controlplane.gateway.journal import ASK, LIMITS, assert_room, forwarded, record_of
 
     skip_without_redis()
     prefix = f"spool-{uuid.uuid4().hex}"
@@ -126,8 +121,8 @@ def test_usage_finished_while_redis_and_the_database_are_both_down_waits_on_disk
     settings.CACHES = {"default": {**django_settings.CACHES["default"], "KEY_PREFIX": prefix}}
     from controlplane.fleet.models import EngineInstance
 
-    record = _record(world, "req-both-down")
-    _forwarded(record, EngineInstance.objects.create(tier=world.vision), LIMITS, ASK)
+    record = record_of(world, "req-both-down")
+    forwarded(record, EngineInstance.objects.create(tier=world.vision), LIMITS, ASK)
     record.output_tokens = 50
     redis_url = settings.REDIS_URL
     settings.REDIS_URL = "redis://127.0.0.1:1/0"  # Redis does not answer,
@@ -146,7 +141,7 @@ def test_usage_finished_while_redis_and_the_database_are_both_down_waits_on_disk
     while usage_ingest():
         pass
     assert UsageEvent.objects.get(request_id="req-both-down").status == "ok"  # stored once, as it was
-    _assert_room(world, 820)  # settled once, to the 180 tokens used
+    assert_room(world, 820)  # settled once, to the 180 tokens used
     client = redis_client.Redis.from_url(redis_url)
     for key in client.scan_iter(f"{prefix}:*"):
         client.delete(key)

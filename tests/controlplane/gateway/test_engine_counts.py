@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from controlplane.gateway import counters
+from controlplane.gateway.apps import current_process
 from controlplane.imaging.tokens import count_image_tokens
 from controlplane.metering.models import UsageEvent
 from tests.engines import read_request, with_raw_engine
@@ -68,13 +68,13 @@ def test_sglangs_image_count_is_read_from_its_own_usage_field(world):
 
 
 def test_an_engine_that_counts_otherwise_is_flagged_counted_and_billed_at_the_gateways_count(world):
-    before = counters.snapshot()[2].get("vlm-lite", 0)
+    before = current_process().counters.snapshot()[2].get("vlm-lite", 0)
     with_raw_engine(world, engine_reporting(FEATURES + 30), _image_request())
     events = list(UsageEvent.objects.filter(tenant=world.alice))
     assert [(e.engine_image_tokens, e.image_tokens_disagree, e.image_tokens) for e in events] == [
         (FEATURES + 30, True, GATEWAY_TOKENS)] * 2
     assert all(e.cost > 0 and e.rated for e in events)
-    assert counters.snapshot()[2]["vlm-lite"] == before + 2
+    assert current_process().counters.snapshot()[2]["vlm-lite"] == before + 2
 
 
 def test_an_engine_that_reports_no_image_count_for_an_image_request_disagrees(world):

@@ -7,21 +7,14 @@ import json
 
 import pytest
 
-from controlplane.gateway import routing
+from controlplane.gateway.apps import current_process
 from controlplane.metering.models import UsageEvent
 from controlplane.tenants.models import Quota
 from tests.controlplane.gateway.conftest import ingested
-from tests.engines import read_request, with_raw_engine
+from tests.engines import dies_mid_body, read_request, with_raw_engine
 from tests.images import data_url, image_bytes
 
 pytestmark = pytest.mark.django_db(transaction=True)
-
-
-async def dies_mid_body(reader, writer):
-    await read_request(reader)
-    writer.write(b'HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 5000\r\n\r\n{"id":"x"')
-    await writer.drain()
-    writer.close()
 
 
 async def dies_mid_stream(reader, writer):
@@ -52,7 +45,7 @@ def test_an_answer_cut_off_is_a_502_metered_once_and_frees_the_large_image_slot(
     ingested()
     events = UsageEvent.objects.filter(tenant=world.alice)
     assert [(e.status, e.http_status, e.cost) for e in events] == [("error", 502, 0)] * 2
-    assert not any(routing.outstanding.values())
+    assert not any(current_process().engines.outstanding.values())
 
 
 def test_a_stream_the_engine_drops_ends_with_an_error_event(world):

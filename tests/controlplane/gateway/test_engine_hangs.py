@@ -15,6 +15,7 @@ from controlplane.fleet.models import EngineInstance, Node
 from controlplane.gateway import handlers
 from controlplane.gateway.http import Request
 from controlplane.metering.models import UsageEvent
+from tests.controlplane.gateway.calls import post
 from tests.engines import read_request
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -90,8 +91,7 @@ def test_a_stream_whose_engine_is_found_hung_ends_with_an_error_event(world, set
 
 def test_a_request_the_gateway_itself_fails_on_is_still_in_the_usage(client, world, monkeypatch):
     from controlplane.gateway import handlers as gateway_handlers
-    from tests.controlplane.gateway.test_views import post
-
+    
     async def broken(*_args, **_kwargs):
         raise RuntimeError("a bug in preparing the request")
 

@@ -19,7 +19,7 @@ from django.utils import timezone
 
 from controlplane.asgi import application
 from controlplane.fleet.models import EngineInstance, Node
-from controlplane.gateway import handlers
+from controlplane.gateway.apps import current_process
 from controlplane.gateway.ledger import redis_store
 from controlplane.gateway.ledger.redis_store import _FINISH, _sha
 from controlplane.metering.models import UsageEvent
@@ -70,7 +70,7 @@ def test_the_answer_leaves_once_its_usage_is_written_to_redis_not_once_redis_ack
         # ...and Redis already has the usage: were the gateway to die now, nothing is lost.
         in_redis = [orjson.loads(fields[b"record"])["request_id"] for _, fields in direct.xrange(stream_key())]
         held.release()
-        await asyncio.wait_for(asyncio.gather(*handlers._background), 30)
+        await asyncio.wait_for(asyncio.gather(*current_process().hand_overs), 30)
         return answer, still_held, in_redis
 
     answer, still_held, in_redis = async_to_sync(scenario)()
@@ -151,7 +151,7 @@ def test_a_plain_answer_is_metered_in_full_before_its_status_line_leaves(routed,
                              (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]}
         await application(scope, receive, send)
         held.release()
-        await asyncio.wait_for(asyncio.gather(*handlers._background), 30)
+        await asyncio.wait_for(asyncio.gather(*current_process().hand_overs), 30)
 
     async_to_sync(scenario)()
     start, answer = sent[0], orjson.loads(sent[1]["body"])

@@ -14,7 +14,7 @@ from controlplane.gateway import ledger
 from controlplane.gateway.ledger import IntakeLimits
 from controlplane.tenants.models import Quota
 from controlplane.tenants.services import api_key_create, api_key_lookup
-from tests.controlplane.gateway.test_views import engines, error_of, image_message, post, routed  # noqa: F401
+from tests.controlplane.gateway.calls import error_of, image_message, post
 from tests.http_wire import BodyBytesTaken, answer, closed, send
 from tests.images import data_url, image_bytes
 from tests.imaging_corpus import jpeg_scan_bomb, png_claiming

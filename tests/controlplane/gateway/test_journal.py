@@ -5,185 +5,105 @@ from __future__ import annotations
 
 import json
 import time
-import uuid
 
 import pytest
 import redis
 from asgiref.sync import async_to_sync
 from django.conf import settings as django_settings
-from django.utils import timezone
 
 from controlplane.gateway import ledger
-from controlplane.gateway.ledger import Ask, Limits, RedisLedger, Refused
+from controlplane.gateway.ledger import Ask, RedisLedger, Refused
 from controlplane.gateway.ledger.base import interrupted
 from controlplane.gateway.ledger.redis_store import _FINISH
 from controlplane.gateway.models import InFlightRequest
 from controlplane.metering.models import UsageEvent
-from controlplane.metering.outbox import stream_key, usage_ingest
-from controlplane.metering.services import UsageRecord
 from tests.conftest import skip_without_redis
-from tests.images import image_bytes
+from tests.controlplane.gateway.journal import (
+    ASK,
+    LIMITS,
+    assert_room,
+    forwarded,
+    reap_twice,
+    record_of,
+    reserve,
+    stored,
+)
 
 pytestmark = pytest.mark.accounting  # also run in embedded mode (SQLite, no Redis)
 
-MODES = {"redis": "redis", "embedded": "database"}  # where the ledger lives
-
-
-@pytest.fixture
-def engine(world):
-    from controlplane.fleet.models import EngineInstance
-
-    return EngineInstance.objects.create(tier=world.vision)
-
-
-@pytest.fixture(params=list(MODES))
-def mode(request, settings):
-    if MODES[request.param] == "redis":
-        skip_without_redis()
-    prefix = f"journal-{uuid.uuid4().hex}"
-    settings.USAGE_OUTBOX = MODES[request.param]
-    settings.CACHES = {"default": {**django_settings.CACHES["default"], "KEY_PREFIX": prefix}}
-    yield request.param
-    if settings.REDIS_URL:
-        client = redis.Redis.from_url(settings.REDIS_URL)
-        for key in client.scan_iter(f"{prefix}:*"):
-            client.delete(key)
-
-
-def _forwarded(record, engine, limits=None, ask=None) -> ledger.Flight:
-    """A request admitted (against `limits`, if any) and journaled, then taken by `engine`, as
-    the gateway does before sending it."""
-    async def forward():
-        flight = await ledger.admit(record, limits, ask)
-        await ledger.engine_chosen(flight, engine.pk)
-        return flight
-
-    return async_to_sync(forward)()
-
-
-@pytest.fixture
-def own_keys(settings):
-    """Journal keys of this test's own in Redis, removed afterwards."""
-    prefix = f"j-{uuid.uuid4().hex}"
-    settings.CACHES = {"default": {**django_settings.CACHES["default"], "KEY_PREFIX": prefix}}
-    yield
-    if settings.REDIS_URL:
-        client = redis.Redis.from_url(settings.REDIS_URL)
-        for key in client.scan_iter(f"{prefix}:*"):
-            client.delete(key)
-
-
-def _reserve(tenant_id, limits, ask):
-    return async_to_sync(ledger.ledger().reserve)(tenant_id, limits, ask, timezone.now())
-
-
-def _record(world, request_id) -> UsageRecord:
-    from controlplane.imaging.policy import Policy, normalise
-
-    image = normalise(image_bytes(320, 240), Policy())
-    return UsageRecord(request_id=request_id, tenant_id=world.alice.pk, api_key_id=None, tier_id=world.vision.pk,
-                       stream=True, images=[(image, 110, False)], image_tokens=110, text_tokens=20)
-
-
-def _stored(mode):
-    if mode == "redis":
-        client = redis.Redis.from_url(django_settings.REDIS_URL)
-        assert client.xlen(stream_key()) == 1  # handed over once, not once by each side
-        usage_ingest()
-    return list(UsageEvent.objects.all())
-
-
-def _assert_room(world, room: int) -> None:
-    """Exactly `room` total tokens are left this period (and the large-image slot is free)."""
-    with pytest.raises(Refused):
-        _reserve(world.alice.pk, LIMITS, Ask(0, room + 1, True))
-    assert _reserve(world.alice.pk, LIMITS, Ask(0, room, True))
-
-
-def _reap(now: float) -> int:
-    """What the reaper takes on two runs: a look, and a second look two heartbeats later (with
-    Redis an entry must still be stale and unchanged on the second)."""
-    return ledger.journal_reap(now=now) + ledger.journal_reap(
-        now=now + 2 * django_settings.GATEWAY_HEARTBEAT_S + 1)
-
-
-LIMITS = Limits(total_tokens=1000, concurrent_large_images=1)
-ASK = Ask(image_tokens=110, total_tokens=900, large=True)  # prompt 130 + a max_tokens ceiling of 770
-
-
 @pytest.mark.django_db(transaction=True)
 def test_a_request_whose_gateway_died_is_recorded_once_as_interrupted(world, mode, engine):
-    flight = _forwarded(_record(world, "req-orphan"), engine, LIMITS, ASK)
+    flight = forwarded(record_of(world, "req-orphan"), engine, LIMITS, ASK)
     flight.produced = 7
     async_to_sync(ledger.ledger().beat)([flight])  # its last heartbeat: 7 tokens streamed
     ledger._live.clear()  # the process is gone: nothing of it runs any more
     assert ledger.journal_reap() == 0  # its heartbeat is fresh: it may still be alive
     with pytest.raises(Refused):  # meanwhile the reservation holds the quota and the large slot
-        _reserve(world.alice.pk, LIMITS, Ask(0, 200, True))
+        reserve(world.alice.pk, LIMITS, Ask(0, 200, True))
 
     later = time.time() + django_settings.GATEWAY_JOURNAL_STALE_S + 1
-    assert _reap(later) == 1
-    assert _reap(later + 60) == 0
+    assert reap_twice(later) == 1
+    assert reap_twice(later + 60) == 0
 
-    [event] = _stored(mode)
+    [event] = stored(mode)
     assert (event.request_id, event.status, event.instance_id) == ("req-orphan", "interrupted", engine.pk)
     assert (event.image_tokens, event.text_tokens, event.output_tokens, event.image_count) == (110, 20, 7, 1)
     assert event.cost > 0  # an engine worked on it: the prompt and the tokens streamed are billed
     # The reservation is settled to the 137 tokens used, and the large-image slot is free again.
-    _assert_room(world, 863)
+    assert_room(world, 863)
 
 
 @pytest.mark.django_db(transaction=True)
 def test_a_finished_request_leaves_nothing_for_the_reaper(world, mode, engine):
-    record = _record(world, "req-done")
-    _forwarded(record, engine, LIMITS, ASK)
+    record = record_of(world, "req-done")
+    forwarded(record, engine, LIMITS, ASK)
     record.output_tokens = 50
     async_to_sync(ledger.finish)(record)
-    assert _reap(time.time() + 3600) == 0
-    [event] = _stored(mode)
+    assert reap_twice(time.time() + 3600) == 0
+    [event] = stored(mode)
     assert (event.status, event.output_tokens) == ("ok", 50)
     assert not InFlightRequest.objects.exists()
-    _assert_room(world, 820)  # 180 used, slot released
+    assert_room(world, 820)  # 180 used, slot released
 
 
 @pytest.mark.django_db(transaction=True)
 def test_a_request_finished_twice_is_handed_over_and_settled_once(world, mode, engine):
     """The ledger itself keeps a request to one finish (not a flag of its caller's): a second
     finish of the same request adds nothing to the stream, the events or the quota."""
-    record = _record(world, "req-twice")
-    _forwarded(record, engine, LIMITS, ASK)
+    record = record_of(world, "req-twice")
+    forwarded(record, engine, LIMITS, ASK)
     record.output_tokens = 50
     async_to_sync(ledger.finish)(record)
-    again = _record(world, "req-twice")  # a second caller, with its own copy of the record
+    again = record_of(world, "req-twice")  # a second caller, with its own copy of the record
     again.output_tokens, again.instance_id = 50, engine.pk
     async_to_sync(ledger.finish)(again)
-    [event] = _stored(mode)
+    [event] = stored(mode)
     assert event.output_tokens == 50
-    _assert_room(world, 820)  # 180 used once
+    assert_room(world, 820)  # 180 used once
 
 
 @pytest.mark.django_db(transaction=True)
 def test_a_gateway_that_finishes_after_being_reaped_does_not_count_twice(world, mode, engine):
-    record = _record(world, "req-slow")
+    record = record_of(world, "req-slow")
 
-    _forwarded(record, engine, LIMITS, ASK)
-    assert _reap(time.time() + 3600) == 1  # taken for dead (a frozen process)
+    forwarded(record, engine, LIMITS, ASK)
+    assert reap_twice(time.time() + 3600) == 1  # taken for dead (a frozen process)
     record.output_tokens = 500
     async_to_sync(ledger.finish)(record)  # then it woke up and finished
 
-    [event] = _stored(mode)
+    [event] = stored(mode)
     assert (event.status, event.output_tokens) == ("interrupted", 0)
-    _assert_room(world, 870)  # settled once: the 130 prompt tokens held
+    assert_room(world, 870)  # settled once: the 130 prompt tokens held
 
 
 @pytest.mark.django_db(transaction=True)
 def test_a_request_that_never_reached_an_engine_is_recorded_at_no_cost(world, mode, engine):
-    async_to_sync(ledger.admit)(_record(world, "req-queued"), LIMITS, ASK)  # died waiting for a slot
+    async_to_sync(ledger.admit)(record_of(world, "req-queued"), LIMITS, ASK)  # died waiting for a slot
     ledger._live.clear()
-    assert _reap(time.time() + 3600) == 1
-    [event] = _stored(mode)
+    assert reap_twice(time.time() + 3600) == 1
+    [event] = stored(mode)
     assert (event.status, event.cost) == ("interrupted", 0)
-    _assert_room(world, 1000)  # nothing held against the quota
+    assert_room(world, 1000)  # nothing held against the quota
 
 
 def test_the_heartbeat_setting_must_leave_room_for_a_missed_beat(monkeypatch):
@@ -203,7 +123,7 @@ def test_the_reaper_leaves_an_entry_whose_heartbeat_came_back_meanwhile(world, e
     """A gateway frozen past the limit that beats again just as the reaper looks is alive."""
     skip_without_redis()
     settings.USAGE_OUTBOX = "redis"
-    flight = _forwarded(_record(world, "req-back"), engine)
+    flight = forwarded(record_of(world, "req-back"), engine)
     client = redis.Redis.from_url(settings.REDIS_URL)
     store = RedisLedger()
     inflight, beats = store.inflight, store.beats
@@ -222,12 +142,12 @@ def test_an_entry_that_cannot_be_recorded_does_not_stop_the_reaper(world, engine
     settings.USAGE_OUTBOX = "database"
 
     for request_id in ("req-broken", "req-fine"):  # two dead gateways' requests
-        _forwarded(_record(world, request_id), engine)
+        forwarded(record_of(world, request_id), engine)
     ledger._live.clear()
     broken = InFlightRequest.objects.get(request_id="req-broken")
     broken.record = {**broken.record, "tier_id": 999_999}  # its tier is gone: it cannot be stored
     broken.save()
-    assert _reap(time.time() + 3600) == 1
+    assert reap_twice(time.time() + 3600) == 1
     assert list(UsageEvent.objects.values_list("request_id", flat=True)) == ["req-fine"]
     assert InFlightRequest.objects.filter(request_id="req-broken").exists()  # kept, for a later run
 
@@ -241,8 +161,8 @@ def test_a_live_gateway_whose_beats_look_stale_is_not_reaped(world, engine, sett
     if usage == "redis":
         skip_without_redis()
     settings.USAGE_OUTBOX = usage
-    record = _record(world, "req-alive")
-    flight = _forwarded(record, engine)
+    record = record_of(world, "req-alive")
+    flight = forwarded(record, engine)
     first_look = time.time() + 3600  # its beat is an hour old by then
     assert ledger.journal_reap(now=first_look) == 0
     async_to_sync(ledger.ledger().beat)([flight])  # Redis is back: the gateway beats (its clock an hour behind)
@@ -254,5 +174,5 @@ def test_a_live_gateway_whose_beats_look_stale_is_not_reaped(world, engine, sett
 
     record.output_tokens = 40
     async_to_sync(ledger.finish)(record)  # and it finishes its request itself
-    [event] = _stored("redis" if usage == "redis" else "embedded")
+    [event] = stored("redis" if usage == "redis" else "embedded")
     assert (event.status, event.output_tokens) == ("ok", 40)

@@ -12,8 +12,6 @@ from django.utils import timezone
 
 from controlplane.gateway.ledger import ledger
 from controlplane.tenants.services import api_key_create
-from tests.controlplane.gateway.test_journal import MODES, mode  # noqa: F401 - fixture
-from tests.controlplane.gateway.test_views import engines, routed  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.accounting  # also run in embedded mode (SQLite, no Redis)
 

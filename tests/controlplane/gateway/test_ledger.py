@@ -18,8 +18,8 @@ from controlplane.gateway.models import InFlightRequest
 from controlplane.metering.models import UsageEvent
 from controlplane.tenants.models import Quota
 from tests.conftest import skip_without_redis
-from tests.controlplane.gateway.test_journal import MODES, _record, _stored, engine, mode  # noqa: F401 - fixtures
-from tests.controlplane.gateway.test_views import engines, image_message, post, routed  # noqa: F401 - fixtures
+from tests.controlplane.gateway.calls import image_message, post
+from tests.controlplane.gateway.journal import record_of
 from tests.images import data_url, image_bytes
 from tests.system.harness import RedisServer
 
@@ -37,9 +37,9 @@ def _journaled(mode) -> set[str]:  # noqa: F811
 
 @pytest.mark.django_db(transaction=True)
 def test_a_refused_request_leaves_no_entry_and_an_admitted_one_holds_both(world, mode):  # noqa: F811
-    admitted = async_to_sync(ledger.admit)(_record(world, "req-in"), LIMITS, Ask(0, 900, False))
+    admitted = async_to_sync(ledger.admit)(record_of(world, "req-in"), LIMITS, Ask(0, 900, False))
     assert admitted.journaled and admitted.record.reservation is not None
-    refused = _record(world, "req-out")
+    refused = record_of(world, "req-out")
     with pytest.raises(Refused):
         async_to_sync(ledger.admit)(refused, LIMITS, Ask(0, 200, False))
     assert refused.reservation is None
@@ -84,18 +84,18 @@ def own_redis(settings):
 @pytest.mark.parametrize("mode", ["redis"], indirect=True)
 def test_admitting_and_journaling_is_one_round_trip_to_redis(world, own_redis, mode, monkeypatch):  # noqa: F811
     calls = _commands_sent(monkeypatch)
-    async_to_sync(ledger.admit)(_record(world, "req-first"), LIMITS, Ask(0, 100, False))
+    async_to_sync(ledger.admit)(record_of(world, "req-first"), LIMITS, Ask(0, 100, False))
     assert calls.count("EVALSHA") + calls.count("EVAL") >= 2  # the period's first: its counters started
     calls.clear()
-    async_to_sync(ledger.admit)(_record(world, "req-second"), LIMITS, Ask(0, 100, False))
+    async_to_sync(ledger.admit)(record_of(world, "req-second"), LIMITS, Ask(0, 100, False))
     assert calls == ["EVALSHA"]  # the script by its hash, not its text every time
     # A Redis that lost its scripts (restarted) is sent the text once, then the hash again.
     redis.Redis.from_url(django_settings.REDIS_URL).script_flush()
     calls.clear()
-    async_to_sync(ledger.admit)(_record(world, "req-third"), LIMITS, Ask(0, 100, False))
+    async_to_sync(ledger.admit)(record_of(world, "req-third"), LIMITS, Ask(0, 100, False))
     assert calls == ["EVALSHA", "EVAL"]
     calls.clear()
-    async_to_sync(ledger.admit)(_record(world, "req-fourth"), LIMITS, Ask(0, 100, False))
+    async_to_sync(ledger.admit)(record_of(world, "req-fourth"), LIMITS, Ask(0, 100, False))
     assert calls == ["EVALSHA"]
     ledger._live.clear()
 
@@ -147,7 +147,7 @@ def test_500_concurrent_admissions_on_one_process_all_get_an_answer(world, mode)
     limits = Limits(total_tokens=250 * 100)
 
     async def burst():
-        records = [_record(world, f"req-{n}") for n in range(500)]
+        records = [record_of(world, f"req-{n}") for n in range(500)]
         return await asyncio.gather(*(ledger.admit(r, limits, Ask(0, 100, False)) for r in records),
                                     return_exceptions=True)
 
@@ -168,7 +168,7 @@ def test_a_streams_output_reaches_the_journal_well_before_the_next_heartbeat(wor
     settings.GATEWAY_HEARTBEAT_S, settings.GATEWAY_PROGRESS_S = 60, 0.1
 
     async def streaming():
-        flight = await ledger.admit(_record(world, "req-streaming"))
+        flight = await ledger.admit(record_of(world, "req-streaming"))
         await ledger.engine_chosen(flight, engine.pk)
         for _token in range(37):
             flight.produced += 1
@@ -197,10 +197,10 @@ def test_an_admission_whose_reply_was_lost_is_released_as_it_was_made(world, mod
 
     from controlplane.gateway.ledger import redis_store
     from controlplane.metering.periods import period_window
-    from controlplane.metering.services import UsageRecord
+    from controlplane.metering.records import UsageRecord
 
     store, client = RedisLedger(), redis.Redis.from_url(django_settings.REDIS_URL)
-    first = async_to_sync(ledger.admit)(_record(world, "req-first"), LIMITS, Ask(0, 100, False))
+    first = async_to_sync(ledger.admit)(record_of(world, "req-first"), LIMITS, Ask(0, 100, False))
     async_to_sync(ledger.finish)(first.record)  # the counters started, and this request settled
     now = timezone.now()
     total = store._quota_keys(world.alice.pk, period_window(LIMITS.period, now), now)[1]
@@ -217,7 +217,7 @@ def test_an_admission_whose_reply_was_lost_is_released_as_it_was_made(world, mod
 
     monkeypatch.setattr(redis_store, "_eval", reply_lost)
     with pytest.raises(redis.exceptions.TimeoutError):
-        async_to_sync(ledger.admit)(_record(world, "req-lost"), LIMITS, Ask(0, 300, False))
+        async_to_sync(ledger.admit)(record_of(world, "req-lost"), LIMITS, Ask(0, 300, False))
     assert int(client.get(total)) == before + (300 if made else 0)
     # What the gateway records for the 503 it answered.
     async_to_sync(ledger.finish)(UsageRecord(request_id="req-lost", tenant_id=world.alice.pk, api_key_id=None,

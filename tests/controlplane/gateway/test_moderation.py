@@ -14,7 +14,7 @@ from django.utils import timezone
 from PIL import Image
 
 from controlplane.fleet.models import EngineInstance, Node
-from tests.controlplane.gateway.test_views import error_of, image_message, post
+from tests.controlplane.gateway.calls import error_of, image_message, post
 from tests.engines import simulator
 from tests.images import data_url, image_bytes
 from tests.system.harness import free_port

@@ -11,8 +11,8 @@ import pytest
 from controlplane.imaging.policy import Policy, normalise
 from controlplane.metering.models import UsageEvent, UsageImage
 from controlplane.tenants.models import Quota
+from tests.controlplane.gateway.calls import error_of, image_message, post
 from tests.controlplane.gateway.conftest import ingested
-from tests.controlplane.gateway.test_views import engines, error_of, image_message, post, routed  # noqa: F401
 from tests.images import data_url, image_bytes
 from tests.imaging_corpus import jpeg_scan_bomb, png_claiming
 
@@ -67,8 +67,7 @@ def test_a_request_that_fails_at_its_engine_is_metered_with_its_images_fingerpri
     from the check, which may still be running when the request is admitted."""
     from PIL import Image
 
-    from tests.controlplane.gateway.test_engine_failures import dies_mid_body
-    from tests.engines import with_raw_engine
+    from tests.engines import dies_mid_body, with_raw_engine
 
     noise = io.BytesIO()  # a photo whose check takes a few milliseconds, longer than its admission
     Image.effect_noise((1155, 866), 80).convert("RGB").save(noise, "JPEG", quality=95)
@@ -129,11 +128,11 @@ def test_a_picture_past_the_requests_total_is_refused_by_its_header(client, rout
 
 
 def test_a_picture_that_finds_every_decode_busy_is_a_503_to_retry(client, routed, ledger_mode, monkeypatch):  # noqa: F811
-    from controlplane.gateway import handlers
+    from controlplane.gateway.apps import current_process
     from controlplane.imaging.budget import DecodeMemory
 
     shared = DecodeMemory(64 << 20, wait_s=0.05)
-    monkeypatch.setattr(handlers, "decode_memory", shared)
+    monkeypatch.setattr(current_process(), "decode_memory", shared)
     with shared.holding(64 << 20):  # other requests' decodes hold all of it
         busy = post(client, routed.alice_key, _ask(data_url(image_bytes(2400, 1800))))
     assert (busy.status_code, error_of(busy)["code"]) == (503, "service_unavailable")

@@ -17,8 +17,8 @@ from asgiref.sync import async_to_sync
 from controlplane.asgi import application
 from controlplane.imaging.policy import Policy, normalise, normalise_tiles
 from controlplane.metering.models import UsageImage
+from tests.controlplane.gateway.calls import error_of, image_message, post
 from tests.controlplane.gateway.conftest import ingested
-from tests.controlplane.gateway.test_views import engines, error_of, image_message, post, routed  # noqa: F401
 from tests.images import data_url, image_bytes
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -34,7 +34,7 @@ def _ask(url, detail=None, **extra):
 
 def _images(client) -> dict[tuple[str, str], float]:
     """vlmcp_gateway_images_total by (tier, prepared)."""
-    from workers.engines.metrics import parse
+    from controlplane.fleet.engine_metrics import parse
 
     series = parse(client.get("/metrics").content.decode())
     return {(labels["tier"], labels["prepared"]): value for labels, value in series.get("vlmcp_gateway_images_total", [])}
@@ -189,9 +189,10 @@ def _shared(prefix: str, url: str | None = None, ttl_s: int = 60):
     """A replica's own client of the shared store."""
     from django.conf import settings
 
+    from controlplane.gateway.apps import current_process
     from controlplane.gateway.repeats import Shared
 
-    return Shared(url or settings.REDIS_URL, prefix=prefix, ttl_s=ttl_s)
+    return Shared(url or settings.REDIS_URL, prefix=prefix, ttl_s=ttl_s, counters=current_process().counters)
 
 
 def _prefix() -> str:
@@ -201,7 +202,7 @@ def _prefix() -> str:
 
 
 def _shared_outcomes(client) -> dict[str, float]:
-    from workers.engines.metrics import parse
+    from controlplane.fleet.engine_metrics import parse
 
     series = parse(client.get("/metrics").content.decode())
     return {labels["outcome"]: value for labels, value in series.get("vlmcp_gateway_shared_pictures_total", [])}
@@ -221,7 +222,7 @@ def _until_written(shared, count: int = 1) -> None:
 @pytest.mark.parametrize("picture", [LARGE, WHOLE], ids=["downscaled", "sent-as-it-came"])
 def test_a_picture_one_replica_prepared_is_taken_by_another_from_the_store_they_share(
         client, routed, ledger_mode, metrics, monkeypatch, picture):  # noqa: F811
-    from controlplane.gateway import handlers
+    from controlplane.gateway.apps import current_process
     from controlplane.gateway.repeats import Repeats, Shared
     from tests.conftest import skip_without_redis
 
@@ -231,11 +232,11 @@ def test_a_picture_one_replica_prepared_is_taken_by_another_from_the_store_they_
     one, other = _shared(prefix), _shared(prefix, ttl_s=600)
     before, outcomes = _counted(client), _shared_outcomes(client)
 
-    monkeypatch.setattr(handlers, "repeats", Repeats(10**8, shared=one))
+    monkeypatch.setattr(current_process(), "prepared_images", Repeats(10**8, shared=one))
     first = post(client, routed.alice_key, _ask(data_url(picture)))
     assert first.status_code == 200, first.content
     _until_written(one)
-    monkeypatch.setattr(handlers, "repeats", Repeats(10**8, shared=other))
+    monkeypatch.setattr(current_process(), "prepared_images", Repeats(10**8, shared=other))
     second = post(client, routed.alice_key, _ask(data_url(picture)))
     assert second.status_code == 200, second.content
     assert _since(client, before) == (1, 1)  # the second replica decoded and checked nothing
@@ -259,7 +260,7 @@ def test_a_shared_store_down_or_silent_costs_a_request_nothing_but_its_picture_p
     import socket
     import time
 
-    from controlplane.gateway import handlers
+    from controlplane.gateway.apps import current_process
     from controlplane.gateway.repeats import Repeats, Shared
 
     listener = socket.socket()
@@ -273,7 +274,7 @@ def test_a_shared_store_down_or_silent_costs_a_request_nothing_but_its_picture_p
     monkeypatch.setattr(Shared, "MIN_BYTES", 0)  # these pictures are small
     monkeypatch.setattr(Shared, "WRITE_TIMEOUT_S", 0.3)
     shared = _shared(_prefix(), f"redis://127.0.0.1:{port}/0")
-    monkeypatch.setattr(handlers, "repeats", Repeats(10**8, shared=shared))
+    monkeypatch.setattr(current_process(), "prepared_images", Repeats(10**8, shared=shared))
     try:
         before, outcomes = _counted(client), _shared_outcomes(client)
         pictures = [LARGE, image_bytes(2000, 1500), image_bytes(1600, 1600)]  # none kept by this replica
@@ -335,17 +336,18 @@ def test_replicas_name_a_picture_alike_in_the_shared_store_and_never_across_tena
     import subprocess
     import sys
 
+    from controlplane.gateway.counters import Counters
     from controlplane.gateway.repeats import Key, Shared
 
-    one, other = (Shared("redis://127.0.0.1:6379/0", prefix="p", ttl_s=60) for _ in range(2))
+    one, other = (Shared("redis://127.0.0.1:6379/0", prefix="p", ttl_s=60, counters=Counters()) for _ in range(2))
     policy = Policy()
     key = Key.of(WHOLE, scope="1", policy=policy, cap=policy.max_pixels)
     assert one.name(key) == other.name(Key.of(bytes(WHOLE), scope="1", policy=Policy(), cap=policy.max_pixels))
     # and in another process, its string hashes salted otherwise: another replica
     script = ("import os, django; os.environ.setdefault('DJANGO_SETTINGS_MODULE', 'tests.settings'); django.setup(); "
-              "from controlplane.gateway.repeats import Key, Shared; from controlplane.imaging.policy import Policy; "
+              "from controlplane.gateway.counters import Counters; from controlplane.gateway.repeats import Key, Shared; from controlplane.imaging.policy import Policy; "
               "from tests.images import image_bytes; "
-              "print(Shared('redis://127.0.0.1:6379/0', prefix='p', ttl_s=60).name("
+              "print(Shared('redis://127.0.0.1:6379/0', prefix='p', ttl_s=60, counters=Counters()).name("
               "Key.of(image_bytes(800, 600), scope='1', policy=Policy(), cap=Policy().max_pixels)))")
     elsewhere = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
                                env={**os.environ, "PYTHONHASHSEED": "12345"}).stdout.strip()
@@ -355,17 +357,17 @@ def test_replicas_name_a_picture_alike_in_the_shared_store_and_never_across_tena
                     Key.of(WHOLE, scope="1", policy=policy, cap=policy.low_detail_max_pixels),
                     Key.of(LARGE, scope="1", policy=policy, cap=policy.max_pixels)):
         assert one.name(another) != one.name(key)
-    assert Shared("redis://127.0.0.1:6379/0", prefix="q", ttl_s=60).name(key) != one.name(key)
+    assert Shared("redis://127.0.0.1:6379/0", prefix="q", ttl_s=60, counters=Counters()).name(key) != one.name(key)
     assert one.name(key).startswith("p:repeats:") and ":1:" in one.name(key)  # the tenant in the clear
 
 
 def test_a_picture_cheaper_to_prepare_than_to_share_is_neither_asked_for_nor_written(
         client, routed, ledger_mode, metrics, monkeypatch):  # noqa: F811
-    from controlplane.gateway import handlers
+    from controlplane.gateway.apps import current_process
     from controlplane.gateway.repeats import Repeats, Shared
 
     shared = _shared(_prefix(), "redis://127.0.0.1:1/0")  # were it asked, it would fail
-    monkeypatch.setattr(handlers, "repeats", Repeats(10**8, shared=shared))
+    monkeypatch.setattr(current_process(), "prepared_images", Repeats(10**8, shared=shared))
     before, outcomes = _counted(client), _shared_outcomes(client)
     assert len(LARGE) < Shared.MIN_BYTES
     for _ in range(2):

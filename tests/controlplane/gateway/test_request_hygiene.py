@@ -12,7 +12,7 @@ from django.test import AsyncClient
 from django.utils import timezone
 
 from controlplane.fleet.models import EngineInstance, Node
-from controlplane.gateway import routing
+from controlplane.gateway.apps import current_process
 from controlplane.gateway.prepare import Prepared, RequestInvalid, TierSpec, prepare, validate_body
 from controlplane.imaging.policy import Policy
 from controlplane.metering.models import UsageEvent
@@ -119,7 +119,7 @@ def test_a_client_that_leaves_before_the_engine_answers_is_metered_and_frees_the
         event = leave_early()
     assert event is not None and event.status == "aborted"
     assert event.instance_id == instance.pk
-    assert routing.outstanding[instance.pk] == 0
+    assert current_process().engines.outstanding[instance.pk] == 0
 
 
 def test_engines_refuse_callers_without_the_gateways_key(client, routed_with_key):

@@ -177,8 +177,3 @@ def test_a_reload_that_ends_after_the_cache_was_cleared_is_dropped(clock):
 
     asyncio.run(requests())
     assert cache.get("key") is None
-
-
-@pytest.fixture(autouse=True)
-def _fresh_gateway_caches():  # these tests need no database
-    yield

@@ -15,54 +15,10 @@ from controlplane.fleet.models import EngineInstance, Node
 from controlplane.gateway import state
 from controlplane.metering.models import UsageEvent
 from controlplane.tenants.services import api_key_revoke
+from tests.controlplane.gateway.calls import error_of, image_message, post, post_and_read_stream
 from tests.engines import simulator
 from tests.factories import VisionTierFactory
 from tests.images import data_url, image_bytes, noise_bytes, serve_files
-
-
-@pytest.fixture(scope="module")
-def engines():
-    with simulator(name="vlm-lite") as vision_port, simulator(family="qwen2", name="text",
-                                                              images=None) as text_port:
-        yield {"vlm-lite": vision_port, "text": text_port}
-
-
-@pytest.fixture
-def routed(world, engines):
-    node = Node.objects.create(name="local", address="127.0.0.1", queue="node.local",
-                               last_seen_at=timezone.now())
-    for tier in (world.vision, world.text):
-        EngineInstance.objects.create(
-            tier=tier, node=node, port=engines[tier.name], actual_state="running", healthy=True,
-            last_health_at=timezone.now(),
-        )
-    return world
-
-
-def post(client, key, body, **headers):
-    return client.post("/v1/chat/completions", data=json.dumps(body) if not isinstance(body, bytes) else body,
-                       content_type="application/json", HTTP_AUTHORIZATION=f"Bearer {key}", **headers)
-
-
-def image_message(url, detail=None):
-    image = {"url": url} if detail is None else {"url": url, "detail": detail}
-    return [{"role": "user", "content": [{"type": "text", "text": "what is this"},
-                                         {"type": "image_url", "image_url": image}]}]
-
-
-@async_to_sync
-async def post_and_read_stream(key, body):
-    """Request and read a stream in one event loop, as the ASGI server does."""
-    response = await AsyncClient().post("/v1/chat/completions", data=json.dumps(body),
-                                        content_type="application/json",
-                                        headers={"Authorization": f"Bearer {key}"})
-    return response, b"".join([chunk async for chunk in response.streaming_content])
-
-
-def error_of(response):
-    body = response.json()
-    assert set(body["error"]) == {"message", "type", "param", "code"}
-    return body["error"]
 
 
 @pytest.mark.django_db

@@ -7,7 +7,7 @@ import itertools
 import random
 
 import pytest
-from PIL import Image, ImageDraw
+from PIL import Image
 
 from controlplane.imaging.fingerprint import (
     FingerprintIndex,
@@ -16,19 +16,10 @@ from controlplane.imaging.fingerprint import (
     perceptual_bits,
 )
 from controlplane.imaging.policy import Policy, normalise
+from tests.images import picture
 
 ENCODINGS = [("PNG", {}), ("BMP", {}), ("JPEG", {"quality": 95}), ("JPEG", {"quality": 85}),
              ("JPEG", {"quality": 70}), ("WEBP", {"quality": 90}), ("WEBP", {"quality": 75})]
-
-
-def picture(seed: int) -> Image.Image:
-    image = Image.new("RGB", (640 + seed * 23, 480 - seed * 7), ((seed * 47) % 255, 90, 160))
-    draw = ImageDraw.Draw(image)
-    for k in range(25):
-        x, y = (k * 97 + seed * 31) % image.width, (k * 53 + seed * 17) % image.height
-        draw.rectangle([x, y, x + 60 + k * 3, y + 30 + seed], fill=((k * 40) % 255, (seed * 60) % 255, (k * seed) % 255))
-        draw.ellipse([y % 300, x % 200, y % 300 + 50, x % 200 + 40], fill=(k * 9 % 255, 200, 40))
-    return image
 
 
 def encoded(image: Image.Image, fmt: str, options: dict) -> bytes:

@@ -384,7 +384,7 @@ def test_a_downscaled_photo_is_the_picture_the_general_path_makes():
     the pixels as they are, on every core); what the engine gets is the picture the general
     path (through Pillow) makes: the same size and fingerprint, the same pixels within JPEG's
     loss, the same encoding (baseline, 4:2:0, the policy's quality)."""
-    from tests.controlplane.imaging.test_fingerprint import picture
+    from tests.images import picture
 
     original = encode(picture(3).resize((3000, 2000)), "JPEG", quality=92)
     fast = normalise(original, STANDARD)
@@ -429,7 +429,7 @@ def test_a_process_forked_after_downscaling_downscales_too():
     makes the same picture (with Pillow's resample where libvips cannot run)."""
     import multiprocessing
 
-    from tests.controlplane.imaging.test_fingerprint import picture
+    from tests.images import picture
 
     photo = encode(picture(5).resize((2400, 1800)), "JPEG", quality=90)
     before = normalise(photo, STANDARD)  # the parent's helper threads and libvips have run

@@ -436,7 +436,7 @@ def test_a_photo_in_a_sampling_layout_the_whole_decoder_refuses_is_decoded_whole
     """libjpeg-turbo's whole-picture API (simplejpeg) refuses layouts such as luma at 3x1 that
     the scanline API decodes: such a photo is never streamed, even with a core free, so that
     whether it is taken does not depend on the load."""
-    from tests.controlplane.imaging.test_fingerprint import picture
+    from tests.images import picture
 
     for subsampling in (0, 1, 2):  # 4:4:4, 4:2:2, 4:2:0
         buffer = io.BytesIO()

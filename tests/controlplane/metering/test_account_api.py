@@ -7,7 +7,8 @@ import pytest
 from django.core.files.uploadedfile import SimpleUploadedFile
 from django.utils import timezone
 
-from controlplane.metering.services import UsageRecord, usage_record
+from controlplane.metering.records import UsageRecord
+from controlplane.metering.services import usage_record
 from controlplane.tenants.models import Quota
 from tests.images import image_bytes
 
@@ -139,7 +140,7 @@ def test_a_statement_reconciles_with_its_events_and_survives_a_price_change(clie
 def test_an_estimate_is_what_the_bill_will_be(client, world):
     """Priced as the bill prices the request: each tile on its own, each rounded, then summed
     (rounding the whole request once gave 0.003059 for three tiles billed 0.003060)."""
-    from controlplane.metering.services import ImageLine
+    from controlplane.metering.records import ImageLine
 
     policy = world.vision.resolution_policy
     policy.max_aspect_ratio = 4

@@ -4,7 +4,8 @@ import re
 
 import pytest
 
-from controlplane.metering.services import UsageRecord, usage_record
+from controlplane.metering.records import UsageRecord
+from controlplane.metering.services import usage_record
 
 pytestmark = [pytest.mark.django_db, pytest.mark.accounting]
 

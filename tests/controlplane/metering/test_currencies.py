@@ -10,10 +10,12 @@ from decimal import Decimal
 import pytest
 from django.utils import timezone
 
-from controlplane.catalog.demo import PRICES_FROM
 from controlplane.catalog.models import PricePlan, PriceRate
+from controlplane.demo import PRICES_FROM
 from controlplane.metering.exports import monthly_summary_rows, per_image_rows
-from controlplane.metering.services import ImageLine, UsageRecord, rollup_daily, usage_record
+from controlplane.metering.records import ImageLine, UsageRecord
+from controlplane.metering.rollups import rollup_daily
+from controlplane.metering.services import usage_record
 from controlplane.metering.statements import statement
 from controlplane.tenants.models import Tenant
 from tests.factories import VisionTierFactory

@@ -11,7 +11,8 @@ from django.utils import timezone
 
 from controlplane.imaging.policy import Policy, normalise
 from controlplane.metering.exports import IMAGE_COLUMNS, csv_lines, in_batches, per_image_rows
-from controlplane.metering.services import UsageRecord, usage_record
+from controlplane.metering.records import UsageRecord
+from controlplane.metering.services import usage_record
 from tests.images import image_bytes
 
 pytestmark = pytest.mark.django_db

@@ -27,7 +27,9 @@ from controlplane.metering.exports import (
 )
 from controlplane.metering.models import UsageEvent, UsageImage
 from controlplane.metering.rating import MICRO
-from controlplane.metering.services import ImageLine, UsageRecord, rollup_daily, usage_record
+from controlplane.metering.records import ImageLine, UsageRecord
+from controlplane.metering.rollups import rollup_daily
+from controlplane.metering.services import usage_record
 from controlplane.metering.statements import statement
 from controlplane.tenants.models import Tenant
 from tests.conftest import skip_without_postgresql

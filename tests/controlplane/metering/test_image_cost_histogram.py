@@ -6,12 +6,14 @@ from decimal import Decimal
 import pytest
 from django.utils import timezone
 
-from controlplane.catalog.demo import PRICES_FROM
 from controlplane.catalog.models import PricePlan, PriceRate
+from controlplane.demo import PRICES_FROM
 from controlplane.imaging.policy import Policy, normalise
 from controlplane.metering.exports import per_image_rows
 from controlplane.metering.models import ImageCostHistogram, RollupState, UsageEvent
-from controlplane.metering.services import UsageRecord, rollup_daily, usage_record
+from controlplane.metering.records import UsageRecord
+from controlplane.metering.rollups import rollup_daily
+from controlplane.metering.services import usage_record
 from controlplane.tenants.models import Tenant
 from tests.factories import VisionTierFactory
 from tests.images import image_bytes

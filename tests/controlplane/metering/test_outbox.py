@@ -14,7 +14,7 @@ from controlplane.gateway import ledger
 from controlplane.metering import outbox as outbox_module
 from controlplane.metering.models import UsageEvent
 from controlplane.metering.outbox import GROUP, stream_key, usage_ingest
-from controlplane.metering.services import UsageRecord
+from controlplane.metering.records import UsageRecord
 from tests.images import image_bytes
 
 # Committed: a batch is written on the writer thread's own connection, which would not see the
@@ -250,7 +250,7 @@ def test_a_consumer_takes_a_whole_batch_at_a_time(world, stream):
     import orjson
 
     from controlplane.metering.outbox import BATCH
-    from controlplane.metering.services import usage_to_json
+    from controlplane.metering.records import usage_to_json
 
     template = _record(world, "req-0")
     pipe = stream.pipeline(transaction=False)

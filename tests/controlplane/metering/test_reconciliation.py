@@ -3,7 +3,7 @@ micro-dollar, over generated months with a mid-month price change, a tier moved 
 mid-month, cache hits (whole and partial), failures, interruptions, aborted requests, long
 images cut into tiles and a tier priced only from the third day (its first requests unrated).
 
-What each figure includes (one meaning each, docs/roles.md "What each figure includes"):
+What each figure includes (one meaning each, docs/finance.md "What each figure includes"):
 - a usage event's cost: what the request is billed at the rate it names; 0 for requests refused
   or failed before an engine worked on them; aborted and interrupted requests are billed for
   what the engine did;
@@ -40,14 +40,9 @@ from controlplane.metering.exports import (
 from controlplane.metering.models import ImageCostHistogram, UsageEvent
 from controlplane.metering.periods import month_bounds
 from controlplane.metering.rating import MICRO, price_parts
-from controlplane.metering.services import (
-    ImageLine,
-    UsageRecord,
-    billed,
-    rollup_daily,
-    usage_record,
-    usage_record_many,
-)
+from controlplane.metering.records import ImageLine, UsageRecord
+from controlplane.metering.rollups import rollup_daily
+from controlplane.metering.services import billed, usage_record, usage_record_many
 from controlplane.metering.statements import statement
 from controlplane.tenants.models import Tenant
 from tests.factories import VisionTierFactory

@@ -11,7 +11,9 @@ from controlplane.catalog.models import PriceRate
 from controlplane.imaging.policy import Policy, normalise
 from controlplane.metering.models import DailyUsage, RollupState, UsageEvent, UsageImage
 from controlplane.metering.ratebook import RateBook
-from controlplane.metering.services import UsageRecord, rollup_daily, usage_record
+from controlplane.metering.records import UsageRecord
+from controlplane.metering.rollups import rollup_daily
+from controlplane.metering.services import usage_record
 from controlplane.tenants.services import api_key_create
 from tests.images import image_bytes
 
@@ -124,7 +126,8 @@ def test_a_batch_stores_what_one_by_one_stores_whatever_the_values(world):
     event and its images as the one-by-one path does: text with tabs, newlines and emoji,
     empty fields, another time zone to the microsecond, counts at their columns' limits, a
     tile of a long picture."""
-    from controlplane.metering.services import ImageLine, usage_record_many
+    from controlplane.metering.records import ImageLine
+    from controlplane.metering.services import usage_record_many
 
     key = api_key_create(tenant=world.bob, name="odd").api_key
     tile = ImageLine("PNG", 28, 9000, 28, 1400, "f" * 32, 3, 7)
@@ -366,7 +369,7 @@ def test_only_images_inside_the_cached_prefix_are_priced_as_cached(world):
 
 def test_hourly_and_daily_totals_are_kept_per_key(world):
     from controlplane.metering.models import HourlyUsage
-    from controlplane.metering.services import rollup_hourly
+    from controlplane.metering.rollups import rollup_hourly
     from controlplane.tenants.models import ApiKey
 
     main, other = ApiKey.objects.get(name="alice-main"), api_key_create(tenant=world.alice, name="ci").api_key

@@ -13,13 +13,9 @@ from django.utils import timezone
 from drf_spectacular.drainage import GENERATOR_STATS
 
 from controlplane.metering.models import UsageEvent
-from controlplane.metering.services import (
-    ImageLine,
-    UsageRecord,
-    rollup_daily,
-    rollup_hourly,
-    usage_record,
-)
+from controlplane.metering.records import ImageLine, UsageRecord
+from controlplane.metering.rollups import rollup_daily, rollup_hourly
+from controlplane.metering.services import usage_record
 from controlplane.tenants.services import api_key_create
 
 pytestmark = pytest.mark.django_db

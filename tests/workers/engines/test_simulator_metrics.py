@@ -1,6 +1,6 @@
 """The simulator's /metrics: only names a real vLLM exports, in vLLM's label shape."""
 
-from workers.engines.metrics import parse
+from controlplane.fleet.engine_metrics import parse
 from workers.engines.simulator.metrics import Metrics
 
 # Read from a vLLM 0.32.0 CPU engine's /metrics (the sample names, _created ones left out).
@@ -40,7 +40,7 @@ VLLM_0_32_NAMES = frozenset({
     "vllm:time_to_first_token_seconds_bucket", "vllm:time_to_first_token_seconds_count",
     "vllm:time_to_first_token_seconds_sum",
 })
-# What workers/engines/metrics.py reads from a scrape (under vLLM 0.32's names).
+# What controlplane/fleet/engine_metrics.py reads from a scrape (under vLLM 0.32's names).
 READ_BY_THE_PLATFORM = frozenset({
     "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
     "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:prefix_cache_queries_total",

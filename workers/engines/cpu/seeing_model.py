@@ -4,7 +4,9 @@ model is committed beside this file, in `seeing/`; vLLM serves it as it serves t
 
 Runs inside the engine environment (torch and transformers):
 
+    <engine python> -m workers.engines.cpu.seeing_model recipe OUT_DIR
     <engine python> -m workers.engines.cpu.seeing_model train OUT_DIR [--seed 0] [--steps N]
+        [--from MODEL_DIR] [--lr LR] [--presence-first F] [--text-aux W] [--mix TASKS]
     <engine python> -m workers.engines.cpu.seeing_model eval MODEL_DIR [--count N] [--json]
 """
 
@@ -29,16 +31,22 @@ MODEL_DIR = Path(__file__).resolve().parent / "seeing"
 MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json", "preprocessor_config.json",
                "TRAINING.json")
 
-TASKS = ("read", "count", "presence")  # trained on, in equal parts
-# What the committed model answers at least nine times in ten; presence stays at chance (the
-# design note says what was tried).
-LEARNED = ("read", "count")
+TASKS = ("read", "count", "presence")  # the first stage trains on them in equal parts
+# What the committed model answers at least nine times in ten.
+LEARNED = TASKS
 STYLE = "plain"
 SCALES = (1, 1 / 2, 1 / 4, 1 / 8)  # fractions of the pixels evaluated
 TRAIN_CAPS = (1, 1, 1 / 2, 1 / 4)  # each training image is shrunk to one of these, drawn at random
 HELD_OUT_SEED = 1_000_000_007  # training draws seeds below it
 INITIALIZER_RANGE = 0.08  # at the default 0.02 the model stays at chance for hundreds of steps
 AUX_WEIGHT = 1.0
+# The committed model's recipe: `train` with each stage's arguments, in OUT_DIR; each later
+# stage continues from the weights the one before saved there (docs/design/seeing-model.md).
+RECIPE = (("--steps", "1500", "--threads", "2"),
+          ("--from", "{out}", "--steps", "1200", "--threads", "1", "--lr", "1e-3",
+           "--presence-first", "0.25", "--text-aux", "1", "--mix", "read,count,presence,presence"),
+          ("--from", "{out}", "--steps", "300", "--threads", "1", "--lr", "5e-4",
+           "--text-aux", "1", "--mix", "read,count,presence,presence"))
 
 # What the vision side learns to tell apart in each merged token (the auxiliary loss).
 CELL_CLASSES = (["none"] + list("0123456789abcdefghijklmnopqrstuvwxyz") + list(synthetic.SHAPES)
@@ -113,20 +121,35 @@ def _inputs(processor, samples, images, answers: bool):
     return processor(text=prompts, images=images, padding=True, return_tensors="pt")
 
 
+def stages(model_dir: Path) -> list[dict]:
+    """The training stages recorded in a model's TRAINING.json, first first."""
+    record = json.loads((Path(model_dir) / "TRAINING.json").read_text())
+    return record.get("stages", [record])
+
+
 def train(out: Path, *, seed: int, steps: int, threads: int, batch: int = 32, lr: float = 2e-3,
-          presence_first: float = 0.0, text_aux: float = 0.0, mix=TASKS, log=print) -> dict:
+          presence_first: float = 0.0, text_aux: float = 0.0, mix=TASKS, start: Path | None = None,
+          log=print) -> dict:
     """`presence_first`: the fraction of the steps, at the start, trained on presence alone;
     `text_aux`: the weight of the text side's auxiliary loss on presence questions; `mix`: the
-    tasks of a batch after that, in turn."""
+    tasks of a batch after that, in turn; `start`: a trained model's directory whose saved
+    (bf16) weights this run continues from, in fp32, on the batches after the ones it saw."""
     import torch
     from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration
 
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
+    seen = 0
+    if start is not None:  # read before `out`, which may be the same directory, is written
+        seen = sum(stage["steps"] for stage in stages(start))
+        weights = Qwen2_5_VLForConditionalGeneration.from_pretrained(
+            start, dtype=torch.float32).state_dict()
     out.mkdir(parents=True, exist_ok=True)
     ids = tiny_model.build_tokenizer(out)
     tiny_model.write_processor_files(out, ids)
     model = Qwen2_5_VLForConditionalGeneration(tiny_model.model_config(ids, INITIALIZER_RANGE))
+    if start is not None:
+        model.load_state_dict(weights)
     processor = AutoProcessor.from_pretrained(out)
     processor.tokenizer.padding_side = "right"
     head = torch.nn.Linear(model.config.vision_config.out_hidden_size, len(CELL_CLASSES))
@@ -150,7 +173,7 @@ def train(out: Path, *, seed: int, steps: int, threads: int, batch: int = 32, lr
     started, losses, first = time.monotonic(), [], None
     for step in range(steps):
         tasks = ("presence",) if step < presence_first * steps else mix
-        samples, images = _batch(seed * 1_000_003 + step, batch, tasks=tasks)
+        samples, images = _batch(seed * 1_000_003 + seen + step, batch, tasks=tasks)
         inputs = _inputs(processor, samples, images, answers=True)
         labels = inputs["input_ids"].clone()
         answering = []
@@ -188,7 +211,9 @@ def train(out: Path, *, seed: int, steps: int, threads: int, batch: int = 32, lr
     model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
     tiny_model.write_processor_files(out, ids)  # over the generation defaults saved above
     tail = losses[-min(25, len(losses)):]
-    return {"seed": seed, "steps": steps, "threads": threads, "batch": batch, "lr": lr,
+    options = {"from": str(start), "presence_first": presence_first, "text_aux": text_aux,
+               "mix": list(mix)} if start is not None else {}
+    return {"seed": seed, "steps": steps, "threads": threads, "batch": batch, "lr": lr, **options,
             "first_loss": round(first, 4), "final_loss": round(sum(tail) / len(tail), 4),
             "seconds": round(time.monotonic() - started)}
 
@@ -243,7 +268,7 @@ def evaluate(model_dir: Path, *, count: int, threads: int, scales=SCALES, log=pr
 
 def ensure(python: Path, path: Path | None = None) -> Path:
     """The trained model's directory: the committed one, or one trained with the engine
-    environment's `python` when it is missing (a quarter of an hour on two cores)."""
+    environment's `python` by the recipe when it is missing (some 40 minutes on two cores)."""
     if path is None and all((MODEL_DIR / name).exists() for name in MODEL_FILES):
         return MODEL_DIR
     path = Path(path or Path(python).parent.parent / "models" / "seeing-qwen2_5_vl")
@@ -253,9 +278,19 @@ def ensure(python: Path, path: Path | None = None) -> Path:
     with open(path.parent / f".{path.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not all((path / name).exists() for name in MODEL_FILES):
-            subprocess.run([str(python), "-m", "workers.engines.cpu.seeing_model", "train",
+            subprocess.run([str(python), "-m", "workers.engines.cpu.seeing_model", "recipe",
                             str(path)], cwd=ROOT, check=True, capture_output=True)
     return path
+
+
+def recipe(out: Path, python: str = sys.executable) -> None:
+    """Train the committed model's stages in turn, each in its own process, into `out`."""
+    for stage in RECIPE:
+        subprocess.run([python, "-m", "workers.engines.cpu.seeing_model", "train", str(out),
+                        *(a.format(out=out) for a in stage)], cwd=ROOT, check=True)
+    record = {"command": f"python -m workers.engines.cpu.seeing_model recipe {out}",
+              "stages": stages(out)}
+    (out / "TRAINING.json").write_text(json.dumps(record, indent=1) + "\n")
 
 
 def main(argv: list[str]) -> None:
@@ -267,6 +302,9 @@ def main(argv: list[str]) -> None:
     training.add_argument("--steps", type=int, default=1000)
     training.add_argument("--threads", type=int, default=2,
                           help="one is faster on a busy machine (docs/design/seeing-model.md)")
+    training.add_argument("--from", dest="start", type=Path,
+                          help="continue from this trained model's weights (a second stage)")
+    training.add_argument("--lr", type=float, default=2e-3, help="peak learning rate")
     training.add_argument("--presence-first", type=float, default=0.0,
                           help="fraction of the steps, at the start, on presence alone")
     training.add_argument("--text-aux", type=float, default=0.0,
@@ -275,6 +313,9 @@ def main(argv: list[str]) -> None:
                           help="tasks of a batch after presence alone, in turn, comma-separated")
     training.add_argument("--eval-count", type=int, default=100,
                           help="held-out questions per task measured after training (0: none)")
+    recipe_parser = commands.add_parser(
+        "recipe", help="train the committed model's stages in turn into OUT_DIR")
+    recipe_parser.add_argument("out", type=Path)
     evaluation = commands.add_parser("eval", help="exact match per task and pixel fraction")
     evaluation.add_argument("model", type=Path)
     evaluation.add_argument("--count", type=int, default=100, help="questions per task")
@@ -285,8 +326,10 @@ def main(argv: list[str]) -> None:
         print(line, file=sys.stderr, flush=True)
 
     if args.command == "train":
-        if args.steps < 1 or args.threads < 1:
-            parser.error("--steps and --threads must be positive")
+        if args.steps < 1 or args.threads < 1 or args.lr <= 0:
+            parser.error("--steps, --threads and --lr must be positive")
+        if args.start is not None and not (args.start / "TRAINING.json").exists():
+            parser.error("--from takes a directory the train command wrote")
         mix = tuple(args.mix.split(","))
         if not set(mix) <= set(TASKS):
             parser.error(f"--mix takes tasks among {', '.join(TASKS)}")
@@ -294,14 +337,18 @@ def main(argv: list[str]) -> None:
             parser.error("--presence-first must lie in [0, 1) and --text-aux be non-negative")
         record = {"command": "python -m workers.engines.cpu.seeing_model " + " ".join(argv),
                   **train(args.out, seed=args.seed, steps=args.steps, threads=args.threads,
-                          presence_first=args.presence_first, text_aux=args.text_aux, mix=mix,
-                          log=log)}
+                          lr=args.lr, presence_first=args.presence_first, text_aux=args.text_aux,
+                          mix=mix, start=args.start, log=log)}
         if args.eval_count:
             found = evaluate(args.out, count=args.eval_count, threads=args.threads, log=log)
             record["held_out"] = {"count_per_task": args.eval_count, "style": STYLE,
                                   "exact_match_by_pixel_fraction": found["accuracy"]}
-        (args.out / "TRAINING.json").write_text(json.dumps(record, indent=1) + "\n")
+        earlier = stages(args.start) if args.start is not None else []
+        written = {"stages": [*earlier, record]} if earlier else record
+        (args.out / "TRAINING.json").write_text(json.dumps(written, indent=1) + "\n")
         print(json.dumps(record))
+    elif args.command == "recipe":
+        recipe(args.out)
     else:
         found = evaluate(args.model, count=args.count, threads=args.threads, log=log)
         print(json.dumps(found) if args.json else json.dumps(found["accuracy"], indent=1))

@@ -52,8 +52,8 @@ class Command(BaseCommand):
             marker.write_text(sources)
 
     def add_arguments(self, parser):
-        parser.add_argument("--host", default=os.environ.get("HOST", "127.0.0.1"))
-        parser.add_argument("--port", type=int, default=int(os.environ.get("PORT", "8000")))
+        parser.add_argument("--host", default=settings.HOST)
+        parser.add_argument("--port", type=int, default=settings.PORT)
 
     def handle(self, *args, host, port, **options):
         if settings.CELERY_BROKER_URL == "filesystem://":

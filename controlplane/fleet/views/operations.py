@@ -1,0 +1,101 @@
+"""Operations: how the service is doing right now, for the operator on call.
+
+Per tier, what clients saw (from the usage events): latency and time to first token at p50
+and p95, error rate, requests and tokens per second. Per engine, what the engines report
+(their scrapes): queue depth, KV cache use, tokens per second, their own time to first token.
+Per node, its engines and the GPU memory they hold."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import plotly.graph_objects as go
+from django.contrib.auth.decorators import login_required
+from django.shortcuts import render
+from django.utils import timezone
+
+from controlplane.catalog.models import ModelTier
+from controlplane.fleet.models import EngineInstance
+from controlplane.fleet.selectors import engine_series, node_summaries
+from controlplane.metering.traffic import traffic_by_tier
+from controlplane.web.access import operators_only
+from controlplane.web.charts import colour_of, figure_html
+
+# The windows an operator picks from, and the bucket each is drawn in (about 60 points).
+WINDOWS = {"1h": (dt.timedelta(hours=1), dt.timedelta(minutes=1)),
+           "6h": (dt.timedelta(hours=6), dt.timedelta(minutes=5)),
+           "24h": (dt.timedelta(hours=24), dt.timedelta(minutes=20)),
+           "7d": (dt.timedelta(days=7), dt.timedelta(hours=2))}
+DEFAULT_WINDOW = "1h"
+
+
+@login_required
+def operations(request):
+    operators_only(request)
+    window = request.GET.get("window") if request.GET.get("window") in WINDOWS else DEFAULT_WINDOW
+    tiers = list(ModelTier.objects.order_by("name"))
+    chosen = next((t for t in tiers if t.name == request.GET.get("tier")), None)
+    tier_ids = [chosen.pk] if chosen else None
+    length, bucket = WINDOWS[window]
+    until = timezone.now()
+    # Buckets start on whole multiples of their length, so a reload draws the same buckets.
+    since = dt.datetime.fromtimestamp((until - length).timestamp() // bucket.total_seconds()
+                                      * bucket.total_seconds(), tz=dt.UTC)
+    names = {t.pk: t.name for t in tiers}
+    traffic = {names[tier_id]: points for tier_id, points in
+               traffic_by_tier(since=since, until=until, bucket=bucket, tier_ids=tier_ids).items()}
+    instances = {i.pk: i for i in EngineInstance.objects.select_related("tier", "node")}
+    engines = {_engine_label(instances[pk]): points for pk, points in
+               engine_series(since=since, until=until, bucket=bucket, tier_ids=tier_ids).items() if pk in instances}
+    seconds = bucket.total_seconds()
+    charts = [
+        _lines("latency-chart", "End-to-end latency (ms)", "ms", traffic,
+               lambda p: p.latency_p50, lambda p: p.latency_p95),
+        _lines("ttft-chart", "Time to first token, streamed (ms)", "ms", traffic,
+               lambda p: p.ttft_p50, lambda p: p.ttft_p95),
+        _lines("error-rate-chart", "Error rate, 5xx (%)", "%", traffic, lambda p: 100 * p.error_rate),
+        _lines("requests-chart", "Requests per second", "req/s", traffic, lambda p: p.requests / seconds),
+        _lines("tokens-chart", "Tokens per second (prompt and output)", "tokens/s", traffic,
+               lambda p: p.tokens / seconds),
+        _lines("queue-chart", "Engine queue depth (waiting requests)", "requests", engines, lambda p: p.waiting),
+        _lines("kv-chart", "Engine KV cache use (%)", "%", engines, lambda p: 100 * p.kv_cache_usage),
+        _lines("engine-tokens-chart", "Engine tokens per second", "tokens/s", engines, lambda p: p.tokens_per_s),
+        _lines("engine-ttft-chart", "Engine time to first token (s), its own histogram", "s", engines,
+               lambda p: p.ttft_p50, lambda p: p.ttft_p95),
+    ]
+    return render(request, "fleet/operations.html", {
+        "charts": charts, "windows": list(WINDOWS), "window": window, "tiers": tiers, "chosen": chosen,
+        "bucket": bucket, "nodes": node_summaries(), "totals": _totals(traffic, length),
+    })
+
+
+def _engine_label(instance: EngineInstance) -> str:
+    where = f" on {instance.node.name}" if instance.node else ""
+    return f"{instance.tier.name}#{instance.pk}{where}"
+
+
+def _lines(div_id: str, title: str, axis: str, series: dict[str, list], p50, p95=None) -> dict:
+    """One line per series (p50 solid, p95 dotted in the same colour)."""
+    figure = go.Figure()
+    for name, points in sorted(series.items()):
+        colour = colour_of(name.split("#")[0])
+        x = [p.at.isoformat() for p in points]
+        figure.add_scatter(name=f"{name} p50" if p95 else name, x=x, y=[p50(p) for p in points], mode="lines+markers",
+                           line={"color": colour}, marker={"size": 4}, legendgroup=name)
+        if p95:
+            figure.add_scatter(name=f"{name} p95", x=x, y=[p95(p) for p in points], mode="lines",
+                               line={"color": colour, "dash": "dot"}, legendgroup=name)
+    figure.update_layout(title=title, yaxis_title=axis, height=300, margin={"l": 60, "r": 20, "t": 50, "b": 40},
+                         xaxis={"type": "date"}, showlegend=True)
+    return {"id": div_id, "html": figure_html(figure, div_id), "empty": not series}
+
+
+def _totals(traffic: dict[str, list], length: dt.timedelta) -> list[dict]:
+    """Per tier over the whole window: requests, errors and the share they are."""
+    rows = []
+    for name, points in sorted(traffic.items()):
+        requests, errors = sum(p.requests for p in points), sum(p.errors for p in points)
+        rows.append({"tier": name, "requests": requests, "errors": errors,
+                     "error_rate": 100 * errors / requests if requests else 0,
+                     "per_second": requests / length.total_seconds()})
+    return rows

@@ -1,0 +1,188 @@
+"""Forwarding: the request written for the engine, a turn taken when its image is large, and
+sent to an engine of its tier, to a second one when the first cannot be reached or is found
+failing before it answered (never after it may have started work)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import msgspec
+from django.conf import settings
+
+from controlplane.gateway import ledger, routing, state, upstream
+from controlplane.gateway.admission import Admission
+from controlplane.gateway.apps import current_process
+from controlplane.gateway.beside import answer_once_checks_pass, image_refusal, record_image_refusal
+from controlplane.gateway.engine_watch import EngineFailing, unless_engine_fails
+from controlplane.gateway.errors import GatewayError, NotAdmitted, error_response
+from controlplane.gateway.prepare import Prepared, TierSpec
+from controlplane.gateway.recording import hand_over_usage, ms_since, refusal_of
+from controlplane.gateway.relaying import engine_failed_response, relay_answer, relay_stream
+from controlplane.gateway.routing import Route
+from controlplane.imaging.policy import DecodedDataURL
+
+log = logging.getLogger(__name__)
+# A tenant's body is read by orjson (body.py), bounded in shape first; the engine's is written
+# by msgspec, which writes a data URL decoded as the body was read as it came, should one ever
+# be sent on (prepare replaces every image it reads). The engine's answers are read by orjson.
+
+
+def _as_written(value):
+    if isinstance(value, DecodedDataURL):
+        return str(value)
+    raise NotImplementedError  # msgspec's TypeError
+
+
+_write_json = msgspec.json.Encoder(enc_hook=_as_written).encode
+
+
+def engine_body(key: state.KeyInfo, tier: TierSpec, prepared: Prepared, *, large: bool = False) -> dict:
+    body = dict(prepared.body)
+    body["model"] = tier.name
+    if tier.priority_scheduling:
+        # Lower runs first in vLLM: text ahead of images, images ahead of large images, so
+        # a large prefill does not hold up the text beside it.
+        body["priority"] = 2 if large else 1 if prepared.images else 0
+    if key.cache_salt:
+        body["cache_salt"] = key.cache_salt
+    else:
+        body.pop("cache_salt", None)
+    if body.get("stream"):
+        # Always ask for the usage chunk: without it a streamed request cannot be billed.
+        body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
+    return body
+
+
+async def forward(request_id: str, key: state.KeyInfo, tier: TierSpec, prepared: Prepared, admission: Admission,
+                   started: float, route: Route):
+    current_process().tier_names[tier.id] = tier.name
+    record = admission.record
+    large, images, candidates = route.large, route.images, route.candidates
+    body = engine_body(key, tier, prepared, large=large)
+    payload = _write_json(body)
+    slot = None
+    try:
+        if large and not routing.has_dedicated_large_pool(candidates):
+            # No isolated pool: large requests take turns, so they never fill every batch.
+            slot = LargeImageTurn(current_process().engines.large_slots(tier.id, tier.large_image_concurrency))
+            try:
+                await slot.acquire(key.tenant_id, timeout=settings.GATEWAY_LARGE_IMAGE_WAIT_S)
+            except TimeoutError:
+                raise GatewayError(429, f"too many large-image requests on '{tier.name}' at once; retry shortly",
+                                   code="rate_limit_exceeded", headers={"Retry-After": "2"}) from None
+        return await _try_engines(request_id, tier, prepared, admission, candidates, payload, started,
+                               large=large, images=images, slot=slot, first=route.first)
+    except GatewayError as exc:
+        # An image's 400 first, then the admission's refusal, as when they were awaited first.
+        failed = await admission.failure()
+        exc = await image_refusal(prepared) or failed or exc
+        if exc is failed:
+            await hand_over_usage(refusal_of(record, exc.status), started)
+        else:
+            record.status, record.http_status = "error", exc.status
+            await hand_over_usage(record, started)
+        return exc.response(request_id)
+    except asyncio.CancelledError:
+        if not record.recorded:  # gone while waiting for a slot: release the quota it reserved
+            record.status, record.http_status = "aborted", 499
+            await hand_over_usage(record, started)
+        raise
+    except Exception:
+        if not record.recorded:  # whatever failed, the reservation is settled and the request metered
+            record.status, record.http_status = "error", 500
+            await hand_over_usage(record, started)
+        raise
+    finally:
+        if slot is not None and not slot.handed_over:
+            slot.release()
+
+
+class LargeImageTurn:
+    def __init__(self, slots: routing.FairSlots):
+        self.slots, self.held, self.handed_over = slots, False, False
+
+    async def acquire(self, tenant_id: int, *, timeout: float):
+        await self.slots.acquire(tenant_id, timeout=timeout)
+        self.held = True
+
+    def release(self):
+        if self.held:
+            self.held = False
+            self.slots.release()
+
+
+async def _try_engines(request_id, tier, prepared, admission, candidates, payload, started, *, large, images, slot,
+                    first=None):
+    record = admission.record
+    tried: set[int] = set()
+    for attempt in range(2):  # a request that never reached an engine is retried once elsewhere
+        instance = first if attempt == 0 and first is not None else current_process().engines.choose(
+            candidates, exclude=tried, large=large, images=images)
+        if instance is None:
+            break
+        tried.add(instance.id)
+        current_process().engines.outstanding[instance.id] += 1
+        handed_over = False  # to the stream, which then owns the counter and the record
+        try:
+            if instance.id != record.instance_id:  # another than the one it was journaled with
+                await ledger.engine_chosen(await admission.flight(), instance.id)
+            if record.queue_ms is None:
+                record.queue_ms = max(0, ms_since(started) - (record.prepare_ms or 0))
+            sending = upstream.engine_post(
+                f"{instance.base_url}/v1/chat/completions", content=payload,
+                headers={"content-type": "application/json", "x-request-id": request_id,
+                         **({"authorization": f"Bearer {instance.api_key}"} if instance.api_key else {})},
+            )
+            try:
+                response = await unless_engine_fails(answer_once_checks_pass(sending, prepared, admission), tier.id,
+                                                      instance.id)
+            except NotAdmitted:
+                raise
+            except GatewayError as broken:  # an image sent unchecked failed its check: refused as before
+                return await record_image_refusal(record, started, broken.response(request_id))
+            except EngineFailing:
+                # Hung or dead (supervision says so): it will not answer; another engine may.
+                log.warning("engine %s stopped answering %s; trying another", instance.id, request_id)
+                continue
+            except upstream.Unreachable as exc:
+                log.warning("engine %s unreachable for %s: %s", instance.id, request_id, exc)
+                continue
+            except upstream.Broken as exc:
+                # The engine may have started work: do not run the request a second time.
+                log.warning("engine %s failed %s mid-request: %s", instance.id, request_id, exc)
+                return await engine_failed_response(record, started)
+            if response.status_code == 200:
+                current_process().engines.remember(images, instance.id)
+            if record.stream and response.status_code == 200:
+                handed_over = True
+                if slot is not None:
+                    slot.handed_over = True
+                return relay_stream(request_id, tier, admission.answer.result(), prepared, response, instance, started,
+                               slot)
+            try:
+                content = await response.read()
+            except upstream.Broken as exc:
+                log.warning("engine %s broke its answer to %s: %s", instance.id, request_id, exc)
+                return await engine_failed_response(record, started)
+            finally:
+                await response.aclose()
+            return await relay_answer(request_id, tier, record, prepared, response.status_code, content, started)
+        except asyncio.CancelledError:
+            # The client went away before the engine answered: the engine still did work.
+            record.status, record.http_status = "aborted", 499
+            await hand_over_usage(record, started)
+            raise
+        finally:
+            if not handed_over:
+                current_process().engines.outstanding[instance.id] -= 1
+    if (failed := await admission.failure()) is not None:
+        raise failed
+    broken = await image_refusal(prepared)
+    if broken is not None:
+        return await record_image_refusal(record, started, broken.response(request_id))
+    record.status, record.http_status = "error", 503
+    await hand_over_usage(record, started)
+    return error_response(503, f"no healthy engine is serving '{tier.name}' right now; retry shortly",
+                          code="engine_unavailable", request_id=request_id,
+                          headers={"Retry-After": "5"})

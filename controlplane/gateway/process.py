@@ -1,0 +1,43 @@
+"""What one gateway process holds while it serves, in one object: the prepared-image cache,
+the memory its decodes may hold, its caches of the database, its engines' loads and turns,
+what its admissions taught it, its counters, and the usage hand-overs still running. Built
+once a process (`apps.current_process`); a test builds a fresh one instead of resetting
+module state. Nothing here is shared between replicas: what must be is in Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import weakref
+from dataclasses import dataclass, field
+
+from django.conf import settings
+
+from controlplane.gateway.admission import OptimisticAdmission
+from controlplane.gateway.counters import Counters
+from controlplane.gateway.repeats import Repeats, Shared
+from controlplane.gateway.routing import EngineLoads
+from controlplane.gateway.state import Caches
+from controlplane.imaging.budget import MB, DecodeMemory
+
+
+@dataclass(eq=False)
+class GatewayProcess:
+    prepared_images: Repeats  # what pictures sent before became, for the requests that send them again
+    decode_memory: DecodeMemory  # what this process's decodes may hold at once
+    caches: Caches
+    engines: EngineLoads
+    optimistic: OptimisticAdmission
+    counters: Counters
+    hand_overs: set[asyncio.Task] = field(default_factory=set)  # usage on its way to the ledger
+    tier_names: dict[int, str] = field(default_factory=dict)  # for the counters
+    engine_watches: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)  # loop -> watch
+
+    @classmethod
+    def from_settings(cls) -> GatewayProcess:
+        counters = Counters()
+        return cls(
+            prepared_images=Repeats(settings.GATEWAY_REPEATS_MB * MB, shared=Shared.from_settings(counters)),
+            decode_memory=DecodeMemory(settings.GATEWAY_DECODE_MEMORY_MB * MB,
+                                       wait_s=settings.GATEWAY_DECODE_WAIT_MS / 1000,
+                                       decodes=settings.GATEWAY_DECODES_AT_ONCE),
+            caches=Caches(), engines=EngineLoads(), optimistic=OptimisticAdmission(), counters=counters)

@@ -1,0 +1,92 @@
+"""The usage charts: image tokens, cost and cache savings over time, and the cost of one image."""
+
+from __future__ import annotations
+
+import datetime as dt
+from decimal import Decimal
+
+import plotly.graph_objects as go
+
+from controlplane.web.charts import MARGIN, colour_of, figure_html, money
+
+
+def _unit(slots: list) -> str:
+    return "hour" if slots and isinstance(slots[0], dt.datetime) else "day"
+
+
+def _slot_labels(slots: list) -> list[str]:
+    return [s.strftime("%Y-%m-%d %H:00") if isinstance(s, dt.datetime) else s.isoformat() for s in slots]
+
+
+def _stacked_bars(slots: list, series: dict[str, list], *, title: str, axis: str, div_id: str) -> str:
+    unit = _unit(slots)
+    x = _slot_labels(slots)
+    figure = go.Figure()
+    for name, values in series.items():
+        figure.add_bar(name=name, x=x, y=[float(v) for v in values], marker_color=colour_of(name))
+    figure.update_layout(
+        barmode="stack", title=title, xaxis_title=f"{unit} (UTC)", yaxis_title=axis,
+        margin=MARGIN, height=380, xaxis={"type": "category"},
+    )
+    return figure_html(figure, div_id)
+
+
+def image_tokens_chart(slots: list, series: dict[str, list[int]], *, by: str = "tier") -> str:
+    """Image tokens per hour or day, stacked per tier or per tenant."""
+    split = "" if by == "tier" else f" by {by}"
+    return _stacked_bars(slots, series, title=f"Image tokens per {_unit(slots)}{split}", axis="image tokens",
+                         div_id=f"image-tokens{split.replace(' ', '-')}-chart")
+
+
+def cost_chart(slots: list, series: dict[str, list[Decimal]], *, currency: str, by: str = "tier") -> str:
+    """Cost per hour or day, stacked per tier or per tenant, in `currency`."""
+    split = "" if by == "tier" else f" by {by}"
+    return _stacked_bars(slots, series, title=f"Cost per {_unit(slots)} ({currency}){split}", axis=currency,
+                         div_id=f"cost{split.replace(' ', '-')}-chart")
+
+
+def cache_savings_chart(slots: list, savings: dict[str, list[Decimal]], cached_tokens: dict[str, list[int]],
+                        *, total: Decimal | None, currency: str) -> str:
+    """What the cached-image discount saved per hour or day and tier, with the cached image
+    tokens that earned it (summed over tiers) on a second axis."""
+    unit = _unit(slots)
+    x = _slot_labels(slots)
+    figure = go.Figure()
+    for name, values in savings.items():
+        figure.add_bar(name=f"{name} saved", x=x, y=[float(v) for v in values], marker_color=colour_of(name))
+    if cached_tokens:
+        tokens = [sum(values) for values in zip(*cached_tokens.values(), strict=True)]
+        figure.add_scatter(name="cached image tokens", x=x, y=tokens, mode="lines+markers", yaxis="y2")
+    figure.update_layout(
+        barmode="stack", title="Saved by cached images" + (f": {money(total)} {currency} in all" if total is not None
+                                                           else f" ({currency})"),
+        xaxis_title=f"{unit} (UTC)", yaxis={"title": f"saved per {unit} ({currency})"},
+        yaxis2={"title": "cached image tokens", "overlaying": "y", "side": "right", "showgrid": False,
+                "rangemode": "tozero"},
+        margin={**MARGIN, "r": 70}, height=380, xaxis={"type": "category"},
+    )
+    return figure_html(figure, "cache-savings-chart")
+
+
+def cost_per_image_chart(distribution, *, currency: str, since: dt.date | None = None) -> str:
+    """How many images cost how much each, stacked per tier (a `CostDistribution`, of the whole
+    days from `since` when given)."""
+    x = [bucket.label for bucket in distribution.buckets]
+    tiers = sorted({tier for bucket in distribution.buckets for tier in bucket.images})
+    figure = go.Figure()
+    for tier in tiers:
+        figure.add_bar(
+            name=tier, x=x, y=[bucket.images.get(tier, 0) for bucket in distribution.buckets],
+            marker_color=colour_of(tier),
+            customdata=[float(bucket.cost.get(tier, 0)) for bucket in distribution.buckets],
+            hovertemplate="%{x}: %{y} images, %{customdata:.6f} in all",
+        )
+    single = " " not in currency
+    mean = f", {money(distribution.mean)} {currency} each on average" \
+        if distribution.mean is not None and single else ""
+    figure.update_layout(
+        barmode="stack", title=f"Cost per image{f' since {since}' if since else ''}: {distribution.images} images{mean}",
+        xaxis_title=f"cost of one image ({currency})", yaxis_title="images", margin=MARGIN, height=380,
+        xaxis={"type": "category"},
+    )
+    return figure_html(figure, "cost-per-image-chart")

@@ -1,0 +1,222 @@
+"""The forms of the tenants pages: logging in, tenants and their quota, API keys (an
+operator's and a tenant admin's own), users and their roles."""
+
+from __future__ import annotations
+
+from django import forms
+from django.contrib.auth.forms import AuthenticationForm
+from django.core.exceptions import ValidationError
+from django.core.validators import MaxLengthValidator
+from django.utils import timezone
+
+from controlplane.catalog.models import ModelTier
+from controlplane.tenants import roles
+from controlplane.tenants.models import QuotaLimits, Tenant
+from controlplane.web.fields import UtcDateTimeField
+
+INVALID_LOGIN = "Your username and password didn't match. Please try again."
+TENANT_DEACTIVATED = "{tenant} is deactivated: its admins cannot log in until an operator reactivates it."
+
+
+class LoginForm(AuthenticationForm):
+    """Django's login form, refusing a username no user can have before it is looked up
+    (Django sets the field's max_length without its validator, and a failed login of a name
+    past 255 characters was a 500 where django-axes records it), and the admin of a
+    deactivated tenant, saying why."""
+
+    error_messages = {**AuthenticationForm.error_messages, "invalid_login": INVALID_LOGIN}
+
+    def __init__(self, request=None, *args, **kwargs):
+        super().__init__(request, *args, **kwargs)
+        self.fields["username"].validators.append(MaxLengthValidator(self.fields["username"].max_length))
+
+    def clean(self):
+        if self.has_error("username"):
+            raise self.get_invalid_login_error()
+        return super().clean()
+
+    def confirm_login_allowed(self, user):
+        super().confirm_login_allowed(user)
+        tenant = roles.deactivated_tenant(user)
+        if tenant is not None:
+            raise ValidationError(TENANT_DEACTIVATED.format(tenant=tenant.name), code="tenant_deactivated")
+
+
+class ApiKeyForm(forms.Form):
+    tenant = forms.ModelChoiceField(queryset=Tenant.objects.filter(active=True))
+    name = forms.CharField(max_length=64, required=False)
+    expires_at = UtcDateTimeField(required=False, help_text="Optional, UTC")
+    tiers = forms.ModelMultipleChoiceField(queryset=None, required=False, widget=forms.CheckboxSelectMultiple,
+                                           label="Models it may use",
+                                           help_text="None ticked: every model its tenant may use")
+    requests_per_minute = forms.IntegerField(min_value=1, max_value=10**6, required=False,
+                                             label="Requests per minute", help_text="Optional: this key's own limit")
+
+    def __init__(self, *args, **kwargs):
+        from controlplane.catalog.models import ModelTier
+
+        super().__init__(*args, **kwargs)
+        self.fields["tiers"].queryset = ModelTier.objects.order_by("name")
+
+
+class OwnKeyForm(forms.Form):
+    name = forms.CharField(max_length=64, required=False, help_text="What it is for, e.g. the app that uses it")
+    tiers = forms.ModelMultipleChoiceField(queryset=None, required=False, widget=forms.CheckboxSelectMultiple,
+                                           label="Models it may use", help_text="None ticked: every model of yours")
+    expires_at = UtcDateTimeField(required=False, label="Expires", help_text="Optional, e.g. 2027-06-30 00:00")
+    requests_per_minute = forms.IntegerField(min_value=1, max_value=10**6, required=False,
+                                             label="Requests per minute", help_text="Optional: this key's own limit")
+
+    def __init__(self, *args, tenant, **kwargs):
+        super().__init__(*args, **kwargs)
+        allowed = tenant.allowed_tiers.all()
+        self.fields["tiers"].queryset = (allowed if allowed.exists() else ModelTier.objects.filter(enabled=True)
+                                         ).order_by("name")
+
+    def clean_expires_at(self):
+        when = self.cleaned_data["expires_at"]
+        if when is not None and when <= timezone.now():
+            raise forms.ValidationError("that moment has passed")
+        return when
+
+
+QUOTA_LIMITS = QuotaLimits.LIMITS
+
+
+class TenantForm(forms.ModelForm):
+    """A tenant with the tiers it may use and its quota, each an explicit choice: a new tenant
+    starts from the operator's default quota, and "every tier" or "unlimited" is chosen on
+    purpose, never by leaving something empty."""
+
+    tier_access = forms.ChoiceField(widget=forms.RadioSelect, label="Tiers it may use", choices=[
+        ("every", "Every enabled tier, present and future"), ("chosen", "Only the tiers chosen here")])
+    tiers = forms.ModelMultipleChoiceField(queryset=None, required=False, widget=forms.CheckboxSelectMultiple,
+                                           label="Chosen tiers")
+    quota_mode = forms.ChoiceField(widget=forms.RadioSelect, label="Quota", choices=[
+        ("limits", "These limits"), ("unlimited", "Unlimited: no quota at all")])
+    period = forms.ChoiceField(choices=[("day", "per day"), ("month", "per month")], label="Period")
+    image_tokens = forms.IntegerField(min_value=1, max_value=10**15, required=False, label="Image tokens")
+    total_tokens = forms.IntegerField(min_value=1, max_value=10**15, required=False, label="Total tokens")
+    requests_per_minute = forms.IntegerField(min_value=1, max_value=10**7, required=False,
+                                             label="Requests per minute")
+    concurrent_large_images = forms.IntegerField(min_value=1, max_value=10**5, required=False,
+                                                 label="Large-image requests at once")
+
+    class Meta:
+        from controlplane.tenants.models import Tenant
+
+        model = Tenant
+        fields = ["name", "display_name", "active", "isolate_prefix_cache", "default_text_tier",
+                  "default_image_tier"]
+        labels = {"isolate_prefix_cache": "Own prefix cache (never shares KV blocks with other tenants)",
+                  "default_text_tier": "`auto` for text", "default_image_tier": "`auto` for images"}
+        del Tenant
+
+    def __init__(self, *args, **kwargs):
+        from controlplane.catalog.models import ModelTier
+        from controlplane.tenants.models import Quota, QuotaDefault
+
+        super().__init__(*args, **kwargs)
+        tiers = ModelTier.objects.order_by("name")
+        self.fields["tiers"].queryset = tiers
+        self.fields["default_text_tier"].queryset = tiers
+        self.fields["default_image_tier"].queryset = tiers.filter(kind=ModelTier.Kind.VISION)
+        for name in ("default_text_tier", "default_image_tier"):
+            self.fields[name].empty_label = "the tier marked as the default"
+        creating = self.instance.pk is None
+        quota = None if creating else Quota.objects.filter(tenant=self.instance).first()
+        start = QuotaDefault.current() if creating else quota
+        if not creating:
+            chosen = list(self.instance.allowed_tiers.all())
+            self.initial.update(tier_access="chosen" if chosen else "every", tiers=chosen)
+            unlimited = quota is None or quota.unlimited
+            self.initial["quota_mode"] = "unlimited" if unlimited else "limits"
+        elif not start.unlimited:
+            self.initial["quota_mode"] = "limits"  # the operator's default quota, filled in below
+        if start is not None:
+            self.initial.update({name: getattr(start, name) for name in ("period", *QUOTA_LIMITS)})
+
+    def clean(self):
+        data = super().clean()
+        if data.get("tier_access") == "chosen" and not data.get("tiers"):
+            self.add_error("tiers", "choose at least one tier, or let it use every tier")
+        if data.get("quota_mode") == "limits" and all(data.get(name) is None for name in QUOTA_LIMITS):
+            self.add_error("quota_mode", "set at least one limit, or choose unlimited")
+        usable = set(data.get("tiers") or []) if data.get("tier_access") == "chosen" else None
+        for name in ("default_text_tier", "default_image_tier"):
+            tier = data.get(name)
+            if tier is not None and usable is not None and tier not in usable:
+                self.add_error(name, f"{tier.name} is not among the tiers it may use")
+        return data
+
+    def chosen_tiers(self) -> list | None:
+        """The tiers it may use; None: every tier."""
+        return list(self.cleaned_data["tiers"]) if self.cleaned_data["tier_access"] == "chosen" else None
+
+    def quota(self) -> dict | None:
+        """Its quota; None: unlimited."""
+        if self.cleaned_data["quota_mode"] == "unlimited":
+            return None
+        return {name: self.cleaned_data.get(name) for name in ("period", *QUOTA_LIMITS)}
+
+
+class QuotaDefaultForm(forms.ModelForm):
+    class Meta:
+        from controlplane.tenants.models import QuotaDefault
+
+        model = QuotaDefault
+        fields = ["period", *QUOTA_LIMITS]
+        labels = {"image_tokens": "Image tokens", "total_tokens": "Total tokens",
+                  "requests_per_minute": "Requests per minute",
+                  "concurrent_large_images": "Large-image requests at once"}
+        del QuotaDefault
+
+
+class RoleField(forms.ChoiceField):
+    """operator, finance, or tenant:<id> (the admin of that tenant)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(choices=self._choices, **kwargs)
+
+    @staticmethod
+    def _choices():
+        from controlplane.tenants.models import Tenant
+
+        return [("", "choose a role"), ("operator", "Operator: everything"),
+                ("finance", "Finance: usage, statements, exports, read only"),
+                *[(f"tenant:{t.pk}", f"Tenant admin of {t.name}") for t in Tenant.objects.filter(active=True)]]
+
+    def clean(self, value):
+        from controlplane.tenants.models import Tenant
+        from controlplane.tenants.users import TENANT_ADMIN, Role
+
+        value = super().clean(value)
+        if value.startswith("tenant:"):
+            return Role(TENANT_ADMIN, Tenant.objects.get(pk=int(value.split(":", 1)[1])))
+        return Role(value)
+
+
+def role_value(role) -> str:
+    if role is None:
+        return ""
+    return f"tenant:{role.tenant.pk}" if role.tenant is not None else role.name
+
+
+class UserInviteForm(forms.Form):
+    username = forms.RegexField(regex=r"^[\w.@+-]+\Z", max_length=150,
+                                error_messages={"invalid": "letters, digits and @ . + - _ only"})
+    email = forms.EmailField(required=False)
+    role = RoleField()
+
+    def clean_username(self):
+        from django.contrib.auth import get_user_model
+
+        name = self.cleaned_data["username"]
+        if get_user_model().objects.filter(username__iexact=name).exists():
+            raise forms.ValidationError("a user with that name exists")
+        return name
+
+
+class UserChangeForm(forms.Form):
+    role = RoleField()
+    active = forms.BooleanField(required=False, label="Active (may log in)")
