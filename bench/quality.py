@@ -15,12 +15,14 @@ saving per 1,000 images. Last, the same questions at full size sent to
 the engine directly, answer for answer against the gateway's: the gateway must not change
 what the model sees.
 
-With --long, wide banners (1:6 to 1:15, as tall as the model's canvas) under a pixel cap that binds
-(`--long-cap`), each made by the gateway's own policy code as it would send them, asked of the
-engine directly: squashed whole into the cap (tiling off), and tiled past each aspect-ratio
-threshold (every tile gets the full cap; at most four tiles, as the tier's engine takes four images a
-prompt); accuracy, image tokens and images per strip for each, so that the tiling threshold is
-set from what it buys.
+With --long, long strips (workers/engines/cpu/seeing_long.py's held-out receipts and banners, of
+each ratio range in `--long-ratios`) under a pixel cap that binds (`--long-cap`), each made by
+the gateway's own policy code as it would send them, asked of the engine directly: squashed
+whole into the cap (tiling off), and tiled past each threshold of `--thresholds` (every tile
+gets the full cap; the tier's engine takes as many images a prompt as its policy allows, four
+by default, and refuses a prompt with more: a wrong answer); accuracy, image tokens and images
+per strip for each, so that the tiling threshold is set from what it buys. `--model DIR`
+serves another trained model than the committed one (one with the long stage, say).
 """
 
 from __future__ import annotations
@@ -75,12 +77,13 @@ def sweep(url: str, key: str, model: str, caps: list[int], questions: list, max_
 
 
 def run(per_task: int, tasks: list[str], caps: list[int], json_path: Path | None, long_cap: int | None = None,
-        thresholds: tuple[float, ...] = (12, 8, 6, 4)) -> dict:
+        thresholds: tuple[float, ...] = (20, 8, 4, 2), model: Path | None = None,
+        long_ratios: tuple[tuple[float, float], ...] = ((6, 15),), long_strips: tuple[str, ...] = ("banner",)) -> dict:
     from controlplane.benchmarks import advisor, resolution
     from workers.engines.cpu import install, seeing_model
 
     python = install.ensure()
-    model = seeing_model.ensure(python)
+    model = model or seeing_model.ensure(python)
     engine_port = free_port()
     folder = Path(tempfile.mkdtemp(prefix="bench-quality-"))
     gateway = EngineGateway(engine_port, model, python)
@@ -147,7 +150,7 @@ def run(per_task: int, tasks: list[str], caps: list[int], json_path: Path | None
                   "gateway_matches_direct": [same, len(by_index)]}
         if long_cap:
             result["long"] = long_images(f"http://127.0.0.1:{engine_port}/v1/chat/completions", per_task, long_cap,
-                                         list(thresholds))
+                                         list(thresholds), list(long_ratios), list(long_strips))
         if json_path is not None:
             json_path.write_text(json.dumps(result, indent=1, default=str))
             print(f"written to {json_path}")
@@ -161,40 +164,44 @@ def run(per_task: int, tasks: list[str], caps: list[int], json_path: Path | None
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def long_images(engine_url: str, per_task: int, cap: int, thresholds: list[float]) -> list[dict]:
+def long_images(engine_url: str, per_task: int, cap: int, thresholds: list[float],
+                ratios: list[tuple[float, float]], strips: list[str]) -> list[dict]:
     """Strips under each tiling choice at `cap`, sent to the engine as the gateway would send them."""
-    from controlplane.benchmarks import loadgen, resolution, synthetic
-    from controlplane.imaging.policy import Policy
+    from controlplane.benchmarks import loadgen, resolution
     from controlplane.imaging.tokens import count_image_tokens
-    from workers.engines.cpu import seeing_model
+    from workers.engines.cpu import seeing_long
 
-    # Banners as tall as the model's canvas, the number in the type it learned to read: over the
-    # cap, they are squashed (or tiled) as a long photo of a receipt or a screenshot would be.
-    strips = [resolution.Item(key=f"long-{n}", data=s.image, width=s.width, height=s.height, content_type="image/png",
-                              question=s.question, task_type="read", answers=s.answers)
-              for n, s in enumerate(synthetic.generate("long", per_task, SEED, style=seeing_model.STYLE,
-                                                       strip="banner", height=224))]
-    choices = [("squashed (no tiling)", Policy(grid=28, max_pixels=cap, low_detail_max_pixels=cap,
-                                              tile_long_images=False, max_aspect_ratio=200))]
-    choices += [(f"tiled past {t:g}:1", Policy(grid=28, max_pixels=cap, low_detail_max_pixels=cap, max_aspect_ratio=t,
-                                               max_images_per_request=32)) for t in thresholds]
-    stages = resolution.variant_specs(strips, [resolution.under_policy(p) for _, p in choices], max_tokens=8,
-                                      estimate_tokens=lambda w, h: count_image_tokens("qwen2_5_vl", w, h))
-    target = loadgen.Target(url=engine_url, model="vlm")
-    samples, _ = asyncio.run(loadgen.run_fixed(target, stages, concurrency=2))
     rows = []
-    print(f"\nlong banners ({len(strips)}, 1:6 to 1:15) at a {cap:,}-pixel cap, sent to the engine as the gateway "
-          f"would:\n{'policy':22} {'accuracy':>18} {'images':>6} {'tokens':>7}")
-    for (name, _), stage, stage_samples in zip(choices, stages, samples, strict=True):
-        specs = {spec.index: spec for spec in stage}
-        figures = resolution.set_figures(stage_samples, specs)
-        images = sum(spec.images for spec in stage) / len(stage)
-        tokens = sum(spec.image_tokens for spec in stage) / len(stage)
-        low, high = figures["interval"] or (None, None)
-        print(f"{name:22} {_pct(figures['accuracy']) + f' ({_pct(low, 0)}–{_pct(high, 0)})':>18} {images:6.1f} "
-              f"{tokens:7.0f}", flush=True)
-        rows.append({"policy": name, "accuracy": figures["accuracy"], "interval": figures["interval"],
-                     "images_per_strip": images, "image_tokens_per_strip": tokens})
+    choices = [None, *thresholds]
+    print(f"\nlong strips ({per_task} a kind and ratio range) at a {cap:,}-pixel cap, sent to the engine as the "
+          f"gateway would:\n{'strip':8} {'ratios':8} {'policy':18} {'accuracy':>18} {'images':>6} {'tokens':>7} "
+          f"{'refused':>7}")
+    for strip in strips:
+        for low, high in ratios:
+            # Over the cap, they are squashed (or tiled) as a long photo of a receipt or a screenshot would be.
+            items = [resolution.Item(key=f"long-{n}", data=s.image, width=s.width, height=s.height,
+                                     content_type="image/png", question=s.question, task_type="read",
+                                     answers=s.answers)
+                     for n, s in enumerate(seeing_long.held_out(strip, (low, high), per_task))]
+            stages = resolution.variant_specs(
+                items, [resolution.under_policy(seeing_long.policy(t, cap)) for t in choices], max_tokens=8,
+                estimate_tokens=lambda w, h: count_image_tokens("qwen2_5_vl", w, h))
+            samples, _ = asyncio.run(loadgen.run_fixed(loadgen.Target(url=engine_url, model="vlm"), stages,
+                                                       concurrency=2))
+            for threshold, stage, stage_samples in zip(choices, stages, samples, strict=True):
+                specs = {spec.index: spec for spec in stage}
+                figures = resolution.set_figures(stage_samples, specs)
+                images = sum(spec.images for spec in stage) / len(stage)
+                tokens = sum(spec.image_tokens for spec in stage) / len(stage)
+                refused = sum(1 for sample in stage_samples if sample.error)
+                low_ci, high_ci = figures["interval"] or (None, None)
+                name = seeing_long.policy_name(threshold)
+                print(f"{strip:8} {f'{low:g}-{high:g}':8} {name:18} "
+                      f"{_pct(figures['accuracy']) + f' ({_pct(low_ci, 0)}–{_pct(high_ci, 0)})':>18} "
+                      f"{images:6.1f} {tokens:7.0f} {refused:7d}", flush=True)
+                rows.append({"strip": strip, "ratios": [low, high], "policy": name, "threshold": threshold,
+                             "accuracy": figures["accuracy"], "interval": figures["interval"],
+                             "images_per_strip": images, "image_tokens_per_strip": tokens, "refused": refused})
     return rows
 
 
@@ -214,11 +221,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", type=Path, help="also write the figures to this file")
     parser.add_argument("--long", action="store_true", help="also measure tiling long strips")
     parser.add_argument("--long-cap", type=int, default=FULL, help=f"the pixel cap for --long (default {FULL})")
+    parser.add_argument("--thresholds", default="20,8,4,2", help="tiling thresholds for --long (default 20,8,4,2)")
+    parser.add_argument("--long-ratios", default="6-15", help="ratio ranges for --long (default 6-15)")
+    parser.add_argument("--long-strips", default="banner", help="banner, receipt or both (default banner)")
+    parser.add_argument("--model", type=Path, help="a trained model directory (default: the committed one)")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds through run's cleanup
     caps = [int(c) for c in args.caps.split(",")] if args.caps else list(CAPS)
     run(args.items, args.tasks.split(","), sorted(caps, reverse=True), args.json,
-        long_cap=args.long_cap if args.long else None)
+        long_cap=args.long_cap if args.long else None, model=args.model,
+        thresholds=tuple(float(t) for t in args.thresholds.split(",")),
+        long_ratios=tuple(tuple(float(v) for v in r.split("-")) for r in args.long_ratios.split(",")),
+        long_strips=tuple(args.long_strips.split(",")))
 
 
 if __name__ == "__main__":

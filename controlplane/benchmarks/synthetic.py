@@ -52,10 +52,12 @@ class Sample:
 
 def generate(task: str, count: int, seed: int, *, style: str = "varied", fonts: str = "all",
              width: int = 224, height: int = 224, content: str = "number",
-             negatives: str = "mixed", strip: str = "mixed") -> list[Sample]:
+             negatives: str = "mixed", strip: str = "mixed",
+             ratio: tuple[float, float] = (6, 15)) -> list[Sample]:
     """`count` samples of `task`. Options: `style` ("plain" or "varied"); `fonts` ("all":
     Pillow's font and the TrueType fonts under /usr/share/fonts, or "default"); the canvas
-    `width` and `height` (all tasks but "long", whose strips are 1:6 to 1:15); for "read",
+    `width` and `height` (all tasks but "long", whose strips are 1:`ratio`, by default 1:6 to
+    1:15, drawn uniformly between the two); for "read",
     `content` ("number", "word" or "mixed"); for "presence", `negatives` ("random",
     "adversarial": an absent object sharing a colour or shape with a present one, or "mixed");
     for "long", `strip` ("receipt": tall receipt strips; "banner": wide banners `height`
@@ -75,12 +77,14 @@ def generate(task: str, count: int, seed: int, *, style: str = "varied", fonts: 
         raise ValueError("negatives must be 'random', 'adversarial' or 'mixed'")
     if strip not in ("receipt", "banner", "mixed"):
         raise ValueError("strip must be 'receipt', 'banner' or 'mixed'")
+    if not 1 <= ratio[0] <= ratio[1] <= 100:
+        raise ValueError("ratio must be (low, high) with 1 <= low <= high <= 100")
     if not (56 <= width <= 4096 and 56 <= height <= 4096):
         raise ValueError("width and height must lie between 56 and 4096 pixels")
     draw = {"read": _read, "count": _count, "presence": _presence, "chart": _chart,
             "long": _long}[task]
     options = {"style": style, "fonts": fonts, "width": width, "height": height,
-               "content": content, "negatives": negatives, "strip": strip}
+               "content": content, "negatives": negatives, "strip": strip, "ratio": ratio}
     samples = []
     for i in range(count):
         rng = random.Random(f"{task}:{seed}:{i}")
@@ -204,18 +208,7 @@ def _read(rng: random.Random, options: dict):
     image = _canvas(rng, options, (w, h), background)
     draw = ImageDraw.Draw(image)
     if options["style"] == "plain":
-        font = _font("default", 30)
-        cols, rows = w // CELL, h // CELL
-        if len(text) > cols:
-            raise ValueError("the canvas is too narrow for the text")
-        row, col = rng.randrange(rows), rng.randint(0, cols - len(text))
-        items = []
-        for k, ch in enumerate(text):  # each glyph centred in its own token cell
-            left, top, right, bottom = font.getbbox(ch)
-            x = (col + k) * CELL + (CELL - (right - left)) // 2
-            y = row * CELL + (CELL - (bottom - top)) // 2
-            items += _text(draw, (x, y), ch, font, ink)
-        size = 30
+        items, size = _in_cells(rng, draw, text, (w, h), ink), 30
     else:
         size = round(2 ** rng.uniform(3.2, 5.4))  # 9 to 42 pixel fonts, more of the small ones
         font, size = _fitting_font(_font_name(rng, options), size, text, w - 6)
@@ -225,6 +218,23 @@ def _read(rng: random.Random, options: dict):
         items = _text(draw, (x, y), text, font, ink)
     question = f"What {'word' if word else 'number'} is written in the image?"
     return image, question, (text.lower(),), {"text": text, "font_size": size, "items": items}
+
+
+def _in_cells(rng: random.Random, draw: ImageDraw.ImageDraw, text: str, size, ink) -> list:
+    """The plain style's text: 30-pixel glyphs, each centred in its own token cell, along a
+    row and from a column drawn at random."""
+    font = _font("default", 30)
+    cols, rows = size[0] // CELL, size[1] // CELL
+    if len(text) > cols:
+        raise ValueError("the canvas is too narrow for the text")
+    row, col = rng.randrange(rows), rng.randint(0, cols - len(text))
+    items = []
+    for k, ch in enumerate(text):
+        left, top, right, bottom = font.getbbox(ch)
+        x = (col + k) * CELL + (CELL - (right - left)) // 2
+        y = row * CELL + (CELL - (bottom - top)) // 2
+        items += _text(draw, (x, y), ch, font, ink)
+    return items
 
 
 def _shape(draw: ImageDraw.ImageDraw, shape: str, box, fill) -> None:
@@ -361,7 +371,7 @@ def _chart(rng: random.Random, options: dict):
 
 
 def _long(rng: random.Random, options: dict):
-    ratio = rng.uniform(6, 15)
+    ratio = rng.uniform(*options["ratio"])
     total = str(rng.randint(1, 9999))
     background, ink = _palette(rng, options, light_only=True)
     receipt = rng.random() < 0.5
@@ -387,14 +397,16 @@ def _long(rng: random.Random, options: dict):
     else:  # a wide banner with one number somewhere along it
         h = options["height"] if options["strip"] == "banner" else 56
         w = round(h * ratio)
-        size = 30 if options["style"] == "plain" else rng.randint(12, 40)
-        font, size = _fitting_font(_font_name(rng, options), size, total, w - 6)
         image = _canvas(rng, options, (w, h), background)
         draw = ImageDraw.Draw(image)
-        left, top, right, bottom = font.getbbox(total)
-        x = rng.randint(2, w - 2 - (right - left))
-        y = rng.randint(2, max(2, h - 2 - (bottom - top)))
-        items = _text(draw, (x, y), total, font, ink)
+        if options["style"] == "plain":  # as the read task draws it
+            items, size = _in_cells(rng, draw, total, (w, h), ink), 30
+        else:
+            font, size = _fitting_font(_font_name(rng, options), rng.randint(12, 40), total, w - 6)
+            left, top, right, bottom = font.getbbox(total)
+            x = rng.randint(2, w - 2 - (right - left))
+            y = rng.randint(2, max(2, h - 2 - (bottom - top)))
+            items = _text(draw, (x, y), total, font, ink)
         question, orientation = "What number is written in the image?", "wide"
     return (image, question, (total,),
             {"orientation": orientation, "ratio": round(ratio, 2), "font_size": size,

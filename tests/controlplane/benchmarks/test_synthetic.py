@@ -116,6 +116,13 @@ def test_long_images_are_strips_of_one_to_six_to_one_to_fifteen():
         assert sample.answers[0] in "".join(item[0] for item in sample.meta["items"])
 
 
+def test_long_strips_take_the_ratio_range_asked_for():
+    for sample in generate("long", 10, seed=4, style="plain", strip="banner", ratio=(15, 30)):
+        assert 15 * sample.height - 1 <= sample.width <= 30 * sample.height + 1
+    # The default range draws the strips it drew before the range could be asked for.
+    assert generate("long", 3, seed=4, ratio=(6, 15)) == generate("long", 3, seed=4)
+
+
 def test_pillow_font_alone_is_accepted():
     assert generate("read", 3, seed=0, fonts="default")
 
@@ -126,6 +133,7 @@ def test_pillow_font_alone_is_accepted():
     (("read", 1, 0), {"style": "fancy"}, "style"),
     (("presence", 1, 0), {"negatives": "some"}, "negatives"),
     (("read", 1, 0), {"width": 10}, "width"),
+    (("long", 1, 0), {"ratio": (15, 6)}, "ratio"),
 ])
 def test_bad_arguments_are_refused_with_a_clear_error(args, options, message):
     with pytest.raises(ValueError, match=message):
