@@ -5,7 +5,7 @@ vLLM CPU engine: what each pixel cap costs and what it is worth.
 
 One vLLM CPU engine serves the trained Qwen2.5-VL (workers/engines/cpu/seeing_model.py),
 launched as the fleet launches a tier; our gateway runs as bench/gateway runs it, its vision
-tier on that engine. Each task's held-out questions (controlplane/benchmarks/synthetic.py, a
+tier on that engine. Each task's held-out questions (controlplane/imaging/synthetic.py, a
 seed the model never trained on) are asked at every cap, the client scaling each picture as
 an operator's pixel cap would, by the product's own resolution sweep; answers are scored by
 each task's metric with a 95 % interval. Printed per cap: accuracy per task and over the set,
@@ -49,8 +49,8 @@ TARGETS = (("within", 2.0), ("within", 10.0), ("at_least", 75.0))
 
 
 def items(tasks: list[str], per_task: int) -> list:
-    from controlplane.benchmarks import synthetic
     from controlplane.benchmarks.resolution import Item
+    from controlplane.imaging import synthetic
     from workers.engines.cpu import seeing_model
 
     found = []

@@ -33,7 +33,7 @@ class EvalSetError(Exception):
 def evalset_generate(*, name: str, task: str, count: int, seed: int, description: str = "", user=None) -> EvalSet:
     """A set of `count` questions of `task` from the built-in generator (the same seed, the
     same set)."""
-    from controlplane.benchmarks import synthetic
+    from controlplane.imaging import synthetic
 
     if task not in synthetic.TASKS:
         raise EvalSetError(f"there is no built-in generator for {task!r}")

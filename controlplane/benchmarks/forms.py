@@ -102,7 +102,7 @@ class EvalItemForm(ImageUploadForm):
 
 
 def _generators() -> list[tuple[str, str]]:
-    from controlplane.benchmarks import synthetic
+    from controlplane.imaging import synthetic
 
     return [(task, EvalItem.TaskType(task).label if task in EvalItem.TaskType.values else task)
             for task in synthetic.TASKS]

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from controlplane.benchmarks import intervals
+from controlplane import intervals
 
 YES, NO, UNCLEAR = "yes", "no", "unclear"
 

@@ -16,7 +16,8 @@ from decimal import Decimal
 
 from PIL import Image
 
-from controlplane.benchmarks import intervals, scoring, stats
+from controlplane import intervals
+from controlplane.benchmarks import scoring, stats
 from controlplane.benchmarks.loadgen import Sample
 from controlplane.benchmarks.workload import IMAGE, RequestSpec, data_url
 from controlplane.imaging.policy import Policy, fit_within, normalise_tiles

@@ -19,7 +19,8 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from controlplane.benchmarks import intervals, presence
+from controlplane import intervals
+from controlplane.benchmarks import presence
 
 
 @dataclass(frozen=True)

@@ -15,10 +15,11 @@ import httpx
 import pytest
 from celery import Celery
 
-from controlplane.benchmarks import advisor, gates, loadgen, resolution, synthetic
+from controlplane.benchmarks import advisor, gates, loadgen, resolution
 from controlplane.benchmarks.models import EvalItem, EvalSet, GateCheck, QualityGate
 from controlplane.catalog.models import ModelTier
 from controlplane.fleet.models import EngineInstance
+from controlplane.imaging import synthetic
 from tests.system.conftest import REAL_TIER, SYSTEM_REDIS_DB
 from tests.system.harness import wait_for
 from workers.engines.cpu import seeing_model, tiny_model

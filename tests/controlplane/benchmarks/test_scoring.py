@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from controlplane.benchmarks import intervals, presence, scoring
+from controlplane import intervals
+from controlplane.benchmarks import presence, scoring
 
 
 @pytest.mark.parametrize("answer, expected, em", [

@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from controlplane.benchmarks import synthetic
+from controlplane.imaging import synthetic
 from workers.engines.cpu import tiny_model
 
 ROOT = Path(__file__).resolve().parents[3]

@@ -3,7 +3,7 @@ import io
 import pytest
 from PIL import Image
 
-from controlplane.benchmarks.synthetic import COLOURS, TASKS, generate
+from controlplane.imaging.synthetic import COLOURS, TASKS, generate
 
 
 def _image(sample):
