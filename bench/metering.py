@@ -200,7 +200,7 @@ INGEST_ROUNDS = 3  # this machine's speed moves by tens of per cent: the median 
 def bench_ingest(world: World, count: int, naive_count: int) -> None:
     import statistics
 
-    from controlplane.gateway import ledger
+    from controlplane.gateway.apps import current_process
     from controlplane.metering.models import UsageEvent, UsageImage
     from controlplane.metering.outbox import BATCH, usage_ingest
     from controlplane.metering.services import usage_record, usage_rows, usage_rows_store
@@ -238,7 +238,7 @@ def bench_ingest(world: World, count: int, naive_count: int) -> None:
     # Entries delivered again reach the stream from elsewhere (a consumer that died before it
     # acknowledged, another process's copy): this process's memory of what it finished is not
     # what stops them; storing by request id is.
-    ledger._finished.clear()
+    current_process().ledger_book.finished.clear()
     asyncio.run(_put_all(redelivered))
     again_s, again = _timed(drain)
     kept = UsageEvent.objects.filter(request_id__startswith="stream").count()

@@ -72,18 +72,12 @@ def _fresh_gateway_process():
     counted, or taught the admissions (tenant and request ids repeat from test to test)."""
     from django.apps import apps
 
-    from controlplane.gateway import ledger
-    from controlplane.gateway.ledger import redis_store
     from controlplane.gateway.process import GatewayProcess
 
     config = apps.get_app_config("gateway")
     config.process = GatewayProcess.from_settings()
-    redis_store._handed.clear()  # what earlier tests handed over is theirs
-    ledger._finished.clear()  # and the requests they finished
     yield
     config.process = None
-    redis_store._handed.clear()
-    ledger._finished.clear()
 
 
 def skip_without_redis():

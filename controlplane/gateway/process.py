@@ -1,8 +1,9 @@
 """What one gateway process holds while it serves, in one object: the prepared-image cache,
 the memory its decodes may hold, its caches of the database, its engines' loads and turns,
-what its admissions taught it, its counters, and the usage hand-overs still running. Built
-once a process (`apps.current_process`); a test builds a fresh one instead of resetting
-module state. Nothing here is shared between replicas: what must be is in Redis."""
+what its admissions taught it, its counters, its requests in the ledger, and the usage
+hand-overs still running. Built once a process (`apps.current_process`); a test builds a
+fresh one instead of resetting module state. Nothing here is shared between replicas: what
+must be is in Redis."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from django.conf import settings
 
 from controlplane.gateway.admission import OptimisticAdmission
 from controlplane.gateway.counters import Counters
+from controlplane.gateway.ledger import LedgerBook
 from controlplane.gateway.repeats import Repeats, Shared
 from controlplane.gateway.routing import EngineLoads
 from controlplane.gateway.state import Caches
@@ -31,6 +33,7 @@ class GatewayProcess:
     hand_overs: set[asyncio.Task] = field(default_factory=set)  # usage on its way to the ledger
     tier_names: dict[int, str] = field(default_factory=dict)  # for the counters
     engine_watches: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)  # loop -> watch
+    ledger_book: LedgerBook = field(default_factory=LedgerBook)  # its requests in the ledger, its stores
 
     @classmethod
     def from_settings(cls) -> GatewayProcess:

@@ -26,11 +26,13 @@ import asyncio
 import logging
 import time
 import weakref
+from dataclasses import dataclass, field
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.utils import timezone
 
+from controlplane.gateway.apps import current_process
 from controlplane.gateway.ledger import spool
 from controlplane.gateway.ledger.base import (
     Ask,
@@ -46,34 +48,43 @@ from controlplane.gateway.ledger.database_store import DatabaseLedger
 from controlplane.gateway.ledger.redis_store import RedisLedger
 from controlplane.metering.records import UsageRecord
 
-__all__ = ("Ask", "DatabaseLedger", "Flight", "IntakeLimits", "Limits", "RedisLedger", "Refused", "Reservation", "admit",
+__all__ = ("Ask", "DatabaseLedger", "Flight", "IntakeLimits", "LedgerBook", "Limits", "RedisLedger", "Refused", "Reservation", "admit",
            "engine_chosen", "finish", "intake_charge", "intake_over", "journal_reap", "ledger", "settlement")
 log = logging.getLogger(__name__)
 
 SPOOL_RETRY_S = 2.0
-_live: dict[str, Flight] = {}
-# Requests this process finished lately: a request is finished once (a second finish, from
-# whatever caller, hands over and settles nothing). Across processes the journal's
-# conditional removal does the same between a gateway and the reaper.
+@dataclass(eq=False)
+class LedgerBook:
+    """What one process keeps of its requests in the ledger (its GatewayProcess holds it)."""
+
+    live: dict[str, Flight] = field(default_factory=dict)  # admitted, not yet finished
+    # Admissions refused with a 503 because the store's reply was lost: the store may have made
+    # the reservation and the journal entry all the same. The request's record (its 503) settles
+    # them as they were made. Bounded like `finished`.
+    unsure: dict[str, Flight] = field(default_factory=dict)
+    # Requests this process finished lately: a request is finished once (a second finish, from
+    # whatever caller, hands over and settles nothing). Across processes the journal's
+    # conditional removal does the same between a gateway and the reaper.
+    finished: dict[str, None] = field(default_factory=dict)
+    heartbeats: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)  # loop -> task
+    stores: dict[tuple, Ledger] = field(default_factory=dict)  # one object per store
+
+
 FINISHED_KEEP = 100_000
-# Admissions refused with a 503 because the store's reply was lost: the store may have made
-# the reservation and the journal entry all the same. The request's record (its 503) settles
-# them as they were made. Bounded like _finished.
-_unsure: dict[str, Flight] = {}
-_finished: dict[str, None] = {}
-_heartbeats: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> its heartbeat task
 
 
-_ledgers: dict[tuple, Ledger] = {}
+def _book() -> LedgerBook:
+    return current_process().ledger_book
 
 
 def ledger() -> Ledger:
     """The ledger of the store the settings name (one object per store, made once)."""
     store = settings.USAGE_OUTBOX
     key = (store, settings.REDIS_URL, settings.CACHES["default"].get("KEY_PREFIX")) if store == "redis" else (store,)
-    found = _ledgers.get(key)
+    stores = _book().stores
+    found = stores.get(key)
     if found is None:
-        found = _ledgers[key] = RedisLedger() if store == "redis" else DatabaseLedger()
+        found = stores[key] = RedisLedger() if store == "redis" else DatabaseLedger()
     return found
 
 
@@ -93,11 +104,11 @@ async def admit(record: UsageRecord, limits: Limits | None = None, ask: Ask | No
     except Exception:
         if limits is not None:
             if flight.journaled:  # made or not, its store cannot say: settled as it was, when it ends
-                _keep(_unsure, record.request_id, flight)
+                _keep(_book().unsure, record.request_id, flight)
             raise
         flight.answered = False
         log.exception("could not journal %s; it is metered when it ends", record.request_id)
-    _live[record.request_id] = flight
+    _book().live[record.request_id] = flight
     _ensure_heartbeat()
     return flight
 
@@ -148,17 +159,18 @@ async def finish(record: UsageRecord, written: asyncio.Future | None = None) -> 
     """Hand the usage over and settle the reservation: once, by the gateway or the reaper.
     `written`, if given, is resolved as soon as the usage is on its way to Redis (see
     redis_clients.once_written), before Redis acknowledges it."""
-    if record.request_id in _finished:
+    book = _book()
+    if record.request_id in book.finished:
         log.warning("%s was finished already: not handed over or settled again", record.request_id)
         return
-    flight = _live.pop(record.request_id, None)
+    flight = book.live.pop(record.request_id, None)
     if flight is None:
-        unsure = _unsure.pop(record.request_id, None)
+        unsure = book.unsure.pop(record.request_id, None)
         if unsure is not None:  # its admission's reply was lost: settled as the store made it
             record.reservation = unsure.record.reservation
         flight = Flight(record=record, journaled=unsure is not None)
     await ledger().finish(flight, written)
-    _keep(_finished, record.request_id, None)
+    _keep(book.finished, record.request_id, None)
 
 
 def _keep(memory: dict, request_id: str, value) -> None:
@@ -181,9 +193,10 @@ def drain_spool() -> int:
 
 def _ensure_heartbeat() -> None:
     loop = asyncio.get_running_loop()
-    task = _heartbeats.get(loop)
+    heartbeats = _book().heartbeats
+    task = heartbeats.get(loop)
     if task is None or task.done():
-        _heartbeats[loop] = loop.create_task(_heartbeat())
+        heartbeats[loop] = loop.create_task(_heartbeat())
 
 
 async def _heartbeat() -> None:
@@ -210,7 +223,7 @@ async def _heartbeat() -> None:
             await store.keep_safe()
         except Exception as exc:  # the store unreachable: looked at again next time
             log.warning("could not check that the usage handed over is safe: %s", exc)
-        flights = [flight for flight in list(_live.values())
+        flights = [flight for flight in list(_book().live.values())
                    if flight.journaled and (full or flight.produced != flight.beaten)]
         if not flights:
             continue

@@ -156,15 +156,7 @@ _ORDER = ("image_tokens", "total_tokens", "requests_per_minute", "concurrent_lar
 
 
 HANDED_KEEP_S, HANDED_MAX = 120, 200_000  # well past the ingest's interval
-_handed: deque = deque()  # (when, record) this process handed over, oldest first
 _PROCESS = uuid.uuid4().hex  # each process finds a restart for itself: its own marker
-
-
-def _remember(record: UsageRecord) -> None:
-    now = time.monotonic()
-    _handed.append((now, record))
-    while _handed and (_handed[0][0] < now - HANDED_KEEP_S or len(_handed) > HANDED_MAX):
-        _handed.popleft()
 
 
 def _store_all(records: list[UsageRecord]) -> None:
@@ -275,6 +267,7 @@ return 0
 
 class RedisLedger:
     def __init__(self, url: str | None = None, *, prefix: str | None = None):
+        self.handed: deque = deque()  # (when, record) this process handed over, oldest first
         from controlplane.redis_clients import key_prefix
 
         self.url, self.prefix = url or settings.REDIS_URL, prefix or key_prefix()
@@ -447,7 +440,7 @@ class RedisLedger:
         try:
             with once_written(written, "EVALSHA", "EVAL"):
                 await _eval(self._scripts(), _FINISH, len(keys), *keys, *args)
-            _remember(record)
+            self._remember(record)
         except Exception:  # Redis unreachable: the database is slower, but nothing is lost
             log.exception("usage journal unavailable; writing %s to the database", record.request_id)
             try:
@@ -491,6 +484,12 @@ class RedisLedger:
 
     # -- keep_safe -------------------------------------------------------------------------
 
+    def _remember(self, record: UsageRecord) -> None:
+        now = time.monotonic()
+        self.handed.append((now, record))
+        while self.handed and (self.handed[0][0] < now - HANDED_KEEP_S or len(self.handed) > HANDED_MAX):
+            self.handed.popleft()
+
     @staticmethod
     def finish_spooled(record: UsageRecord, journaled: bool) -> bool:
         """A finish that waited on disk goes straight into the database: the usage stream is
@@ -506,7 +505,7 @@ class RedisLedger:
         marker = f"{self.prefix}:alive:{_PROCESS}"
         if await client.expire(marker, 3600):  # there still (and kept an hour more)
             return 0
-        records = [record for _, record in list(_handed)]
+        records = [record for _, record in list(self.handed)]
         if records:
             log.warning("Redis started afresh: writing the %s usage records handed over in the last %ss "
                         "to the database", len(records), HANDED_KEEP_S)

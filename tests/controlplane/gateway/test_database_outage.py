@@ -93,7 +93,7 @@ def test_usage_finished_while_the_database_is_down_waits_on_disk_and_is_not_lost
     assert (event.status, event.output_tokens) == ("ok", 50)
     assert QuotaCounter.objects.get(tenant=world.alice, key="total_tokens").used == 180  # settled once
     assert ledger.drain_spool() == 0 and not list((tmp_path / "spool").iterdir())
-    ledger._live.clear()
+    current_process().ledger_book.live.clear()
 
 
 @pytest.mark.accounting
@@ -136,7 +136,7 @@ def test_usage_finished_while_redis_and_the_database_are_both_down_waits_on_disk
     assert ledger.drain_spool() == 1
     event = UsageEvent.objects.get(request_id="req-both-down")
     assert (event.status, event.output_tokens) == ("ok", 50)  # what the gateway saw, not the journal
-    ledger._live.clear()
+    current_process().ledger_book.live.clear()
     assert ledger.journal_reap(now=time.time() + 3600) + ledger.journal_reap(now=time.time() + 7200) == 1
     while usage_ingest():
         pass

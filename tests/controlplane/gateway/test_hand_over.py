@@ -19,8 +19,8 @@ from django.utils import timezone
 
 from controlplane.asgi import application
 from controlplane.fleet.models import EngineInstance, Node
+from controlplane.gateway import ledger
 from controlplane.gateway.apps import current_process
-from controlplane.gateway.ledger import redis_store
 from controlplane.gateway.ledger.redis_store import _FINISH, _sha
 from controlplane.metering.models import UsageEvent
 from controlplane.metering.outbox import stream_key, usage_ingest
@@ -104,7 +104,7 @@ def test_a_server_stopping_finishes_the_hand_overs_still_awaiting_redis_before_i
         held.release()
         await asyncio.wait_for(stopping, 30)
         # Stopped only once the hand-over had its reply: it was not cut off by the process exiting.
-        remembered = request_id in {record.request_id for _, record in redis_store._handed}
+        remembered = request_id in {record.request_id for _, record in ledger.ledger().handed}
         return waited, sent, remembered
 
     waited, sent, remembered = async_to_sync(scenario)()

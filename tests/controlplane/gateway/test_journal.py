@@ -12,6 +12,7 @@ from asgiref.sync import async_to_sync
 from django.conf import settings as django_settings
 
 from controlplane.gateway import ledger
+from controlplane.gateway.apps import current_process
 from controlplane.gateway.ledger import Ask, RedisLedger, Refused
 from controlplane.gateway.ledger.base import interrupted
 from controlplane.gateway.ledger.redis_store import _FINISH
@@ -36,7 +37,7 @@ def test_a_request_whose_gateway_died_is_recorded_once_as_interrupted(world, mod
     flight = forwarded(record_of(world, "req-orphan"), engine, LIMITS, ASK)
     flight.produced = 7
     async_to_sync(ledger.ledger().beat)([flight])  # its last heartbeat: 7 tokens streamed
-    ledger._live.clear()  # the process is gone: nothing of it runs any more
+    current_process().ledger_book.live.clear()  # the process is gone: nothing of it runs any more
     assert ledger.journal_reap() == 0  # its heartbeat is fresh: it may still be alive
     with pytest.raises(Refused):  # meanwhile the reservation holds the quota and the large slot
         reserve(world.alice.pk, LIMITS, Ask(0, 200, True))
@@ -99,7 +100,7 @@ def test_a_gateway_that_finishes_after_being_reaped_does_not_count_twice(world, 
 @pytest.mark.django_db(transaction=True)
 def test_a_request_that_never_reached_an_engine_is_recorded_at_no_cost(world, mode, engine):
     async_to_sync(ledger.admit)(record_of(world, "req-queued"), LIMITS, ASK)  # died waiting for a slot
-    ledger._live.clear()
+    current_process().ledger_book.live.clear()
     assert reap_twice(time.time() + 3600) == 1
     [event] = stored(mode)
     assert (event.status, event.cost) == ("interrupted", 0)
@@ -134,7 +135,7 @@ def test_the_reaper_leaves_an_entry_whose_heartbeat_came_back_meanwhile(world, e
                                       stale_beat=judged_stale)
     assert client.eval(_FINISH, len(keys), *keys, *args) == 0
     assert client.hexists(inflight, "req-back")  # left to its gateway
-    ledger._live.clear()
+    current_process().ledger_book.live.clear()
 
 
 @pytest.mark.django_db(transaction=True)
@@ -143,7 +144,7 @@ def test_an_entry_that_cannot_be_recorded_does_not_stop_the_reaper(world, engine
 
     for request_id in ("req-broken", "req-fine"):  # two dead gateways' requests
         forwarded(record_of(world, request_id), engine)
-    ledger._live.clear()
+    current_process().ledger_book.live.clear()
     broken = InFlightRequest.objects.get(request_id="req-broken")
     broken.record = {**broken.record, "tier_id": 999_999}  # its tier is gone: it cannot be stored
     broken.save()

@@ -13,6 +13,7 @@ from asgiref.sync import async_to_sync
 from django.conf import settings as django_settings
 
 from controlplane.gateway import ledger
+from controlplane.gateway.apps import current_process
 from controlplane.gateway.ledger import Ask, Limits, RedisLedger, Refused
 from controlplane.gateway.models import InFlightRequest
 from controlplane.metering.models import UsageEvent
@@ -44,7 +45,7 @@ def test_a_refused_request_leaves_no_entry_and_an_admitted_one_holds_both(world,
         async_to_sync(ledger.admit)(refused, LIMITS, Ask(0, 200, False))
     assert refused.reservation is None
     assert _journaled(mode) == {"req-in"}
-    ledger._live.clear()
+    current_process().ledger_book.live.clear()
 
 
 def _commands_sent(monkeypatch) -> list[str]:
@@ -97,7 +98,7 @@ def test_admitting_and_journaling_is_one_round_trip_to_redis(world, own_redis, m
     calls.clear()
     async_to_sync(ledger.admit)(record_of(world, "req-fourth"), LIMITS, Ask(0, 100, False))
     assert calls == ["EVALSHA"]
-    ledger._live.clear()
+    current_process().ledger_book.live.clear()
 
 
 @pytest.mark.django_db(transaction=True)
@@ -119,7 +120,7 @@ def test_a_request_costs_two_round_trips_to_the_ledger_admitted_with_its_engine_
         pass
     event = UsageEvent.objects.get(request_id=response["x-request-id"])
     assert event.instance_id is not None and event.status == "ok"
-    ledger._live.clear()
+    current_process().ledger_book.live.clear()
 
 
 @pytest.mark.django_db
@@ -155,7 +156,7 @@ def test_500_concurrent_admissions_on_one_process_all_get_an_answer(world, mode)
     failures = [o for o in outcomes if isinstance(o, Exception) and not isinstance(o, Refused)]
     assert failures == []
     assert sum(isinstance(o, Refused) for o in outcomes) == 250
-    ledger._live.clear()
+    current_process().ledger_book.live.clear()
 
 
 @pytest.mark.django_db(transaction=True)
@@ -182,7 +183,7 @@ def test_a_streams_output_reaches_the_journal_well_before_the_next_heartbeat(wor
     else:
         produced = InFlightRequest.objects.get(request_id="req-streaming").produced
     assert produced == 37
-    ledger._live.clear()
+    current_process().ledger_book.live.clear()
 
 
 @pytest.mark.django_db(transaction=True)
@@ -225,4 +226,4 @@ def test_an_admission_whose_reply_was_lost_is_released_as_it_was_made(world, mod
     assert int(client.get(total)) == before
     assert "req-lost" not in _journaled(mode)
     assert not client.hexists(store.epochs, "req-lost")
-    ledger._live.clear()
+    current_process().ledger_book.live.clear()

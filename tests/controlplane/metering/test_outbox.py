@@ -11,6 +11,7 @@ from asgiref.sync import async_to_sync
 from django.conf import settings as django_settings
 
 from controlplane.gateway import ledger
+from controlplane.gateway.apps import current_process
 from controlplane.metering import outbox as outbox_module
 from controlplane.metering.models import UsageEvent
 from controlplane.metering.outbox import GROUP, stream_key, usage_ingest
@@ -43,7 +44,7 @@ def _record(world, request_id, **fields):
 def test_usage_goes_through_the_stream_into_the_database_once(world, stream):
     put = async_to_sync(ledger.finish)  # what the gateway calls as a request ends
     put(_record(world, "req-a"))
-    ledger._finished.clear()  # the same request's usage delivered again (by another process's copy)
+    current_process().ledger_book.finished.clear()  # the same request's usage delivered again (by another process's copy)
     put(_record(world, "req-a"))
     put(_record(world, "req-b"))
     assert stream.xlen(stream_key()) == 3
@@ -127,7 +128,7 @@ def test_a_batch_stores_each_request_once_priced_at_the_rate_in_effect_then(worl
     put = async_to_sync(ledger.finish)  # what the gateway calls as a request ends
     for request_id, created_at in (("req-direct", None), ("req-old", before_the_change), ("req-new", None),
                                    ("req-new", None), ("req-unpriced", dt.datetime(2000, 1, 1, tzinfo=dt.UTC))):
-        ledger._finished.clear()  # a request delivered twice (req-new) comes from two copies
+        current_process().ledger_book.finished.clear()  # a request delivered twice (req-new) comes from two copies
         put(_record(world, request_id, **({"created_at": created_at} if created_at else {})))
 
     assert usage_ingest() == 5
