@@ -13,7 +13,7 @@ from controlplane.alerts.models import AlertRule
 from controlplane.benchmarks.models import BenchmarkProfile, BenchmarkRun
 from controlplane.fleet.models import EngineEvent, EngineInstance
 from controlplane.metering.models import SERVER_ERROR, UsageEvent
-from controlplane.metering.selectors import quota_use
+from controlplane.metering.selectors import quotas_use
 from controlplane.tenants.models import Quota
 
 A = EngineInstance.Actual
@@ -44,12 +44,11 @@ def _quota_use(rule: AlertRule, now: dt.datetime) -> list[Reading]:
     quotas = Quota.objects.select_related("tenant").filter(tenant__active=True).order_by("tenant__name")
     if rule.tenant_id:
         quotas = quotas.filter(tenant_id=rule.tenant_id)
+    quotas = [quota for quota in quotas if not quota.unlimited]
+    use = quotas_use([quota.tenant for quota in quotas], now=now)  # every tenant's in one query
     found = []
     for quota in quotas:
-        if quota.unlimited:
-            continue
-        rows = [row for row in quota_use(tenant=quota.tenant, quota=quota, now=now)
-                if row["limit"] and row["used"] is not None]
+        rows = [row for row in use[quota.tenant_id] if row["limit"] and row["used"] is not None]
         if not rows:
             continue
         for row in rows:

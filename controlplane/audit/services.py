@@ -6,6 +6,8 @@ from __future__ import annotations
 from decimal import Decimal
 
 from django.db import models
+from django.db.models import F, Window
+from django.db.models.functions import RowNumber
 
 from controlplane.audit.models import AuditEntry
 
@@ -40,3 +42,14 @@ def audit_record(*, actor: str, action: str, obj: models.Model, before: dict | N
 def history(obj: models.Model):
     """The entries of one object, newest first."""
     return AuditEntry.objects.filter(object_type=obj._meta.verbose_name, object_id=str(obj.pk))
+
+
+def histories(objects: list[models.Model], *, each: int):
+    """The entries of several objects of one model, newest first, at most `each` of any one
+    of them: one query however many objects there are."""
+    if not objects:
+        return AuditEntry.objects.none()
+    nth = Window(RowNumber(), partition_by=F("object_id"), order_by=(F("at").desc(), F("id").desc()))
+    return (AuditEntry.objects.filter(object_type=objects[0]._meta.verbose_name,
+                                      object_id__in=[str(obj.pk) for obj in objects])
+            .annotate(nth=nth).filter(nth__lte=each))

@@ -50,7 +50,7 @@ def gate_list(request):
         return redirect("benchmarks:gates")
     return render(request, "benchmarks/gates.html", {
         "form": form, "gates": QualityGate.objects.select_related("tier", "eval_set").order_by("tier__name"),
-        "checks": GateCheck.objects.select_related("policy", "requested_by")[:30]})
+        "checks": GateCheck.objects.select_related("policy", "tier", "requested_by")[:30]})
 
 
 @login_required

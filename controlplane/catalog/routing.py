@@ -36,12 +36,14 @@ def resolve_auto(tiers: Iterable[Routable], *, has_images: bool, tenant_text_tie
     return None
 
 
-def tenant_auto(tenant) -> dict:
-    """Where `auto` sends `tenant`'s text and image requests now: {"text": tier or None, ...}."""
+def tenant_auto(tenant, *, enabled_tiers: Iterable | None = None) -> dict:
+    """Where `auto` sends `tenant`'s text and image requests now: {"text": tier or None, ...}.
+    A page of many tenants reads the enabled tiers once and gives them as `enabled_tiers`,
+    and prefetches each tenant's allowed tiers."""
     from controlplane.catalog.models import ModelTier
 
-    tiers = ModelTier.objects.filter(enabled=True)
-    allowed = set(tenant.allowed_tiers.values_list("id", flat=True))
+    tiers = ModelTier.objects.filter(enabled=True) if enabled_tiers is None else enabled_tiers
+    allowed = {tier.id for tier in tenant.allowed_tiers.all()}
     usable = [tier for tier in tiers if not allowed or tier.id in allowed]
     return {kind: resolve_auto(usable, has_images=kind == "images", tenant_text_tier_id=tenant.default_text_tier_id,
                                tenant_image_tier_id=tenant.default_image_tier_id) for kind in ("text", "images")}

@@ -9,7 +9,8 @@ from django.db.models import Count, Max, Q
 from django.utils import timezone
 
 from controlplane.metering.models import UsageEvent
-from controlplane.metering.services import metered_so_far
+from controlplane.metering.periods import period_start
+from controlplane.metering.services import billed, metered_so_far, metered_sums
 
 
 def image_count_disagreements(*, since: dt.datetime) -> list[dict]:
@@ -120,9 +121,34 @@ def quota_use(*, tenant, quota, now: dt.datetime | None = None) -> list[dict]:
         return []
     now = now or timezone.now()
     image, total = metered_so_far(tenant.pk, quota.period, now)
-    used = {"image_tokens": image, "total_tokens": total,
-            "requests_per_minute": UsageEvent.objects.filter(
-                tenant=tenant, created_at__gte=now - dt.timedelta(minutes=1)).count()}
+    return _quota_rows(quota, {"image_tokens": image, "total_tokens": total,
+                               "requests_per_minute": UsageEvent.objects.filter(
+                                   tenant=tenant, created_at__gte=now - dt.timedelta(minutes=1)).count()})
+
+
+def quotas_use(tenants, *, now: dt.datetime | None = None) -> dict[int, list[dict]]:
+    """quota_use of each of `tenants` (each with its `quota`, or none), by tenant id: the same
+    figures, read in one query for them all."""
+    now = now or timezone.now()
+    quotas = {tenant.pk: quota for tenant in tenants if (quota := getattr(tenant, "quota", None)) is not None}
+    minute = now - dt.timedelta(minutes=1)
+    starts = {period: period_start(period, now) for period in {quota.period for quota in quotas.values()}}
+    sums = {"requests_per_minute": Count("id", filter=Q(created_at__gte=minute))}
+    for period, since in starts.items():
+        sums |= {f"{period}_{name}": total
+                 for name, total in metered_sums(filter=billed() & Q(created_at__gte=since)).items()}
+    read = {row["tenant_id"]: row for row in UsageEvent.objects.filter(
+        tenant_id__in=quotas, created_at__gte=min([minute, *starts.values()])).values("tenant_id").annotate(**sums)}
+    use = {}
+    for tenant_id, quota in quotas.items():
+        row = read.get(tenant_id, {})
+        use[tenant_id] = _quota_rows(quota, {"image_tokens": int(row.get(f"{quota.period}_image") or 0),
+                                             "total_tokens": int(row.get(f"{quota.period}_total") or 0),
+                                             "requests_per_minute": row.get("requests_per_minute") or 0})
+    return {tenant.pk: use.get(tenant.pk, []) for tenant in tenants}
+
+
+def _quota_rows(quota, used: dict) -> list[dict]:
     rows = []
     for name in quota.LIMITS:
         limit = getattr(quota, name)

@@ -31,8 +31,15 @@ def metered_so_far(tenant_id: int, period: str, now: dt.datetime) -> tuple[int, 
     billed requests. A quota counter starts from this at the start of a period."""
 
     totals = UsageEvent.objects.filter(billed(), tenant_id=tenant_id, created_at__gte=period_start(period, now)).aggregate(
-        image=Sum("image_tokens"), total=Sum(F("image_tokens") + F("text_tokens") + F("output_tokens")))
+        **metered_sums())
     return int(totals["image"] or 0), int(totals["total"] or 0)
+
+
+def metered_sums(**options) -> dict:
+    """What quotas count, as aggregates named image and total: image tokens, and every token.
+    `options` go to each Sum (a `filter`, for one sum among others)."""
+    return {"image": Sum("image_tokens", **options),
+            "total": Sum(F("image_tokens") + F("text_tokens") + F("output_tokens"), **options)}
 
 
 def usage_record(*, record: UsageRecord) -> UsageEvent:

@@ -13,8 +13,8 @@ def _in_group(user, name: str) -> bool:
     if not getattr(user, "is_authenticated", False) or not hasattr(user, "groups"):
         return False
     cache = getattr(user, "_role_groups", None)
-    if cache is None:
-        cache = set(user.groups.values_list("name", flat=True))
+    if cache is None:  # through the relation: a page of many users prefetches their groups
+        cache = {group.name for group in user.groups.all()}
         user._role_groups = cache
     return name in cache
 

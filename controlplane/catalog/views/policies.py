@@ -19,6 +19,7 @@ from controlplane.catalog.forms import PolicyForm, PolicyPreviewForm
 from controlplane.catalog.models import ModelTier, ResolutionPolicy
 from controlplane.catalog.services import policy_preview, resolution_curve, vision_tiers
 from controlplane.catalog.views.preview import engine_image_bounds, rates_now, samples
+from controlplane.metering.ratebook import RateBook
 from controlplane.web.access import operators_only, staff_only
 
 
@@ -106,8 +107,11 @@ def _policy_form(request, policy: ResolutionPolicy):
 def _preview(policy: ResolutionPolicy) -> list[dict]:
     """For each vision tier, what sample photos cost under `policy` (unsaved as it may be)."""
     found = []
-    for tier in ModelTier.objects.filter(kind=ModelTier.Kind.VISION).select_related("price_plan").order_by("name"):
+    tiers = list(ModelTier.objects.filter(kind=ModelTier.Kind.VISION).select_related("price_plan").order_by("name"))
+    book = RateBook().load(tier.price_plan_id for tier in tiers)  # every plan's rates at once
+    for tier in tiers:
         trial = copy.copy(tier)
         trial.resolution_policy = policy
-        found.append({"tier": tier, "samples": samples(trial, rates_now(tier)), "currency": tier.price_plan.currency})
+        found.append({"tier": tier, "samples": samples(trial, rates_now(tier, book)),
+                      "currency": tier.price_plan.currency})
     return found

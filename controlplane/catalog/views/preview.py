@@ -105,10 +105,11 @@ def engine_image_bounds(tier: ModelTier) -> str:
     return "none: this model's processor takes no pixel bounds; the gateway's downscale bounds it"
 
 
-def rates_now(tier: ModelTier):
-    """The rates of the tier's plan in effect now, or None."""
+def rates_now(tier: ModelTier, book: RateBook | None = None):
+    """The rates of the tier's plan in effect now, or None. A page of many tiers gives the
+    `book` it loaded their plans into."""
     try:
-        return RateBook().rates_at(tier.price_plan_id, timezone.now()) if tier.price_plan_id else None
+        return (book or RateBook()).rates_at(tier.price_plan_id, timezone.now()) if tier.price_plan_id else None
     except NoRate:
         return None
 

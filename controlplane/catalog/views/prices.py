@@ -6,10 +6,11 @@ from __future__ import annotations
 
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
+from django.db.models import Count
 from django.shortcuts import get_object_or_404, redirect, render
 from django.utils import timezone
 
-from controlplane.audit.services import history
+from controlplane.audit.services import histories
 from controlplane.catalog.forms import PricePlanForm, PriceRateForm
 from controlplane.catalog.models import PricePlan, PriceRate
 from controlplane.catalog.services import tier_image_tokens
@@ -30,8 +31,8 @@ def plan_list(request):
         plan.save(actor=request.user.get_username())
         messages.success(request, f"Plan {plan.name} created: add its first rate.")
         return redirect("dashboard:price-plan", name=plan.name)
-    now, book = timezone.now(), RateBook()
     plans = list(PricePlan.objects.prefetch_related("tiers").order_by("name"))
+    now, book = timezone.now(), RateBook().load(plan.pk for plan in plans)  # every plan's rates at once
     for plan in plans:
         try:
             plan.current = book.rate_at(plan.pk, now)
@@ -54,10 +55,9 @@ def plan_detail(request, name):
             messages.success(request, f"New rate of {plan.name} from {rate.effective_from:%Y-%m-%d %H:%M %Z}.")
             return redirect("dashboard:price-plan", name=plan.name)
         preview = _compare(plan, rate)
-    rates = list(plan.rates.order_by("-effective_from"))
-    for rate in rates:
-        rate.billed = rate.billed_requests()
-    entries = sorted((e for r in rates for e in history(r)[:10]), key=lambda e: e.at, reverse=True)[:20]
+    # What each rate billed, counted as PriceRate.billed_requests counts it, for every rate at once.
+    rates = list(plan.rates.annotate(billed=Count("usage_events")).order_by("-effective_from"))
+    entries = list(histories(rates, each=10)[:20])
     return render(request, "catalog/price_plan.html", {"plan": plan, "rates": rates, "form": form,
                                                          "preview": preview, "history": entries})
 

@@ -31,13 +31,15 @@ def keys(request):
             # server-side session only until the next page view, which removes it.
             request.session["issued_key"] = result.secret
             return redirect("dashboard:keys")
+    from controlplane.catalog.models import ModelTier
     from controlplane.catalog.routing import tenant_auto
 
-    keys = list(ApiKey.objects.select_related("tenant").order_by("tenant__name", "-created_at"))
-    routes = {}
+    keys = list(ApiKey.objects.select_related("tenant").prefetch_related("tenant__allowed_tiers")
+                .order_by("tenant__name", "-created_at"))
+    enabled, routes = list(ModelTier.objects.filter(enabled=True)), {}
     for key in keys:
         if key.tenant_id not in routes:
-            routes[key.tenant_id] = tenant_auto(key.tenant)
+            routes[key.tenant_id] = tenant_auto(key.tenant, enabled_tiers=enabled)
         key.auto = routes[key.tenant_id]
     return render(request, "tenants/keys.html", {
         "form": form, "issued": request.session.pop("issued_key", None), "keys": keys,

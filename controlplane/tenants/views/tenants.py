@@ -7,10 +7,9 @@ from __future__ import annotations
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.shortcuts import get_object_or_404, redirect, render
-from django.utils import timezone
 
 from controlplane.audit.services import history
-from controlplane.metering.selectors import quota_use
+from controlplane.metering.selectors import quota_use, quotas_use
 from controlplane.tenants.forms import QUOTA_LIMITS, QuotaDefaultForm, TenantForm
 from controlplane.tenants.models import Quota, QuotaDefault, Tenant
 from controlplane.tenants.services import quota_default_set, tenant_save
@@ -21,9 +20,9 @@ from controlplane.web.access import operators_only
 def tenant_list(request):
     operators_only(request)
     tenants = list(Tenant.objects.prefetch_related("allowed_tiers").select_related("quota").order_by("name"))
-    now = timezone.now()
+    use = quotas_use(tenants)
     for tenant in tenants:
-        tenant.use = quota_use(tenant=tenant, quota=getattr(tenant, "quota", None), now=now)
+        tenant.use = use[tenant.pk]
     defaults = QuotaDefault.current()
     form = QuotaDefaultForm(request.POST or None, instance=defaults)
     if request.method == "POST" and form.is_valid():

@@ -27,7 +27,8 @@ def user_list(request):
                            role=form.cleaned_data["role"], actor=request.user.get_username())
         request.session["invitation"] = [user.username, request.build_absolute_uri(invitation_path(user))]
         return redirect("dashboard:users")
-    people = list(get_user_model().objects.order_by("username").select_related("membership__tenant"))
+    people = list(get_user_model().objects.order_by("username").select_related("membership__tenant")
+                  .prefetch_related("groups"))
     for person in people:
         person.role = Role.of(person)
     return render(request, "tenants/users.html", {

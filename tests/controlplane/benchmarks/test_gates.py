@@ -132,3 +132,13 @@ def test_operators_gate_a_tier_on_a_set_and_others_may_not(client, world):
     refused = client.post("/benchmarks/gates/", {"tier": world.vision.pk, "eval_set": eval_set.pk,
                                                  "tolerance_points": 101, "max_tokens": 16})
     assert refused.status_code == 200 and QualityGate.objects.get().tolerance_points == 1.5
+
+
+def test_the_gates_page_lists_each_check_with_the_policy_or_tier_it_changes(client, world):
+    GateCheck.objects.create(policy=world.vision.resolution_policy, current={}, proposed={},
+                             requested_by=world.operator)
+    GateCheck.objects.create(tier=world.vision, current={}, proposed={}, requested_by=world.operator)
+    client.force_login(world.operator)
+    page = client.get("/benchmarks/gates/").content.decode()
+    assert f"<td>policy {world.vision.resolution_policy}</td>" in page
+    assert f"<td>tier {world.vision}</td>" in page

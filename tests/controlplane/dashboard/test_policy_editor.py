@@ -44,6 +44,7 @@ def test_a_policy_is_previewed_on_each_vision_tier_then_saved_and_recorded(clien
     row = preview.split("4032 × 3024")[1].split("</tr>")[0]
     assert world.vision.name in preview.split("4032 × 3024")[0].rsplit("<tr>", 1)[1]
     assert "728 × 532" in row  # at most 401,408 pixels, on Qwen2.5-VL's 28-pixel grid
+    assert ">496<" in row and "0.001149 USD" in row  # at 0.30 per M tokens and 0.001 per image
     assert not ResolutionPolicy.objects.filter(name="thrifty").exists()
     assert client.post("/policies/new/", {**_policy(), "save": "1"}).status_code == 302
     policy = ResolutionPolicy.objects.get(name="thrifty")

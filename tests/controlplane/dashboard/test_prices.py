@@ -13,6 +13,8 @@ from django.utils import timezone
 
 from controlplane.audit.models import AuditEntry
 from controlplane.catalog.models import PricePlan, PriceRate
+from controlplane.metering.records import UsageRecord
+from controlplane.metering.services import usage_record_many
 from tests.pages import field_errors
 
 pytestmark = pytest.mark.django_db
@@ -58,6 +60,20 @@ def test_a_new_rate_is_previewed_then_added_and_recorded_with_who(client, world)
         Decimal("0.40"), Decimal("0.5"), world.operator.username)
     assert AuditEntry.objects.filter(object_type="price rate", object_id=str(new.pk),
                                      actor=world.operator.username).exists()
+
+
+def test_a_plans_page_shows_what_each_rate_billed_and_the_changes_of_its_rates(client, world):
+    plan = world.vision.price_plan
+    usage_record_many(records=[UsageRecord(request_id=f"billed-{n}", tenant_id=world.alice.pk, api_key_id=None,
+                                           tier_id=world.vision.pk, text_tokens=10) for n in range(3)])
+    client.force_login(world.operator)
+    client.post(f"/prices/{plan.name}/", {**_rate(), "save": "1"})  # a new rate, from an hour on
+    page = client.get(f"/prices/{plan.name}/").content.decode()
+    billed = [row.split('<td class="num">')[-1].split("</td>")[0] for row in
+              page.split("<tbody>")[1].split("</tbody>")[0].split("</tr>")[:-1]]
+    assert billed == ["0", '3 <span class="muted">(fixed)</span>']  # newest rate first
+    changes = page.split('id="changes"')[1]
+    assert world.operator.username in changes and "created price rate" in changes
 
 
 def test_a_plan_gets_a_currency_from_the_list_and_keeps_it_once_it_has_rates(client, world):

@@ -4,9 +4,13 @@ chosen, or every tier when that is chosen; the quota editor shows what the tenan
 
 from __future__ import annotations
 
+import datetime as dt
+
 import pytest
+from django.utils import timezone
 
 from controlplane.audit.models import AuditEntry
+from controlplane.metering.periods import period_start
 from controlplane.metering.records import UsageRecord
 from controlplane.metering.services import usage_record
 from controlplane.tenants.models import Quota, QuotaDefault, Tenant
@@ -76,6 +80,28 @@ def test_the_quota_editor_shows_what_the_tenant_used_beside_each_limit(client, w
     assert "2,500 of 10,000 (25%)" in image and "4,000 of 40,000 (10%)" in total
     row = client.get("/tenants/").content.decode().split(f'data-tenant="{world.alice.name}"')[1].split("</tr>")[0]
     assert "Image tokens: 2,500 of 10,000 (25%)" in row
+
+
+def test_the_tenant_list_counts_each_tenants_use_over_its_own_period_and_billed_requests_only(client, world):
+    Quota.objects.create(tenant=world.alice, period="month", image_tokens=10_000, requests_per_minute=10)
+    Quota.objects.create(tenant=world.bob, period="day", total_tokens=10_000)
+    now = timezone.now()
+    for request_id, tenant, at, status in [
+        ("alice-now", world.alice, now, "ok"),
+        ("alice-failed", world.alice, now, "error"),  # failed before an engine worked on it: not billed
+        ("alice-month", world.alice, period_start("month", now), "ok"),
+        ("bob-now", world.bob, now, "ok"),
+        ("bob-yesterday", world.bob, period_start("day", now) - dt.timedelta(seconds=1), "ok"),
+    ]:
+        usage_record(record=UsageRecord(request_id=request_id, tenant_id=tenant.pk, api_key_id=None,
+                                        tier_id=world.vision.pk, image_tokens=1_000, text_tokens=500,
+                                        output_tokens=500, created_at=at, status=status))
+    client.force_login(world.operator)
+    page = client.get("/tenants/").content.decode()
+    alice, bob = (page.split(f'data-tenant="{name}"')[1].split("</tr>")[0] for name in ("alice", "bob"))
+    assert "Image tokens: 2,000 of 10,000 (20%)" in alice
+    assert "Requests per minute: 2 of 10 (20%)" in alice  # every request of the last minute
+    assert "Total tokens: 2,000 of 10,000 (20%)" in bob
 
 
 def test_editing_a_tenant_changes_its_quota_and_tiers_and_records_both(client, world):
