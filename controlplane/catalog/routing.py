@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Protocol
 
+from controlplane.catalog.models import ModelTier
+
 
 class Routable(Protocol):
     id: int
@@ -38,8 +40,6 @@ def resolve_auto(tiers: Iterable[Routable], *, has_images: bool, tenant_text_tie
 
 def tenant_auto(tenant) -> dict:
     """Where `auto` sends `tenant`'s text and image requests now: {"text": tier or None, ...}."""
-    from controlplane.catalog.models import ModelTier
-
     tiers = ModelTier.objects.filter(enabled=True)
     allowed = set(tenant.allowed_tiers.values_list("id", flat=True))
     usable = [tier for tier in tiers if not allowed or tier.id in allowed]
