@@ -19,6 +19,9 @@ from django.http import HttpResponseBadRequest, JsonResponse
 from django.utils.decorators import sync_and_async_middleware
 from whitenoise.middleware import WhiteNoiseMiddleware
 
+from controlplane.tenants import roles
+from controlplane.tenants.forms import TENANT_DEACTIVATED
+
 
 @sync_and_async_middleware
 def unreadable_address_refusal(get_response):
@@ -68,9 +71,6 @@ def deactivated_tenant_sign_out(get_response):
 
 
 def _signed_out(request):
-    from controlplane.tenants import roles
-    from controlplane.tenants.forms import TENANT_DEACTIVATED
-
     if not request.user.is_authenticated or (tenant := roles.deactivated_tenant(request.user)) is None:
         return None
     logout(request)

@@ -36,6 +36,7 @@ import jinja2
 import jinja2.ext
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
 
 # The token a Qwen-VL chat template writes once per image, between <|vision_start|> and
 # <|vision_end|>, which the processor expands to one token per vision feature.
@@ -272,8 +273,6 @@ class ChatTokenizer:
     """A model's tokenizer and chat template, as the engine applies them."""
 
     def __init__(self, tokenizer_json: str, chat_template: str, *, special: dict | None = None):
-        from tokenizers import Tokenizer
-
         self.tokenizer = Tokenizer.from_str(tokenizer_json)
         self.chat_template = chat_template
         self.special = special or {}  # bos_token, eos_token as the template may use them

@@ -21,6 +21,7 @@ import hiredis
 import redis
 import redis.asyncio
 import redis.asyncio.connection
+from django.conf import settings
 from redis._parsers.base import BaseParser
 from redis.connection import HiredisRespSerializer
 
@@ -78,8 +79,6 @@ def _packed_by_hiredis(connection_class: type) -> type:
 
 
 def _bounds() -> dict:
-    from django.conf import settings
-
     return {"max_connections": settings.REDIS_POOL_SIZE, "timeout": settings.REDIS_POOL_WAIT_S,
             "socket_timeout": settings.REDIS_TIMEOUT_S, "socket_connect_timeout": settings.REDIS_TIMEOUT_S,
             "health_check_interval": 30}
@@ -124,8 +123,6 @@ class _Multiplexed:
     before anything is sent. A cancelled caller's reply is read and dropped."""
 
     def __init__(self, options: dict):
-        from django.conf import settings
-
         self.options, self.timeout = options, settings.REDIS_TIMEOUT_S
         self._connection: _Connection | None = None
         self._connecting: asyncio.Task | None = None
@@ -307,6 +304,4 @@ def sync_redis(url: str) -> redis.Redis:
 
 def key_prefix() -> str:
     """Where this deployment's keys live in a shared Redis (CACHE_KEY_PREFIX)."""
-    from django.conf import settings
-
     return settings.CACHES["default"].get("KEY_PREFIX", "vlmcp")

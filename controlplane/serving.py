@@ -22,6 +22,8 @@ import argparse
 import asyncio
 import resource
 
+import uvicorn
+from django.conf import settings
 from uvicorn.middleware.proxy_headers import _TrustedHosts
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
@@ -58,8 +60,6 @@ class _ServerConnections:
 
 class BoundedHttpProtocol(HttpToolsProtocol):
     def connection_made(self, transport: asyncio.Transport) -> None:
-        from django.conf import settings  # loaded with the application, before any connection
-
         super().connection_made(transport)
         self._header_timeout_s = settings.HTTP_HEADER_TIMEOUT_S
         self._max_head, self._max_line = settings.HTTP_MAX_HEADER_BYTES, settings.HTTP_MAX_HEADER_LINE_BYTES
@@ -220,8 +220,6 @@ def serve(app, *, host: str, port: int, workers: int = 1, log_level: str = "info
           access_log: bool = False) -> None:
     """Serve `app` (an import string, or with one worker the application itself) as the
     control plane is served."""
-    import uvicorn
-
     allow_open_files()
     uvicorn.run(app, host=host, port=port, workers=workers, log_level=log_level, proxy_headers=proxy_headers,
                 access_log=access_log, http=BoundedHttpProtocol, loop="auto")

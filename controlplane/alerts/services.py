@@ -113,6 +113,7 @@ def _deliveries_create(alert: Alert, event: str, now: dt.datetime) -> None:
 
 
 def deliveries_enqueue(*, ids: list[int]) -> None:
+    # The tasks module imports this one: imported here, where a task is enqueued.
     from controlplane.alerts.tasks import alert_deliver
 
     for delivery_id in ids:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import plotly.graph_objects as go
 import plotly.io as pio
 
+from controlplane.benchmarks.scoring import METRIC_NAMES, TASKS, headline
 from controlplane.benchmarks.workload import CLASS_NAMES
 
 _DASH = {"p50": "dot", "p90": "dash", "p99": "solid"}
@@ -60,8 +61,6 @@ def throughput_chart(runs: list[tuple[str, dict]], div_id: str = "throughput-cha
 
 def task_label(task: str) -> str:
     """A task type with its headline metric: "chart reading (relaxed accuracy)"."""
-    from controlplane.benchmarks.scoring import METRIC_NAMES, TASKS
-
     known = TASKS.get(task)
     return f"{known.label} ({METRIC_NAMES[known.metric]})" if known else task
 
@@ -69,8 +68,6 @@ def task_label(task: str) -> str:
 def quality_cost_chart(runs: list[tuple[str, dict]], div_id: str = "quality-cost-chart") -> str:
     """Per run and task type: its headline metric (with its 95 % interval) against the cost of
     an image, one point per pixel cap."""
-    from controlplane.benchmarks.scoring import headline
-
     figure = go.Figure()
     for name, results in runs:
         caps = results.get("caps") or []

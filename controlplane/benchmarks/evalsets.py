@@ -4,6 +4,7 @@ written in one transaction only if none was refused."""
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
 import time
 from collections.abc import Callable
@@ -15,6 +16,7 @@ from django.utils import timezone
 from controlplane import outbound
 from controlplane.benchmarks import evalfiles
 from controlplane.benchmarks.models import EvalImport, EvalItem, EvalSet
+from controlplane.imaging import synthetic
 
 log = logging.getLogger(__name__)
 
@@ -33,8 +35,6 @@ class EvalSetError(Exception):
 def evalset_generate(*, name: str, task: str, count: int, seed: int, description: str = "", user=None) -> EvalSet:
     """A set of `count` questions of `task` from the built-in generator (the same seed, the
     same set)."""
-    from controlplane.imaging import synthetic
-
     if task not in synthetic.TASKS:
         raise EvalSetError(f"there is no built-in generator for {task!r}")
     samples = synthetic.generate(task, count, seed)
@@ -66,6 +66,7 @@ def evalset_delete(*, eval_set: EvalSet) -> None:
 def evalset_import_start(*, name: str, description: str, file_name: str, data: bytes, task_type: str,
                          user=None) -> EvalImport:
     """Keep the uploaded file on an import row and queue it for a worker."""
+    # The tasks module imports this one: imported here, where a task is enqueued.
     from controlplane.benchmarks.tasks import evalset_import
 
     job = EvalImport.objects.create(name=name, description=description, file_name=file_name[:255], data=data,
@@ -159,8 +160,6 @@ def evalset_import_execute(*, import_id: int) -> None:
 def evalimports_abandoned_end() -> int:
     """End the imports still marked running past their task's hard time limit: their worker
     died without saying so, and nothing else ever will."""
-    import datetime as dt
-
     too_old = timezone.now() - dt.timedelta(seconds=IMPORT_TIME_LIMIT_S)
     return EvalImport.objects.filter(state=EvalImport.State.RUNNING, started_at__lt=too_old).update(
         state=EvalImport.State.FAILED, finished_at=timezone.now(), data=b"",

@@ -3,10 +3,15 @@ from __future__ import annotations
 import io
 
 from django import forms
+from django.conf import settings
 from PIL import Image, UnidentifiedImageError
 
+from controlplane.benchmarks import evalfiles, presence
+from controlplane.benchmarks.advisor import TARGET_KINDS, Target
 from controlplane.benchmarks.models import BenchmarkProfile, EvalItem, EvalSet
+from controlplane.catalog.models import ModelTier
 from controlplane.fleet.models import EngineInstance
+from controlplane.imaging import synthetic
 
 
 class ProfileForm(forms.ModelForm):
@@ -26,8 +31,6 @@ class ProfileForm(forms.ModelForm):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        from django.conf import settings
-
         self.fields["gateway_url"].widget.attrs["placeholder"] = f"this server's gateway: {settings.GATEWAY_PUBLIC_URL}"
         self.fields["instance"].queryset = EngineInstance.objects.select_related("tier", "node")
 
@@ -68,8 +71,6 @@ class EvalItemForm(ImageUploadForm):
     field_order = ["task_type", "question", "answers", "image"]
 
     def clean_image(self):
-        from controlplane.benchmarks import evalfiles
-
         upload = self.cleaned_data["image"]
         if upload.size > evalfiles.MAX_IMAGE_BYTES:
             raise forms.ValidationError("images up to 20 MB")
@@ -82,8 +83,6 @@ class EvalItemForm(ImageUploadForm):
         return upload
 
     def clean(self):
-        from controlplane.benchmarks import presence
-
         cleaned = super().clean()
         answers = [line.strip() for line in (cleaned.get("answers") or "").splitlines() if line.strip()]
         if not answers and "answers" not in self.errors:
@@ -102,8 +101,6 @@ class EvalItemForm(ImageUploadForm):
 
 
 def _generators() -> list[tuple[str, str]]:
-    from controlplane.imaging import synthetic
-
     return [(task, EvalItem.TaskType(task).label if task in EvalItem.TaskType.values else task)
             for task in synthetic.TASKS]
 
@@ -159,8 +156,6 @@ class GateForm(forms.Form):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        from controlplane.catalog.models import ModelTier
-
         self.fields["tier"].queryset = ModelTier.objects.filter(kind=ModelTier.Kind.VISION).order_by("name")
         self.fields["eval_set"].queryset = EvalSet.objects.order_by("name")
 
@@ -181,11 +176,7 @@ class AdviceForm(forms.Form):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        from controlplane.benchmarks.advisor import TARGET_KINDS
-
         self.fields["target_kind"].choices = list(TARGET_KINDS.items())
 
     def target(self):
-        from controlplane.benchmarks.advisor import Target
-
         return Target(self.cleaned_data["target_kind"], self.cleaned_data["target_points"])

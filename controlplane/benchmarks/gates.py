@@ -31,6 +31,7 @@ from controlplane.audit.models import AuditEntry
 from controlplane.audit.services import audit_record, field_values
 from controlplane.benchmarks import loadgen, resolution
 from controlplane.benchmarks.models import GateCheck, QualityGate
+from controlplane.benchmarks.services import set_items, token_estimator
 from controlplane.catalog.changes import AUDITED as TIER_FIELDS
 from controlplane.catalog.changes import tier_save
 from controlplane.catalog.models import ModelTier, ResolutionPolicy
@@ -89,6 +90,7 @@ def tier_change_gated(tier: ModelTier, proposed: ModelTier) -> bool:
 def tier_check_start(*, tier: ModelTier, proposed: ModelTier, user=None) -> GateCheck:
     """Start measuring `proposed` (an unsaved, validated copy of `tier`) on a candidate engine
     against the tier's engines. The tier itself is left as it is."""
+    # The tasks module imports this one: imported here, where a task is enqueued.
     from controlplane.benchmarks.tasks import gate_check_run
 
     check = GateCheck.objects.create(tier=tier, current=tier_fields(ModelTier.objects.get(pk=tier.pk)),
@@ -101,6 +103,7 @@ def check_start(*, policy: ResolutionPolicy, proposed: ResolutionPolicy, user=No
     """Start measuring `proposed` (an unsaved copy of `policy`, validated) on every gated tier
     that uses `policy`. The policy itself is left as it is; `note`, if any, says in the check's
     log where the change came from."""
+    # The tasks module imports this one: imported here, where a task is enqueued.
     from controlplane.benchmarks.tasks import gate_check_run
 
     if not gated_tiers(policy):
@@ -219,8 +222,6 @@ def _measure_candidate(check: GateCheck, candidate: EngineInstance) -> dict:
 
 def _compare(check: GateCheck, tier: ModelTier, sides: dict, *, done: float, share: float) -> dict:
     """The gate set sent as each side says, (engine, tier as it serves, policy), and scored."""
-    from controlplane.benchmarks.services import set_items, token_estimator
-
     gate: QualityGate = tier.quality_gate
     items = set_items(gate.eval_set)
     if not items:

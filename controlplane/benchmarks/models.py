@@ -5,6 +5,7 @@ from django.db import models
 from django.utils import timezone
 
 from controlplane import outbound
+from controlplane.benchmarks.schedules import parse_cron
 
 # A run is one Celery task with a one-hour limit: the load planned, plus the drain of each
 # stage (at most 30 s, services.drain_seconds), must fit inside it.
@@ -106,8 +107,6 @@ class BenchmarkProfile(models.Model):
     @property
     def gateway_base(self) -> str:
         """The gateway a run sends to: the profile's own URL, else this server's."""
-        from django.conf import settings
-
         return (self.gateway_url or settings.GATEWAY_PUBLIC_URL).rstrip("/")
 
     def _gateway_url_refusal(self) -> str | None:
@@ -121,8 +120,6 @@ class BenchmarkProfile(models.Model):
                                     what="benchmark target URL")
 
     def clean(self):
-        from controlplane.benchmarks.schedules import parse_cron
-
         errors = {}
         if self.images_per_request_min > self.images_per_request_max:
             errors["images_per_request_max"] = "must be at least the minimum"

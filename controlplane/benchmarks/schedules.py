@@ -8,16 +8,16 @@ from __future__ import annotations
 
 import json
 
+from django.core.exceptions import ValidationError
 from django.db import transaction
+from django_celery_beat.models import CrontabSchedule, PeriodicTask
+from django_celery_beat.validators import crontab_validator
 
 TASK_NAME = "benchmarks.run"
 
 
 def parse_cron(expression: str) -> dict:
     """Five cron fields as CrontabSchedule's keyword arguments; ValueError if malformed."""
-    from django.core.exceptions import ValidationError
-    from django_celery_beat.validators import crontab_validator
-
     fields = expression.split()
     if len(fields) != 5:
         raise ValueError("five fields: minute hour day-of-month month day-of-week")
@@ -37,8 +37,6 @@ def periodic_task_name(profile) -> str:
 @transaction.atomic
 def profile_schedule_sync(*, profile) -> None:
     """Create, change, pause or remove the profile's PeriodicTask to match its fields."""
-    from django_celery_beat.models import CrontabSchedule, PeriodicTask
-
     task = profile.periodic_task
     if not profile.schedule_cron:
         if task is not None:

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from decimal import Decimal
+
+from controlplane.benchmarks.advisor import Point
 from controlplane.benchmarks.models import BenchmarkRun
+from controlplane.benchmarks.scoring import METRIC_NAMES, headline
 from controlplane.benchmarks.workload import CLASS_NAMES
 
 # (label, path into a class summary) for the comparison table
@@ -75,8 +79,6 @@ def comparison_rows(a: BenchmarkRun, b: BenchmarkRun) -> list[dict]:
 def cap_rows(a: BenchmarkRun, b: BenchmarkRun) -> list[dict]:
     """Resolution sweeps side by side: each pixel cap both ran, with tokens, cost and each
     task's headline metric with its interval."""
-    from controlplane.benchmarks.scoring import headline
-
     caps_b = {cap["cap"]: cap for cap in b.results.get("caps") or []}
     rows = []
     for cap_a in a.results.get("caps") or []:
@@ -99,8 +101,6 @@ def _headline(cap: dict, task: str, headline):
 
 def cap_task_rows(caps: list[dict]) -> list[dict]:
     """Each cap of a resolution sweep with its tasks' headlines, named, for the results table."""
-    from controlplane.benchmarks.scoring import METRIC_NAMES, headline
-
     rows = []
     for cap in caps:
         tasks = [{"task": task, "metric": METRIC_NAMES.get(figures.get("metric", "anls"), ""),
@@ -115,10 +115,6 @@ def curve_points(results: dict) -> list:
     """A resolution sweep's quality–cost curve for the advisor: each cap with its accuracy on
     the whole set (`overall`), that accuracy's interval and its cost per image. Caps without
     a figure for the set (unlabelled items, or nothing answered) are left out."""
-    from decimal import Decimal
-
-    from controlplane.benchmarks.advisor import Point
-
     points = []
     for cap in results.get("caps") or []:
         overall = cap.get("overall") or {}

@@ -18,22 +18,29 @@ import threading
 
 from django.conf import settings
 from django.db import transaction
+from django.db.models import Q, Value
+from django.db.models.functions import Coalesce, Concat
 from django.utils import timezone
 
 from controlplane import outbound
-from controlplane.benchmarks import loadgen, stats
+from controlplane.benchmarks import loadgen, resolution, stats
 from controlplane.benchmarks.models import BenchmarkImage, BenchmarkProfile, BenchmarkRun, EvalSet
+from controlplane.benchmarks.resolution import Item
+from controlplane.benchmarks.schedules import profile_schedule_remove, profile_schedule_sync
 from controlplane.benchmarks.workload import (
     CLASS_NAMES,
     Mix,
     UploadedImage,
     Workload,
     buckets_from_json,
+    synthetic_jpeg,
 )
 from controlplane.catalog.services import tier_image_tokens
+from controlplane.celery import app
 from controlplane.fleet.selectors import routable_instances
 from controlplane.imaging.policy import sent_sizes
 from controlplane.imaging.tokens import count_image_tokens
+from controlplane.metering.ratebook import NoRate, RateBook
 from controlplane.tenants.models import Tenant
 from controlplane.tenants.services import TenantInactive, api_key_create, api_key_revoke
 
@@ -57,6 +64,7 @@ class BenchmarkError(Exception):
 
 def benchmark_start(*, profile: BenchmarkProfile, label: str = "", user=None,
                     trigger: str = BenchmarkRun.Trigger.MANUAL) -> BenchmarkRun:
+    # The tasks module imports this one: imported here, where a task is enqueued.
     from controlplane.benchmarks.tasks import benchmark_run
 
     run = BenchmarkRun.objects.create(profile=profile, label=label, created_by=user, trigger=trigger,
@@ -94,8 +102,6 @@ def benchmark_cancel(*, run: BenchmarkRun) -> None:
     cancelled_now = BenchmarkRun.objects.filter(pk=run.pk, state=BenchmarkRun.State.QUEUED).update(
         state=BenchmarkRun.State.CANCELLED, finished_at=timezone.now(), log="cancelled before it started\n")
     if cancelled_now and run.task_id:
-        from controlplane.celery import app
-
         try:  # the flag already stops it; revoking only spares a worker the pickup
             app.control.revoke(run.task_id)
         except Exception:
@@ -107,9 +113,6 @@ def _abandoned_runs_end(runs, state: str) -> int:
     """End the runs still marked running whose worker has gone silent (or that outlived their
     task's hard time limit): it died (killed, or the limit reached) without writing how they
     ended, and nothing else ever will."""
-    from django.db.models import Q, Value
-    from django.db.models.functions import Coalesce, Concat
-
     now = timezone.now()
     silent = Q(last_sign__lt=now - dt.timedelta(seconds=RUN_SILENCE_S))
     too_long = Q(started_at__lt=now - dt.timedelta(seconds=RUN_TIME_LIMIT_S))
@@ -210,8 +213,6 @@ def _vetted(url: str, what: str) -> outbound.Target:
 
 
 def _rates(tier):
-    from controlplane.metering.ratebook import NoRate, RateBook
-
     try:
         return RateBook().rates_at(tier.price_plan_id, timezone.now())
     except NoRate:
@@ -312,8 +313,6 @@ def _measure(run: BenchmarkRun, workload: Workload, target: loadgen.Target, leve
 
 
 def _measure_resolution(run: BenchmarkRun, target: loadgen.Target) -> None:
-    from controlplane.benchmarks import resolution
-
     profile = run.profile
     items = resolution_items(profile)
     caps = list(profile.pixel_caps)
@@ -340,8 +339,6 @@ def _measure_resolution(run: BenchmarkRun, target: loadgen.Target) -> None:
 
 def set_items(eval_set: EvalSet) -> list:
     """An evaluation set's items, as a sweep asks them."""
-    from controlplane.benchmarks.resolution import Item
-
     return [Item(key=f"row-{i.row}", data=bytes(i.data), width=i.width, height=i.height,
                  content_type=i.content_type, question=i.question, task_type=i.task_type, answers=tuple(i.answers))
             for i in eval_set.items.all()]
@@ -350,9 +347,6 @@ def set_items(eval_set: EvalSet) -> list:
 def resolution_items(profile: BenchmarkProfile) -> list:
     """The items of its evaluation set, else the uploaded images, else one synthetic image per
     size bucket."""
-    from controlplane.benchmarks.resolution import Item
-    from controlplane.benchmarks.workload import synthetic_jpeg
-
     items = set_items(profile.eval_set) if profile.eval_set_id else []
     if not items:
         items = [Item(key=f"image-{i.pk}", data=bytes(i.data), width=i.width, height=i.height,
@@ -421,9 +415,6 @@ def _drive(run: BenchmarkRun, results: dict, start, summarise) -> None:
 
 
 def _append_log(run: BenchmarkRun, line: str) -> None:
-    from django.db.models import Value
-    from django.db.models.functions import Concat
-
     stamp = timezone.now().strftime("%H:%M:%S")
     BenchmarkRun.objects.filter(pk=run.pk).update(log=Concat("log", Value(f"{stamp} {line.rstrip()}\n")))
 
@@ -442,8 +433,6 @@ def _finish(run: BenchmarkRun, state: str, line: str, *, results: dict | None = 
 @transaction.atomic
 def profile_save(*, profile: BenchmarkProfile) -> BenchmarkProfile:
     """Save a validated profile and bring its beat schedule in line with it."""
-    from controlplane.benchmarks.schedules import profile_schedule_sync
-
     profile.save()
     profile_schedule_sync(profile=profile)
     return profile
@@ -451,8 +440,6 @@ def profile_save(*, profile: BenchmarkProfile) -> BenchmarkProfile:
 
 @transaction.atomic
 def profile_delete(*, profile: BenchmarkProfile) -> None:
-    from controlplane.benchmarks.schedules import profile_schedule_remove
-
     profile_schedule_remove(profile=profile)
     profile.delete()
 

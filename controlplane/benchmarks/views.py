@@ -3,6 +3,8 @@ evaluation sets (generated, imported, browsed, deleted)."""
 
 from __future__ import annotations
 
+import io
+
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.core.exceptions import PermissionDenied
@@ -11,6 +13,7 @@ from django.db.models import Count
 from django.http import HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_GET, require_POST
+from PIL import Image
 
 from controlplane.benchmarks import charts, curve_views, evalsets, selectors, services
 from controlplane.benchmarks.forms import (
@@ -271,10 +274,6 @@ THUMBNAIL_PX = 160
 @require_GET
 def evalitem_image(request, pk: int, item_pk: int):
     """An item's image, scaled to a thumbnail (checked when it was saved)."""
-    import io
-
-    from PIL import Image
-
     _operator(request)
     item = get_object_or_404(EvalItem, pk=item_pk, eval_set_id=pk)
     with Image.open(io.BytesIO(bytes(item.data))) as image:

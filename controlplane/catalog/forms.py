@@ -1,8 +1,19 @@
 """The forms of the catalog pages: tiers and their engine settings, resolution policies and
 their preview, price plans and their rates."""
 
-from django import forms
+from decimal import Decimal
 
+from django import forms
+from django.utils import timezone
+
+from controlplane.catalog.engine_settings import (
+    SETTINGS,
+    SGLANG,
+    EngineSettings,
+    EngineSettingsError,
+    applicable,
+)
+from controlplane.imaging.decode import SUPPORTED_FORMATS
 from controlplane.web.fields import UtcDateTimeField
 
 
@@ -36,8 +47,6 @@ class TierForm(forms.ModelForm):
         del ModelTier
 
     def __init__(self, *args, engine_kind: str, **kwargs):
-        from controlplane.catalog.engine_settings import SETTINGS, applicable
-
         super().__init__(*args, **kwargs)
         self.engine_kind = engine_kind
         current = applicable(self.instance.engine_settings, engine_kind)
@@ -63,8 +72,6 @@ class TierForm(forms.ModelForm):
         return groups.items()
 
     def clean(self):
-        from controlplane.catalog.engine_settings import EngineSettings, EngineSettingsError
-
         data = super().clean()
         raw = {}
         for setting, name in self.settings_fields:
@@ -86,8 +93,6 @@ class TierForm(forms.ModelForm):
 def _setting_field(setting, value, engine_kind):
     """A form field for one engine setting, showing its default when left blank, and the flag
     it becomes on this tier's engine."""
-    from controlplane.catalog.engine_settings import SGLANG
-
     flag = setting.flag_for(engine_kind)
     engine = "SGLang" if engine_kind == SGLANG else "vLLM"
     options = {"required": False, "label": setting.label, "initial": value,
@@ -154,8 +159,6 @@ class PriceRateForm(forms.ModelForm):
         del PriceRate
 
     def clean_effective_from(self):
-        from django.utils import timezone
-
         when = self.cleaned_data["effective_from"]
         if when < timezone.now() - timezone.timedelta(minutes=1):
             raise forms.ValidationError("a new rate starts now or later: requests already made keep the "
@@ -166,8 +169,6 @@ class PriceRateForm(forms.ModelForm):
         return when
 
     def clean_cached_image_discount(self):
-        from decimal import Decimal
-
         return self.cleaned_data["cached_image_discount"] / Decimal(100)
 
 
@@ -191,7 +192,5 @@ class PolicyForm(forms.ModelForm):
         del ResolutionPolicy
 
     def __init__(self, *args, **kwargs):
-        from controlplane.imaging.decode import SUPPORTED_FORMATS
-
         super().__init__(*args, **kwargs)
         self.fields["allowed_formats"].choices = [(f, f) for f in SUPPORTED_FORMATS]

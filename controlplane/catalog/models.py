@@ -3,11 +3,16 @@ from decimal import Decimal
 
 from django.core.exceptions import ValidationError
 from django.core.validators import MaxValueValidator, MinValueValidator
-from django.db import models
+from django.db import models, transaction
 from django.utils import timezone
 
+from controlplane.audit.services import audit_record, field_values
 from controlplane.catalog.engine_settings import EngineSettings, EngineSettingsError
-from controlplane.imaging.tokens import FAMILIES
+from controlplane.imaging.decode import SUPPORTED_FORMATS
+from controlplane.imaging.policy import Policy
+from controlplane.imaging.tokens import FAMILIES, image_grid
+from controlplane.metering.models import UsageEvent
+from controlplane.metering.rating import Rates
 
 
 class ResolutionPolicy(models.Model):
@@ -50,8 +55,6 @@ class ResolutionPolicy(models.Model):
         return self.name
 
     def clean(self):
-        from controlplane.imaging.decode import SUPPORTED_FORMATS
-
         errors = {}
         patch = 28 * 28  # the smallest image a ViT-based VLM's processor makes (one merged patch)
         if self.min_pixels < patch:
@@ -81,8 +84,6 @@ class ResolutionPolicy(models.Model):
             raise ValidationError(errors)
 
     def as_policy(self, *, grid: int = 0):
-        from controlplane.imaging.policy import Policy
-
         return Policy(
             grid=grid,
             min_pixels=self.min_pixels,
@@ -117,10 +118,6 @@ class PricePlan(models.Model):
 
     def save(self, *args, actor: str = "", **kwargs):
         """Saved and recorded in the audit log at once; `actor` is who made the change."""
-        from django.db import transaction
-
-        from controlplane.audit.services import audit_record, field_values
-
         if self.currency not in CURRENCIES:
             raise ValidationError({"currency": f"{self.currency!r} is not a currency plans bill in: "
                                                f"{', '.join(CURRENCIES)}"})
@@ -213,10 +210,6 @@ class PriceRate(models.Model):
 
     def save(self, *args, actor: str = "", **kwargs):
         """Saved and recorded in the audit log at once; `actor` is who made the change."""
-        from django.db import transaction
-
-        from controlplane.audit.services import audit_record, field_values
-
         self._refuse_a_billed_change()  # also for code that skips clean()
         stored = PriceRate.objects.filter(pk=self.pk).first() if self.pk else None
         with transaction.atomic():
@@ -227,10 +220,6 @@ class PriceRate(models.Model):
                          after=field_values(self, _AUDITED))
 
     def delete(self, *args, actor: str = "", **kwargs):
-        from django.db import transaction
-
-        from controlplane.audit.services import audit_record, field_values
-
         if billed := self.billed_requests():
             raise RateInUse(f"this rate has priced {billed} requests and cannot be deleted")
         self._refuse_leaving_live_tiers_unpriced()
@@ -259,8 +248,6 @@ class PriceRate(models.Model):
     def _refuse_starting_inside_what_was_billed(self) -> None:
         """A rate starting before usage its plan already billed would be the rate in effect for
         requests another rate priced: a new price starts after the last request billed."""
-        from controlplane.metering.models import UsageEvent
-
         if self.effective_from is None or self.plan_id is None:
             return
         last = UsageEvent.objects.filter(rate__plan_id=self.plan_id, created_at__gte=self.effective_from) \
@@ -279,8 +266,6 @@ class PriceRate(models.Model):
                                   "disable the tiers first")
 
     def as_rates(self):
-        from controlplane.metering.rating import Rates
-
         return Rates(
             text_input_per_mtok=self.text_input_per_mtok,
             image_per_mtok=self.image_per_mtok,
@@ -345,8 +330,6 @@ class ModelTier(models.Model):
 
     def image_policy(self):
         """The resolution policy as the imaging library applies it for this tier's model."""
-        from controlplane.imaging.tokens import image_grid
-
         return self.resolution_policy.as_policy(grid=image_grid(self.family)) if self.resolution_policy else None
 
     @property
@@ -379,7 +362,7 @@ class ModelTier(models.Model):
             raise ValidationError(f"{self.name} is where `auto` sends requests: make another tier the default "
                                   "before disabling it")
         if self.enabled and self.price_plan_id:
-            from controlplane.metering.ratebook import priced_plans
+            from controlplane.metering.ratebook import priced_plans  # it imports this module
 
             if not priced_plans([self.price_plan_id], timezone.now()):
                 raise ValidationError("an enabled tier needs a price in effect: add a rate to its plan first")
@@ -390,7 +373,6 @@ class ModelTier(models.Model):
         the same currency (a tenant's usage of it is never summed across currencies)."""
         if self.pk is None or not self.price_plan_id:
             return
-        from controlplane.metering.models import UsageEvent
 
         stored = ModelTier.objects.filter(pk=self.pk).values_list("price_plan__currency", flat=True).first()
         currency = PricePlan.objects.filter(pk=self.price_plan_id).values_list("currency", flat=True).first()

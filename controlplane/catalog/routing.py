@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Protocol
 
+from controlplane.catalog.models import ModelTier
+
 
 class Routable(Protocol):
     id: int
@@ -40,8 +42,6 @@ def tenant_auto(tenant, *, enabled_tiers: Iterable | None = None) -> dict:
     """Where `auto` sends `tenant`'s text and image requests now: {"text": tier or None, ...}.
     A page of many tenants reads the enabled tiers once and gives them as `enabled_tiers`,
     and prefetches each tenant's allowed tiers."""
-    from controlplane.catalog.models import ModelTier
-
     tiers = ModelTier.objects.filter(enabled=True) if enabled_tiers is None else enabled_tiers
     allowed = {tier.id for tier in tenant.allowed_tiers.all()}
     usable = [tier for tier in tiers if not allowed or tier.id in allowed]

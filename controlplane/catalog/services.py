@@ -8,7 +8,7 @@ from django.utils import timezone
 
 from controlplane.catalog.models import ModelTier
 from controlplane.imaging.errors import ImageError
-from controlplane.imaging.policy import normalise_tiles
+from controlplane.imaging.policy import normalise_tiles, sent_sizes
 from controlplane.imaging.tokens import count_image_tokens, processor_options
 from controlplane.metering.ratebook import NoRate, RateBook
 from controlplane.metering.rating import images_price
@@ -58,8 +58,6 @@ def policy_preview(*, data: bytes, detail: str | None = None) -> list[TierPrevie
 
 def resolution_curve(tier: ModelTier, *, aspect=(4, 3), megapixels=(0.1, 0.25, 0.5, 1, 2, 4, 8, 12)):
     """Image tokens against source megapixels for `tier`'s policy (a 4:3 photo by default)."""
-    from controlplane.imaging.policy import sent_sizes
-
     policy = tier.image_policy()
     points = []
     for mp in megapixels:

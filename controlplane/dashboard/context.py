@@ -1,5 +1,6 @@
 from django.utils.functional import SimpleLazyObject
 
+from controlplane.alerts.selectors import alerts_firing_count
 from controlplane.tenants import roles as _roles
 
 
@@ -15,7 +16,5 @@ def roles(request):
     }
     if operator:
         # The nav's badge: one count, made only when a page renders the nav.
-        from controlplane.alerts.selectors import alerts_firing_count
-
         context["firing_alerts"] = SimpleLazyObject(alerts_firing_count)
     return context

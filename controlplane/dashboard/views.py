@@ -9,6 +9,7 @@ from django.shortcuts import render
 from django.utils import timezone
 
 from controlplane.catalog.charts import resolution_curves_chart
+from controlplane.catalog.models import ModelTier
 from controlplane.catalog.services import resolution_curves
 from controlplane.metering.charts import (
     cache_savings_chart,
@@ -45,8 +46,6 @@ def index(request):
     ?period=24h|30d|90d, ?tier=NAME, and for operators and finance ?tenant=NAME.
     """
     _require(roles.can_see_usage, request.user)
-    from controlplane.catalog.models import ModelTier
-
     staff = roles.is_operator(request.user) or roles.is_finance(request.user)
     visible = roles.visible_tenants(request.user)
     tenants = list(visible.order_by("name")) if staff else []

@@ -9,6 +9,8 @@ from django.db import transaction
 from django.db.models import Count, Q
 from django.utils import timezone
 
+from controlplane.audit.models import AuditEntry
+from controlplane.audit.services import audit_record
 from controlplane.catalog.engine_settings import EngineSettingsError
 from controlplane.catalog.models import ModelTier
 from controlplane.fleet.models import EngineEvent, EngineInstance, EngineMetricSample, Gpu, Node
@@ -234,9 +236,6 @@ def samples_prune(now=None) -> int:
 def tier_replicas_set(*, tier: ModelTier, pool: str = "standard", replicas: int, actor: str) -> None:
     """Set how many replicas `tier` wants in `pool` (the sync launches or drains to match),
     recorded with who set it."""
-    from controlplane.audit.models import AuditEntry
-    from controlplane.audit.services import audit_record
-
     tier = ModelTier.objects.select_for_update().get(pk=tier.pk)
     before = {"replicas": tier.replicas, "large_pool_replicas": tier.settings.large_pool_replicas}
     if pool == "large":
@@ -282,9 +281,6 @@ def instance_action(*, instance: EngineInstance, action: str, user, replace: boo
     who = getattr(user, "username", "") or "system"
     before = {"desired_state": instance.desired_state, "drain": instance.drain}
     done = _instance_action(instance, action, who, replace)
-    from controlplane.audit.models import AuditEntry
-    from controlplane.audit.services import audit_record
-
     instance.refresh_from_db()
     audit_record(actor=who, action=AuditEntry.Action.CHANGED, obj=instance, before=before,
                  after={"desired_state": instance.desired_state, "drain": instance.drain})

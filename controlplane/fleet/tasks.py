@@ -8,16 +8,17 @@ from celery import shared_task
 from celery.signals import worker_ready
 from django.conf import settings
 
+from controlplane.fleet.models import Node
+from controlplane.fleet.services import instances_place, samples_prune, tier_replicas_sync
+from workers.supervision import external_reconcile, this_node
+from workers.supervision import node_reconcile as reconcile
+
 log = logging.getLogger(__name__)
 
 
 @shared_task(name="fleet.reconcile", soft_time_limit=30, time_limit=60)
 def fleet_reconcile() -> None:
     """Control-plane side: make rows for missing replicas, place them, poke every node."""
-    from controlplane.fleet.models import Node
-    from controlplane.fleet.services import instances_place, samples_prune, tier_replicas_sync
-    from workers.supervision import external_reconcile
-
     tier_replicas_sync()
     instances_place()
     external_reconcile()
@@ -29,8 +30,6 @@ def fleet_reconcile() -> None:
 
 @shared_task(name="fleet.node_reconcile", soft_time_limit=60, time_limit=90)
 def node_reconcile(node_name: str) -> int:
-    from workers.supervision import node_reconcile as reconcile
-
     if node_name != settings.NODE_NAME:
         log.warning("node %s received work for node %s; ignoring", settings.NODE_NAME, node_name)
         return 0
@@ -40,14 +39,9 @@ def node_reconcile(node_name: str) -> int:
 @worker_ready.connect
 def _register_node(sender=None, **_kwargs):
     """A worker that consumes this node's queue is the node agent: register, then reconcile."""
-    from controlplane.fleet.models import Node
-
     queues = {q.name for q in sender.task_consumer.queues} if sender is not None else set()
     if Node.queue_for(settings.NODE_NAME) not in queues:
         return
-    from controlplane.fleet.services import instances_place, tier_replicas_sync
-    from workers.supervision import node_reconcile as reconcile
-    from workers.supervision import this_node
 
     this_node()
     tier_replicas_sync()

@@ -19,6 +19,7 @@ def current_process():
     if config.process is None:
         with config.building:
             if config.process is None:
+                # It imports models, which cannot load while this module loads: apps are not ready yet.
                 from controlplane.gateway.process import GatewayProcess
 
                 config.process = GatewayProcess.from_settings()

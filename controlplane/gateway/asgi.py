@@ -10,7 +10,7 @@ import time
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
-from django.db import close_old_connections
+from django.db import close_old_connections, connection
 
 from controlplane.client_slots import Cap, ClientSlots, client_address
 from controlplane.gateway import handlers, state, upstream
@@ -40,8 +40,6 @@ async def _connection_hygiene() -> None:
 
 
 def _close_old_connections() -> None:
-    from django.db import connection
-
     if not connection.in_atomic_block:  # never in the middle of a transaction
         close_old_connections()
 

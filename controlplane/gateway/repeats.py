@@ -34,9 +34,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import orjson
+import PIL
 import redis
+import simplejpeg
 import xxhash
 
+import controlplane.imaging
 from controlplane.gateway.counters import Counters
 from controlplane.imaging.decode import pixel_content
 from controlplane.imaging.policy import NormalisedImage
@@ -185,6 +188,8 @@ class Shared:
 
     @classmethod
     def from_settings(cls, counters: Counters) -> Shared | None:
+        # Django's settings, and the Redis clients that read them, in the gateway's process
+        # only: request preparation imports this module where Django is not set up.
         from django.conf import settings
 
         from controlplane.redis_clients import key_prefix
@@ -247,11 +252,6 @@ def maker() -> str:
     """Which code makes what a picture becomes: the image library's own source and the
     decoders' versions, hashed. Entries made by another release are never taken for this
     one's, though no one remembered to say what changed."""
-    import PIL
-    import simplejpeg
-
-    import controlplane.imaging
-
     package = Path(controlplane.imaging.__file__).parent
     made = xxhash.xxh3_64(f"{PIL.__version__} {simplejpeg.__version__}".encode())
     for path in sorted([*package.rglob("*.py"), *package.glob("*.c")]):

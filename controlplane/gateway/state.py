@@ -15,15 +15,21 @@ from dataclasses import dataclass
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
+from django.db import connection
 from django.utils import timezone
 
 from controlplane.catalog.engine_settings import EngineSettingsError
+from controlplane.catalog.models import ModelTier, TierTokenizer
+from controlplane.fleet.selectors import failing_instance_ids, routable_instances
 from controlplane.gateway.apps import current_process
 from controlplane.gateway.errors import GatewayError
 from controlplane.gateway.ledger import Limits
 from controlplane.gateway.prepare import TierSpec
 from controlplane.imaging.fetch import FetchPolicy
 from controlplane.imaging.tokens import processor_options
+from controlplane.metering.ratebook import priced_plans
+from controlplane.prompts import ChatTokenizer
+from controlplane.tenants.services import api_key_lookup, usable_tier_ids
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +60,6 @@ class InstanceSpec:
 def _loaded(load):
     """`load()` on the database thread; a connection that failed is closed, so that the next
     try connects afresh (a database that restarted broke every connection open to it)."""
-    from django.db import connection
-
     try:
         return load()
     except Exception:
@@ -196,8 +200,6 @@ def _salt(tenant_name: str) -> str:
 
 
 def _load_key(secret: str) -> KeyInfo | None:
-    from controlplane.tenants.services import api_key_lookup, usable_tier_ids
-
     api_key = api_key_lookup(secret)
     if api_key is None:
         return None
@@ -235,9 +237,6 @@ async def key_info(secret: str) -> KeyInfo | None:
 def _tier_tokenizers(tier_ids) -> dict:
     """Each tier's ChatTokenizer, built again only when its files changed (a Qwen
     tokenizer.json is megabytes: the cache refresh reads only the digests)."""
-    from controlplane.catalog.models import TierTokenizer
-    from controlplane.prompts import ChatTokenizer
-
     found, built = {}, current_process().caches.tokenizers
     for tier_id, digest in TierTokenizer.objects.filter(tier_id__in=tier_ids).values_list("tier_id", "digest"):
         cached = built.get(tier_id)
@@ -254,9 +253,6 @@ def _tier_tokenizers(tier_ids) -> dict:
 
 
 def _load_tiers() -> dict[str, TierSpec]:
-    from controlplane.catalog.models import ModelTier
-    from controlplane.metering.ratebook import priced_plans
-
     specs = {}
     tiers = list(ModelTier.objects.filter(enabled=True).select_related("resolution_policy"))
     tokenizers = _tier_tokenizers([t.pk for t in tiers])
@@ -309,8 +305,6 @@ async def tiers() -> dict[str, TierSpec]:
 
 
 def _load_instances(tier_id: int) -> list[InstanceSpec]:
-    from controlplane.fleet.selectors import routable_instances
-
     return [
         InstanceSpec(id=i.pk, tier_id=i.tier_id, base_url=i.base_url, pool=i.pool, api_key=i.api_key,
                      queued=i.num_running + i.num_waiting)
@@ -324,8 +318,6 @@ async def instances(tier_id: int) -> list[InstanceSpec]:
 
 async def failing(tier_id: int) -> set[int]:
     """Instances of the tier supervision found hung or dead (see failing_instance_ids)."""
-    from controlplane.fleet.selectors import failing_instance_ids
-
     return await current_process().caches.failing.fetch(tier_id, lambda: failing_instance_ids(tier_id=tier_id))
 
 

@@ -24,6 +24,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 
 import numpy as np
+import simplejpeg
 from PIL import Image
 
 from controlplane.imaging.errors import CorruptImage, ImageTooComplex
@@ -241,8 +242,6 @@ def encode(pixels, size: tuple[int, int], quality: int) -> bytes:
     path uses where it is built (so that a photo's bytes, which key the engines' caches, do
     not depend on which path it took), else by simplejpeg."""
     if _jpegrows is None:
-        import simplejpeg
-
         return simplejpeg.encode_jpeg(np.frombuffer(pixels, np.uint8).reshape(size[1], size[0], 3),
                                       quality=quality, colorspace="RGB", colorsubsampling="420", fastdct=False)
     encoder = _jpegrows.Encoder(size[0], size[1], quality)

@@ -1,14 +1,14 @@
 from django.apps import AppConfig
 from django.db.models.signals import post_migrate, pre_migrate
 
+from controlplane.metering import immutability
+
 
 class MeteringConfig(AppConfig):
     name = "controlplane.metering"
     label = "metering"
 
     def ready(self):
-        from controlplane.metering import immutability
-
         # SQLite rebuilds a table to alter it, which a trigger naming that table would stop:
         # there the trigger is taken down before migrating and put back after.
         pre_migrate.connect(immutability.before_migrate, sender=self)

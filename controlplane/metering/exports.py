@@ -17,6 +17,8 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from decimal import Decimal
 
+import xlsxwriter
+from asgiref.sync import sync_to_async
 from django.db.models import F, QuerySet, Sum
 from django.db.models.functions import TruncMonth
 from django.http import StreamingHttpResponse
@@ -237,8 +239,6 @@ def xlsx_file(header: list[str], rows: Iterator[list], *, title: str, rows_per_s
     begins. A sheet holds `rows_per_sheet` rows with its header; later rows continue on
     sheets named "<title> 2", "<title> 3", ... each with the header again.
     """
-    import xlsxwriter
-
     out = tempfile.TemporaryFile(suffix=".xlsx")
     try:
         workbook = xlsxwriter.Workbook(out, {"constant_memory": True, "remove_timezone": True})
@@ -293,8 +293,6 @@ def xlsx_chunks(header: list[str], rows: Iterator[list], *, title: str,
 async def in_batches(lines: Iterator[bytes], size: int = 1000):
     """Serve a synchronous row generator under ASGI without reading it all into memory
     (Django would): batches are pulled on one thread, which also keeps the database cursor."""
-    from asgiref.sync import sync_to_async
-
     def take():
         return b"".join(itertools.islice(lines, size))
 

@@ -18,7 +18,9 @@ import socket
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import orjson
+import redis
 from django.conf import settings
+from django.db import connection
 
 from controlplane.metering.records import usage_from_json
 from controlplane.metering.services import usage_record, usage_rows, usage_rows_store
@@ -45,9 +47,6 @@ def usage_ingest(*, batch: int = BATCH, max_batches: int = 10) -> int:
     acknowledged only once it is stored; one that cannot be stored whole is stored entry by
     entry. Any number of consumers may run at once, on any hosts: each takes its own entries
     from the group, and storing is idempotent by request id."""
-    import redis
-    from django.db import connection
-
     # A database that does not answer: nothing is taken from the stream (taken and not stored,
     # entries would wait RECLAIM_IDLE_MS to be taken again); the next run tries again.
     connection.ensure_connection()

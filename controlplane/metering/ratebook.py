@@ -18,6 +18,7 @@ import datetime as dt
 from collections.abc import Iterable
 from decimal import Decimal
 
+from controlplane.catalog.models import PriceRate
 from controlplane.metering.rating import Rates, Usage, image_price, price
 
 
@@ -35,8 +36,6 @@ class RateBook:
 
     def load(self, plan_ids: Iterable[int]) -> RateBook:
         """Read the rates of these plans (those not read yet) in one query."""
-        from controlplane.catalog.models import PriceRate
-
         wanted = set(plan_ids) - set(self._plans)
         if wanted:
             for plan_id in wanted:
@@ -50,8 +49,6 @@ class RateBook:
     def rate(self, rate_id: int):
         """The PriceRate with this id (its plan's rates read with it)."""
         if rate_id not in self._by_id:
-            from controlplane.catalog.models import PriceRate
-
             self.load([PriceRate.objects.values_list("plan_id", flat=True).get(pk=rate_id)])
         return self._by_id[rate_id]
 

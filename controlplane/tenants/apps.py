@@ -7,6 +7,7 @@ class TenantsConfig(AppConfig):
     label = "tenants"
 
     def ready(self):
+        # It imports models, which cannot load while this module loads: apps are not ready yet.
         from controlplane.tenants.roles import roles_sync
 
         # After the last app migrates, every permission exists: give the roles theirs.

@@ -4,6 +4,7 @@ operator's and a tenant admin's own), users and their roles."""
 from __future__ import annotations
 
 from django import forms
+from django.contrib.auth import get_user_model
 from django.contrib.auth.forms import AuthenticationForm
 from django.core.exceptions import ValidationError
 from django.core.validators import MaxLengthValidator
@@ -11,7 +12,8 @@ from django.utils import timezone
 
 from controlplane.catalog.models import ModelTier
 from controlplane.tenants import roles
-from controlplane.tenants.models import QuotaLimits, Tenant
+from controlplane.tenants.models import Quota, QuotaDefault, QuotaLimits, Tenant
+from controlplane.tenants.users import TENANT_ADMIN, Role
 from controlplane.web.fields import UtcDateTimeField
 
 INVALID_LOGIN = "Your username and password didn't match. Please try again."
@@ -53,8 +55,6 @@ class ApiKeyForm(forms.Form):
                                              label="Requests per minute", help_text="Optional: this key's own limit")
 
     def __init__(self, *args, **kwargs):
-        from controlplane.catalog.models import ModelTier
-
         super().__init__(*args, **kwargs)
         self.fields["tiers"].queryset = ModelTier.objects.order_by("name")
 
@@ -113,9 +113,6 @@ class TenantForm(forms.ModelForm):
         del Tenant
 
     def __init__(self, *args, **kwargs):
-        from controlplane.catalog.models import ModelTier
-        from controlplane.tenants.models import Quota, QuotaDefault
-
         super().__init__(*args, **kwargs)
         tiers = ModelTier.objects.order_by("name")
         self.fields["tiers"].queryset = tiers
@@ -180,16 +177,11 @@ class RoleField(forms.ChoiceField):
 
     @staticmethod
     def _choices():
-        from controlplane.tenants.models import Tenant
-
         return [("", "choose a role"), ("operator", "Operator: everything"),
                 ("finance", "Finance: usage, statements, exports, read only"),
                 *[(f"tenant:{t.pk}", f"Tenant admin of {t.name}") for t in Tenant.objects.filter(active=True)]]
 
     def clean(self, value):
-        from controlplane.tenants.models import Tenant
-        from controlplane.tenants.users import TENANT_ADMIN, Role
-
         value = super().clean(value)
         if value.startswith("tenant:"):
             return Role(TENANT_ADMIN, Tenant.objects.get(pk=int(value.split(":", 1)[1])))
@@ -209,8 +201,6 @@ class UserInviteForm(forms.Form):
     role = RoleField()
 
     def clean_username(self):
-        from django.contrib.auth import get_user_model
-
         name = self.cleaned_data["username"]
         if get_user_model().objects.filter(username__iexact=name).exists():
             raise forms.ValidationError("a user with that name exists")

@@ -3,7 +3,10 @@ Tenant admin: their own tenant only, while it is active."""
 
 from __future__ import annotations
 
+from django.contrib.auth.models import Group, Permission
 from django.db.models import QuerySet
+
+from controlplane.tenants.models import Tenant
 
 OPERATOR = "operator"
 FINANCE = "finance"
@@ -55,8 +58,6 @@ def can_see_usage(user) -> bool:
 
 
 def visible_tenants(user) -> QuerySet:
-    from controlplane.tenants.models import Tenant
-
     if sees_every_tenant(user):
         return Tenant.objects.all()
     tenant = member_tenant(user)
@@ -74,8 +75,6 @@ def roles_sync(**_kwargs) -> None:
     Operators may do everything; finance may view usage, prices and tenants, and change
     nothing. Tenant admins have no admin access at all.
     """
-    from django.contrib.auth.models import Group, Permission
-
     operator, _ = Group.objects.get_or_create(name=OPERATOR)
     operator.permissions.set(Permission.objects.all())
     finance, _ = Group.objects.get_or_create(name=FINANCE)

@@ -9,7 +9,9 @@ from datetime import datetime
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
-from controlplane.tenants.models import ApiKey, QuotaLimits, Tenant
+from controlplane.audit.models import AuditEntry
+from controlplane.audit.services import audit_record, field_values, history
+from controlplane.tenants.models import ApiKey, Quota, QuotaDefault, QuotaLimits, Tenant
 
 KEY_PREFIX = "vlm-"
 
@@ -86,9 +88,6 @@ def api_key_revoke(*, api_key: ApiKey, actor=None) -> None:
 
 
 def _key_audit(api_key: ApiKey, user, *, created: bool) -> None:
-    from controlplane.audit.models import AuditEntry
-    from controlplane.audit.services import audit_record
-
     who = getattr(user, "username", None) or (user if isinstance(user, str) else "")
     if created:
         audit_record(actor=who, action=AuditEntry.Action.CREATED, obj=api_key,
@@ -121,10 +120,6 @@ QUOTA_AUDITED = ("period", *QuotaLimits.LIMITS)
 def tenant_save(*, tenant: Tenant, tiers: list | None, quota: dict | None, actor: str) -> Tenant:
     """Save a tenant (checked by its form) with the tiers it may use (None: every tier, present
     and future) and its quota (None: unlimited), recording each change with who made it."""
-    from controlplane.audit.models import AuditEntry
-    from controlplane.audit.services import audit_record, field_values
-    from controlplane.tenants.models import Quota
-
     created = tenant.pk is None
     before = {} if created else {**field_values(Tenant.objects.get(pk=tenant.pk), TENANT_AUDITED),
                                  "tiers": _tier_names(tenant)}
@@ -155,8 +150,6 @@ def _keys_made_while_inactive_revoke(tenant: Tenant, actor: str) -> None:
     """Revoke the keys made since `tenant` was last deactivated, as it is reactivated: none
     can be made now, but some were before api_key_create checked, and they would start
     working with it."""
-    from controlplane.audit.services import history
-
     since = history(tenant).filter(changes__active=[True, False]).values_list("at", flat=True).first()
     if since is None:
         return
@@ -172,10 +165,6 @@ def _tier_names(tenant: Tenant) -> str:
 @transaction.atomic
 def quota_default_set(*, values: dict, actor: str):
     """Set the quota new tenants start with."""
-    from controlplane.audit.models import AuditEntry
-    from controlplane.audit.services import audit_record, field_values
-    from controlplane.tenants.models import QuotaDefault
-
     row = QuotaDefault.objects.select_for_update().order_by("pk").first()
     was = field_values(row, QUOTA_AUDITED) if row else {}
     row = row or QuotaDefault()

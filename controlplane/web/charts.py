@@ -3,6 +3,7 @@ becomes a page's HTML, and how an amount is printed."""
 
 from __future__ import annotations
 
+import zlib
 from decimal import Decimal
 
 import plotly.graph_objects as go
@@ -17,8 +18,6 @@ PALETTE = ("#2f6fde", "#e8710a", "#1b9e77", "#d62728", "#9467bd", "#8c564b", "#e
 
 def colour_of(name: str) -> str:
     """The colour of a series named `name` ("others" grey), the same on every chart and page."""
-    import zlib
-
     if name == "others":
         return "#b0b7c3"
     return PALETTE[zlib.crc32(name.encode()) % len(PALETTE)]

@@ -19,17 +19,20 @@ Run by the Python of SGLang's environment, as a file: it imports nothing of the 
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import io
 import json
 import os
+import runpy
 import sys
+from importlib.metadata import PackageNotFoundError, version
 
 KEY_VARIABLE = "VLMCP_ENGINE_API_KEY"
 VARIABLES_TO_CHECK = "VLMCP_SGLANG_VARIABLES"
 
 
 def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
     try:
         return version("sglang")
     except PackageNotFoundError:
@@ -41,10 +44,7 @@ def check(argv: list[str]) -> int:
     if not found:
         print(f"SGLang is not installed for {sys.executable}", file=sys.stderr)
         return 2
-    import argparse
-    import contextlib
-    import io
-
+    # Only once SGLang is found: without it this says so, not an ImportError.
     from sglang.srt.environ import envs
     from sglang.srt.server_args import ServerArgs
 
@@ -79,8 +79,6 @@ def main() -> None:
     if argv[:1] == ["--check"]:
         sys.exit(check(argv[1:]))
     sys.argv = [sys.argv[0], *arguments(argv, os.environ)]
-    import runpy
-
     runpy.run_module("sglang.launch_server", run_name="__main__", alter_sys=True)
 
 

@@ -19,6 +19,9 @@ from controlplane.catalog.forms import PolicyForm, PolicyPreviewForm
 from controlplane.catalog.models import ModelTier, ResolutionPolicy
 from controlplane.catalog.services import policy_preview, resolution_curve, vision_tiers
 from controlplane.catalog.views.preview import engine_image_bounds, rates_now, samples
+from controlplane.imaging.commercial import commercial_costs
+from controlplane.imaging.decode import open_image, orientation
+from controlplane.imaging.errors import ImageError
 from controlplane.metering.ratebook import RateBook
 from controlplane.web.access import operators_only, staff_only
 
@@ -33,8 +36,6 @@ def policies(request):
         data = form.cleaned_data["image"].read()
         source, error = _source_size(data)
         if source:
-            from controlplane.imaging.commercial import commercial_costs
-
             preview = policy_preview(data=data, detail=form.cleaned_data["detail"])
             commercial = commercial_costs(*source, detail=form.cleaned_data["detail"])
     tiers = list(vision_tiers())
@@ -47,9 +48,6 @@ def policies(request):
 
 def _source_size(data: bytes):
     """The upright size of an uploaded image, or the reason it cannot be read."""
-    from controlplane.imaging.decode import open_image, orientation
-    from controlplane.imaging.errors import ImageError
-
     try:
         image = open_image(data, allowed_formats=(), max_input_pixels=200_000_000)
     except ImageError as exc:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from django.contrib.auth.decorators import login_required
 from django.shortcuts import render
 
+from controlplane.fleet.forms import CapacityForm
+from controlplane.imaging import kv
 from controlplane.web.access import operators_only
 
 
@@ -12,9 +14,6 @@ from controlplane.web.access import operators_only
 def capacity(request):
     """The KV estimator's answers for a model, a GPU and a traffic mix."""
     operators_only(request)
-    from controlplane.fleet.forms import CapacityForm
-    from controlplane.imaging import kv
-
     form = CapacityForm(request.GET or None)
     result = None
     if form.is_valid():

@@ -6,15 +6,26 @@ from __future__ import annotations
 
 import datetime as dt
 
+from django import forms
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.core.exceptions import PermissionDenied
+from django.db import transaction
 from django.http import Http404
 from django.shortcuts import get_object_or_404, redirect, render
 from django.utils import timezone
 from django.views.decorators.http import require_POST
 
-from controlplane.fleet.models import EngineEvent, EngineInstance
+from controlplane.catalog.models import ModelTier
+from controlplane.fleet.charts import engine_load_chart
+from controlplane.fleet.models import EngineEvent, EngineInstance, Node
+from controlplane.fleet.services import (
+    FleetActionRefused,
+    external_engine_register,
+    instance_action,
+    tier_replicas_set,
+)
+from controlplane.fleet.tasks import fleet_reconcile
 from controlplane.metering.selectors import image_count_disagreements
 from controlplane.web.access import operators_only
 
@@ -22,9 +33,6 @@ from controlplane.web.access import operators_only
 @login_required
 def fleet(request):
     operators_only(request)
-    from controlplane.catalog.models import ModelTier
-    from controlplane.fleet.models import Node
-
     instances = list(EngineInstance.objects.select_related("tier", "node").prefetch_related("gpus").order_by(
         "tier__name", "id"))
     tiers = list(ModelTier.objects.exclude(engine_kind=ModelTier.EngineKind.EXTERNAL).order_by("name"))
@@ -46,8 +54,6 @@ def fleet(request):
 def fleet_instance(request, pk: int):
     operators_only(request)
     instance = get_object_or_404(EngineInstance.objects.select_related("tier", "node"), pk=pk)
-    from controlplane.fleet.charts import engine_load_chart
-
     samples = list(instance.samples.all()[:360])  # the last half hour at the default 5 s pass
     return render(request, "fleet/fleet_instance.html", {
         "instance": instance,
@@ -60,10 +66,6 @@ def fleet_instance(request, pk: int):
 @require_POST
 def fleet_action(request, pk: int, action: str):
     operators_only(request)
-    from django.db import transaction
-
-    from controlplane.fleet.services import FleetActionRefused, instance_action
-    from controlplane.fleet.tasks import fleet_reconcile
 
     instance = get_object_or_404(EngineInstance.objects.select_related("tier"), pk=pk)
     if action not in ("launch", "stop", "drain"):
@@ -93,11 +95,6 @@ def _reconcile_soon(task):
 def fleet_replicas(request, name: str):
     """Set how many replicas a tier wants: the control of the fleet."""
     operators_only(request)
-    from django.db import transaction
-
-    from controlplane.catalog.models import ModelTier
-    from controlplane.fleet.services import tier_replicas_set
-    from controlplane.fleet.tasks import fleet_reconcile
 
     tier = get_object_or_404(ModelTier, name=name)
     try:
@@ -118,10 +115,6 @@ def fleet_replicas(request, name: str):
 @require_POST
 def fleet_register_external(request):
     operators_only(request)
-    from django import forms
-
-    from controlplane.catalog.models import ModelTier
-    from controlplane.fleet.services import FleetActionRefused, external_engine_register
 
     try:  # the field turns any value that is not a tier's id into a ValidationError
         tier = forms.ModelChoiceField(ModelTier.objects.filter(engine_kind=ModelTier.EngineKind.EXTERNAL)).clean(

@@ -36,9 +36,11 @@ from controlplane.gateway.ledger.base import (
     settlement,
 )
 from controlplane.gateway.ledger.spool import spool
+from controlplane.gateway.models import InFlightRequest
 from controlplane.metering.periods import minute_window, period_window
 from controlplane.metering.records import UsageRecord
 from controlplane.metering.services import metered_so_far, usage_record
+from controlplane.tenants.models import ApiKey, QuotaCounter
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +56,6 @@ class DatabaseLedger:
     def admit_sync(self, flight: Flight, limits: Limits | None, ask: Ask | None, now: dt.datetime) -> None:
         """Reserve `ask` against `limits` (none: no quota) and open the flight's journal entry,
         in one transaction. Raises Refused, leaving nothing behind."""
-        from controlplane.gateway.models import InFlightRequest
-
         record = flight.record
         for _attempt in range(3):
             try:
@@ -100,8 +100,6 @@ class DatabaseLedger:
                          take_bytes: int = 0) -> str | None:
         """Which of `limits` the key has reached in its windows (its next request is refused),
         or None, and then `take_bytes` counted."""
-        from controlplane.tenants.models import QuotaCounter
-
         counters, windows = self._intake_counters(key_id), intake_windows(now)
         rows = QuotaCounter.objects.filter(tenant_id=tenant_id, key__in=counters.values())
         used = {key: count for key, window, count in rows.values_list("key", "window", "used")
@@ -121,8 +119,6 @@ class DatabaseLedger:
                            cpu_ms: int, body_bytes: int = 0, refused: bool) -> None:
         """Count a request's intake: its CPU time and body bytes, and, `refused` at intake, the
         request itself."""
-        from controlplane.tenants.models import QuotaCounter
-
         counters, windows = self._intake_counters(key_id), intake_windows(now)
         amounts = {"intake_cpu_ms": cpu_ms, "intake_bytes": body_bytes}
         if refused:
@@ -149,8 +145,6 @@ class DatabaseLedger:
     def key_rate_sync(self, key_id: int, limit: int, now: dt.datetime) -> bool:
         """Count one request of API key `key_id` this minute on its locked counter row,
         unless it has had `limit` already."""
-        from controlplane.tenants.models import ApiKey, QuotaCounter
-
         name, window = f"key{key_id}:rpm", minute_window(now)
         with transaction.atomic():
             row = QuotaCounter.objects.select_for_update().filter(key=name).first()
@@ -171,15 +165,11 @@ class DatabaseLedger:
 
     def key_rate_return_sync(self, key_id: int, now: dt.datetime) -> None:
         """Give back the request `key_rate` counted this minute (its request was refused)."""
-        from controlplane.tenants.models import QuotaCounter
-
         QuotaCounter.objects.filter(key=f"key{key_id}:rpm", window=minute_window(now), used__gt=0) \
             .update(used=F("used") - 1)
 
     def _reserve(self, tenant_id: int, limits: Limits, ask: Ask, now: dt.datetime) -> Reservation:
         """Inside a transaction: every limit checked and reserved on its locked row, or none."""
-        from controlplane.tenants.models import QuotaCounter
-
         window = period_window(limits.period, now)
         plan = [("image_tokens", ask.image_tokens, window), ("total_tokens", ask.total_tokens, window),
                 ("requests_per_minute", 1, minute_window(now))]
@@ -211,8 +201,6 @@ class DatabaseLedger:
 
     def settle_sync(self, reservation: Reservation, *, image_tokens: int, total_tokens: int) -> None:
         """Correct a reservation to what was used (release it: 0 and 0)."""
-        from controlplane.tenants.models import QuotaCounter
-
         counters = QuotaCounter.objects.filter(tenant_id=reservation.tenant_id)
         with transaction.atomic():
             counters.filter(key="image_tokens", window=reservation.period_window).update(
@@ -231,8 +219,6 @@ class DatabaseLedger:
         await sync_to_async(self._beat)(flights)
 
     def _beat(self, flights: list[Flight]) -> None:
-        from controlplane.gateway.models import InFlightRequest
-
         now = timezone.now()
         for flight in flights:
             InFlightRequest.objects.filter(request_id=flight.record.request_id).update(
@@ -252,8 +238,6 @@ class DatabaseLedger:
     def finish_spooled(self, record: UsageRecord, journaled: bool) -> bool:
         """Store the usage and settle, removing the entry. False when the reaper had already.
         (What `finish` does, in the calling thread: a finish that waited on disk.)"""
-        from controlplane.gateway.models import InFlightRequest
-
         with transaction.atomic():
             held = InFlightRequest.objects.filter(request_id=record.request_id).delete()[0]
             if journaled and not held:
@@ -272,8 +256,6 @@ class DatabaseLedger:
 
     def reap(self, *, stale_before: float, now: float) -> int:
         """Two looks, as in Redis (see RedisLedger.reap)."""
-        from controlplane.gateway.models import InFlightRequest
-
         reaped = 0
         cutoff = dt.datetime.fromtimestamp(stale_before, tz=dt.UTC)
         moment = dt.datetime.fromtimestamp(now, tz=dt.UTC)

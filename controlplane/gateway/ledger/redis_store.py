@@ -47,6 +47,8 @@ from controlplane.gateway.ledger.base import (
     settlement,
 )
 from controlplane.gateway.ledger.spool import spool
+from controlplane.metering.models import UsageEvent
+from controlplane.metering.outbox import stream_key
 from controlplane.metering.periods import (
     minute_window,
     period_start,
@@ -55,7 +57,13 @@ from controlplane.metering.periods import (
 )
 from controlplane.metering.records import UsageRecord, usage_from_json, usage_to_json
 from controlplane.metering.services import metered_so_far, usage_record, usage_record_many
-from controlplane.redis_clients import once_written
+from controlplane.redis_clients import (
+    async_redis,
+    key_prefix,
+    once_written,
+    script_redis,
+    sync_redis,
+)
 
 log = logging.getLogger(__name__)
 
@@ -174,8 +182,6 @@ def _as_stored(record: UsageRecord) -> UsageRecord:
     """A journal entry left behind by a gateway that finished its request while Redis did not
     answer (it wrote the usage to the database instead) is settled to that usage, the truth,
     not to what the journal knew."""
-    from controlplane.metering.models import UsageEvent
-
     stored = UsageEvent.objects.filter(request_id=record.request_id).values(
         "status", "http_status", "instance_id", "image_tokens", "text_tokens", "output_tokens").first()
     if stored is not None:
@@ -185,8 +191,6 @@ def _as_stored(record: UsageRecord) -> UsageRecord:
 
 
 def _metered_with(tenant_id: int, period: str, now: dt.datetime, pending: dict) -> tuple[int, int]:
-    from controlplane.metering.models import UsageEvent
-
     image_used, total_used = metered_so_far(tenant_id, period, now)
     stored = set(UsageEvent.objects.filter(request_id__in=list(pending)).values_list("request_id", flat=True))
     for request_id, record in pending.items():
@@ -268,8 +272,6 @@ return 0
 class RedisLedger:
     def __init__(self, url: str | None = None, *, prefix: str | None = None):
         self.handed: deque = deque()  # (when, record) this process handed over, oldest first
-        from controlplane.redis_clients import key_prefix
-
         self.url, self.prefix = url or settings.REDIS_URL, prefix or key_prefix()
         self.inflight, self.beats = f"{self.prefix}:inflight", f"{self.prefix}:inflight:beat"
         self.epochs = f"{self.prefix}:inflight:epoch"
@@ -277,15 +279,11 @@ class RedisLedger:
         self._marking: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> its marking
 
     def _client(self):
-        from controlplane.redis_clients import async_redis
-
         return async_redis(self.url)
 
     def _scripts(self):
         """What runs the ledger's scripts, two or three a request: one connection every
         request shares (redis_clients.script_redis)."""
-        from controlplane.redis_clients import script_redis
-
         return script_redis(self.url)
 
     def _quota_keys(self, tenant_id: int, window: str, now: dt.datetime) -> list[str]:
@@ -386,8 +384,6 @@ class RedisLedger:
     async def _used(self, client, tenant_id: int, period: str, now: dt.datetime) -> tuple[int, int]:
         """What the tenant has used this period: metered in the database, and handed over to
         the usage stream but not stored yet (each request once)."""
-        from controlplane.metering.outbox import stream_key
-
         since, pending = period_start(period, now), {}
         for _entry_id, fields in await client.xrange(stream_key(), count=500_000):
             data = orjson.loads(fields[b"record"])
@@ -419,8 +415,6 @@ class RedisLedger:
     # -- finish ----------------------------------------------------------------------------
 
     def _finish_call(self, record: UsageRecord, journaled: bool, stale_beat: str = "") -> tuple[list, list]:
-        from controlplane.metering.outbox import stream_key
-
         keys, args = [self.inflight, self.beats, stream_key(), f"{self.prefix}:reaped:{record.request_id}"], [
             record.request_id, "1" if journaled else "0", orjson.dumps(usage_to_json(record))]
         if record.reservation is not None:
@@ -520,8 +514,6 @@ class RedisLedger:
         """Two looks: an entry is reaped only if its beat is stale and still the same beat a
         second reaper run later, at least two heartbeats after the first. A live gateway has
         beaten by then, whatever its clock says and however long Redis was unreachable."""
-        from controlplane.redis_clients import sync_redis
-
         client = sync_redis(self.url)
         suspects_key = f"{self.beats}:suspect"
         all_beats, suspects = client.hgetall(self.beats), client.hgetall(suspects_key)

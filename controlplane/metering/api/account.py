@@ -26,6 +26,7 @@ from controlplane.metering.periods import month_of, period_start, seconds_to_per
 from controlplane.metering.ratebook import NoRate, RateBook
 from controlplane.metering.rating import price_parts
 from controlplane.metering.services import billed, metered_so_far
+from controlplane.metering.statements import statement
 from controlplane.tenants.api_auth import TenantPrincipal
 from controlplane.tenants.services import usable_tier_ids
 
@@ -290,8 +291,6 @@ class Statement(APIView):
     @extend_schema(responses=StatementSerializer, parameters=[
         OpenApiParameter("period", str, OpenApiParameter.PATH, description="The month, YYYY-MM (UTC).")])
     def get(self, request, period: str):
-        from controlplane.metering.statements import statement
-
         tenant = _tenant(request)
         try:
             year, month = month_of(period)

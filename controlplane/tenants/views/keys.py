@@ -8,6 +8,8 @@ from django.contrib.auth.decorators import login_required
 from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_POST
 
+from controlplane.catalog.models import ModelTier
+from controlplane.catalog.routing import tenant_auto
 from controlplane.tenants.forms import ApiKeyForm
 from controlplane.tenants.models import ApiKey
 from controlplane.tenants.services import TenantInactive, api_key_create, api_key_revoke
@@ -31,8 +33,6 @@ def keys(request):
             # server-side session only until the next page view, which removes it.
             request.session["issued_key"] = result.secret
             return redirect("dashboard:keys")
-    from controlplane.catalog.models import ModelTier
-    from controlplane.catalog.routing import tenant_auto
 
     keys = list(ApiKey.objects.select_related("tenant").prefetch_related("tenant__allowed_tiers")
                 .order_by("tenant__name", "-created_at"))

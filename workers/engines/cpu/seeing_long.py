@@ -30,8 +30,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from PIL import Image
+
 from controlplane.imaging import synthetic
-from workers.engines.cpu import seeing_model
+from workers.engines.cpu import install, seeing_model
 
 CAP = 224 * 224  # the seeing model's canvas: a cap that binds on every long strip
 STRIPS = ("banner", "receipt")
@@ -60,7 +62,7 @@ CARRIED = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "pr
 
 def policy(threshold: float | None, cap: int = CAP):
     """The gateway's policy at `cap` that tiles past `threshold`:1 (None: squashes whole)."""
-    from controlplane.imaging.policy import Policy
+    from controlplane.imaging.policy import Policy  # not in the engine environment (libvips)
 
     return Policy(grid=28, max_pixels=cap, low_detail_max_pixels=cap, max_images_per_request=64,
                   max_aspect_ratio=threshold or 200, tile_long_images=threshold is not None)
@@ -77,7 +79,10 @@ def _centres(items, sx: float = 1.0, sy: float = 1.0) -> list:
 def as_sent(sample, threshold: float | None, cap: int = CAP) -> list[dict]:
     """The strip's images as the gateway sends them under `policy(threshold, cap)`: each one's
     encoded bytes, size and the centres of the items that fall in it, in its own pixels."""
-    from controlplane.imaging.policy import normalise_tiles, plan_tiles
+    from controlplane.imaging.policy import (  # not in the engine environment (libvips)
+        normalise_tiles,
+        plan_tiles,
+    )
 
     rule = policy(threshold, cap)
     tiles = normalise_tiles(sample.image, rule)
@@ -151,7 +156,6 @@ def held_out(strip: str, ratios: tuple[float, float], count: int) -> list:
 
 
 def _image(sent: dict):
-    from PIL import Image
 
     return Image.open(io.BytesIO(sent["data"])).convert("RGB")
 
@@ -191,8 +195,11 @@ def fit(source: Path, out: Path, batches: Path, *, seed: int, steps: int, thread
         log=print) -> dict:
     """Train on from the model in `source` (bf16 weights loaded into fp32) on the batches in the
     file `batches`; save to `out` in bf16."""
-    import torch
-    from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration
+    import torch  # the engine environment's
+    from transformers import (  # the engine environment's
+        AutoProcessor,
+        Qwen2_5_VLForConditionalGeneration,
+    )
 
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
@@ -247,8 +254,11 @@ def fit(source: Path, out: Path, batches: Path, *, seed: int, steps: int, thread
 
 def answer(model_dir: Path, items: list[dict], *, threads: int, batch_size: int = 8) -> list[str]:
     """Greedy answers under transformers, several images a prompt where a strip was tiled."""
-    import torch
-    from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration
+    import torch  # the engine environment's
+    from transformers import (  # the engine environment's
+        AutoProcessor,
+        Qwen2_5_VLForConditionalGeneration,
+    )
 
     torch.set_num_threads(threads)
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32)
@@ -285,8 +295,9 @@ def evaluate(python: Path, model_dir: Path, *, count: int, threads: int, cap: in
              thresholds=EVAL_THRESHOLDS, ratios=EVAL_RATIOS, strips=STRIPS, log=print) -> list[dict]:
     """Exact match (95 % Wilson interval), images and image tokens per strip, for each strip kind,
     ratio range and tiling threshold, on held-out strips at `cap`."""
+    # not in the engine environment (libvips), where this module also runs
     from controlplane.imaging.tokens import count_image_tokens
-    from controlplane.intervals import wilson
+    from controlplane.intervals import wilson  # not in the engine environment (libvips)
 
     cells, items = [], []
     for strip in strips:
@@ -365,7 +376,6 @@ def main(argv: list[str]) -> None:
     if args.command == "answer":
         print(json.dumps(answer(args.model, pickle.loads(args.items.read_bytes()), threads=args.threads)))
         return
-    from workers.engines.cpu import install
 
     python = install.ensure()
     if args.command == "train":

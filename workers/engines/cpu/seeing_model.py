@@ -23,6 +23,8 @@ import sys
 import time
 from pathlib import Path
 
+from PIL import Image
+
 from controlplane.imaging import synthetic
 from workers.engines.cpu import tiny_model
 
@@ -75,7 +77,6 @@ def messages(question: str) -> list[dict]:
 
 def shrink(png: bytes, fraction: float):
     """The image with `fraction` of its pixels (each side scaled by its square root)."""
-    from PIL import Image
 
     image = Image.open(io.BytesIO(png)).convert("RGB")
     if fraction >= 1:
@@ -134,8 +135,11 @@ def train(out: Path, *, seed: int, steps: int, threads: int, batch: int = 32, lr
     `text_aux`: the weight of the text side's auxiliary loss on presence questions; `mix`: the
     tasks of a batch after that, in turn; `start`: a trained model's directory whose saved
     (bf16) weights this run continues from, in fp32, on the batches after the ones it saw."""
-    import torch
-    from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration
+    import torch  # the engine environment's
+    from transformers import (  # the engine environment's
+        AutoProcessor,
+        Qwen2_5_VLForConditionalGeneration,
+    )
 
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
@@ -224,7 +228,7 @@ def held_out(count: int, tasks=TASKS) -> list:
 
 def answer(model, processor, samples, images, batch: int = 16) -> list[str]:
     """Greedy answers under transformers, with Qwen-VL's 2-D image positions (M-RoPE)."""
-    import torch
+    import torch  # the engine environment's
 
     processor.tokenizer.padding_side = "left"
     answers = []
@@ -245,8 +249,11 @@ def correct(sample, reply: str) -> bool:
 
 def evaluate(model_dir: Path, *, count: int, threads: int, scales=SCALES, log=print) -> dict:
     """Exact match per task and per fraction of the pixels, and the answers at full size."""
-    import torch
-    from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration
+    import torch  # the engine environment's
+    from transformers import (  # the engine environment's
+        AutoProcessor,
+        Qwen2_5_VLForConditionalGeneration,
+    )
 
     torch.set_num_threads(threads)
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32)

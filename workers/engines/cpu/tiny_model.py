@@ -20,6 +20,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
 ROOT = Path(__file__).resolve().parents[3]
 
 # Bump when anything below changes: cached copies are keyed by it.
@@ -101,8 +103,6 @@ def _corpus(lines: int = 4000) -> list[str]:
 
 
 def build_tokenizer(out: Path) -> dict[str, int]:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -125,6 +125,7 @@ def build_tokenizer(out: Path) -> dict[str, int]:
 def model_config(ids: dict[str, int], initializer_range: float = 0.02):
     """Qwen2.5-VL's configuration at the tiny size: hidden 128, 2 layers; vision hidden 64,
     depth 2. `ids` are the special tokens' ids from `build_tokenizer`."""
+    # The engine's environment only: Django's has no torch.
     from transformers import Qwen2_5_VLConfig
 
     vocab = 2048 + 64  # learned vocabulary plus room, a multiple of 64 as vLLM prefers
@@ -160,6 +161,7 @@ def write_processor_files(out: Path, ids: dict[str, int]) -> None:
 
 
 def build(out: Path) -> Path:
+    # The engine's environment only: Django's has no torch.
     import torch
     from transformers import Qwen2_5_VLForConditionalGeneration
 

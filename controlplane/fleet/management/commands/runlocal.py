@@ -15,16 +15,16 @@ import urllib.request
 from pathlib import Path
 
 from django.conf import settings
+from django.contrib.staticfiles.finders import get_finders
 from django.core.management import call_command
 from django.core.management.base import BaseCommand
 
 from controlplane.fleet.models import Node
+from workers.supervision import node_stop_all
 
 
 def _static_sources() -> str:
     """What the static files are made from: every source file's path, size and time."""
-    from django.contrib.staticfiles.finders import get_finders
-
     seen = []
     for finder in get_finders():
         for path, storage in finder.list(["CVS", ".*", "*~"]):
@@ -139,7 +139,6 @@ class Command(BaseCommand):
                 child.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 child.kill()
-        from workers.supervision import node_stop_all
 
         stopped = node_stop_all(settings.NODE_NAME, "local run stopped")
         self.stdout.write(f"Stopped {stopped} engine(s).")
