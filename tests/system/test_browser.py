@@ -320,8 +320,8 @@ def test_an_operator_asks_the_advisor_for_a_target_applies_it_and_sees_it_measur
     expect(page.locator("#advice")).to_contain_text("within the set's noise")
 
     page.get_by_role("button", name="Check and apply 401408 px to advised").click()
-    expect(page.get_by_role("heading", name=re.compile(r"check #\d+ of advised"))).to_be_visible()
+    expect(page.get_by_role("heading", name=re.compile(r"check #\d+ of policy advised"))).to_be_visible()
     changed = page.locator("#changed")
-    expect(changed).to_contain_text("max_pixels")
+    expect(changed).to_contain_text("max pixels")
     expect(changed).to_contain_text("401408")
     expect(page.locator("#log")).to_contain_text(f"from the advisor: run {run.pk}")
