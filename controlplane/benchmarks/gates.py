@@ -88,12 +88,12 @@ def tier_change_gated(tier: ModelTier, proposed: ModelTier) -> bool:
 
 
 def tier_check_start(*, tier: ModelTier, proposed: ModelTier, user=None) -> GateCheck:
-    """Start measuring `proposed` (an unsaved, validated copy of `tier`) on a candidate engine
-    against the tier's engines. The tier itself is left as it is."""
+    """Start measuring `proposed` (an unsaved, validated copy of `tier`, the tier as saved) on a
+    candidate engine against the tier's engines. The tier itself is left as it is."""
     # The tasks module imports this one: imported here, where a task is enqueued.
     from controlplane.benchmarks.tasks import gate_check_run
 
-    check = GateCheck.objects.create(tier=tier, current=tier_fields(ModelTier.objects.get(pk=tier.pk)),
+    check = GateCheck.objects.create(tier=tier, current=tier_fields(tier),
                                      proposed=tier_fields(proposed), requested_by=user)
     transaction.on_commit(lambda: gate_check_run.delay(check.pk))
     return check

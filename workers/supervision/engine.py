@@ -60,9 +60,10 @@ def engine_marker(instance: EngineInstance) -> str:
     return f"{deployment_id()}/{settings.NODE_NAME}/{instance.pk}"
 
 
-def launch_spec(instance: EngineInstance, port: int) -> LaunchSpec:
+def launch_spec(instance: EngineInstance, port: int, tier: ModelTier | None = None) -> LaunchSpec:
+    """How `instance` starts: as `tier` runs it (its serving tier, read when not given)."""
     return tier_launch_spec(
-        instance.serving_tier(), port=port, gpu_indices=tuple(instance.gpus.values_list("index", flat=True)),
+        tier or instance.serving_tier(), port=port, gpu_indices=tuple(instance.gpus.values_list("index", flat=True)),
         api_key=instance.api_key, transformers_version=instance.node.transformers_version if instance.node else "")
 
 
@@ -125,7 +126,7 @@ def engine_launch(instance: EngineInstance, node: Node) -> None:
     with _port_lock:
         port = _free_port(node, instance)
     try:
-        spec = launch_spec(instance, port)
+        spec = launch_spec(instance, port, tier)
         argv, env = build_command(spec)
     except ValueError as exc:
         instance_transition(instance=instance, to_state=A.FAILED, reason=f"cannot launch: {exc}")
