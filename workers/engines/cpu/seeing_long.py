@@ -255,15 +255,8 @@ def fit(source: Path, out: Path, batches: Path, *, seed: int, steps: int, thread
 def answer(model_dir: Path, items: list[dict], *, threads: int, batch_size: int = 8) -> list[str]:
     """Greedy answers under transformers, several images a prompt where a strip was tiled."""
     import torch  # the engine environment's
-    from transformers import (  # the engine environment's
-        AutoProcessor,
-        Qwen2_5_VLForConditionalGeneration,
-    )
 
-    torch.set_num_threads(threads)
-    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32)
-    model.eval()
-    processor = AutoProcessor.from_pretrained(model_dir)
+    model, processor = seeing_model.loaded(model_dir, threads=threads)
     processor.tokenizer.padding_side = "left"
     replies = []
     for start in range(0, len(items), batch_size):

@@ -247,8 +247,8 @@ def correct(sample, reply: str) -> bool:
     return reply.strip().lower() in {a.lower() for a in sample.answers}
 
 
-def evaluate(model_dir: Path, *, count: int, threads: int, scales=SCALES, log=print) -> dict:
-    """Exact match per task and per fraction of the pixels, and the answers at full size."""
+def loaded(model_dir: Path, *, threads: int):
+    """A trained model and its processor, in fp32, ready to answer on `threads` threads."""
     import torch  # the engine environment's
     from transformers import (  # the engine environment's
         AutoProcessor,
@@ -258,7 +258,12 @@ def evaluate(model_dir: Path, *, count: int, threads: int, scales=SCALES, log=pr
     torch.set_num_threads(threads)
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32)
     model.eval()
-    processor = AutoProcessor.from_pretrained(model_dir)
+    return model, AutoProcessor.from_pretrained(model_dir)
+
+
+def evaluate(model_dir: Path, *, count: int, threads: int, scales=SCALES, log=print) -> dict:
+    """Exact match per task and per fraction of the pixels, and the answers at full size."""
+    model, processor = loaded(model_dir, threads=threads)
     samples = held_out(count)
     result = {"count": count, "accuracy": {}, "answers": []}
     for scale in scales:
