@@ -4,6 +4,7 @@ from decimal import Decimal
 from django.core.exceptions import ValidationError
 from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models, transaction
+from django.db.models import Max, Q
 from django.utils import timezone
 
 from controlplane.audit.services import audit_record, field_values
@@ -11,8 +12,6 @@ from controlplane.catalog.engine_settings import EngineSettings, EngineSettingsE
 from controlplane.imaging.decode import SUPPORTED_FORMATS
 from controlplane.imaging.policy import Policy
 from controlplane.imaging.tokens import FAMILIES, image_grid
-from controlplane.metering.models import UsageEvent
-from controlplane.metering.rating import Rates
 
 
 class ResolutionPolicy(models.Model):
@@ -250,8 +249,9 @@ class PriceRate(models.Model):
         requests another rate priced: a new price starts after the last request billed."""
         if self.effective_from is None or self.plan_id is None:
             return
-        last = UsageEvent.objects.filter(rate__plan_id=self.plan_id, created_at__gte=self.effective_from) \
-            .order_by("-created_at").values_list("created_at", flat=True).first()
+        since = Q(usage_events__created_at__gte=self.effective_from)
+        last = PriceRate.objects.filter(plan_id=self.plan_id) \
+            .aggregate(last=Max("usage_events__created_at", filter=since))["last"]
         if last is not None:
             raise RateInUse({"effective_from": f"requests were already billed on this plan up to "
                                                f"{last:%Y-%m-%d %H:%M:%S %Z}: a new rate starts after that"})
@@ -264,15 +264,6 @@ class PriceRate(models.Model):
         if live:
             raise ValidationError(f"{', '.join(live)} would have no price in effect: add another rate, or "
                                   "disable the tiers first")
-
-    def as_rates(self):
-        return Rates(
-            text_input_per_mtok=self.text_input_per_mtok,
-            image_per_mtok=self.image_per_mtok,
-            output_per_mtok=self.output_per_mtok,
-            per_image_fee=self.per_image_fee,
-            cached_image_discount=self.cached_image_discount,
-        )
 
 
 class ModelTier(models.Model):
@@ -362,8 +353,6 @@ class ModelTier(models.Model):
             raise ValidationError(f"{self.name} is where `auto` sends requests: make another tier the default "
                                   "before disabling it")
         if self.enabled and self.price_plan_id:
-            from controlplane.metering.ratebook import priced_plans  # it imports this module
-
             if not priced_plans([self.price_plan_id], timezone.now()):
                 raise ValidationError("an enabled tier needs a price in effect: add a rate to its plan first")
         self._refuse_a_currency_change()
@@ -376,7 +365,7 @@ class ModelTier(models.Model):
 
         stored = ModelTier.objects.filter(pk=self.pk).values_list("price_plan__currency", flat=True).first()
         currency = PricePlan.objects.filter(pk=self.price_plan_id).values_list("currency", flat=True).first()
-        if stored and currency != stored and UsageEvent.objects.filter(tier_id=self.pk).exclude(rate=None).exists():
+        if stored and currency != stored and self.usage_events.exclude(rate=None).exists():
             raise ValidationError({"price_plan": f"{self.name} has billed in {stored}: its plan may change only "
                                                  f"to another plan in that currency, not {currency}"})
 
@@ -396,3 +385,9 @@ class TierTokenizer(models.Model):
 
     def __str__(self):
         return f"tokenizer of {self.tier}"
+
+
+def priced_plans(plan_ids, when) -> set[int]:
+    """Of these price plans, those with a rate in effect at `when` (one query)."""
+    return set(PriceRate.objects.filter(plan_id__in=set(plan_ids), effective_from__lte=when)
+               .values_list("plan_id", flat=True).distinct())

@@ -19,7 +19,7 @@ from django.db import connection
 from django.utils import timezone
 
 from controlplane.catalog.engine_settings import EngineSettingsError
-from controlplane.catalog.models import ModelTier, TierTokenizer
+from controlplane.catalog.models import ModelTier, TierTokenizer, priced_plans
 from controlplane.fleet.selectors import failing_instance_ids, routable_instances
 from controlplane.gateway.apps import current_process
 from controlplane.gateway.errors import GatewayError
@@ -27,7 +27,6 @@ from controlplane.gateway.ledger import Limits
 from controlplane.gateway.prepare import TierSpec
 from controlplane.imaging.fetch import FetchPolicy
 from controlplane.imaging.tokens import processor_options
-from controlplane.metering.ratebook import priced_plans
 from controlplane.prompts import ChatTokenizer
 from controlplane.tenants.services import api_key_lookup, usable_tier_ids
 

@@ -55,7 +55,7 @@ class RateBook:
     def rates(self, rate_id: int) -> Rates:
         """The amounts of the rate with this id."""
         if rate_id not in self._rates:
-            self._rates[rate_id] = self.rate(rate_id).as_rates()
+            self._rates[rate_id] = Rates.of(self.rate(rate_id))
         return self._rates[rate_id]
 
     def rate_at(self, plan_id: int, when: dt.datetime):
@@ -106,8 +106,3 @@ class RateBook:
             self._parts[key] = price(Usage(**{kind: tokens}), self.rates(rate_id))
         return self._parts[key]
 
-
-def priced_plans(plan_ids: Iterable[int], when: dt.datetime) -> set[int]:
-    """Of these plans, those with a rate in effect at `when` (one query)."""
-    book = RateBook().load(plan_ids)
-    return {plan_id for plan_id in set(plan_ids) if book.priced(plan_id, when)}

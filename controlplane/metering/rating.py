@@ -25,6 +25,13 @@ class Rates:
     per_image_fee: Decimal = Decimal("0")
     cached_image_discount: Decimal = Decimal("0")
 
+    @classmethod
+    def of(cls, rate) -> Rates:
+        """The amounts of a stored price rate (a catalog PriceRate)."""
+        return cls(text_input_per_mtok=rate.text_input_per_mtok, image_per_mtok=rate.image_per_mtok,
+                   output_per_mtok=rate.output_per_mtok, per_image_fee=rate.per_image_fee,
+                   cached_image_discount=rate.cached_image_discount)
+
 
 @dataclass(frozen=True)
 class Usage:

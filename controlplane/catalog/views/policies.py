@@ -17,11 +17,12 @@ from controlplane.benchmarks import gates
 from controlplane.catalog.charts import resolution_curves_chart
 from controlplane.catalog.forms import PolicyForm, PolicyPreviewForm
 from controlplane.catalog.models import ModelTier, ResolutionPolicy
-from controlplane.catalog.services import policy_preview, resolution_curve, vision_tiers
+from controlplane.catalog.services import resolution_curve, vision_tiers
 from controlplane.catalog.views.preview import engine_image_bounds, rates_now, samples
 from controlplane.imaging.commercial import commercial_costs
 from controlplane.imaging.decode import open_image, orientation
 from controlplane.imaging.errors import ImageError
+from controlplane.metering.previews import policy_preview
 from controlplane.metering.ratebook import RateBook
 from controlplane.web.access import operators_only, staff_only
 

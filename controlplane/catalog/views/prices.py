@@ -18,7 +18,7 @@ from controlplane.catalog.views.preview import SAMPLE_SIZES
 from controlplane.imaging.errors import ImageError
 from controlplane.imaging.policy import sent_sizes
 from controlplane.metering.ratebook import NoRate, RateBook
-from controlplane.metering.rating import Usage, images_price, price
+from controlplane.metering.rating import Rates, Usage, images_price, price
 from controlplane.web.access import staff_only
 
 
@@ -68,7 +68,7 @@ def _compare(plan: PricePlan, rate: PriceRate) -> list[dict]:
         current = RateBook().rates_at(plan.pk, timezone.now())
     except NoRate:
         current = None
-    proposed = rate.as_rates()
+    proposed = Rates.of(rate)
     rows = []
     text = Usage(text_tokens=1_000_000)
     rows.append({"what": "1 M text input tokens", "now": price(text, current) if current else None,

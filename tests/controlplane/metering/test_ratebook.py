@@ -12,9 +12,9 @@ from django.test.utils import CaptureQueriesContext
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from controlplane.catalog.models import PricePlan, PriceRate
-from controlplane.metering.ratebook import NoRate, RateBook, priced_plans
-from controlplane.metering.rating import price_parts
+from controlplane.catalog.models import PricePlan, PriceRate, priced_plans
+from controlplane.metering.ratebook import NoRate, RateBook
+from controlplane.metering.rating import Rates, price_parts
 
 pytestmark = [pytest.mark.django_db, pytest.mark.accounting]
 MARCH = dt.datetime(2025, 3, 1, tzinfo=dt.UTC)
@@ -75,5 +75,5 @@ def test_a_request_priced_by_the_book_costs_what_price_parts_says(images, text, 
     for _twice in range(2):  # the second time from what the book remembers
         assert book.request_price(1, images, text_tokens=text, output_tokens=output,
                                   unlined=(unlined, unlined // 2)) == price_parts(
-            images=images, text_tokens=text, output_tokens=output, rates=rate.as_rates(),
+            images=images, text_tokens=text, output_tokens=output, rates=Rates.of(rate),
             unlined=(unlined, unlined // 2)).total

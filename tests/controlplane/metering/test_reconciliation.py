@@ -39,7 +39,7 @@ from controlplane.metering.exports import (
 )
 from controlplane.metering.models import ImageCostHistogram, UsageEvent
 from controlplane.metering.periods import month_bounds
-from controlplane.metering.rating import MICRO, price_parts
+from controlplane.metering.rating import MICRO, Rates, price_parts
 from controlplane.metering.records import ImageLine, UsageRecord
 from controlplane.metering.rollups import rollup_daily
 from controlplane.metering.services import billed, usage_record, usage_record_many
@@ -145,7 +145,7 @@ class Month:
 def _rates_when_made(event):
     """Looked up here on its own, not through the rate book the code under test uses: the rate
     of the plan the tier was on when the request was recorded, in effect when it was made."""
-    return PriceRate.objects.get(pk=event.rate_id).as_rates()
+    return Rates.of(PriceRate.objects.get(pk=event.rate_id))
 
 
 def _text_and_output_parts(events) -> Decimal:
