@@ -30,7 +30,7 @@ import sys
 import django
 
 # Settings are read only when a request is served, after django.setup() below.
-from controlplane.gateway import upstream
+from controlplane.gateway.upstream import Connections
 from controlplane.redis_clients import async_redis, once_written, script_redis, until_written
 
 _SCRIPT = "return redis.call('INCR', KEYS[1])"
@@ -41,6 +41,7 @@ class BareProxy:
         self.url = upstream.rstrip("/") + "/v1/chat/completions"
         self.redis_url, self.admission_awaited = redis_url, admission_awaited
         self.sha = None
+        self.connections = Connections()
 
     async def _round_trip(self, written: asyncio.Future | None = None) -> None:
         if self.redis_url:
@@ -66,7 +67,7 @@ class BareProxy:
         admitting = asyncio.ensure_future(self._round_trip(None if self.admission_awaited else admitted))
         await until_written(admitting, admitted)
         try:
-            answer = await upstream.engine_post(self.url, content=b"".join(chunks),
+            answer = await self.connections.engine_post(self.url, content=b"".join(chunks),
                                                 headers={"content-type": "application/json"})
         finally:
             await admitting  # as the gateway: the answer is taken once the admission has its reply

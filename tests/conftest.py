@@ -75,9 +75,12 @@ def _fresh_gateway_process():
     from controlplane.gateway.process import GatewayProcess
 
     config = apps.get_app_config("gateway")
-    config.process = GatewayProcess.from_settings()
+    config.process = process = GatewayProcess.from_settings()
     yield
     config.process = None
+    # Its engine sessions, one per event loop the test ran, are let go while no loop runs, so
+    # that none is collected at exit reporting itself unclosed (on a stream pytest has closed).
+    process.connections.close_after_loops_ended()
 
 
 def skip_without_redis():
@@ -95,10 +98,3 @@ def skip_without_postgresql():
         pytest.skip("embedded mode: a PostgreSQL property")
 
 
-def pytest_sessionfinish(session, exitstatus):
-    """The gateway keeps one pooled engine session per event loop, and the tests run many
-    loops, closed under their sessions. Those left are closed here, where no loop runs, so
-    that none is collected at exit reporting itself unclosed (on a stream pytest has closed)."""
-    from controlplane.gateway import upstream
-
-    upstream.close_after_loops_ended()

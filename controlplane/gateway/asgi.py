@@ -13,7 +13,7 @@ from django.conf import settings
 from django.db import close_old_connections, connection
 
 from controlplane.client_slots import Cap, ClientSlots, client_address
-from controlplane.gateway import handlers, state, upstream
+from controlplane.gateway import handlers, state
 from controlplane.gateway.apps import current_process
 from controlplane.gateway.body import ShapeCount, TooComplex
 from controlplane.gateway.errors import error_response
@@ -27,15 +27,14 @@ ROUTES = {"/v1/models": ("GET", handlers.models), "/v1/chat/completions": ("POST
 CONNECTION_CHECK_SECONDS = 30
 BUSY_RETRY_AFTER_S = 1  # a body read ends in well under a second, or at GATEWAY_BODY_TIMEOUT_S
 SMALL_BODY = 64 * 1024  # bytes of a declared body the caps on bodies read at once leave uncounted
-_last_check = 0.0
 
 
 async def _connection_hygiene() -> None:
     """What Django does around each request, done here now and then: the rare cache misses
     query the database from one thread, whose connection must not go stale or broken."""
-    global _last_check
-    if time.monotonic() - _last_check > CONNECTION_CHECK_SECONDS:
-        _last_check = time.monotonic()
+    process = current_process()
+    if time.monotonic() - process.connections_checked_at > CONNECTION_CHECK_SECONDS:
+        process.connections_checked_at = time.monotonic()
         await sync_to_async(_close_old_connections)()
 
 
@@ -166,7 +165,7 @@ async def lifespan(receive, send) -> None:
             await send({"type": "lifespan.startup.complete"})
         elif message["type"] == "lifespan.shutdown":
             await handlers.drain()
-            await upstream.close()
+            await current_process().connections.close()
             await send({"type": "lifespan.shutdown.complete"})
             return
 

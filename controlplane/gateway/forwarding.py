@@ -129,7 +129,7 @@ async def _try_engines(request_id, tier, prepared, admission, candidates, payloa
                 await ledger.engine_chosen(await admission.flight(), instance.id)
             if record.queue_ms is None:
                 record.queue_ms = max(0, ms_since(started) - (record.prepare_ms or 0))
-            sending = upstream.engine_post(
+            sending = current_process().connections.engine_post(
                 f"{instance.base_url}/v1/chat/completions", content=payload,
                 headers={"content-type": "application/json", "x-request-id": request_id,
                          **({"authorization": f"Bearer {instance.api_key}"} if instance.api_key else {})},

@@ -6,7 +6,7 @@ receive it (after the resolution policy). OpenAI's omni-moderation takes one ima
 gives one verdict for a call's whole input, so the text goes with the first image and every
 other image in a call of its own, all at once. A tier that requires moderation fails closed:
 if the endpoint cannot answer, the request is refused. MODERATION_URL is an operator-set URL,
-vetted at each call (upstream.client).
+vetted at each call (upstream.Connections.client).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import logging
 import httpx
 from django.conf import settings
 
-from controlplane.gateway import upstream
+from controlplane.gateway.apps import current_process
 
 log = logging.getLogger(__name__)
 TEXT = "the prompt's text"
@@ -77,7 +77,7 @@ async def _check(parts: list[dict], subjects: dict[str, str]) -> None:
     headers = {"Authorization": f"Bearer {settings.MODERATION_API_KEY}"} if settings.MODERATION_API_KEY else {}
     body = {"model": settings.MODERATION_MODEL, "input": parts}
     try:
-        response = await upstream.client().post(settings.MODERATION_URL, json=body, headers=headers,
+        response = await current_process().connections.client().post(settings.MODERATION_URL, json=body, headers=headers,
                                                 timeout=settings.MODERATION_TIMEOUT_S)
         response.raise_for_status()
         results = response.json()["results"]

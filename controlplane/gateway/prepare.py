@@ -10,22 +10,17 @@ import asyncio
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from controlplane.gateway.apps import current_process
 from controlplane.gateway.repeats import Key, Picture, Repeats, digest
 from controlplane.gateway.validation import RequestInvalid, image_parts, image_url_place
 from controlplane.imaging.budget import DecodeBudget
 from controlplane.imaging.errors import ImageError
 from controlplane.imaging.fetch import FetchPolicy
-from controlplane.imaging.fingerprint import FingerprintIndex
 from controlplane.imaging.intake import image_source_bytes
 from controlplane.imaging.policy import DecodedDataURL, NormalisedImage, Policy, normalise_tiles
-from controlplane.imaging.resample import CORES
 from controlplane.imaging.tokens import count_image_tokens, image_markers
 from controlplane.prompts import TemplateError
 from controlplane.textcount import image_positions, prompt_text_tokens
-from controlplane.threads import Threads
-
-# Re-encodings of a picture this process has seen get that picture's fingerprint.
-index_of_pictures = FingerprintIndex()
 
 
 @dataclass(frozen=True)
@@ -109,11 +104,6 @@ class Prepared:
         return self.images
 
 
-# The checks of images sent as they came, started from the intake's own thread as soon as it
-# knows (one per core: a check never waits behind another request's intake).
-_checkers = Threads("checks", CORES)
-
-
 def _check(images: Picture, keep: tuple[Repeats, Key] | None) -> Picture:
     """A picture's images sent as they came, checked (ImageError for the first that fails);
     kept for the requests that send it again once they all passed."""
@@ -165,7 +155,7 @@ def _again(kept: Picture, scope: str, budget: DecodeBudget) -> _Picture:
     first = kept[0][0]
     budget.count_pixels(first.source_width, first.source_height)  # nothing decoded, but in the request's total
     for image, _ in kept:  # its fingerprint stays among the tenant's recent pictures
-        index_of_pictures.touch(image.fingerprint, scope=scope)
+        current_process().pictures.touch(image.fingerprint, scope=scope)
     return _Picture(kept, again=True)
 
 
@@ -178,11 +168,13 @@ def _image_tiles(data: bytes, key: Key | None, policy: Policy, detail, scope: st
     (Prepared.check_images); it is kept once it passed."""
     if key is not None and (kept := repeats.get(key)) is not None:
         return _again(kept, scope, budget)
-    tiles = normalise_tiles(data, policy, detail=detail, index=index_of_pictures.scoped(scope), check_later=True,
+    process = current_process()
+    tiles = normalise_tiles(data, policy, detail=detail, index=process.pictures.scoped(scope), check_later=True,
                             budget=budget)
     images = tuple((tile, digest(tile.data)) for tile in tiles)
     if any(tile.check is not None for tile in tiles):
-        return _Picture(images, checking=_checkers().submit(_check, images, None if key is None else (repeats, key)))
+        keep = None if key is None else (repeats, key)
+        return _Picture(images, checking=process.checks().submit(_check, images, keep))
     if key is not None:
         repeats.put(key, images)
     return _Picture(images)

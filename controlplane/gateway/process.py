@@ -19,7 +19,11 @@ from controlplane.gateway.ledger import LedgerBook
 from controlplane.gateway.repeats import Repeats, Shared
 from controlplane.gateway.routing import EngineLoads
 from controlplane.gateway.state import Caches
+from controlplane.gateway.upstream import Connections
 from controlplane.imaging.budget import MB, DecodeMemory
+from controlplane.imaging.fingerprint import FingerprintIndex
+from controlplane.imaging.resample import CORES
+from controlplane.threads import Threads
 
 
 @dataclass(eq=False)
@@ -34,6 +38,13 @@ class GatewayProcess:
     tier_names: dict[int, str] = field(default_factory=dict)  # for the counters
     engine_watches: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)  # loop -> watch
     ledger_book: LedgerBook = field(default_factory=LedgerBook)  # its requests in the ledger, its stores
+    # Re-encodings of a picture this process has seen get that picture's fingerprint.
+    pictures: FingerprintIndex = field(default_factory=FingerprintIndex)
+    # The checks of images sent as they came, started from the intake's own thread as soon as it
+    # knows (one per core: a check never waits behind another request's intake).
+    checks: Threads = field(default_factory=lambda: Threads("checks", CORES))
+    connections: Connections = field(default_factory=Connections)  # pooled, to engines and other services
+    connections_checked_at: float = 0.0  # when the database connection was last checked (monotonic)
 
     @classmethod
     def from_settings(cls) -> GatewayProcess:

@@ -21,9 +21,6 @@ from django.conf import settings
 
 from controlplane import outbound
 
-# One pooled session per event loop (a server has one loop; tests may run several).
-_clients: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_engines: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # Engines behind uvicorn (vLLM, the simulator) close an idle connection after 5 s: one idle
 # for 4 s is dropped here first, so a request never goes out on a connection being closed.
 KEEPALIVE_S = 4
@@ -38,64 +35,6 @@ class Unreachable(Exception):
 
 class Broken(Exception):
     """The exchange with the engine failed after the request may have reached it."""
-
-
-def client() -> httpx.AsyncClient:
-    """To other services (moderation), whose URLs operators set: each request is vetted and
-    goes to the address vetted, with no redirect (controlplane/outbound.py)."""
-    loop = asyncio.get_running_loop()
-    pooled = _clients.get(loop)
-    if pooled is None or pooled.is_closed:
-        pooled = outbound.async_client(
-            trusted_networks=settings.OPERATOR_URL_TRUSTED_NETWORKS, what="moderation URL",
-            timeout=httpx.Timeout(settings.GATEWAY_UPSTREAM_TIMEOUT, connect=3.0),
-            limits=httpx.Limits(max_connections=512, max_keepalive_connections=128),
-        )
-        _clients[loop] = pooled
-    return pooled
-
-
-def _engine_session() -> aiohttp.ClientSession:
-    loop = asyncio.get_running_loop()
-    session = _engines.get(loop)
-    if session is None or session.closed:
-        session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=512, limit_per_host=0, keepalive_timeout=KEEPALIVE_S,
-                                           ttl_dns_cache=60),
-            # No bound on the whole answer (a long generation streams for minutes); a bound on
-            # connecting, and on the silence between two reads.
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=3.0, sock_read=settings.GATEWAY_UPSTREAM_TIMEOUT),
-            read_bufsize=READ_BUFFER_BYTES, auto_decompress=False, skip_auto_headers=("User-Agent",),
-        )
-        _engines[loop] = session
-    return session
-
-
-async def close() -> None:
-    """Close this event loop's pooled connections, to engines and to other services: the
-    server's last act once every request is answered, so that no engine is left holding a
-    connection to a gateway that is gone until it finds it idle."""
-    loop = asyncio.get_running_loop()
-    session, pooled = _engines.pop(loop, None), _clients.pop(loop, None)
-    if session is not None and not session.closed:
-        await session.close()
-    if pooled is not None and not pooled.is_closed:
-        await pooled.aclose()
-
-
-def close_after_loops_ended() -> None:
-    """Let go of the engine sessions pooled by event loops that have ended without closing
-    them (a process that ran many loops, as a test run does), so that none is reported
-    unclosed when the process exits. With their loop gone nothing can run a close: each is
-    marked closed, and its sockets close as they are collected."""
-    for loop, session in list(_engines.items()):
-        if loop.is_running() or session.closed:
-            continue
-        connector = session.connector
-        session.detach()
-        del _engines[loop]
-        if connector is not None:
-            connector._close()  # aiohttp's synchronous close: on a closed loop it only marks itself
 
 
 class EngineResponse:
@@ -133,12 +72,75 @@ class EngineResponse:
             self._response.close()
 
 
-async def engine_post(url: str, *, content: bytes, headers: dict[str, str]) -> EngineResponse:
-    """POST to an engine and wait for the headers of its answer."""
-    try:
-        response = await _engine_session().post(url, data=content, headers=headers)
-    except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
-        raise Unreachable(f"{type(exc).__name__}: {exc}") from None
-    except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-        raise Broken(f"{type(exc).__name__}: {exc}") from None
-    return EngineResponse(response)
+class Connections:
+    """A gateway process's pooled connections, one pool per event loop (a server runs one
+    loop; a test run, many): to engines on aiohttp, to other services on httpx."""
+
+    def __init__(self):
+        self._clients: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._engines: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def client(self) -> httpx.AsyncClient:
+        """To other services (moderation), whose URLs operators set: each request is vetted and
+        goes to the address vetted, with no redirect (controlplane/outbound.py)."""
+        loop = asyncio.get_running_loop()
+        pooled = self._clients.get(loop)
+        if pooled is None or pooled.is_closed:
+            pooled = outbound.async_client(
+                trusted_networks=settings.OPERATOR_URL_TRUSTED_NETWORKS, what="moderation URL",
+                timeout=httpx.Timeout(settings.GATEWAY_UPSTREAM_TIMEOUT, connect=3.0),
+                limits=httpx.Limits(max_connections=512, max_keepalive_connections=128),
+            )
+            self._clients[loop] = pooled
+        return pooled
+
+    def _engine_session(self) -> aiohttp.ClientSession:
+        loop = asyncio.get_running_loop()
+        session = self._engines.get(loop)
+        if session is None or session.closed:
+            session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=512, limit_per_host=0, keepalive_timeout=KEEPALIVE_S,
+                                               ttl_dns_cache=60),
+                # No bound on the whole answer (a long generation streams for minutes); a bound on
+                # connecting, and on the silence between two reads.
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=3.0,
+                                              sock_read=settings.GATEWAY_UPSTREAM_TIMEOUT),
+                read_bufsize=READ_BUFFER_BYTES, auto_decompress=False, skip_auto_headers=("User-Agent",),
+            )
+            self._engines[loop] = session
+        return session
+
+    async def engine_post(self, url: str, *, content: bytes, headers: dict[str, str]) -> EngineResponse:
+        """POST to an engine and wait for the headers of its answer."""
+        try:
+            response = await self._engine_session().post(url, data=content, headers=headers)
+        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
+            raise Unreachable(f"{type(exc).__name__}: {exc}") from None
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            raise Broken(f"{type(exc).__name__}: {exc}") from None
+        return EngineResponse(response)
+
+    async def close(self) -> None:
+        """Close this event loop's pooled connections, to engines and to other services: the
+        server's last act once every request is answered, so that no engine is left holding a
+        connection to a gateway that is gone until it finds it idle."""
+        loop = asyncio.get_running_loop()
+        session, pooled = self._engines.pop(loop, None), self._clients.pop(loop, None)
+        if session is not None and not session.closed:
+            await session.close()
+        if pooled is not None and not pooled.is_closed:
+            await pooled.aclose()
+
+    def close_after_loops_ended(self) -> None:
+        """Let go of the engine sessions pooled by event loops that have ended without closing
+        them (a process that ran many loops, as a test run does), so that none is reported
+        unclosed when the process exits. With their loop gone nothing can run a close: each is
+        marked closed, and its sockets close as they are collected."""
+        for loop, session in list(self._engines.items()):
+            if loop.is_running() or session.closed:
+                continue
+            connector = session.connector
+            session.detach()
+            del self._engines[loop]
+            if connector is not None:
+                connector._close()  # aiohttp's synchronous close: on a closed loop it only marks itself

@@ -46,6 +46,7 @@ from controlplane.gateway.ledger.base import (
 )
 from controlplane.gateway.ledger.database_store import DatabaseLedger
 from controlplane.gateway.ledger.redis_store import RedisLedger
+from controlplane.gateway.ledger.spool import Spool
 from controlplane.metering.records import UsageRecord
 
 __all__ = ("Ask", "DatabaseLedger", "Flight", "IntakeLimits", "LedgerBook", "Limits", "RedisLedger", "Refused", "Reservation", "admit",
@@ -68,6 +69,7 @@ class LedgerBook:
     finished: dict[str, None] = field(default_factory=dict)
     heartbeats: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)  # loop -> task
     stores: dict[tuple, Ledger] = field(default_factory=dict)  # one object per store
+    spool: Spool = field(default_factory=Spool)  # its finishes no store could take
 
 
 FINISHED_KEEP = 100_000
@@ -188,7 +190,7 @@ def _apply_spooled(record: UsageRecord, journaled: bool, kind: str) -> None:
 
 def drain_spool() -> int:
     """Move finished requests' usage that waited on disk into the ledger (see spool.py)."""
-    return spool.drain(_apply_spooled)
+    return _book().spool.drain(_apply_spooled)
 
 
 def _ensure_heartbeat() -> None:

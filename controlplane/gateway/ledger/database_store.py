@@ -22,6 +22,7 @@ from django.db.models import F
 from django.db.models.functions import Greatest
 from django.utils import timezone
 
+from controlplane.gateway.apps import current_process
 from controlplane.gateway.ledger.base import (
     INTAKE,
     Ask,
@@ -35,7 +36,6 @@ from controlplane.gateway.ledger.base import (
     refusal,
     settlement,
 )
-from controlplane.gateway.ledger.spool import spool
 from controlplane.gateway.models import InFlightRequest
 from controlplane.metering.periods import minute_window, period_window
 from controlplane.metering.records import UsageRecord
@@ -233,7 +233,8 @@ class DatabaseLedger:
             await sync_to_async(self.finish_spooled)(flight.record, flight.journaled)
         except Exception:  # the database does not answer: on disk until it does
             log.exception("could not record the usage of %s", flight.record.request_id)
-            await sync_to_async(spool)(flight.record, journaled=flight.journaled, ledger="database")
+            await sync_to_async(current_process().ledger_book.spool.write)(
+                flight.record, journaled=flight.journaled, ledger="database")
 
     def finish_spooled(self, record: UsageRecord, journaled: bool) -> bool:
         """Store the usage and settle, removing the entry. False when the reaper had already.

@@ -32,6 +32,7 @@ import redis.exceptions
 from asgiref.sync import sync_to_async
 from django.conf import settings
 
+from controlplane.gateway.apps import current_process
 from controlplane.gateway.ledger.base import (
     INTAKE,
     Ask,
@@ -46,7 +47,6 @@ from controlplane.gateway.ledger.base import (
     refusal,
     settlement,
 )
-from controlplane.gateway.ledger.spool import spool
 from controlplane.metering.models import UsageEvent
 from controlplane.metering.outbox import stream_key
 from controlplane.metering.periods import (
@@ -441,7 +441,8 @@ class RedisLedger:
                 await sync_to_async(usage_record)(record=record)
             except Exception:  # the database neither: on disk until it answers
                 log.exception("could not record the usage of %s", record.request_id)
-                await sync_to_async(spool)(record, journaled=flight.journaled, ledger="usage")
+                await sync_to_async(current_process().ledger_book.spool.write)(
+                    record, journaled=flight.journaled, ledger="usage")
             # The reservation is settled by whoever removes the entry: here, or by the reaper
             # if it is still there (the usage it hands over again is stored once).
             held = None
