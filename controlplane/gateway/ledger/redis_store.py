@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
-import functools
-import hashlib
 import json
 import logging
 import time
@@ -28,11 +26,11 @@ import weakref
 from collections import deque
 
 import orjson
-import redis.exceptions
 from asgiref.sync import sync_to_async
 from django.conf import settings
 
 from controlplane.gateway.apps import current_process
+from controlplane.gateway.ledger import redis_scripts as lua
 from controlplane.gateway.ledger.base import (
     INTAKE,
     Ask,
@@ -67,99 +65,6 @@ from controlplane.redis_clients import (
 
 log = logging.getLogger(__name__)
 
-# Quota counters: KEYS[1..4] = image tokens, total tokens (of the period), requests (of the
-# minute), large images (at once), KEYS[5] = the period counters' epoch (set when they were
-# started from what is metered); ARGV[1..3] = the ask (image, total, large), ARGV[4..7] the
-# limits (-1: none). The journal: KEYS[6..8] = entries, heartbeats, and the epoch each
-# reservation was made in; ARGV[8..10] = request id, entry, beat ('' when the request is not
-# journaled here). ARGV[11] = '1' when reserving.
-_ADMIT = """
-local function over(key, ask, limit)
-  if tonumber(limit) < 0 then return false end
-  return tonumber(redis.call('GET', key) or '0') + tonumber(ask) > tonumber(limit)
-end
-if ARGV[11] == '1' then
-  local epoch = redis.call('GET', KEYS[5])
-  if not epoch then return -1 end
-  if over(KEYS[1], ARGV[1], ARGV[4]) then return 1 end
-  if over(KEYS[2], ARGV[2], ARGV[5]) then return 2 end
-  if over(KEYS[3], 1, ARGV[6]) then return 3 end
-  if ARGV[3] == '1' and over(KEYS[4], 1, ARGV[7]) then return 4 end
-  redis.call('INCRBY', KEYS[1], ARGV[1])
-  redis.call('INCRBY', KEYS[2], ARGV[2])
-  redis.call('INCR', KEYS[3])
-  redis.call('EXPIRE', KEYS[3], 120)
-  if ARGV[3] == '1' then
-    redis.call('INCR', KEYS[4])
-    redis.call('EXPIRE', KEYS[4], 3600)
-  end
-  redis.call('HSET', KEYS[8], ARGV[8], epoch)
-end
-if ARGV[9] ~= '' then
-  redis.call('HSET', KEYS[6], ARGV[8], ARGV[9])
-  redis.call('HSET', KEYS[7], ARGV[8], ARGV[10])
-end
-return 0
-"""
-# Starting a period's counters from what is metered, once: KEYS = image, total, epoch.
-_SEED = """
-if redis.call('EXISTS', KEYS[3]) == 1 then return 0 end
-redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[4])
-redis.call('SET', KEYS[2], ARGV[2], 'EX', ARGV[4])
-redis.call('SET', KEYS[3], ARGV[3], 'EX', ARGV[4])
-return 1
-"""
-# Settling a reservation to what was used. Made in the counters' epoch: the difference is
-# applied. Made before they were started again (Redis lost them meanwhile, and the new ones,
-# counted from what was metered, do not hold it): what was used is added. No counters: left
-# to be started from what is metered, with this request in it.
-_SETTLE_FUNCTION = """
-local function settle(image_key, total_key, large_key, epoch_key, epochs, id, image_delta, total_delta,
-                      image_used, total_used, large)
-  local reserved = redis.call('HGET', epochs, id)
-  redis.call('HDEL', epochs, id)
-  local current = redis.call('GET', epoch_key)
-  if current then
-    if reserved == current then
-      redis.call('INCRBY', image_key, image_delta)
-      redis.call('INCRBY', total_key, total_delta)
-    else
-      redis.call('INCRBY', image_key, image_used)
-      redis.call('INCRBY', total_key, total_used)
-    end
-  end
-  if large == '1' and reserved and tonumber(redis.call('GET', large_key) or '0') > 0 then
-    redis.call('DECR', large_key)
-  end
-end
-"""
-_SETTLE = _SETTLE_FUNCTION + """
-settle(KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6])
-return 0
-"""
-# KEYS = entries, heartbeats, the usage stream, the request's reaped mark, then the five keys
-# to settle (or ''); ARGV = request id, '1' if journaled, the usage, '1' to settle, its six
-# arguments, and the beat the reaper judged stale ('' from the gateway: a beat refreshed
-# since means its gateway lives). An entry already gone was recorded by the reaper (its mark
-# says so) or went with Redis (a restart): then the usage is handed over still.
-_FINISH = _SETTLE_FUNCTION + """
-local reaping = ARGV[11] ~= ''
-if reaping and redis.call('HGET', KEYS[2], ARGV[1]) ~= ARGV[11] then return 0 end
-local held = redis.call('HDEL', KEYS[1], ARGV[1])
-redis.call('HDEL', KEYS[2], ARGV[1])
-if held == 0 and ARGV[2] == '1' and (reaping or redis.call('EXISTS', KEYS[4]) == 1) then return 0 end
-redis.call('XADD', KEYS[3], '*', 'record', ARGV[3])
-if reaping then redis.call('SET', KEYS[4], '1', 'EX', 86400) end
-if ARGV[4] == '1' then settle(KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[9], ARGV[5], ARGV[6], ARGV[7], ARGV[8],
-                              ARGV[9], ARGV[10]) end
-return 1
-"""
-_BEAT = """
-for i = 1, #ARGV, 2 do
-  if redis.call('HEXISTS', KEYS[1], ARGV[i]) == 1 then redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1]) end
-end
-return 0
-"""
 _ORDER = ("image_tokens", "total_tokens", "requests_per_minute", "concurrent_large_images")
 
 
@@ -200,73 +105,8 @@ def _metered_with(tenant_id: int, period: str, now: dt.datetime, pending: dict) 
     return image_used, total_used
 
 
-@functools.cache
-def _sha(script: str) -> str:
-    return hashlib.sha1(script.encode()).hexdigest()
-
-
-async def _eval(client, script: str, numkeys: int, *args):
-    """Run a script by its hash (EVALSHA), sending its text only when Redis does not have it
-    (first use, or a Redis that restarted): every request runs two or three of them, and
-    sending each one's text every time was most of the bytes the gateway wrote to Redis."""
-    try:
-        return await client.evalsha(_sha(script), numkeys, *args)
-    except redis.exceptions.NoScriptError:
-        return await client.eval(script, numkeys, *args)  # which also caches it in Redis
-
-
 def _beat(flight: Flight, now: float) -> str:
     return orjson.dumps({"t": now, "produced": flight.produced, "instance": flight.record.instance_id})
-
-
-# One request of a key this minute, if it is under its limit: KEYS[1] the minute's counter,
-# ARGV[1] the limit. Returns 1 when counted, 0 when refused.
-_KEY_RATE = """
-local used = tonumber(redis.call('GET', KEYS[1]) or '0')
-if used >= tonumber(ARGV[1]) then return 0 end
-redis.call('INCR', KEYS[1])
-redis.call('EXPIRE', KEYS[1], 120)
-return 1
-"""
-_KEY_RATE_RETURN = """
-if tonumber(redis.call('GET', KEYS[1]) or '0') > 0 then redis.call('DECR', KEYS[1]) end
-return 0
-"""
-
-
-# What a key's requests cost before admission. KEYS: the tenant's and the key's requests of
-# the minute, the key's intake CPU (ms) and body bytes of the window; ARGV[1..4] their limits
-# in those windows (-1: none). Which is reached (1..4), or 0, and then ARGV[5] bytes counted.
-_INTAKE_OVER = """
-for i = 1, 4 do
-  local limit = tonumber(ARGV[i])
-  if limit >= 0 and tonumber(redis.call('GET', KEYS[i]) or '0') >= limit then return i end
-end
-if tonumber(ARGV[5]) > 0 and tonumber(ARGV[4]) >= 0 then
-  redis.call('INCRBY', KEYS[4], ARGV[5])
-  redis.call('EXPIRE', KEYS[4], 30)
-end
-return 0
-"""
-# Counting it: ARGV[5] the CPU milliseconds, ARGV[6] the body bytes, ARGV[7] '1' when the
-# request counts as one of the minute's (refused at intake: admission never counted it).
-_INTAKE_CHARGE = """
-for i = 3, 4 do
-  if tonumber(ARGV[i + 2]) > 0 and tonumber(ARGV[i]) >= 0 then
-    redis.call('INCRBY', KEYS[i], ARGV[i + 2])
-    redis.call('EXPIRE', KEYS[i], 30)
-  end
-end
-if ARGV[7] == '1' then
-  for i = 1, 2 do
-    if tonumber(ARGV[i]) >= 0 then
-      redis.call('INCR', KEYS[i])
-      redis.call('EXPIRE', KEYS[i], 120)
-    end
-  end
-end
-return 0
-"""
 
 
 class RedisLedger:
@@ -297,11 +137,11 @@ class RedisLedger:
         """Count one request of API key `key_id` this minute, unless it has had `limit`
         already (then False, counting nothing)."""
         counter = f"{self.prefix}:keyrpm:{key_id}:{minute_window(now)}"
-        return bool(await _eval(self._scripts(), _KEY_RATE, 1, counter, limit))
+        return bool(await lua.run(self._scripts(), lua.KEY_RATE, 1, counter, limit))
 
     async def key_rate_return(self, key_id: int, now: dt.datetime) -> None:
         """Give back the request `key_rate` counted (its request was refused after all)."""
-        await _eval(self._scripts(), _KEY_RATE_RETURN, 1, f"{self.prefix}:keyrpm:{key_id}:{minute_window(now)}")
+        await lua.run(self._scripts(), lua.KEY_RATE_RETURN, 1, f"{self.prefix}:keyrpm:{key_id}:{minute_window(now)}")
 
     # -- intake ----------------------------------------------------------------------------
 
@@ -317,7 +157,7 @@ class RedisLedger:
                           take_bytes: int = 0) -> str | None:
         """Which of `limits` the key has reached in its windows (its next request is refused),
         or None, and then `take_bytes` counted, at once."""
-        found = await _eval(self._scripts(), _INTAKE_OVER, *self._intake_call(tenant_id, key_id, limits, now),
+        found = await lua.run(self._scripts(), lua.INTAKE_OVER, *self._intake_call(tenant_id, key_id, limits, now),
                             take_bytes)
         return INTAKE[found - 1] if found else None
 
@@ -325,7 +165,7 @@ class RedisLedger:
                             cpu_ms: int, body_bytes: int = 0, refused: bool) -> None:
         """Count a request's intake: its CPU time and body bytes, and, `refused` at intake, the
         request itself."""
-        await _eval(self._scripts(), _INTAKE_CHARGE, *self._intake_call(tenant_id, key_id, limits, now),
+        await lua.run(self._scripts(), lua.INTAKE_CHARGE, *self._intake_call(tenant_id, key_id, limits, now),
                     cpu_ms, body_bytes, "1" if refused else "0")
 
     # -- admit -----------------------------------------------------------------------------
@@ -369,12 +209,12 @@ class RedisLedger:
             *(-1 if getattr(limits, name) is None else getattr(limits, name) for name in _ORDER)]
         client, scripts = self._client(), self._scripts()
         for _attempt in range(2):
-            outcome = await _eval(scripts, _ADMIT, 8, *keys, *quota, *journal, "1" if limits else "0")
+            outcome = await lua.run(scripts, lua.ADMIT, 8, *keys, *quota, *journal, "1" if limits else "0")
             if outcome == -1:  # the period's first request (or Redis lost them): start from what is metered
                 await self.keep_safe()  # what Redis lost is in the database first
                 image_used, total_used = await self._used(client, tenant_id, limits.period, now)
                 ttl = seconds_to_period_end(limits.period, now) + 2 * 86400
-                await _eval(scripts, _SEED, 3, keys[0], keys[1], keys[4], image_used, total_used, uuid.uuid4().hex, ttl)
+                await lua.run(scripts, lua.SEED, 3, keys[0], keys[1], keys[4], image_used, total_used, uuid.uuid4().hex, ttl)
                 continue
             if outcome:
                 raise refusal(_ORDER[outcome - 1], limits, now)
@@ -402,7 +242,7 @@ class RedisLedger:
     async def settle(self, reservation: Reservation, *, image_tokens: int, total_tokens: int) -> None:
         """Correct a reservation to what was used (release it: 0 and 0)."""
         keys, args = self._settle_call(reservation, image_tokens, total_tokens)
-        await _eval(self._scripts(), _SETTLE, 5, *keys, *args)
+        await lua.run(self._scripts(), lua.SETTLE, 5, *keys, *args)
 
     # -- beat ------------------------------------------------------------------------------
 
@@ -410,7 +250,7 @@ class RedisLedger:
         now, args = time.time(), []
         for flight in flights:
             args += [flight.record.request_id, _beat(flight, now)]
-        await _eval(self._scripts(), _BEAT, 2, self.inflight, self.beats, *args)
+        await lua.run(self._scripts(), lua.BEAT, 2, self.inflight, self.beats, *args)
 
     # -- finish ----------------------------------------------------------------------------
 
@@ -433,7 +273,7 @@ class RedisLedger:
             await self._mark()
         try:
             with once_written(written, "EVALSHA", "EVAL"):
-                await _eval(self._scripts(), _FINISH, len(keys), *keys, *args)
+                await lua.run(self._scripts(), lua.FINISH, len(keys), *keys, *args)
             self._remember(record)
         except Exception:  # Redis unreachable: the database is slower, but nothing is lost
             log.exception("usage journal unavailable; writing %s to the database", record.request_id)
@@ -541,7 +381,7 @@ class RedisLedger:
                     continue
                 record = _as_stored(interrupted(json.loads(data), beat))
                 keys, args = self._finish_call(record, True, stale_beat=raw.decode())
-                reaped += client.eval(_FINISH, len(keys), *keys, *args)
+                reaped += client.eval(lua.FINISH, len(keys), *keys, *args)
             except Exception:  # one bad entry must not stop the others (nor the ingest after them)
                 log.exception("could not record the interrupted request %s", request_id)
         return reaped

@@ -21,7 +21,7 @@ from controlplane.fleet.models import EngineInstance, Node
 from controlplane.gateway import ledger
 from controlplane.gateway.apps import current_process
 from controlplane.gateway.ledger import Ask, Limits, Refused
-from controlplane.gateway.ledger.redis_store import _ADMIT, _sha
+from controlplane.gateway.ledger.redis_scripts import ADMIT, sha
 from controlplane.metering.models import UsageEvent
 from controlplane.metering.outbox import usage_ingest
 from controlplane.tenants.models import Quota
@@ -99,7 +99,7 @@ def _register(tier, port: int, *, pool: str = "default", waiting: int = 0) -> En
 @pytest.fixture
 def held(settings):
     """The gateway's ledger in Redis, behind a relay that holds Redis's replies to admissions."""
-    with ledger_behind_relay(settings, _sha(_ADMIT).encode(), "beside") as relay:
+    with ledger_behind_relay(settings, sha(ADMIT).encode(), "beside") as relay:
         yield relay
 
 

@@ -21,7 +21,7 @@ from controlplane.asgi import application
 from controlplane.fleet.models import EngineInstance, Node
 from controlplane.gateway import ledger
 from controlplane.gateway.apps import current_process
-from controlplane.gateway.ledger.redis_store import _FINISH, _sha
+from controlplane.gateway.ledger.redis_scripts import FINISH, sha
 from controlplane.metering.models import UsageEvent
 from controlplane.metering.outbox import stream_key, usage_ingest
 from tests.engines import simulator
@@ -39,7 +39,7 @@ def text_engine():
 @pytest.fixture
 def held(settings):
     """The gateway's ledger in Redis, behind a relay that holds Redis's replies to hand-overs."""
-    with ledger_behind_relay(settings, _sha(_FINISH).encode(), "hand-over") as relay:
+    with ledger_behind_relay(settings, sha(FINISH).encode(), "hand-over") as relay:
         yield relay
 
 

@@ -15,7 +15,7 @@ from controlplane.gateway import ledger
 from controlplane.gateway.apps import current_process
 from controlplane.gateway.ledger import Ask, RedisLedger, Refused
 from controlplane.gateway.ledger.base import interrupted
-from controlplane.gateway.ledger.redis_store import _FINISH
+from controlplane.gateway.ledger.redis_scripts import FINISH
 from controlplane.gateway.models import InFlightRequest
 from controlplane.metering.models import UsageEvent
 from tests.conftest import skip_without_redis
@@ -133,7 +133,7 @@ def test_the_reaper_leaves_an_entry_whose_heartbeat_came_back_meanwhile(world, e
     async_to_sync(ledger.ledger().beat)([flight])  # it beats again
     keys, args = store._finish_call(interrupted(json.loads(client.hget(inflight, "req-back")), {}), True,
                                       stale_beat=judged_stale)
-    assert client.eval(_FINISH, len(keys), *keys, *args) == 0
+    assert client.eval(FINISH, len(keys), *keys, *args) == 0
     assert client.hexists(inflight, "req-back")  # left to its gateway
     current_process().ledger_book.live.clear()
 

@@ -302,23 +302,23 @@ def test_a_client_leaving_during_an_admission_whose_reply_was_lost_leaves_no_res
     import redis
 
     from controlplane.gateway import state
-    from controlplane.gateway.ledger import redis_store
+    from controlplane.gateway.ledger import redis_scripts
     from controlplane.gateway.prepare import Prepared
 
     key = dataclasses.replace(async_to_sync(state.key_info)(world.alice_key), limits=LIMITS)
     tier = async_to_sync(state.tiers)()[world.vision.name]
     prepared = Prepared(body={"max_tokens": 770, "messages": []}, text_tokens=130)
-    original, replying = redis_store._eval, threading.Event()
+    original, replying = redis_scripts.run, threading.Event()
 
     async def made_then_reply_lost(client, script, *args):
         result = await original(client, script, *args)
-        if script == redis_store._ADMIT:
+        if script == redis_scripts.ADMIT:
             while not replying.is_set():  # the reply is on its way while the client leaves
                 await asyncio.sleep(0.01)
             raise redis.exceptions.TimeoutError("Timeout reading from 127.0.0.1:6379")
         return result
 
-    monkeypatch.setattr(redis_store, "_eval", made_then_reply_lost)
+    monkeypatch.setattr(redis_scripts, "run", made_then_reply_lost)
 
     @async_to_sync
     async def client_leaves_while_admitted():
@@ -335,7 +335,7 @@ def test_a_client_leaving_during_an_admission_whose_reply_was_lost_leaves_no_res
             await asyncio.gather(*list(current_process().hand_overs), return_exceptions=True)
 
     client_leaves_while_admitted()
-    monkeypatch.setattr(redis_store, "_eval", original)
+    monkeypatch.setattr(redis_scripts, "run", original)
     [event] = stored(mode)
     assert (event.request_id, event.status, event.http_status, event.cost) == ("req-gone", "aborted", 499, 0)
     assert_room(world, 1000)  # nothing held: no engine was sent it

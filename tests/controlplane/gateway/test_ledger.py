@@ -196,7 +196,7 @@ def test_an_admission_whose_reply_was_lost_is_released_as_it_was_made(world, mod
     record now settles it as it was: released if Redis made it, nothing taken back if not."""
     from django.utils import timezone
 
-    from controlplane.gateway.ledger import redis_store
+    from controlplane.gateway.ledger import redis_scripts
     from controlplane.metering.periods import period_window
     from controlplane.metering.records import UsageRecord
 
@@ -207,16 +207,16 @@ def test_an_admission_whose_reply_was_lost_is_released_as_it_was_made(world, mod
     total = store._quota_keys(world.alice.pk, period_window(LIMITS.period, now), now)[1]
     before = int(client.get(total))
 
-    original = redis_store._eval
+    original = redis_scripts.run
 
     async def reply_lost(redis_client, script, *args):
-        if script == redis_store._ADMIT:
+        if script == redis_scripts.ADMIT:
             if made:
                 await original(redis_client, script, *args)
             raise redis.exceptions.TimeoutError("Timeout reading from 127.0.0.1:6379")
         return await original(redis_client, script, *args)
 
-    monkeypatch.setattr(redis_store, "_eval", reply_lost)
+    monkeypatch.setattr(redis_scripts, "run", reply_lost)
     with pytest.raises(redis.exceptions.TimeoutError):
         async_to_sync(ledger.admit)(record_of(world, "req-lost"), LIMITS, Ask(0, 300, False))
     assert int(client.get(total)) == before + (300 if made else 0)

@@ -61,7 +61,7 @@ def test_a_tier_gets_its_large_image_pool_replicas(world):
 
 
 def test_a_flood_of_unknown_keys_does_not_flush_the_known_ones():
-    from controlplane.gateway.state import TTLCache
+    from controlplane.gateway.ttl_cache import TTLCache
 
     cache = TTLCache(60, max_items=100)
     cache.put("valid", "tenant")

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from controlplane.gateway.state import TTLCache
+from controlplane.gateway.ttl_cache import TTLCache
 
 
 def test_requests_that_find_an_entry_expired_together_share_one_load():
@@ -54,10 +54,10 @@ def clock(monkeypatch):
     import time
     import types
 
-    from controlplane.gateway import state
+    from controlplane.gateway import ttl_cache
 
     moved, start = [0.0], time.monotonic()
-    monkeypatch.setattr(state, "time", types.SimpleNamespace(monotonic=lambda: start + moved[0]))
+    monkeypatch.setattr(ttl_cache, "time", types.SimpleNamespace(monotonic=lambda: start + moved[0]))
     return moved
 
 
