@@ -10,7 +10,7 @@ else
 endif
 TEST_WORKERS ?= 2
 
-.PHONY: run test install install-dev browser engine-cpu engine-sglang lint docs migrate seed bench clean
+.PHONY: run test install install-dev browser engine-cpu engine-sglang lint mutants docs migrate seed bench clean
 
 $(STAMP_DIR)/.installed-run: pyproject.toml setup.py controlplane/imaging/_jpegrows.c
 	@test -x $(PY) || $(PYTHON) -m venv .venv
@@ -66,6 +66,9 @@ lint: install-dev
 
 # The documentation site: the reference pages regenerated from the code, then built into site/
 # (`mkdocs serve` to read it while writing). A warning (a broken link or anchor) fails it.
+mutants: install-dev
+	$(PY) -m tools.mutants
+
 docs: install-dev
 	$(PY) -m docs.generate
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
