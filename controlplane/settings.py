@@ -334,9 +334,12 @@ METRICS_TOKEN = env_str("METRICS_TOKEN",
 # --- gateway --------------------------------------------------------------------------
 GATEWAY_UPSTREAM_TIMEOUT = float(env_int("GATEWAY_UPSTREAM_TIMEOUT_S", 300, minimum=1,
     help="How long the gateway waits on an engine for a request's answer."))
-GATEWAY_LARGE_IMAGE_WAIT_S = env_int("GATEWAY_LARGE_IMAGE_WAIT_S", 30, minimum=1,
-    help=("How long a large-image request waits for one of its tier's large-image slots (handed round"
-          " the tenants waiting) before a `429`."))
+GATEWAY_PREFILL_WAIT_S = env_int("GATEWAY_PREFILL_WAIT_S", 30, minimum=1,
+    help=("How long an image request waits for a prefill slot on one of its tier's engines (and a large"
+          " one for one of its tier's large-image slots), handed round the tenants waiting, before a `429`."))
+GATEWAY_PREFILL_LEASE_S = env_int("GATEWAY_PREFILL_LEASE_S", 60, minimum=1,
+    help=("How long a prefill slot stays held by a gateway replica that neither used nor released it"
+          " (it died): the longest wait its engines' slots can suffer from a lost replica."))
 GATEWAY_ENGINE_WATCH_S = env_int("GATEWAY_ENGINE_WATCH_MS", 2000, minimum=50,
     help=("How often a request waiting on an engine checks whether supervision found it hung or dead:"
           " then it fails over to another engine (or gets `503 engine_unavailable`), and a stream "

@@ -102,8 +102,13 @@ SETTINGS = (
             "Send each prompt, its text and its images, to the moderation endpoint (MODERATION_URL) "
             "before the engine; a flagged prompt is refused, and so is every prompt while the endpoint "
             "cannot answer.", engines=EVERY, group="gateway"),
+    Setting("image_prefill_slots", int, 2, "Image prefills per engine",
+            "Image requests an engine has between dispatch and first token at once, over every gateway "
+            "replica; others wait their turn (per-tenant fair) or take another engine with a slot free.",
+            engines=EVERY, group="gateway", minimum=1, maximum=64),
     Setting("large_image_concurrency", int, 2, "Large images at once",
-            "Requests with large images in flight at once per gateway (per-tenant fair).",
+            "Requests with large images in prefill at once across the tier's standard engines, over every "
+            "gateway replica (per-tenant fair); a large-image pool takes them instead when it has replicas.",
             engines=EVERY, group="gateway", minimum=1, maximum=1024),
     Setting("large_pool_replicas", int, 0, "Large-image replicas",
             "Replicas kept apart for requests over the large-image threshold.", group="gateway",
@@ -156,6 +161,7 @@ class EngineSettings:
     fetch_image_urls: bool = True
     allowed_media_domains: tuple[str, ...] = ()
     require_moderation: bool = False
+    image_prefill_slots: int = 2
     large_image_concurrency: int = 2
     large_pool_replicas: int = 0
     prefill_us_per_token: float | None = None

@@ -1,6 +1,7 @@
-"""Forwarding: the request written for the engine, a turn taken when its image is large, and
-sent to an engine of its tier, to a second one when the first cannot be reached or is found
-failing before it answered (never after it may have started work)."""
+"""Forwarding: the request written for the engine, and sent to an engine of its tier (an image
+request to the first of them with a prefill slot free, prefill.py), to a second one when the
+first cannot be reached or is found failing before it answered (never after it may have
+started work)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import logging
 import msgspec
 from django.conf import settings
 
-from controlplane.gateway import ledger, routing, state, upstream
+from controlplane.gateway import ledger, prefill, routing, state, upstream
 from controlplane.gateway.admission import Admission
 from controlplane.gateway.apps import current_process
 from controlplane.gateway.beside import answer_once_checks_pass, image_refusal, record_image_refusal
@@ -61,18 +62,9 @@ async def forward(request_id: str, key: state.KeyInfo, tier: TierSpec, prepared:
     large, images, candidates = route.large, route.images, route.candidates
     body = engine_body(key, tier, prepared, large=large)
     payload = _write_json(body)
-    slot = None
     try:
-        if large and not routing.has_dedicated_large_pool(candidates):
-            # No isolated pool: large requests take turns, so they never fill every batch.
-            slot = LargeImageTurn(current_process().engines.large_slots(tier.id, tier.large_image_concurrency))
-            try:
-                await slot.acquire(key.tenant_id, timeout=settings.GATEWAY_LARGE_IMAGE_WAIT_S)
-            except TimeoutError:
-                raise GatewayError(429, f"too many large-image requests on '{tier.name}' at once; retry shortly",
-                                   code="rate_limit_exceeded", headers={"Retry-After": "2"}) from None
         return await _try_engines(request_id, tier, prepared, admission, candidates, payload, started,
-                               large=large, images=images, slot=slot, first=route.first)
+                                  large=large, images=images, first=route.first)
     except GatewayError as exc:
         # An image's 400 first, then the admission's refusal, as when they were awaited first.
         failed = await admission.failure()
@@ -93,34 +85,34 @@ async def forward(request_id: str, key: state.KeyInfo, tier: TierSpec, prepared:
             record.status, record.http_status = "error", 500
             await hand_over_usage(record, started)
         raise
-    finally:
-        if slot is not None and not slot.handed_over:
-            slot.release()
 
 
-class LargeImageTurn:
-    def __init__(self, slots: routing.FairSlots):
-        self.slots, self.held, self.handed_over = slots, False, False
+async def _engine_for(request_id: str, tier: TierSpec, prepared: Prepared, tenant_id: int, ranked: list,
+                      attempt: int, *, large: bool) -> tuple[state.InstanceSpec, prefill.Slot | None]:
+    """The engine to send to: a text request's first choice; for an image request, the first
+    of its engines to have a prefill slot, with the slot (a large image also takes one of the
+    tier's large-image slots, unless it has an engine pool of its own)."""
+    if not prepared.images:
+        return ranked[0], None
+    ask = prefill.Ask(tier_id=tier.id, tenant_id=tenant_id, holder=f"{request_id}:{attempt}",
+                      engines=tuple(c.id for c in ranked), per_engine=tier.image_prefill_slots,
+                      large=large and not routing.has_dedicated_large_pool(ranked),
+                      large_slots=tier.large_image_concurrency)
+    slot = await current_process().prefill.take(ask, wait_s=settings.GATEWAY_PREFILL_WAIT_S)
+    return next(c for c in ranked if c.id == slot.engine), slot
 
-    async def acquire(self, tenant_id: int, *, timeout: float):
-        await self.slots.acquire(tenant_id, timeout=timeout)
-        self.held = True
 
-    def release(self):
-        if self.held:
-            self.held = False
-            self.slots.release()
-
-
-async def _try_engines(request_id, tier, prepared, admission, candidates, payload, started, *, large, images, slot,
-                    first=None):
+async def _try_engines(request_id, tier, prepared, admission, candidates, payload, started, *, large, images,
+                       first=None):
     record = admission.record
     tried: set[int] = set()
     for attempt in range(2):  # a request that never reached an engine is retried once elsewhere
-        instance = first if attempt == 0 and first is not None else current_process().engines.choose(
-            candidates, exclude=tried, large=large, images=images)
-        if instance is None:
+        ranked = current_process().engines.ranked(candidates, exclude=tried, large=large, images=images)
+        if attempt == 0 and first is not None and first in ranked:  # the one journaled with its admission
+            ranked = [first] + [c for c in ranked if c.id != first.id]
+        if not ranked:
             break
+        instance, slot = await _engine_for(request_id, tier, prepared, record.tenant_id, ranked, attempt, large=large)
         tried.add(instance.id)
         current_process().engines.outstanding[instance.id] += 1
         handed_over = False  # to the stream, which then owns the counter and the record
@@ -155,9 +147,7 @@ async def _try_engines(request_id, tier, prepared, admission, candidates, payloa
             if response.status_code == 200:
                 current_process().engines.remember(images, instance.id)
             if record.stream and response.status_code == 200:
-                handed_over = True
-                if slot is not None:
-                    slot.handed_over = True
+                handed_over = True  # the slot too: given back with the stream's first token
                 return relay_stream(request_id, tier, admission.answer.result(), prepared, response, instance, started,
                                slot)
             try:
@@ -176,6 +166,8 @@ async def _try_engines(request_id, tier, prepared, admission, candidates, payloa
         finally:
             if not handed_over:
                 current_process().engines.outstanding[instance.id] -= 1
+                if slot is not None:
+                    await slot.release()
     if (failed := await admission.failure()) is not None:
         raise failed
     broken = await image_refusal(prepared)

@@ -37,7 +37,8 @@ class TierSpec:
     max_model_len: int = 32768
     priority_scheduling: bool = False  # the engine runs --scheduling-policy priority
     require_moderation: bool = False  # the prompt, text and images, goes through moderation first
-    large_image_concurrency: int = 2  # per gateway process, when the tier has no large-image pool
+    large_image_concurrency: int = 2  # large images in prefill at once, when the tier has no large-image pool
+    image_prefill_slots: int = 2  # image requests in prefill at once per engine
     fetch_policy: FetchPolicy | None = None  # None: image URLs are refused
     tool_calls: bool = False  # the engine runs with a tool-call parser (engine setting tool_call_parser)
     tokenizer: object = None  # the model's ChatTokenizer (controlplane.prompts), when the tier has one

@@ -16,6 +16,7 @@ from django.conf import settings
 from controlplane.gateway.admission import OptimisticAdmission
 from controlplane.gateway.counters import Counters
 from controlplane.gateway.ledger import LedgerBook
+from controlplane.gateway.prefill import PrefillSlots
 from controlplane.gateway.repeats import Repeats, Shared
 from controlplane.gateway.routing import EngineLoads
 from controlplane.gateway.state import Caches
@@ -34,6 +35,7 @@ class GatewayProcess:
     engines: EngineLoads
     optimistic: OptimisticAdmission
     counters: Counters
+    prefill: PrefillSlots  # image requests' turns on the engines, shared by every replica
     hand_overs: set[asyncio.Task] = field(default_factory=set)  # usage on its way to the ledger
     tier_names: dict[int, str] = field(default_factory=dict)  # for the counters
     engine_watches: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)  # loop -> watch
@@ -54,4 +56,5 @@ class GatewayProcess:
             decode_memory=DecodeMemory(settings.GATEWAY_DECODE_MEMORY_MB * MB,
                                        wait_s=settings.GATEWAY_DECODE_WAIT_MS / 1000,
                                        decodes=settings.GATEWAY_DECODES_AT_ONCE),
-            caches=Caches(), engines=EngineLoads(), optimistic=OptimisticAdmission(), counters=counters)
+            caches=Caches(), engines=EngineLoads(), optimistic=OptimisticAdmission(), counters=counters,
+            prefill=PrefillSlots.from_settings())

@@ -104,7 +104,7 @@ def relay_stream(request_id, tier, flight, prepared, response, instance, started
         finally:
             current_process().engines.outstanding[instance.id] -= 1
             if slot is not None:
-                slot.release()
+                await slot.release()
             if not progress["finished"] and record.status == "ok":
                 record.status = "aborted"
             if not record.output_tokens:
@@ -117,6 +117,8 @@ def relay_stream(request_id, tier, flight, prepared, response, instance, started
             async for line in lines:
                 if not line.startswith("data:"):
                     continue
+                if slot is not None and slot.held:
+                    await slot.release()  # its prefill is done: the engine's next image may start
                 data = line[5:].strip()
                 if data == "[DONE]":
                     progress["finished"] = True

@@ -171,6 +171,7 @@ def _load_tiers() -> dict[str, TierSpec]:
             priority_scheduling=engine.scheduling_policy == "priority",
             require_moderation=engine.require_moderation,
             large_image_concurrency=engine.large_image_concurrency,
+            image_prefill_slots=engine.image_prefill_slots,
             price_plan_id=tier.price_plan_id,
             fetch_policy=fetch,
             tool_calls=bool(engine.tool_call_parser),

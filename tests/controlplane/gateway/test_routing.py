@@ -1,7 +1,5 @@
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
 from controlplane.gateway import routing
@@ -71,33 +69,3 @@ def test_a_flood_of_unknown_keys_does_not_flush_the_known_ones():
         cache.put(f"random-{n}", None)
     assert cache.get("valid") == "tenant"
     assert len(cache._items) <= 100
-
-
-def test_large_image_slots_go_round_the_tenants_waiting_and_waits_are_bounded():
-    from asgiref.sync import async_to_sync
-
-    order = []
-
-    async def scenario():
-        slots = routing.FairSlots(1)
-        await slots.acquire(1, timeout=1)  # tenant 1 holds the only slot...
-
-        async def one(tenant, n):
-            await slots.acquire(tenant, timeout=5)
-            order.append((tenant, n))
-            await asyncio.sleep(0.01)
-            slots.release()
-
-        burst = [asyncio.ensure_future(one(1, n)) for n in range(5)]  # ...and queues five more
-        await asyncio.sleep(0.01)
-        late = asyncio.ensure_future(one(2, 0))  # tenant 2 arrives after the burst
-        await asyncio.sleep(0.01)
-        with pytest.raises(TimeoutError):
-            await slots.acquire(3, timeout=0.01)  # gave up waiting: takes no slot, leaves no trace
-        slots.release()
-        await asyncio.gather(*burst, late)
-        return slots
-
-    slots = async_to_sync(scenario)()
-    assert order.index((2, 0)) <= 1  # served after at most one of the burst, not after all five
-    assert slots.held == 0 and not slots._waiting
