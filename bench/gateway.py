@@ -283,6 +283,7 @@ def image_steps(image: bytes, repeats: int = 10) -> dict[str, float]:
     from PIL import Image
 
     from controlplane.gateway.body import read_body
+    from controlplane.imaging.budget import DecodeBudget
     from controlplane.imaging.decode import as_image, decode_jpeg
     from controlplane.imaging.fingerprint import fingerprint
     from controlplane.imaging.intake import image_source_bytes
@@ -331,7 +332,7 @@ def image_steps(image: bytes, repeats: int = 10) -> dict[str, float]:
         # at a quarter of its size, grey, and fingerprinted), and the part of it no check can
         # skip: the entropy decoding of every scan, here at an eighth, where libjpeg-turbo
         # transforms nothing but the DC terms.
-        steps["check"] = lambda: _check_sent(image, opened, None, _Documents(image))
+        steps["check"] = lambda: _check_sent(image, opened, None, _Documents(image), DecodeBudget())
         steps["entropy decoding alone"] = lambda: decode_jpeg(image, opened, 8, grey=True)
     timings = {}
     for name, step in steps.items():

@@ -144,8 +144,6 @@ async def _try_engines(request_id, tier, prepared, admission, candidates, payloa
                 # The engine may have started work: do not run the request a second time.
                 log.warning("engine %s failed %s mid-request: %s", instance.id, request_id, exc)
                 return await engine_failed_response(record, started)
-            if response.status_code == 200:
-                current_process().engines.remember(images, instance.id)
             if record.stream and response.status_code == 200:
                 handed_over = True  # the slot too: given back with the stream's first token
                 return relay_stream(request_id, tier, admission.answer.result(), prepared, response, instance, started,

@@ -18,7 +18,7 @@ from controlplane.gateway.counters import Counters
 from controlplane.gateway.ledger import LedgerBook
 from controlplane.gateway.prefill import PrefillSlots
 from controlplane.gateway.repeats import Repeats, Shared
-from controlplane.gateway.routing import EngineLoads
+from controlplane.gateway.routing import EngineLoads, SharedLoads
 from controlplane.gateway.state import Caches
 from controlplane.gateway.upstream import Connections
 from controlplane.imaging.budget import MB, DecodeMemory
@@ -56,5 +56,5 @@ class GatewayProcess:
             decode_memory=DecodeMemory(settings.GATEWAY_DECODE_MEMORY_MB * MB,
                                        wait_s=settings.GATEWAY_DECODE_WAIT_MS / 1000,
                                        decodes=settings.GATEWAY_DECODES_AT_ONCE),
-            caches=Caches(), engines=EngineLoads(), optimistic=OptimisticAdmission(), counters=counters,
+            caches=Caches(), engines=EngineLoads(SharedLoads.from_settings()), optimistic=OptimisticAdmission(), counters=counters,
             prefill=PrefillSlots.from_settings())

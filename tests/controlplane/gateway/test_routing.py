@@ -33,13 +33,54 @@ def test_the_least_loaded_engine_wins_counting_its_own_queue(engines_seen):
     assert engines_seen.choose([spec(1), spec(2, queued=5)]).id == 1
 
 
-def test_an_engine_that_saw_the_picture_is_preferred_within_the_slack(engines_seen):
+def test_every_replica_sends_a_picture_to_the_same_engine_while_it_is_within_the_slack():
+    engines = [spec(n) for n in range(1, 5)]
+    one, other = routing.EngineLoads(), routing.EngineLoads()  # two replicas that never talk
+    pictures = [f"1:picture-{n}" for n in range(200)]
+    chosen = [one.choose(engines, images=(p,)).id for p in pictures]
+    assert chosen == [other.choose(engines, images=(p,)).id for p in pictures]
+    assert len(set(chosen)) == 4  # spread over every engine
+    favourite = chosen[0]
+    other.outstanding[favourite] = routing.AFFINITY_SLACK
+    assert other.choose(engines, images=(pictures[0],)).id == favourite
+    other.outstanding[favourite] = routing.AFFINITY_SLACK + 1  # too busy: the warm cache is not worth the wait
+    assert other.choose(engines, images=(pictures[0],)).id != favourite
+
+
+def test_an_engine_leaving_moves_only_the_pictures_it_had():
+    engines = [spec(n) for n in range(1, 5)]
+    loads = routing.EngineLoads()
+    pictures = [f"1:picture-{n}" for n in range(1000)]
+    before = {p: loads.choose(engines, images=(p,)).id for p in pictures}
+    after = {p: loads.choose([e for e in engines if e.id != 3], images=(p,)).id for p in pictures}
+    moved = [p for p in pictures if before[p] != after[p]]
+    assert moved and all(before[p] == 3 for p in moved)
+    assert all(150 < list(before.values()).count(n) < 350 for n in range(1, 5))
+
+
+def test_least_outstanding_counts_every_replicas_requests_in_flight(settings):
+    import uuid
+
+    from asgiref.sync import async_to_sync
+
+    from tests.conftest import skip_without_redis
+
+    skip_without_redis()
+    prefix = f"loads-{uuid.uuid4().hex}"
+    one = routing.EngineLoads(routing.SharedLoads(settings.REDIS_URL, prefix))
+    other = routing.EngineLoads(routing.SharedLoads(settings.REDIS_URL, prefix))
     engines = [spec(1), spec(2)]
-    engines_seen.remember(("picture",), 2)
-    engines_seen.outstanding[2] = routing.AFFINITY_SLACK
-    assert all(engines_seen.choose(engines, images=("picture",)).id == 2 for _ in range(20))
-    engines_seen.outstanding[2] = routing.AFFINITY_SLACK + 1  # too busy: the warm cache is not worth the wait
-    assert engines_seen.choose(engines, images=("picture",)).id == 1
+    one.outstanding[1] = 5  # one replica's requests on engine 1
+
+    @async_to_sync
+    async def share():
+        await one.shared.exchange(one)
+        await other.shared.exchange(other)
+
+    share()
+    assert other.others == {1: 5}
+    assert all(other.choose(engines).id == 2 for _ in range(20))  # the other replica sees them
+    assert all(one.choose(engines).id == 2 for _ in range(20))
 
 
 def test_excluded_engines_are_skipped_and_none_left_means_none(engines_seen):
