@@ -63,9 +63,11 @@ SETTINGS = (
     Setting("kv_cache_dtype", str, None, "KV cache type", "Lower precision holds more tokens.",
             choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2"), flag="--kv-cache-dtype",
             sglang_flag="--kv-cache-dtype", sglang_choices=("auto", "fp8_e4m3", "fp8_e5m2")),
-    Setting("scheduling_policy", str, None, "Scheduling",
-            "priority lets supervision's probes and interactive traffic go first.",
-            engines=VLLM_LIKE, choices=("fcfs", "priority"), flag="--scheduling-policy"),
+    Setting("scheduling_policy", str, "priority", "Scheduling",
+            "priority: text ahead of images and images ahead of large images (the gateway's priorities), "
+            "supervision's probes ahead of all; fcfs: in order of arrival.",
+            engines=LAUNCHED, choices=("fcfs", "priority"), flag="--scheduling-policy",
+            sglang_flag="--enable-priority-scheduling --schedule-low-priority-values-first"),
     Setting("dtype", str, None, "Weights type", "Precision of the weights and activations.",
             choices=("auto", "half", "float16", "bfloat16", "float", "float32"), flag="--dtype", sglang_flag="--dtype"),
     Setting("enable_prefix_caching", bool, True, "Prefix caching",
@@ -199,7 +201,8 @@ class EngineSettings:
             errors.update(_together(values, engine_kind))
         if errors:
             raise EngineSettingsError(errors)
-        return cls(**values, given=tuple(values))
+        defaults = {"scheduling_policy": "priority"} if engine_kind in LAUNCHED else {}
+        return cls(**{**defaults, **values}, given=tuple(values))
 
     def stored(self) -> dict:
         """The settings an operator set, typed, as the tier stores them (the rest keep

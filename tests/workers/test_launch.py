@@ -96,14 +96,31 @@ def test_fp8_kv_cache_and_priority_scheduling_when_set():
     assert flag_value(argv, "--scheduling-policy") == "priority"
 
 
-def test_unset_settings_emit_no_flags_but_gpu_memory_stays_explicit():
+def test_unset_settings_emit_no_flags_but_gpu_memory_and_priority_stay_explicit():
     argv, _ = build_command(vision_spec(settings={}))
-    for flag in ("--kv-cache-dtype", "--scheduling-policy", "--tensor-parallel-size",
-                 "--max-model-len", "--dtype"):
+    for flag in ("--kv-cache-dtype", "--tensor-parallel-size", "--max-model-len", "--dtype"):
         assert flag not in argv
     assert not any(arg.startswith("--sim-") for arg in argv)
     # vLLM's own default moved from 0.9 to 0.92 in 0.20: the launcher never leaves it implicit.
     assert flag_value(argv, "--gpu-memory-utilization") == "0.9"
+    # Text ahead of images unless the operator says otherwise.
+    assert flag_value(argv, "--scheduling-policy") == "priority"
+    argv, _ = build_command(vision_spec(settings={"scheduling_policy": "fcfs"}))
+    assert flag_value(argv, "--scheduling-policy") == "fcfs"
+
+
+def test_sglang_schedules_text_first_with_vllms_order_of_priorities():
+    argv, _ = build_command(sglang_spec(settings={}))
+    assert "--enable-priority-scheduling" in argv and "--schedule-low-priority-values-first" in argv
+    assert flag_value(argv, "--default-priority-value") == "0"
+    argv, _ = build_command(sglang_spec(settings={"scheduling_policy": "fcfs"}))
+    assert "--enable-priority-scheduling" not in argv
+
+
+def test_an_external_engine_is_never_sent_priorities_it_was_not_started_for():
+    assert EngineSettings.parse({}, "external").scheduling_policy is None
+    assert EngineSettings.parse({}, "vllm").scheduling_policy == "priority"
+    assert EngineSettings.parse({}, "vllm").stored() == {}  # a default, not a choice stored
 
 
 def test_vllm_command_never_gets_simulator_cost_flags():
@@ -262,12 +279,11 @@ def test_an_sglang_text_tier_gets_no_multimodal_flags_and_unset_settings_none():
 def test_settings_sglang_has_no_equal_of_are_refused_by_name():
     with pytest.raises(EngineSettingsError) as refused:
         EngineSettings.parse({"kv_cache_dtype": "fp8", "tool_call_parser": "llama3_json",
-                              "mm_processor_cache_gb": 2, "scheduling_policy": "priority"}, "sglang")
-    assert set(refused.value.messages) == {"kv_cache_dtype", "tool_call_parser", "mm_processor_cache_gb",
-                                           "scheduling_policy"}
+                              "mm_processor_cache_gb": 2}, "sglang")
+    assert set(refused.value.messages) == {"kv_cache_dtype", "tool_call_parser", "mm_processor_cache_gb"}
     assert "fp8_e4m3" in refused.value.messages["kv_cache_dtype"]
     assert "llama3, mistral" in refused.value.messages["tool_call_parser"]  # SGLang's names
-    assert "only vllm, simulator" in refused.value.messages["scheduling_policy"]
+    assert "only vllm, simulator" in refused.value.messages["mm_processor_cache_gb"]
 
 
 def test_an_sglang_tier_with_a_tool_call_parser_passes_sglangs_name_for_it():

@@ -64,7 +64,7 @@ _VALUED = {
     "dtype": "--dtype",
 }
 # Passed even when the operator left it unset (vLLM's own default changed between releases).
-_ALWAYS = ("gpu_memory_utilization",)
+_ALWAYS = ("gpu_memory_utilization", "scheduling_policy")
 # CPU engines: engine setting -> vLLM environment variable (vllm/envs.py). The KV cache is
 # sized in GiB of host memory instead of as a fraction of GPU memory.
 _CPU_ENVIRONMENT = {
@@ -178,7 +178,7 @@ SGLANG_SERVER = Path(sglang_server.__file__)
 # settings with a value (on/off ones are handled below). tool_call_parser among them: SGLang
 # turns tool choice on with the parser alone.
 _SGLANG_VALUED = {setting.key: setting.sglang_flag for setting in SETTINGS
-                  if setting.sglang_flag and setting.kind is not bool}
+                  if setting.sglang_flag and setting.kind is not bool and setting.key != "scheduling_policy"}
 # Passed even when unset: the context length is what the gateway admits against, and SGLang
 # would otherwise take the model's own (128K for Qwen2.5-VL).
 _SGLANG_ALWAYS = ("max_model_len",)
@@ -201,6 +201,10 @@ def sglang_command(spec: LaunchSpec) -> tuple[list[str], dict[str, str]]:
             argv += [flag, _text(value)]
     if not settings.enable_prefix_caching:
         argv.append("--disable-radix-cache")
+    if settings.scheduling_policy == "priority":
+        # vLLM's order: the lower value first (SGLang's own default is the higher first).
+        argv += ["--enable-priority-scheduling", "--schedule-low-priority-values-first",
+                 "--default-priority-value", "0"]
     # Prometheus metrics for supervision and the fleet page; cached prompt tokens in each
     # response's usage, as vLLM's --enable-prompt-tokens-details gives.
     argv += ["--enable-metrics", "--enable-cache-report"]
