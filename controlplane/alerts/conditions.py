@@ -11,9 +11,12 @@ from django.db.models import Count, Max
 
 from controlplane.alerts.models import AlertRule
 from controlplane.benchmarks.models import BenchmarkProfile, BenchmarkRun
+from controlplane.catalog.engine_settings import EngineSettingsError
+from controlplane.catalog.models import ModelTier
 from controlplane.fleet.models import EngineEvent, EngineInstance
 from controlplane.metering.models import SERVER_ERROR, UsageEvent
 from controlplane.metering.selectors import quotas_use
+from controlplane.metering.traffic import latency_by_class
 from controlplane.tenants.models import Quota
 
 A = EngineInstance.Actual
@@ -203,6 +206,42 @@ def _quality_regression(rule: AlertRule, now: dt.datetime) -> list[Reading]:
     return found
 
 
+CLASS_NAMES = {"text": "text requests", "image": "image requests", "large": "large-image requests"}
+
+
+def _latency_objective(rule: AlertRule, now: dt.datetime) -> list[Reading]:
+    tiers = ModelTier.objects.filter(enabled=True).order_by("name")
+    if rule.tier_id:
+        tiers = tiers.filter(pk=rule.tier_id)
+    objectives = {}
+    for tier in tiers:
+        try:
+            objectives[tier] = tier.settings.ttft_objectives()
+        except EngineSettingsError:
+            continue  # its page says what is wrong with its settings
+    objectives = {tier: set_ for tier, set_ in objectives.items() if set_}
+    if not objectives:
+        return []
+    seen = latency_by_class(since=now - dt.timedelta(minutes=rule.window_minutes), until=now + dt.timedelta(seconds=1),
+                            tier_ids=[tier.pk for tier in objectives])
+    found = []
+    for tier, by_class in objectives.items():
+        for kind, objective in by_class.items():
+            figures = seen.get((tier.pk, kind))
+            if figures is None:
+                continue
+            p95 = figures.first_token[1]
+            share = _pct(100 * p95 / objective)
+            enough = figures.requests >= rule.min_requests
+            found.append(Reading(
+                subject=f"tier:{tier.name}:{kind}", value=share, breached=enough and share >= rule.threshold,
+                message=(f"{CLASS_NAMES[kind]} on {tier.name}: first token at p95 in {p95:,.0f} ms over the last "
+                         f"{rule.window_minutes} min, {share:.0f} % of its {objective:,} ms objective "
+                         f"({figures.requests} requests)"
+                         + ("" if enough else f"; too few to judge (fewer than {rule.min_requests})"))))
+    return found
+
+
 _READERS = {
     AlertRule.Kind.QUOTA_USE: _quota_use,
     AlertRule.Kind.ENGINE_UNHEALTHY: _engine_unhealthy,
@@ -210,4 +249,5 @@ _READERS = {
     AlertRule.Kind.ERROR_RATE: _error_rate,
     AlertRule.Kind.COUNT_DISAGREE: _count_disagree,
     AlertRule.Kind.QUALITY_REGRESSION: _quality_regression,
+    AlertRule.Kind.LATENCY_OBJECTIVE: _latency_objective,
 }

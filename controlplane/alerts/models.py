@@ -39,6 +39,7 @@ class AlertRule(models.Model):
         ERROR_RATE = "error_rate", "a tier's error rate"
         COUNT_DISAGREE = "count_disagree", "the engine's image tokens disagree with the gateway's"
         QUALITY_REGRESSION = "quality_regression", "a tier's accuracy falling between two resolution sweeps"
+        LATENCY_OBJECTIVE = "latency_objective", "a request class's first token past its tier's objective"
 
     SPECS = {
         Kind.QUOTA_USE: KindSpec("percent of any limit", Decimal(1), Decimal(100), False, ("tenant",),
@@ -53,6 +54,8 @@ class AlertRule(models.Model):
                                       ("tier", "tenant")),
         Kind.QUALITY_REGRESSION: KindSpec("points of accuracy lost at a cap", Decimal("0.1"), Decimal(100), False,
                                           ("tier",), unit=" points"),
+        Kind.LATENCY_OBJECTIVE: KindSpec("percent of the objective its p95 reaches", Decimal(10), Decimal(1000),
+                                         False, ("tier",), uses_min_requests=True),
     }
     WINDOW_MAX_MINUTES = 7 * 24 * 60
     FOR_SECONDS_MAX = 24 * 3600

@@ -112,6 +112,16 @@ SETTINGS = (
             "Requests with large images in prefill at once across the tier's standard engines, over every "
             "gateway replica (per-tenant fair); a large-image pool takes them instead when it has replicas.",
             engines=EVERY, group="gateway", minimum=1, maximum=1024),
+    Setting("ttft_objective_text_ms", int, None, "Text first token, p95 objective (ms)",
+            "The time to first token text requests should get at p95 (a whole answer's, unstreamed); "
+            "a latency objective alert fires past it.", engines=EVERY, group="gateway", minimum=1,
+            maximum=3_600_000),
+    Setting("ttft_objective_image_ms", int, None, "Image first token, p95 objective (ms)",
+            "The same for requests with images under the large-image threshold.", engines=EVERY,
+            group="gateway", minimum=1, maximum=3_600_000),
+    Setting("ttft_objective_large_ms", int, None, "Large image first token, p95 objective (ms)",
+            "The same for requests with images past the large-image threshold.", engines=EVERY,
+            group="gateway", minimum=1, maximum=3_600_000),
     Setting("large_pool_replicas", int, 0, "Large-image replicas",
             "Replicas kept apart for requests over the large-image threshold.", group="gateway",
             minimum=0, maximum=64),
@@ -166,6 +176,9 @@ class EngineSettings:
     image_prefill_slots: int = 2
     large_image_concurrency: int = 2
     large_pool_replicas: int = 0
+    ttft_objective_text_ms: int | None = None
+    ttft_objective_image_ms: int | None = None
+    ttft_objective_large_ms: int | None = None
     prefill_us_per_token: float | None = None
     decode_ms_per_token: float | None = None
     encode_us_per_image_token: float | None = None
@@ -209,6 +222,11 @@ class EngineSettings:
         following their defaults)."""
         return {key: list(value) if isinstance(value := getattr(self, key), tuple) else value
                 for key in self.given}
+
+    def ttft_objectives(self) -> dict[str, int]:
+        """The p95 time to first token each request class should get, where one is set (ms)."""
+        return {kind: value for kind in ("text", "image", "large")
+                if (value := getattr(self, f"ttft_objective_{kind}_ms")) is not None}
 
     @property
     def runs_on_cpu(self) -> bool:

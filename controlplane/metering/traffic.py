@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from django.db import connection
 
+from controlplane.catalog.models import ModelTier
 from controlplane.metering.models import UsageEvent, is_server_error
 
 
@@ -91,3 +92,76 @@ def _percentile(ordered: list, fraction: float) -> float | None:
     rank = fraction * (len(ordered) - 1)
     low, high = math.floor(rank), math.ceil(rank)
     return float(ordered[low] + (ordered[high] - ordered[low]) * (rank - low))
+
+
+# The classes of request whose latencies differ by design: an image's prefill is tens of times
+# a text request's, a large image's several times an image's.
+CLASSES = ("text", "image", "large")
+
+
+@dataclass(frozen=True)
+class ClassLatency:
+    """One class of request's latencies over a window, on a tier or one of its engines (ms)."""
+
+    requests: int
+    first_token: tuple[float | None, float | None, float | None]  # p50, p95, p99
+    latency: tuple[float | None, float | None, float | None]
+    queue_p95: float | None
+
+
+def latency_by_class(*, since: dt.datetime, until: dt.datetime, by: str = "tier",
+                     tier_ids: list[int] | None = None) -> dict[tuple[int, str], ClassLatency]:
+    """Per (tier id, or engine id with `by="engine"`, and class): its requests' time to first
+    token (a streamed request's first token; a whole answer's arrival otherwise, which is when
+    its client sees its first token), end-to-end latency and time queued, at p50, p95 and p99.
+    A request is large when its image tokens pass its tier's large-image threshold (today's)."""
+    if connection.vendor == "postgresql":
+        return _classes_on_postgresql(since, until, by, tier_ids)
+    return latency_by_class_in_python(since=since, until=until, by=by, tier_ids=tier_ids)
+
+
+def _classes_on_postgresql(since, until, by, tier_ids) -> dict[tuple[int, str], ClassLatency]:
+    owner = "e.instance_id" if by == "engine" else "e.tier_id"
+    only = ("AND e.tier_id = ANY(%(tiers)s) " if tier_ids is not None else "") + \
+        ("AND e.instance_id IS NOT NULL" if by == "engine" else "")
+    sql = f"""
+        SELECT {owner},
+               CASE WHEN e.image_count = 0 THEN 'text'
+                    WHEN e.image_tokens > t.large_image_threshold THEN 'large' ELSE 'image' END AS kind,
+               count(*),
+               percentile_cont(ARRAY[0.5, 0.95, 0.99]) WITHIN GROUP (ORDER BY coalesce(e.ttft_ms, e.latency_ms)),
+               percentile_cont(ARRAY[0.5, 0.95, 0.99]) WITHIN GROUP (ORDER BY e.latency_ms),
+               percentile_cont(0.95) WITHIN GROUP (ORDER BY e.queue_ms)
+        FROM {UsageEvent._meta.db_table} e JOIN {ModelTier._meta.db_table} t ON t.id = e.tier_id
+        WHERE e.created_at >= %(since)s AND e.created_at < %(until)s {only}
+        GROUP BY 1, 2
+    """
+    with connection.cursor() as cursor:
+        cursor.execute(sql, {"since": since, "until": until, "tiers": tier_ids})
+        return {(row[0], row[1]): ClassLatency(requests=row[2], first_token=tuple(row[3]), latency=tuple(row[4]),
+                                               queue_p95=row[5])
+                for row in cursor.fetchall()}
+
+
+def latency_by_class_in_python(*, since, until, by="tier", tier_ids=None) -> dict[tuple[int, str], ClassLatency]:
+    events = UsageEvent.objects.filter(created_at__gte=since, created_at__lt=until)
+    if tier_ids is not None:
+        events = events.filter(tier_id__in=tier_ids)
+    if by == "engine":
+        events = events.exclude(instance_id=None)
+    key = "instance_id" if by == "engine" else "tier_id"
+    groups: dict[tuple[int, str], list] = defaultdict(list)
+    rows = events.values_list(key, "image_count", "image_tokens", "tier__large_image_threshold", "ttft_ms",
+                              "latency_ms", "queue_ms")
+    for owner, images, image_tokens, threshold, ttft, latency, queued in rows.iterator():
+        kind = "text" if not images else "large" if image_tokens > threshold else "image"
+        groups[(owner, kind)].append((latency if ttft is None else ttft, latency, queued))
+    found = {}
+    for group, values in groups.items():
+        first = sorted(v[0] for v in values)
+        whole = sorted(v[1] for v in values)
+        queued = sorted(v[2] for v in values if v[2] is not None)
+        found[group] = ClassLatency(
+            requests=len(values), first_token=tuple(_percentile(first, f) for f in (0.5, 0.95, 0.99)),
+            latency=tuple(_percentile(whole, f) for f in (0.5, 0.95, 0.99)), queue_p95=_percentile(queued, 0.95))
+    return found

@@ -313,7 +313,7 @@ PAGES = [
     Page("users", "/users/", "operator", users, 9),
     Page("fleet", "/fleet/", "operator", engines, 14),
     Page("fleet engine", "/fleet/{pk}/", "operator", engine_history, 8, _pk(EngineInstance, port=9000)),
-    Page("operations", "/operations/", "operator", engines, 14),
+    Page("operations", "/operations/", "operator", engines, 16),  # latency by class: per tier, per engine
     Page("alerts", "/alerts/", "operator", alerts, 11),
     Page("audit log", "/audit/", "finance", audit_entries, 8),
     Page("request log", "/requests/", "operator", requests, 8),

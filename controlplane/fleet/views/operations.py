@@ -14,10 +14,11 @@ from django.contrib.auth.decorators import login_required
 from django.shortcuts import render
 from django.utils import timezone
 
+from controlplane.catalog.engine_settings import EngineSettingsError
 from controlplane.catalog.models import ModelTier
 from controlplane.fleet.models import EngineInstance
 from controlplane.fleet.selectors import engine_series, node_summaries
-from controlplane.metering.traffic import traffic_by_tier
+from controlplane.metering.traffic import CLASSES, latency_by_class, traffic_by_tier
 from controlplane.web.access import operators_only
 from controlplane.web.charts import colour_of, figure_html
 
@@ -66,7 +67,35 @@ def operations(request):
     return render(request, "fleet/operations.html", {
         "charts": charts, "windows": list(WINDOWS), "window": window, "tiers": tiers, "chosen": chosen,
         "bucket": bucket, "nodes": node_summaries(), "totals": _totals(traffic, length),
+        "class_tables": _by_class(tiers, instances, since=until - length, until=until, tier_ids=tier_ids),
     })
+
+
+def _objectives(tier: ModelTier) -> dict[str, int]:
+    try:
+        return tier.settings.ttft_objectives()
+    except EngineSettingsError:
+        return {}
+
+
+def _by_class(tiers, instances, *, since, until, tier_ids) -> list[tuple[str, str, list[dict]]]:
+    """Text, image and large-image requests apart, per tier and per engine: what an image burst
+    does to the text beside it shows here, where one figure per tier would hide it."""
+    by_id = {t.pk: t for t in tiers}
+    order = {kind: n for n, kind in enumerate(CLASSES)}
+    rows: dict[str, list[dict]] = {"tiers": [], "engines": []}
+    for by, owners, label in (("tier", by_id, lambda t: t.name),
+                              ("engine", instances, _engine_label)):
+        found = latency_by_class(since=since, until=until, by=by, tier_ids=tier_ids)
+        for (owner, kind), figures in sorted(found.items(), key=lambda item: (item[0][0], order[item[0][1]])):
+            if owner not in owners:
+                continue
+            tier = owners[owner] if by == "tier" else owners[owner].tier
+            objective = _objectives(tier).get(kind)
+            rows["tiers" if by == "tier" else "engines"].append({
+                "owner": label(owners[owner]), "kind": kind, "figures": figures, "objective": objective,
+                "breached": objective is not None and figures.first_token[1] > objective})
+    return [("tiers", "Model", rows["tiers"]), ("engines", "Engine", rows["engines"])]
 
 
 def _engine_label(instance: EngineInstance) -> str:

@@ -177,6 +177,30 @@ def test_an_error_rate_needs_the_minimum_number_of_requests(world, only_rule, no
     assert alerts_evaluate(now=now).fired == 0
 
 
+def test_it_fires_when_text_waits_past_its_tiers_objective_while_images_meet_theirs(world, only_rule, now):
+    world.vision.engine_settings = {**world.vision.engine_settings, "ttft_objective_text_ms": 500,
+                                    "ttft_objective_image_ms": 5000}
+    world.vision.save()
+    only_rule(kind="latency_objective", threshold=100, window_minutes=15, min_requests=10)
+    for ttft in range(100, 1100, 100):  # text: 100..1000 ms to the first token, p95 955 ms
+        usage(tenant=world.alice, tier=world.vision, stream=True, ttft_ms=ttft, latency_ms=ttft + 200, at=now)
+    usage(tenant=world.alice, tier=world.vision, n=12, image_count=1, image_tokens=300, latency_ms=3000, at=now)
+    assert alerts_evaluate(now=now).fired == 1
+    (alert,) = firing()
+    assert (alert.subject, alert.value) == ("tier:vlm-lite:text", Decimal("191.00"))
+    assert "text requests on vlm-lite: first token at p95 in 955 ms" in alert.message
+    assert "of its 500 ms objective (10 requests)" in alert.message
+
+    usage(tenant=world.alice, tier=world.vision, n=190, stream=True, ttft_ms=50, latency_ms=250, at=now)  # p95 back under
+    assert alerts_evaluate(now=later(now, seconds=30)).resolved == 1
+
+
+def test_a_tier_without_objectives_never_fires_for_latency(world, only_rule, now):
+    only_rule(kind="latency_objective", threshold=100, window_minutes=15, min_requests=1)
+    usage(tenant=world.alice, tier=world.vision, n=5, stream=True, ttft_ms=60_000, at=now)
+    assert alerts_evaluate(now=now).fired == 0
+
+
 def test_it_fires_for_image_token_counts_that_disagree_and_resolves_when_they_age_out(world, only_rule, now):
     only_rule(kind="count_disagree", threshold=2, window_minutes=60, tier=world.vision)
     usage(tenant=world.alice, tier=world.vision, n=1, image_tokens_disagree=True, at=now)

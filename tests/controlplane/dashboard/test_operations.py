@@ -10,9 +10,14 @@ from django.utils import timezone
 
 from controlplane.fleet.models import EngineInstance, EngineMetricSample, Gpu, Node
 from controlplane.fleet.selectors import engine_series, node_summaries
-from controlplane.metering.records import UsageRecord
+from controlplane.metering.records import ImageLine, UsageRecord
 from controlplane.metering.services import usage_record
-from controlplane.metering.traffic import traffic_by_tier, traffic_in_python
+from controlplane.metering.traffic import (
+    latency_by_class,
+    latency_by_class_in_python,
+    traffic_by_tier,
+    traffic_in_python,
+)
 from tests.factories import VisionTierFactory
 
 pytestmark = pytest.mark.django_db
@@ -47,6 +52,52 @@ def test_traffic_gives_each_minute_its_rates_errors_and_latency_percentiles(worl
     # The database's percentiles are the ones embedded mode computes in Python.
     assert traffic_in_python(**window) == series
     assert list(traffic_by_tier(**window, tier_ids=[world.text.pk])) == [world.text.pk]
+
+
+PICTURE = ImageLine(source_format="jpeg", source_width=640, source_height=480, width=644, height=476,
+                    fingerprint="0" * 16)
+
+
+def test_latency_is_shown_by_request_class_so_image_tails_do_not_hide_text(world):
+    """Text, image and large-image requests apart: time to first token (a whole answer's
+    arrival when not streamed), latency and time queued, at p50/p95/p99, per tier and engine."""
+    world.vision.large_image_threshold = 1000
+    world.vision.save()
+    engine = EngineInstance.objects.create(tier=world.vision, actual_state="running")
+    start = timezone.now() - dt.timedelta(minutes=10)
+    for n in range(20):  # text: 100..290 ms to the first token, streamed
+        usage_record(record=UsageRecord(
+            request_id=f"text-{n}", tenant_id=world.alice.pk, api_key_id=None, tier_id=world.vision.pk,
+            created_at=start, latency_ms=400 + 10 * n, ttft_ms=100 + 10 * n, stream=True, queue_ms=5,
+            text_tokens=50, output_tokens=10, instance_id=engine.pk))
+    for n, tokens in enumerate((300, 300, 300, 3000)):  # three images, one large; answers not streamed
+        usage_record(record=UsageRecord(
+            request_id=f"image-{n}", tenant_id=world.alice.pk, api_key_id=None, tier_id=world.vision.pk,
+            created_at=start, latency_ms=2000 + 1000 * n, queue_ms=50 * n, images=[(PICTURE, tokens, 0)],
+            image_tokens=tokens, text_tokens=20, output_tokens=10, instance_id=engine.pk))
+    window = {"since": start - MINUTE, "until": timezone.now()}
+    found = latency_by_class(**window)
+    text, image, large = (found[(world.vision.pk, kind)] for kind in ("text", "image", "large"))
+    assert (text.requests, image.requests, large.requests) == (20, 3, 1)
+    assert text.first_token[0] == pytest.approx(195) and text.first_token[2] == pytest.approx(288.1)
+    assert image.first_token == pytest.approx((3000, 3900, 3980))  # the whole answers' latencies
+    assert large.latency == pytest.approx((5000, 5000, 5000)) and image.queue_p95 == pytest.approx(95)
+    assert latency_by_class_in_python(**window) == found  # embedded mode's figures are the database's
+    by_engine = latency_by_class(**window, by="engine")
+    assert by_engine[(engine.pk, "text")].requests == 20
+
+
+def test_the_page_shows_text_apart_from_images_and_marks_an_objective_missed(client, world):
+    world.vision.engine_settings = {**world.vision.engine_settings, "ttft_objective_text_ms": 150}
+    world.vision.save()
+    now = timezone.now()
+    for n in range(4):
+        _event(world, n, at=now - dt.timedelta(seconds=20 + n), latency=900, ttft=300)
+    client.force_login(world.operator)
+    table = client.get("/operations/").content.decode().split('id="latency-by-class"')[1].split("</section>")[0]
+    model_rows = table.split('data-part="tiers"')[1].split("</table>")[0]
+    assert 'data-owner="vlm-lite" data-class="text"' in model_rows
+    assert "300 / 300 / 300" in model_rows and "150 ms" in model_rows and "missed" in model_rows
 
 
 def test_engine_series_averages_the_queue_and_turns_counters_into_rates(world):

@@ -171,7 +171,8 @@ def test_an_sglang_tier_shows_sglangs_flags_and_previews_sglangs_command(client,
     client.force_login(world.operator)
     form = client.get("/tiers/new/?engine=sglang").content.decode()
     assert "SGLang flag --chunked-prefill-size." in form and "--max-num-batched-tokens" not in form
-    assert "setting_mm_processor_cache_gb" not in form and "setting_scheduling_policy" not in form
+    assert "setting_mm_processor_cache_gb" not in form  # vLLM's alone
+    assert "setting_scheduling_policy" in form and "--enable-priority-scheduling" in form  # SGLang's equivalent
     assert '<option value="qwen25">' in form and '<option value="llama3_json">' not in form  # its parsers
     page = client.post("/tiers/new/", _form(world, preview="1", engine_kind="sglang", setting_max_model_len=32768,
                                             setting_max_num_seqs=64)).content.decode()
