@@ -337,6 +337,9 @@ GATEWAY_UPSTREAM_TIMEOUT = float(env_int("GATEWAY_UPSTREAM_TIMEOUT_S", 300, mini
 GATEWAY_PREFILL_WAIT_S = env_int("GATEWAY_PREFILL_WAIT_S", 30, minimum=1,
     help=("How long an image request waits for a prefill slot on one of its tier's engines (and a large"
           " one for one of its tier's large-image slots), handed round the tenants waiting, before a `429`."))
+GATEWAY_AFFINITY_PATIENCE_MS = env_int("GATEWAY_AFFINITY_PATIENCE_MS", 500, minimum=0,
+    help=("How long an image request waits for a prefill slot on its first engine alone (the one whose"
+          " caches hold its pictures, where its prefill is nearly free) before any engine of its tier will do."))
 GATEWAY_PREFILL_LEASE_S = env_int("GATEWAY_PREFILL_LEASE_S", 60, minimum=1,
     help=("How long a prefill slot stays held by a gateway replica that neither used nor released it"
           " (it died): the longest wait its engines' slots can suffer from a lost replica."))

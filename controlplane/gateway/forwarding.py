@@ -97,7 +97,7 @@ async def _engine_for(request_id: str, tier: TierSpec, prepared: Prepared, tenan
     ask = prefill.Ask(tier_id=tier.id, tenant_id=tenant_id, holder=f"{request_id}:{attempt}",
                       engines=tuple(c.id for c in ranked), per_engine=tier.image_prefill_slots,
                       large=large and not routing.has_dedicated_large_pool(ranked),
-                      large_slots=tier.large_image_concurrency)
+                      large_slots=tier.large_image_concurrency, patience_ms=settings.GATEWAY_AFFINITY_PATIENCE_MS)
     slot = await current_process().prefill.take(ask, wait_s=settings.GATEWAY_PREFILL_WAIT_S)
     return next(c for c in ranked if c.id == slot.engine), slot
 

@@ -41,7 +41,8 @@ LOOK_EVERY_S = 0.02  # how often a waiter looks whether a replica freed a slot f
 # ARGV: 1 the tier's key prefix, 2 now (ms), 3 lease (ms), 4 what ('take', 'leave', 'release'),
 # 5 the holder, 6 its tenant, 7 its engines in order of preference (comma separated), 8 slots
 # per engine, 9 '1' when it is large, 10 the tier's large-image slots, 11 when it stops waiting
-# (ms), 12 the engine it holds (release). Returns the engine granted (take), or 0.
+# (ms), 12 the engine it holds (release), 13 until when it waits for its first engine alone
+# (ms). Returns the engine granted (take), or 0.
 SLOTS = """
 local base, now, lease = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 local keep = lease * 2
@@ -49,10 +50,11 @@ local function held(key)
   redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
   return redis.call('ZCARD', key)
 end
-local function free_engine(engines, per_engine, large, large_slots)
+local function free_engine(engines, per_engine, large, large_slots, patient_until)
   if large == '1' and held(base .. ':large') >= tonumber(large_slots) then return nil end
   for engine in string.gmatch(engines, '[^,]+') do
     if held(base .. ':engine:' .. engine) < tonumber(per_engine) then return engine end
+    if now < tonumber(patient_until) then return nil end  -- its first engine alone, for now
   end
   return nil
 end
@@ -88,7 +90,8 @@ local function hand_out()
         redis.call('HDEL', base .. ':waiting', holder)
         moved = true
       else
-        local engine = free_engine(waiter.engines, waiter.per_engine, waiter.large, waiter.large_slots)
+        local engine = free_engine(waiter.engines, waiter.per_engine, waiter.large, waiter.large_slots,
+                                   waiter.patient_until)
         if engine then
           hold(holder, engine, waiter.large)
           redis.call('LPOP', queue)
@@ -131,13 +134,14 @@ if engine then
 end
 if redis.call('HEXISTS', base .. ':waiting', holder) == 1 then return 0 end
 -- Those waiting had their turn: a slot still free is one none of them can use.
-engine = free_engine(ARGV[7], ARGV[8], ARGV[9], ARGV[10])
+engine = free_engine(ARGV[7], ARGV[8], ARGV[9], ARGV[10], ARGV[13])
 if engine then
   hold(holder, engine, ARGV[9])
   return tonumber(engine)
 end
 redis.call('HSET', base .. ':waiting', holder, cjson.encode({engines = ARGV[7], per_engine = tonumber(ARGV[8]),
-  large = ARGV[9], large_slots = tonumber(ARGV[10]), until_ms = tonumber(ARGV[11])}))
+  large = ARGV[9], large_slots = tonumber(ARGV[10]), until_ms = tonumber(ARGV[11]),
+  patient_until = tonumber(ARGV[13])}))
 redis.call('PEXPIRE', base .. ':waiting', keep)
 if redis.call('RPUSH', queue, holder) == 1 then redis.call('RPUSH', base .. ':ring', tenant) end
 redis.call('PEXPIRE', queue, keep)
@@ -157,6 +161,9 @@ class Ask:
     per_engine: int  # the tier's image requests in prefill at once per engine
     large: bool = False  # counts against the tier's large-image slots as well
     large_slots: int = 1
+    # How long it waits for its first engine alone (the one whose caches hold its pictures)
+    # before any of them will do: a prefill from the cache is nearly free.
+    patience_ms: int = 0
 
 
 def _ms() -> int:
@@ -172,14 +179,14 @@ class RedisSlots:
     def _base(self, tier_id: int) -> str:
         return f"{self.prefix}:prefill:{{{tier_id}}}"  # a tier's keys share one hash slot
 
-    async def _call(self, ask: Ask, what: str, *, until_ms: int = 0, engine: int = 0) -> int:
+    async def _call(self, ask: Ask, what: str, *, until_ms: int = 0, engine: int = 0, patient_until: int = 0) -> int:
         args = (self._base(ask.tier_id), _ms(), self.lease_ms, what, ask.holder, ask.tenant_id,
                 ",".join(map(str, ask.engines)), ask.per_engine, "1" if ask.large else "0", ask.large_slots,
-                until_ms, engine)
+                until_ms, engine, patient_until)
         return int(await redis_scripts.run(script_redis(self.url), SLOTS, 0, *args))
 
-    async def take(self, ask: Ask, until_ms: int) -> int:
-        return await self._call(ask, "take", until_ms=until_ms)
+    async def take(self, ask: Ask, until_ms: int, patient_until: int = 0) -> int:
+        return await self._call(ask, "take", until_ms=until_ms, patient_until=patient_until)
 
     async def leave(self, ask: Ask) -> None:
         await self._call(ask, "leave")
@@ -200,7 +207,7 @@ class _Tier:
     holders: dict[int, dict[str, float]] = field(default_factory=dict)  # engine -> holder -> lease end
     large: dict[str, float] = field(default_factory=dict)
     queues: OrderedDict[int, deque] = field(default_factory=OrderedDict)  # tenant -> waiting asks, in turn
-    waiting: dict[str, tuple[Ask, int]] = field(default_factory=dict)  # holder -> (ask, until ms)
+    waiting: dict[str, tuple[Ask, int, int]] = field(default_factory=dict)  # holder -> (ask, until, patient until)
     granted: dict[str, int] = field(default_factory=dict)
 
 
@@ -216,12 +223,14 @@ class LocalSlots:
             del holders[holder]
         return len(holders)
 
-    def _free_engine(self, tier: _Tier, ask: Ask, now: int) -> int | None:
+    def _free_engine(self, tier: _Tier, ask: Ask, now: int, patient_until: int) -> int | None:
         if ask.large and self._held(tier.large, now) >= ask.large_slots:
             return None
         for engine in ask.engines:
             if self._held(tier.holders.setdefault(engine, {}), now) < ask.per_engine:
                 return engine
+            if now < patient_until:
+                return None  # its first engine alone, for now
         return None
 
     def _hold(self, tier: _Tier, ask: Ask, engine: int, now: int) -> None:
@@ -236,12 +245,12 @@ class LocalSlots:
             del tier.queues[tenant]
             moved = False
             holder = queue[0]
-            ask, until_ms = tier.waiting.get(holder, (None, 0))
+            ask, until_ms, patient_until = tier.waiting.get(holder, (None, 0, 0))
             if ask is None or until_ms < now:
                 queue.popleft()
                 tier.waiting.pop(holder, None)
                 moved = True
-            elif (engine := self._free_engine(tier, ask, now)) is not None:
+            elif (engine := self._free_engine(tier, ask, now, patient_until)) is not None:
                 self._hold(tier, ask, engine, now)
                 queue.popleft()
                 del tier.waiting[holder]
@@ -251,7 +260,7 @@ class LocalSlots:
                 tier.queues[tenant] = queue  # to the end: the next tenant's turn
             idle = 0 if moved else idle + 1
 
-    async def take(self, ask: Ask, until_ms: int) -> int:
+    async def take(self, ask: Ask, until_ms: int, patient_until: int = 0) -> int:
         tier, now = self._tiers.setdefault(ask.tier_id, _Tier()), _ms()
         self._hand_out(tier, now)
         if ask.holder in tier.granted:
@@ -259,10 +268,10 @@ class LocalSlots:
         if ask.holder in tier.waiting:
             return 0
         # Those waiting had their turn: a slot still free is one none of them can use.
-        if (engine := self._free_engine(tier, ask, now)) is not None:
+        if (engine := self._free_engine(tier, ask, now, patient_until)) is not None:
             self._hold(tier, ask, engine, now)
             return engine
-        tier.waiting[ask.holder] = (ask, until_ms)
+        tier.waiting[ask.holder] = (ask, until_ms, patient_until)
         tier.queues.setdefault(ask.tenant_id, deque()).append(ask.holder)
         return 0
 
@@ -311,10 +320,11 @@ class PrefillSlots:
     async def take(self, ask: Ask, *, wait_s: float) -> Slot:
         """A slot on one of `ask.engines`, the first to have one free, within `wait_s`; or a
         GatewayError (429 when the wait ran out, 503 when the slots cannot be reached)."""
-        until = time.monotonic() + wait_s
+        until, started_ms = time.monotonic() + wait_s, _ms()
+        patient_until = started_ms + ask.patience_ms if ask.patience_ms else 0
         try:
             while True:
-                engine = await self.store.take(ask, _ms() + int(wait_s * 1000) + 1000)
+                engine = await self.store.take(ask, started_ms + int(wait_s * 1000) + 1000, patient_until)
                 if engine:
                     return Slot(self, ask, engine)
                 left = until - time.monotonic()

@@ -41,9 +41,10 @@ def replicas(request):
             client.delete(key)
 
 
-def ask(holder: str, *, tenant: int = 1, engines=(1,), per_engine: int = 1, large: bool = False, large_slots=1):
+def ask(holder: str, *, tenant: int = 1, engines=(1,), per_engine: int = 1, large: bool = False, large_slots=1,
+        patience_ms: int = 0):
     return Ask(tier_id=TIER, tenant_id=tenant, holder=holder, engines=tuple(engines), per_engine=per_engine,
-               large=large, large_slots=large_slots)
+               large=large, large_slots=large_slots, patience_ms=patience_ms)
 
 
 def test_an_engine_prefills_at_most_its_slots_of_image_requests_whatever_the_replica(replicas):
@@ -81,6 +82,32 @@ def test_a_waiting_image_request_takes_whichever_of_its_engines_frees_a_slot_fir
         return taken.engine
 
     assert scenario() == 2  # its preferred engine stayed busy
+
+
+def test_an_image_request_waits_a_little_for_the_engine_that_has_its_picture_cached(replicas):
+    one, other = replicas()
+
+    @async_to_sync
+    async def scenario():
+        warm = await one.take(ask("warm", engines=(1,)), wait_s=1)
+        # Engine 2 is free, but engine 1 has the picture: it is worth a short wait...
+        waiting = asyncio.ensure_future(other.take(ask("next-turn", engines=(1, 2), patience_ms=2000), wait_s=5))
+        await asyncio.sleep(0.2)
+        assert not waiting.done()
+        await warm.release()
+        back = await asyncio.wait_for(waiting, 2)
+        await back.release()
+        # ...and past the patience, any engine with a slot will do.
+        started = asyncio.get_running_loop().time()
+        hold = await one.take(ask("busy", engines=(1,)), wait_s=1)
+        elsewhere = await other.take(ask("impatient", engines=(1, 2), patience_ms=300), wait_s=5)
+        waited = asyncio.get_running_loop().time() - started
+        for slot in (hold, elsewhere):
+            await slot.release()
+        return back.engine, elsewhere.engine, waited
+
+    back, elsewhere, waited = scenario()
+    assert (back, elsewhere) == (1, 2) and 0.25 < waited < 2
 
 
 def test_freed_slots_go_round_the_tenants_waiting(replicas):

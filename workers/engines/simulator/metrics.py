@@ -50,6 +50,10 @@ class Metrics:
         self.running = 0
         self.waiting = 0
         self.kv_usage = 0.0
+        # Image requests between arrival and first token, now and at most since start: what the
+        # gateway's prefill slots bound, seen from the engine (the simulator's own gauges).
+        self.image_prefills = 0
+        self.image_prefills_peak = 0
 
     def _labels(self, **extra: str) -> str:
         # In vLLM's order (prometheus_client sorts them): engine, finished_reason/le, model_name.
@@ -64,6 +68,8 @@ class Metrics:
             "vllm:num_requests_running": self.running,
             "vllm:num_requests_waiting": self.waiting,
             "vllm:kv_cache_usage_perc": self.kv_usage,
+            "simulator:image_prefills": self.image_prefills,
+            "simulator:image_prefills_peak": self.image_prefills_peak,
         }
         for name, value in gauges.items():
             lines += [f"# TYPE {name} gauge", f"{name}{{{labels}}} {float(value)}"]

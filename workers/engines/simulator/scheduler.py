@@ -126,6 +126,9 @@ class Scheduler:
         if self.dead is not None:
             raise RuntimeError(f"engine is dead: {self.dead}")
         seq.arrival, seq.arrived_at = next(self._arrivals), self.clock()
+        if seq.images:
+            self.metrics.image_prefills += 1
+            self.metrics.image_prefills_peak = max(self.metrics.image_prefills_peak, self.metrics.image_prefills)
         self.inbox.append(seq)
         self._wake.set()
         if self._task is None:
@@ -284,6 +287,8 @@ class Scheduler:
         self.metrics.counters["vllm:generation_tokens_total"] += 1
         if seq.first_token_at is None:
             seq.first_token_at = now
+            if seq.images:
+                self.metrics.image_prefills -= 1
             self.metrics.counters["vllm:prompt_tokens_total"] += seq.prompt_tokens
             hist["vllm:time_to_first_token_seconds"].observe(now - seq.arrived_at)
             hist["vllm:request_prefill_time_seconds"].observe(now - seq.scheduled_at)
@@ -300,6 +305,8 @@ class Scheduler:
             return
         self.free_blocks += seq.blocks
         seq.blocks, seq.state = 0, "finished"
+        if seq.images and seq.first_token_at is None:  # ended before its first token
+            self.metrics.image_prefills -= 1
         self.metrics.success[reason] += 1
         if reason != "abort":
             hist = self.metrics.histograms
