@@ -11,13 +11,15 @@ seeing model's own tasks so that nothing it learned is forgotten.
 Run with the project's Python (the gateway's image code makes the items); the model is trained
 and asked in the engine environment (torch and transformers), as a child process:
 
-    python -m workers.engines.cpu.seeing_long train --from DIR --out DIR [--steps N]
+    python -m workers.engines.cpu.seeing_long train --from DIR --out DIR [--steps N] [--long-share F]
+        [--strips KINDS] [--thresholds LIST] [--curriculum F] [--save-every N]
     python -m workers.engines.cpu.seeing_long eval MODEL_DIR [--count N] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import io
 import json
 import math
@@ -28,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from PIL import Image
@@ -98,20 +101,46 @@ def as_sent(sample, threshold: float | None, cap: int = CAP) -> list[dict]:
     return sent
 
 
-def _fits(ratio: float, threshold: float | None) -> bool:
-    return threshold is None or math.ceil(ratio / threshold) <= MAX_TRAIN_TILES
+def _fits(ratio: float, threshold: float | None, max_tiles: int = MAX_TRAIN_TILES) -> bool:
+    return threshold is None or math.ceil(ratio / threshold) <= max_tiles
 
 
 def _item(sample, sent: list[dict]) -> dict:
     return {"task": sample.task, "question": sample.question, "answers": list(sample.answers), "images": sent}
 
 
-def long_item(seed: int, rng: random.Random) -> dict:
-    """A training strip drawn from `seed`, as the gateway sends it under a threshold drawn by `rng`."""
-    strip = rng.choice(TRAIN_STRIPS)
+@dataclass(frozen=True)
+class Mix:
+    """What a training batch is made of: the long strips' share, kinds and tiling thresholds
+    (None: squashed), and the most tiles a strip may become, at most `early_tiles` for the
+    first `early` fraction of the steps (a curriculum from one tile to several)."""
+
+    long_share: float = LONG_SHARE
+    strips: tuple[str, ...] = TRAIN_STRIPS
+    thresholds: tuple[float | None, ...] = TRAIN_THRESHOLDS
+    max_tiles: int = MAX_TRAIN_TILES
+    early: float = 0.0
+    early_tiles: int = 2
+
+    def tiles(self, step: int, steps: int) -> int:
+        return min(self.max_tiles, self.early_tiles) if step < self.early * steps else self.max_tiles
+
+    def record(self) -> dict:
+        return {"long_share": self.long_share, "strips": list(self.strips),
+                "thresholds": [policy_name(t) for t in self.thresholds], "max_tiles": self.max_tiles,
+                "curriculum": {"fraction": self.early, "max_tiles": self.early_tiles} if self.early else None}
+
+
+def long_item(seed: int, rng: random.Random, mix: Mix = Mix(), max_tiles: int | None = None) -> dict:
+    """A training strip drawn from `seed`, as the gateway sends it under a threshold drawn by `rng`
+    among `mix`'s that cut it into at most `max_tiles` (the mix's own most unless given)."""
+    max_tiles = max_tiles or mix.max_tiles
+    strip = rng.choice(mix.strips)
+    # No longer than the largest threshold cuts into `max_tiles` (any length where squashing is drawn).
+    longest = min(TRAIN_RATIOS[1], max(200 if t is None else t * max_tiles for t in mix.thresholds))
     sample = synthetic.generate("long", 1, seed, style=seeing_model.STYLE, strip=strip,
-                                height=rng.choice(BANNER_HEIGHTS), ratio=TRAIN_RATIOS)[0]
-    threshold = rng.choice([t for t in TRAIN_THRESHOLDS if _fits(sample.meta["ratio"], t)])
+                                height=rng.choice(BANNER_HEIGHTS), ratio=(TRAIN_RATIOS[0], longest))[0]
+    threshold = rng.choice([t for t in mix.thresholds if _fits(sample.meta["ratio"], t, max_tiles)])
     return _item(sample, as_sent(sample, threshold, rng.choice(TRAIN_CAPS)))
 
 
@@ -127,13 +156,13 @@ def short_item(task: str, seed: int, fraction: float, canvas: tuple[int, int] = 
                                                image.height / sample.height)}])
 
 
-def batch(step_seed: int, size: int) -> list[dict]:
+def batch(step_seed: int, size: int, mix: Mix = Mix(), max_tiles: int | None = None) -> list[dict]:
     """A training batch: long strips first, then the seeing model's tasks in turn."""
     rng = random.Random(step_seed)
     items = []
     for k in range(size):
-        if k < round(size * LONG_SHARE):
-            items.append(long_item(step_seed * 64 + k, rng))
+        if k < round(size * mix.long_share):
+            items.append(long_item(step_seed * 64 + k, rng, mix, max_tiles))
         else:
             task = seeing_model.TASKS[k % len(seeing_model.TASKS)]
             items.append(short_item(task, step_seed * 64 + k, rng.choice(seeing_model.TRAIN_CAPS),
@@ -141,10 +170,10 @@ def batch(step_seed: int, size: int) -> list[dict]:
     return items
 
 
-def write_batches(path: Path, *, seed: int, steps: int, size: int) -> None:
+def write_batches(path: Path, *, seed: int, steps: int, size: int, mix: Mix = Mix()) -> None:
     with open(path, "wb") as out:
         for step in range(steps):
-            pickle.dump(batch(seed * 1_000_003 + step, size), out)
+            pickle.dump(batch(seed * 1_000_003 + step, size, mix, mix.tiles(step, steps)), out)
 
 
 def held_out(strip: str, ratios: tuple[float, float], count: int) -> list:
@@ -191,10 +220,36 @@ def cell_targets(items: list[dict], grids) -> list[int]:
     return targets
 
 
+def _save(model, source: Path, out: Path) -> None:
+    """The model's weights in bf16 in `out` (a copy's: the model trains on in fp32), with the
+    source's tokenizer and processor files."""
+    import torch  # the engine environment's
+
+    copy.deepcopy(model).to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
+    for name in CARRIED:  # over the generation defaults save_pretrained writes
+        if (source / name).exists():
+            shutil.copyfile(source / name, out / name)
+
+
+def _part_losses(logits, labels, long_rows) -> tuple[float, float]:
+    """The answer loss over the long strips' rows and over the other rows (nan where none)."""
+    import torch  # the engine environment's
+
+    target = labels[:, 1:]
+    per_token = torch.nn.functional.cross_entropy(logits[:, :-1].detach().transpose(1, 2), target,
+                                                  ignore_index=-100, reduction="none")
+    counted = (target != -100).float()
+    parts = []
+    for rows in (long_rows, ~long_rows):
+        tokens = counted[rows].sum()
+        parts.append((per_token[rows].sum() / tokens).item() if tokens else float("nan"))
+    return parts[0], parts[1]
+
+
 def fit(source: Path, out: Path, batches: Path, *, seed: int, steps: int, threads: int, lr: float,
-        log=print) -> dict:
+        save_every: int = 0, log=print) -> dict:
     """Train on from the model in `source` (bf16 weights loaded into fp32) on the batches in the
-    file `batches`; save to `out` in bf16."""
+    file `batches`; save to `out` in bf16 (also every `save_every` steps, where not 0)."""
     import torch  # the engine environment's
     from transformers import (  # the engine environment's
         AutoProcessor,
@@ -219,7 +274,7 @@ def fit(source: Path, out: Path, batches: Path, *, seed: int, steps: int, thread
     answer_start = processor.tokenizer("<|im_start|>assistant\n")["input_ids"]
     im_start = processor.tokenizer.convert_tokens_to_ids("<|im_start|>")
     model.train()
-    started, losses = time.monotonic(), []
+    started, losses, parts = time.monotonic(), [], []
     with open(batches, "rb") as stream:
         for step in range(steps):
             items = pickle.load(stream)  # written by write_batches, in this run
@@ -239,16 +294,24 @@ def fit(source: Path, out: Path, batches: Path, *, seed: int, steps: int, thread
             optimiser.step()
             schedule.step()
             losses.append(output.loss.item())
+            parts.append(_part_losses(output.logits, labels, torch.tensor([i["task"] == "long" for i in items])))
             if step % 10 == 0 or step == steps - 1:
-                log(f"step {step} answer loss {output.loss.item():.4f} cell loss {aux.item():.4f} "
+                log(f"step {step} answer loss {output.loss.item():.4f} (long {parts[-1][0]:.4f}, "
+                    f"others {parts[-1][1]:.4f}) cell loss {aux.item():.4f} "
                     f"images {encoded['image_grid_thw'].shape[0]} {time.monotonic() - started:.0f}s")
+            if save_every and (step + 1) % save_every == 0 and step < steps - 1:
+                _save(model, source, out)
+                log(f"saved at step {step + 1}")
     model.eval()
-    model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
-    for name in CARRIED:  # over the generation defaults save_pretrained writes
-        if (source / name).exists():
-            shutil.copyfile(source / name, out / name)
-    tail = losses[-min(25, len(losses)):]
-    return {"first_loss": round(losses[0], 4), "final_loss": round(sum(tail) / len(tail), 4),
+    _save(model, source, out)
+
+    def mean_of_last(values: list[float]) -> float:
+        tail = [v for v in values[-min(25, len(values)):] if v == v]  # not nan
+        return round(sum(tail) / len(tail), 4) if tail else None
+
+    return {"first_loss": round(losses[0], 4), "final_loss": mean_of_last(losses),
+            "final_loss_long": mean_of_last([p[0] for p in parts]),
+            "final_loss_others": mean_of_last([p[1] for p in parts]),
             "seconds": round(time.monotonic() - started)}
 
 
@@ -323,6 +386,14 @@ def evaluate(python: Path, model_dir: Path, *, count: int, threads: int, cap: in
     return rows
 
 
+def _names(thresholds) -> str:
+    return ",".join("squashed" if t is None else f"{t:g}" for t in thresholds)
+
+
+def _thresholds(names: str) -> tuple[float | None, ...]:
+    return tuple(None if t == "squashed" else float(t) for t in names.split(","))
+
+
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="seeing_long", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -336,13 +407,23 @@ def main(argv: list[str]) -> None:
     training.add_argument("--lr", type=float, default=2e-3)
     training.add_argument("--eval-count", type=int, default=60,
                           help="held-out strips per kind, ratio range and threshold measured after (0: none)")
+    training.add_argument("--long-share", type=float, default=LONG_SHARE,
+                          help="of each batch, long strips (the rest the seeing model's own tasks)")
+    training.add_argument("--strips", default=",".join(TRAIN_STRIPS),
+                          help="the strip kinds a long item is drawn from (repeat one to weight it)")
+    training.add_argument("--thresholds", default=_names(TRAIN_THRESHOLDS),
+                          help="the tiling thresholds a strip is sent under, drawn at random (squashed: none)")
+    training.add_argument("--max-tiles", type=int, default=MAX_TRAIN_TILES, help="the most tiles of a strip")
+    training.add_argument("--curriculum", type=float, default=0.0,
+                          help="for this fraction of the steps, at most --curriculum-tiles tiles a strip")
+    training.add_argument("--curriculum-tiles", type=int, default=2)
+    training.add_argument("--save-every", type=int, default=0, help="also save the weights every N steps")
     evaluation = commands.add_parser("eval", help="long strips: squashed against tiled at each threshold")
     evaluation.add_argument("model", type=Path)
     evaluation.add_argument("--count", type=int, default=60, help="strips per kind and ratio range")
     evaluation.add_argument("--threads", type=int, default=1)
     evaluation.add_argument("--cap", type=int, default=CAP)
-    evaluation.add_argument("--thresholds", default=",".join("squashed" if t is None else f"{t:g}"
-                                                             for t in EVAL_THRESHOLDS))
+    evaluation.add_argument("--thresholds", default=_names(EVAL_THRESHOLDS))
     evaluation.add_argument("--strips", default=",".join(STRIPS))
     evaluation.add_argument("--ratios", default=",".join(f"{a:g}-{b:g}" for a, b in EVAL_RATIOS))
     evaluation.add_argument("--json", action="store_true", help="print the rows as JSON")
@@ -351,7 +432,8 @@ def main(argv: list[str]) -> None:
     fitting.add_argument("source", type=Path)
     fitting.add_argument("out", type=Path)
     fitting.add_argument("--batches", type=Path, required=True)
-    for name, kind in (("--seed", int), ("--steps", int), ("--threads", int), ("--lr", float)):
+    for name, kind in (("--seed", int), ("--steps", int), ("--threads", int), ("--lr", float),
+                       ("--save-every", int)):
         fitting.add_argument(name, type=kind, required=True)
     answering = commands.add_parser("answer")
     answering.add_argument("model", type=Path)
@@ -364,7 +446,7 @@ def main(argv: list[str]) -> None:
 
     if args.command == "fit":
         print(json.dumps(fit(args.source, args.out, args.batches, seed=args.seed, steps=args.steps,
-                             threads=args.threads, lr=args.lr, log=log)))
+                             threads=args.threads, lr=args.lr, save_every=args.save_every, log=log)))
         return
     if args.command == "answer":
         print(json.dumps(answer(args.model, pickle.loads(args.items.read_bytes()), threads=args.threads)))
@@ -374,21 +456,27 @@ def main(argv: list[str]) -> None:
     if args.command == "train":
         if args.steps < 1 or args.threads < 1 or args.batch < 2:
             parser.error("--steps and --threads must be positive, --batch at least 2")
+        mix = Mix(long_share=args.long_share, strips=tuple(args.strips.split(",")),
+                  thresholds=_thresholds(args.thresholds), max_tiles=args.max_tiles, early=args.curriculum,
+                  early_tiles=args.curriculum_tiles)
+        if not 0 <= mix.long_share <= 1 or not 0 <= mix.early < 1 or min(mix.max_tiles, mix.early_tiles) < 1:
+            parser.error("--long-share must be within 0 to 1, --curriculum below 1, the tiles positive")
+        if set(mix.strips) - set(STRIPS):
+            parser.error(f"--strips must be among {', '.join(STRIPS)}")
         before = json.loads((args.source / "TRAINING.json").read_text())
-        before.pop("long_stage", None)
+        earlier = before.pop("long_stage", None)  # a long-image stage this one goes on from
         stage = {"command": "python -m workers.engines.cpu.seeing_long " + " ".join(map(str, argv)),
                  "seed": args.seed, "steps": args.steps, "threads": args.threads, "batch": args.batch,
-                 "lr": args.lr, "long_share": LONG_SHARE, "cap": CAP, "strips": list(TRAIN_STRIPS),
-                 "thresholds": [policy_name(t) for t in TRAIN_THRESHOLDS], "ratios": list(TRAIN_RATIOS),
-                 "pixel_caps": list(TRAIN_CAPS), "max_tiles": MAX_TRAIN_TILES}
+                 "lr": args.lr, **mix.record(), "cap": CAP, "ratios": list(TRAIN_RATIOS),
+                 "pixel_caps": list(TRAIN_CAPS), **({"after": earlier} if earlier else {})}
         with tempfile.TemporaryDirectory(prefix="seeing-long-") as folder:
             batches = Path(folder) / "batches.pickle"
             started = time.monotonic()
-            write_batches(batches, seed=args.seed, steps=args.steps, size=args.batch)
+            write_batches(batches, seed=args.seed, steps=args.steps, size=args.batch, mix=mix)
             log(f"{args.steps} batches made by the gateway's code in {time.monotonic() - started:.0f}s")
             stage.update(json.loads(_engine(python, "fit", args.source, args.out, "--batches", batches,
                                             "--seed", args.seed, "--steps", args.steps, "--threads", args.threads,
-                                            "--lr", args.lr, log=log)))
+                                            "--lr", args.lr, "--save-every", args.save_every, log=log)))
         if args.eval_count:
             result = subprocess.run([str(python), "-m", "workers.engines.cpu.seeing_model", "eval", str(args.out),
                                      "--count", str(args.eval_count), "--threads", str(args.threads), "--json"],
@@ -401,7 +489,7 @@ def main(argv: list[str]) -> None:
         (args.out / "TRAINING.json").write_text(json.dumps({**before, "long_stage": stage}, indent=1) + "\n")
         print(json.dumps(stage))
     else:
-        thresholds = [None if t == "squashed" else float(t) for t in args.thresholds.split(",")]
+        thresholds = _thresholds(args.thresholds)
         ratios = [tuple(float(v) for v in r.split("-")) for r in args.ratios.split(",")]
         rows = evaluate(python, args.model, count=args.count, threads=args.threads, cap=args.cap,
                         thresholds=thresholds, ratios=ratios, strips=args.strips.split(","), log=log)
