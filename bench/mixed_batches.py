@@ -14,7 +14,8 @@ token is taken at the client. Three phases, one after the other in one run:
   distinct 1 MP photos back to back, all straight to vLLM without a priority (first come,
   first served, every image prefill admitted at once): a gateway without the controls;
 - images, with controls: the same two streams through the gateway, which sends text ahead
-  (priority 0 against 1) and lets at most two image requests of the engine be in prefill.
+  (priority 0 against 1) and lets at most two image requests of the engine be in prefill;
+- with controls, 1 slot: the same with the tier's image_prefill_slots at 1.
 
 It prints text TTFT p50/p90/p99 in each phase, their ratio to text alone, and the images
 completed per second in the two image phases (the price of the protection). The target: text
@@ -49,7 +50,8 @@ TEXT_EVERY_S = 0.5
 IMAGE_CLIENTS = 4
 IMAGE_SIZE = (1155, 866)  # 1 MP
 TEXT_TOKENS, IMAGE_TOKENS = 8, 2
-PHASE_S, QUICK_PHASE_S = 60, 20
+PHASE_S, QUICK_PHASE_S = 40, 20
+TIER_CACHE_S = 6  # the gateway reads a tier's settings again after 5 s
 TARGET = 1.5
 
 
@@ -133,7 +135,7 @@ def run(quick: bool) -> None:
         through = (f"http://127.0.0.1:{gateway.port}/v1/chat/completions",
                    {"Content-Type": "application/json", "Authorization": f"Bearer {key}"})
         pictures = Pictures()
-        needed = int(seconds * 4 * IMAGE_CLIENTS) + 40  # more than the engine can take in a phase
+        needed = int((seconds + 3) * 8) + 20  # more than the engine takes in a phase (about 6 a second)
         print(f"making {needed} distinct 1 MP photos for each image phase", flush=True)
 
         def photos() -> list[bytes]:
@@ -145,6 +147,9 @@ def run(quick: bool) -> None:
             "images, no controls": asyncio.run(_phase(direct, direct, photos(), seconds)),
             "images, with controls": asyncio.run(_phase(through, through, photos(), seconds)),
         }
+        _prefill_slots(1)  # the strictest setting: one image in prefill per engine
+        time.sleep(TIER_CACHE_S)
+        phases["with controls, 1 slot"] = asyncio.run(_phase(through, through, photos(), seconds))
         report(phases)
     finally:
         for step in (engine_stop, gateway.stop):
@@ -153,6 +158,14 @@ def run(quick: bool) -> None:
             except Exception as exc:  # clean up the rest whatever one step says
                 print(f"cleanup: {exc!r}", file=sys.stderr)
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def _prefill_slots(slots: int) -> None:
+    from controlplane.catalog.models import ModelTier
+
+    tier = ModelTier.objects.get(name=TIER)
+    tier.engine_settings = {**tier.engine_settings, "image_prefill_slots": slots}
+    tier.save(update_fields=["engine_settings"])
 
 
 def report(phases: dict) -> None:
