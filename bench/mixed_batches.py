@@ -118,7 +118,7 @@ async def _phase(text: tuple[str, dict], images: tuple[str, dict] | None, bodies
     return firsts, (completed / (elapsed + 3) if completed is not None else None)
 
 
-def run(quick: bool) -> None:
+def run(quick: bool, chunk: int | None = None) -> None:
     from workers.engines.cpu import install, tiny_model
 
     seconds = QUICK_PHASE_S if quick else PHASE_S
@@ -129,6 +129,8 @@ def run(quick: bool) -> None:
     gateway = EngineGateway(engine_port, model, python)
     try:
         key = gateway.start()
+        if chunk:  # prefill in chunks of this many tokens: shorter engine steps, text in sooner
+            _engine_settings(max_num_batched_tokens=chunk)
         engine = engine_start(engine_port, folder)
         engine_wait(engine, engine_port)
         direct = (f"http://127.0.0.1:{engine_port}/v1/chat/completions", {"Content-Type": "application/json"})
@@ -147,7 +149,7 @@ def run(quick: bool) -> None:
             "images, no controls": asyncio.run(_phase(direct, direct, photos(), seconds)),
             "images, with controls": asyncio.run(_phase(through, through, photos(), seconds)),
         }
-        _prefill_slots(1)  # the strictest setting: one image in prefill per engine
+        _engine_settings(image_prefill_slots=1)  # the strictest setting: one image in prefill per engine
         time.sleep(TIER_CACHE_S)
         phases["with controls, 1 slot"] = asyncio.run(_phase(through, through, photos(), seconds))
         report(phases)
@@ -160,11 +162,11 @@ def run(quick: bool) -> None:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def _prefill_slots(slots: int) -> None:
+def _engine_settings(**changes) -> None:
     from controlplane.catalog.models import ModelTier
 
     tier = ModelTier.objects.get(name=TIER)
-    tier.engine_settings = {**tier.engine_settings, "image_prefill_slots": slots}
+    tier.engine_settings = {**tier.engine_settings, **changes}
     tier.save(update_fields=["engine_settings"])
 
 
@@ -188,7 +190,9 @@ def report(phases: dict) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help=f"{QUICK_PHASE_S} s phases instead of {PHASE_S} s")
-    run(parser.parse_args(argv).quick)
+    parser.add_argument("--prefill-chunk", type=int, help="start vLLM with this --max-num-batched-tokens")
+    args = parser.parse_args(argv)
+    run(args.quick, args.prefill_chunk)
 
 
 if __name__ == "__main__":
