@@ -60,13 +60,16 @@ class EnginePoint:
     tokens_per_s: float | None  # prompt and generated, from the counters' growth
     ttft_p50: float | None  # seconds, the engine's own histogram over the bucket
     ttft_p95: float | None
+    prefix_hit_rate: float | None = None  # 0-1: prompt tokens its prefix cache served, of those it looked up
+    mm_hit_rate: float | None = None  # 0-1: images its multimodal cache held, of those it looked up
 
 
 def engine_series(*, since: dt.datetime, until: dt.datetime, bucket: dt.timedelta,
                   tier_ids: list[int] | None = None) -> dict[int, list[EnginePoint]]:
     """Per engine instance, its scrapes summarised per bucket, oldest first."""
     samples = EngineMetricSample.objects.filter(at__gte=since, at__lt=until).order_by("instance_id", "at").only(
-        "instance_id", "at", "running", "waiting", "kv_cache_usage", "prompt_tokens", "generation_tokens", "ttft")
+        "instance_id", "at", "running", "waiting", "kv_cache_usage", "prompt_tokens", "generation_tokens", "ttft",
+        "prefix_cache_queries", "prefix_cache_hits", "mm_cache_queries", "mm_cache_hits")
     if tier_ids is not None:
         samples = samples.filter(instance__tier_id__in=tier_ids)
     grouped: dict[tuple[int, int], list] = defaultdict(list)
@@ -86,7 +89,9 @@ def engine_series(*, since: dt.datetime, until: dt.datetime, bucket: dt.timedelt
         series[instance_id].append(EnginePoint(
             since + index * bucket, _mean(r.running for r in rows), _mean(r.waiting for r in rows),
             _mean(r.kv_cache_usage for r in rows), rate, _finite(window.quantile(0.5)) if window else None,
-            _finite(window.quantile(0.95)) if window else None))
+            _finite(window.quantile(0.95)) if window else None,
+            _growth_share(first, last, "prefix_cache_hits", "prefix_cache_queries"),
+            _growth_share(first, last, "mm_cache_hits", "mm_cache_queries")))
         previous[instance_id] = last
     return dict(series)
 
@@ -126,3 +131,11 @@ def node_summaries() -> list[NodeSummary]:
             {"index": gpu.index, "model": gpu.model, "memory_mib": gpu.memory_mib,
              "reserved_mib": round(min(reserved[gpu.pk], gpu.memory_mib))} for gpu in node.gpus.all()]))
     return summaries
+
+
+def _growth_share(first, last, part: str, whole: str) -> float | None:
+    """What share of a counter's growth over a bucket another counter's growth is (hits of
+    queries); None with nothing looked up, or across a restart (the counters fell)."""
+    grew = getattr(last, whole) - getattr(first, whole)
+    hits = getattr(last, part) - getattr(first, part)
+    return hits / grew if grew > 0 and hits >= 0 else None

@@ -63,6 +63,10 @@ def operations(request):
         _lines("engine-tokens-chart", "Engine tokens per second", "tokens/s", engines, lambda p: p.tokens_per_s),
         _lines("engine-ttft-chart", "Engine time to first token (s), its own histogram", "s", engines,
                lambda p: p.ttft_p50, lambda p: p.ttft_p95),
+        _lines("prefix-cache-chart", "Prefix cache hit rate (% of prompt tokens looked up)", "%", engines,
+               lambda p: None if p.prefix_hit_rate is None else 100 * p.prefix_hit_rate),
+        _lines("mm-cache-chart", "Image cache hit rate (% of images looked up)", "%", engines,
+               lambda p: None if p.mm_hit_rate is None else 100 * p.mm_hit_rate),
     ]
     return render(request, "fleet/operations.html", {
         "charts": charts, "windows": list(WINDOWS), "window": window, "tiers": tiers, "chosen": chosen,

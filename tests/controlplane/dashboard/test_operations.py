@@ -113,6 +113,19 @@ def test_engine_series_averages_the_queue_and_turns_counters_into_rates(world):
     assert second.tokens_per_s is None  # from 4,000 to 100 across a restart: no rate, not a negative one
 
 
+def test_each_engine_shows_how_often_its_prefix_and_image_caches_hit(world):
+    instance = EngineInstance.objects.create(tier=world.vision, actual_state="running")
+    start = timezone.now().replace(second=0, microsecond=0) - dt.timedelta(minutes=10)
+    for seconds, queries, hits, images, image_hits in ((0, 1000, 100, 10, 0), (30, 3000, 1600, 30, 15),
+                                                       (60, 3000, 1600, 30, 15), (90, 10, 0, 0, 0)):
+        EngineMetricSample.objects.create(instance=instance, at=start + dt.timedelta(seconds=seconds),
+                                          prefix_cache_queries=queries, prefix_cache_hits=hits,
+                                          mm_cache_queries=images, mm_cache_hits=image_hits)
+    first, second = engine_series(since=start, until=start + 5 * MINUTE, bucket=MINUTE)[instance.pk]
+    assert first.prefix_hit_rate == pytest.approx(0.75) and first.mm_hit_rate == pytest.approx(0.75)
+    assert second.prefix_hit_rate is None  # nothing looked up, then a restart: no rate, not a wrong one
+
+
 def test_nodes_show_their_engines_and_the_gpu_memory_those_hold(world):
     tier = VisionTierFactory(name="vlm-pro", engine_kind="vllm", price_plan=world.vision.price_plan,
                              engine_settings={"max_model_len": 32768, "gpu_memory_utilization": 0.5})
@@ -138,7 +151,8 @@ def test_the_page_draws_every_chart_for_operators_only(client, world):
     client.force_login(world.operator)
     page = client.get("/operations/?window=6h").content.decode()
     for chart in ("latency-chart", "ttft-chart", "error-rate-chart", "requests-chart", "tokens-chart",
-                  "queue-chart", "kv-chart", "engine-tokens-chart", "engine-ttft-chart"):
+                  "queue-chart", "kv-chart", "engine-tokens-chart", "engine-ttft-chart", "prefix-cache-chart",
+                  "mm-cache-chart"):
         assert f'data-chart="{chart}"' in page and f'id="{chart}"' in page, chart
     totals = page.split('id="traffic-totals"')[1].split("</table>")[0]
     assert 'data-tier="vlm-lite"' in totals and "25.0%" in totals
