@@ -133,7 +133,7 @@ async def _chat_completions(request: Request, request_id: str, meters: list):
                                             shared=current_process().decode_memory)
             prepared = await prepare(body, tier, max_image_bytes=settings.GATEWAY_MAX_BODY_BYTES,
                                      scope=str(key.tenant_id), repeats=current_process().prepared_images,
-                                     budget=meter.budget)
+                                     budget=meter.budget, seen=current_process().seen)
             for again in prepared.pictures_again:
                 current_process().counters.picture(tier=tier.name, again=again)
         except RequestInvalid as exc:

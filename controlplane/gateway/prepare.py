@@ -7,15 +7,16 @@ multimodal UUIDs are dropped, image and text tokens are counted before anything 
 from __future__ import annotations
 
 import asyncio
-from concurrent.futures import Future
+from collections.abc import Callable
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 
-from controlplane.gateway.apps import current_process
 from controlplane.gateway.repeats import Key, Picture, Repeats, digest
 from controlplane.gateway.validation import RequestInvalid, image_parts, image_url_place
 from controlplane.imaging.budget import DecodeBudget
 from controlplane.imaging.errors import ImageError
 from controlplane.imaging.fetch import FetchPolicy
+from controlplane.imaging.fingerprint import FingerprintIndex
 from controlplane.imaging.intake import image_source_bytes
 from controlplane.imaging.policy import DecodedDataURL, NormalisedImage, Policy, normalise_tiles
 from controlplane.imaging.tokens import count_image_tokens, image_markers
@@ -122,8 +123,29 @@ class _Picture:
     checking: Future | None = None  # the check of an image sent as it came: its images checked
 
 
+@dataclass(frozen=True)
+class Seen:
+    """What a gateway process keeps of the pictures it prepares (its GatewayProcess holds it):
+    the fingerprints of those seen, which re-encodings of them get, and the threads on which
+    an image sent as it came is checked. Without it, nothing is recognised and checks run at
+    once, on the preparing thread."""
+
+    index: FingerprintIndex | None = None
+    checks: Callable[[], Executor] | None = None
+
+    def check(self, images: Picture, keep) -> Future:
+        if self.checks is not None:
+            return self.checks().submit(_check, images, keep)
+        done: Future = Future()
+        try:
+            done.set_result(_check(images, keep))
+        except Exception as exc:  # noqa: BLE001 - the check's failure, awaited as a thread's would be
+            done.set_exception(exc)
+        return done
+
+
 async def _picture(url: str | DecodedDataURL, policy: Policy, detail, fetch: FetchPolicy | None, max_bytes: int,
-                   scope: str, repeats: Repeats | None, budget: DecodeBudget) -> _Picture:
+                   scope: str, repeats: Repeats | None, budget: DecodeBudget, seen: Seen) -> _Picture:
     """Each image the picture at `url` becomes, and the digest of its bytes; or what it became
     when this tenant sent it before (`repeats`). A data URL's bytes are at hand (decoded as the
     body was read, or here: a 1 MP photo's in 0.03 ms), so a picture this process kept is found
@@ -131,18 +153,20 @@ async def _picture(url: str | DecodedDataURL, policy: Policy, detail, fetch: Fet
     ones being prepared (and saves the trip, 0.1 ms). Everything else is done on one. Its
     pixels and what decoding it costs are taken from `budget`."""
     if not (isinstance(url, DecodedDataURL) or url.startswith("data:")):
-        return await asyncio.to_thread(_fetched_tiles, url, policy, detail, fetch, max_bytes, scope, repeats, budget)
+        return await asyncio.to_thread(_fetched_tiles, url, policy, detail, fetch, max_bytes, scope, repeats, budget,
+                                       seen)
     data = image_source_bytes(url, max_bytes=max_bytes, fetch=None)
     key = _key(data, policy, detail, scope, repeats)
     if key is not None and (kept := repeats.kept_here(key)) is not None:
-        return _again(kept, scope, budget)
-    return await asyncio.to_thread(_image_tiles, data, key, policy, detail, scope, repeats, budget)
+        return _again(kept, scope, budget, seen)
+    return await asyncio.to_thread(_image_tiles, data, key, policy, detail, scope, repeats, budget, seen)
 
 
 def _fetched_tiles(url: str, policy: Policy, detail, fetch: FetchPolicy | None, max_bytes: int, scope: str,
-                   repeats: Repeats | None, budget: DecodeBudget) -> _Picture:
+                   repeats: Repeats | None, budget: DecodeBudget, seen: Seen) -> _Picture:
     data = image_source_bytes(url, max_bytes=max_bytes, fetch=fetch)
-    return _image_tiles(data, _key(data, policy, detail, scope, repeats), policy, detail, scope, repeats, budget)
+    return _image_tiles(data, _key(data, policy, detail, scope, repeats), policy, detail, scope, repeats, budget,
+                        seen)
 
 
 def _key(data: bytes, policy: Policy, detail, scope: str, repeats: Repeats | None) -> Key | None:
@@ -152,39 +176,41 @@ def _key(data: bytes, policy: Policy, detail, scope: str, repeats: Repeats | Non
     return Key.of(data, scope=scope, policy=policy, cap=policy.pixel_cap(detail))  # a bad detail refused here
 
 
-def _again(kept: Picture, scope: str, budget: DecodeBudget) -> _Picture:
+def _again(kept: Picture, scope: str, budget: DecodeBudget, seen: Seen) -> _Picture:
     first = kept[0][0]
     budget.count_pixels(first.source_width, first.source_height)  # nothing decoded, but in the request's total
     for image, _ in kept:  # its fingerprint stays among the tenant's recent pictures
-        current_process().pictures.touch(image.fingerprint, scope=scope)
+        if seen.index is not None:
+            seen.index.touch(image.fingerprint, scope=scope)
     return _Picture(kept, again=True)
 
 
 def _image_tiles(data: bytes, key: Key | None, policy: Policy, detail, scope: str, repeats: Repeats | None,
-                 budget: DecodeBudget) -> _Picture:
+                 budget: DecodeBudget, seen: Seen) -> _Picture:
     """Normalise, on a worker thread (CPU work, off the event loop): each image the picture
     becomes, and the digest of its bytes; or what it became, kept by another replica
     (`repeats`' shared store). An image sent as it came has its check started here, on the
     checks' threads, to run beside the rest of the request and its trip to the engine
     (Prepared.check_images); it is kept once it passed."""
     if key is not None and (kept := repeats.get(key)) is not None:
-        return _again(kept, scope, budget)
-    process = current_process()
-    tiles = normalise_tiles(data, policy, detail=detail, index=process.pictures.scoped(scope), check_later=True,
-                            budget=budget)
+        return _again(kept, scope, budget, seen)
+    index = seen.index.scoped(scope) if seen.index is not None else None
+    tiles = normalise_tiles(data, policy, detail=detail, index=index, check_later=True, budget=budget)
     images = tuple((tile, digest(tile.data)) for tile in tiles)
     if any(tile.check is not None for tile in tiles):
         keep = None if key is None else (repeats, key)
-        return _Picture(images, checking=process.checks().submit(_check, images, keep))
+        return _Picture(images, checking=seen.check(images, keep))
     if key is not None:
         repeats.put(key, images)
     return _Picture(images)
 
 
 async def prepare(body: dict, tier: TierSpec, *, max_image_bytes: int, scope: str = "",
-                  repeats: Repeats | None = None, budget: DecodeBudget | None = None) -> Prepared:
+                  repeats: Repeats | None = None, budget: DecodeBudget | None = None,
+                  seen: Seen = Seen()) -> Prepared:
     """`scope`: whose request it is (a tenant's pictures are recognised among its own only).
     `repeats`: what pictures sent before became, for those sent again (none kept without).
+    `seen`: the process's fingerprints of pictures seen, and its threads for checks.
     `budget`: what decoding the request's pictures may cost, and the CPU they took (see
     imaging/budget.py); by default, the tier's policy's pixel total and the default limits."""
     parts = image_parts(body["messages"])
@@ -208,7 +234,7 @@ async def prepare(body: dict, tier: TierSpec, *, max_image_bytes: int, scope: st
         if parts:
             prepared.budget = budget or DecodeBudget(pixels=tier.policy.max_total_pixels)
             await _prepare_images(prepared, parts, tier, max_image_bytes=max_image_bytes, scope=scope,
-                                  repeats=repeats)
+                                  repeats=repeats, seen=seen)
         _lay_out(prepared, tier)
         # Always bounded: without a limit the engine would generate up to the rest of its context.
         room = tier.max_model_len - prepared.text_tokens - prepared.image_tokens
@@ -228,7 +254,7 @@ async def prepare(body: dict, tier: TierSpec, *, max_image_bytes: int, scope: st
 
 
 async def _prepare_images(prepared: Prepared, parts: list[dict], tier: TierSpec, *, max_image_bytes: int,
-                          scope: str, repeats: Repeats | None) -> None:
+                          scope: str, repeats: Repeats | None, seen: Seen) -> None:
     body = prepared.body
     policy = tier.policy
     if len(parts) > policy.max_images_per_request:
@@ -245,7 +271,7 @@ async def _prepare_images(prepared: Prepared, parts: list[dict], tier: TierSpec,
             raise RequestInvalid(f"image {index + 1} has no url", param="messages")
         try:
             picture = await _picture(url, policy, detail, tier.fetch_policy, max_image_bytes, scope, repeats,
-                                     prepared.budget)
+                                     prepared.budget, seen)
         except ImageError as exc:
             raise RequestInvalid(f"image {index + 1}: {exc}", param="messages", code=exc.code) from None
         tiles = picture.images

@@ -17,6 +17,7 @@ from controlplane.gateway.admission import OptimisticAdmission
 from controlplane.gateway.counters import Counters
 from controlplane.gateway.ledger import LedgerBook
 from controlplane.gateway.prefill import PrefillSlots
+from controlplane.gateway.prepare import Seen
 from controlplane.gateway.repeats import Repeats, Shared
 from controlplane.gateway.routing import EngineLoads, SharedLoads
 from controlplane.gateway.state import Caches
@@ -40,11 +41,10 @@ class GatewayProcess:
     tier_names: dict[int, str] = field(default_factory=dict)  # for the counters
     engine_watches: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)  # loop -> watch
     ledger_book: LedgerBook = field(default_factory=LedgerBook)  # its requests in the ledger, its stores
-    # Re-encodings of a picture this process has seen get that picture's fingerprint.
-    pictures: FingerprintIndex = field(default_factory=FingerprintIndex)
-    # The checks of images sent as they came, started from the intake's own thread as soon as it
-    # knows (one per core: a check never waits behind another request's intake).
-    checks: Threads = field(default_factory=lambda: Threads("checks", CORES))
+    # Re-encodings of a picture this process has seen get that picture's fingerprint; the checks
+    # of images sent as they came start from the intake's own thread as soon as it knows (one
+    # thread per core: a check never waits behind another request's intake).
+    seen: Seen = field(default_factory=lambda: Seen(FingerprintIndex(), Threads("checks", CORES)))
     connections: Connections = field(default_factory=Connections)  # pooled, to engines and other services
     connections_checked_at: float = 0.0  # when the database connection was last checked (monotonic)
 

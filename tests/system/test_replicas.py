@@ -149,6 +149,6 @@ def test_replicas_behind_a_balancer_keep_chats_on_their_cached_engine_and_the_sl
     peaks = []
     for engine in engines:  # seen from the engines: never more image requests in prefill than the slots
         metrics = httpx.get(f"{engine.base_url}/metrics", timeout=5).text
-        peak = next(line for line in metrics.splitlines() if line.startswith("simulator:image_prefills_peak"))
+        peak = next(line for line in metrics.splitlines() if line.startswith("sim:image_prefills_peak"))
         peaks.append(float(peak.rsplit(" ", 1)[1]))
     assert max(peaks) == SLOTS and all(peak <= SLOTS for peak in peaks), peaks

@@ -68,8 +68,8 @@ class Metrics:
             "vllm:num_requests_running": self.running,
             "vllm:num_requests_waiting": self.waiting,
             "vllm:kv_cache_usage_perc": self.kv_usage,
-            "simulator:image_prefills": self.image_prefills,
-            "simulator:image_prefills_peak": self.image_prefills_peak,
+            "sim:image_prefills": self.image_prefills,
+            "sim:image_prefills_peak": self.image_prefills_peak,
         }
         for name, value in gauges.items():
             lines += [f"# TYPE {name} gauge", f"{name}{{{labels}}} {float(value)}"]
