@@ -125,6 +125,16 @@ def engine_stop() -> None:
     process.stop_marked(MARKER)  # its process group: the API server and the engine core
 
 
+def clean_up(*steps) -> None:
+    """Run each cleanup step (None: nothing to clean), whatever the ones before it raised."""
+    for step in steps:
+        if step:
+            try:
+                step()
+            except Exception as exc:  # clean up the rest whatever one step says
+                print(f"cleanup: {exc!r}", file=sys.stderr)
+
+
 def engine_wait(engine: Engine, port: int, timeout: float = 900) -> None:
     from workers.engines import process
 
@@ -309,12 +319,7 @@ def run(quick: bool, pinned: bool, cases: set[str] | None = None) -> None:
         validation = image_steps(pictures.next(*SIZES["1mp"]))["base64 + normalise"]
         report(results, validation)
     finally:
-        for step in (litellm and litellm.terminate, bare and bare.terminate, engine_stop, gateway.stop):
-            if step:
-                try:
-                    step()
-                except Exception as exc:  # clean up the rest whatever one step says
-                    print(f"cleanup: {exc!r}", file=sys.stderr)
+        clean_up(litellm and litellm.terminate, bare and bare.terminate, engine_stop, gateway.stop)
         for process in (litellm, bare):
             if process is not None:
                 process.wait(timeout=20)

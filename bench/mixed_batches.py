@@ -28,7 +28,6 @@ import argparse
 import asyncio
 import json
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -39,6 +38,7 @@ from bench.engine_path import (
     TIER,
     EngineGateway,
     Pictures,
+    clean_up,
     engine_start,
     engine_stop,
     engine_wait,
@@ -154,11 +154,7 @@ def run(quick: bool, chunk: int | None = None) -> None:
         phases["with controls, 1 slot"] = asyncio.run(_phase(through, through, photos(), seconds))
         report(phases)
     finally:
-        for step in (engine_stop, gateway.stop):
-            try:
-                step()
-            except Exception as exc:  # clean up the rest whatever one step says
-                print(f"cleanup: {exc!r}", file=sys.stderr)
+        clean_up(engine_stop, gateway.stop)
         shutil.rmtree(folder, ignore_errors=True)
 
 

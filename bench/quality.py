@@ -37,7 +37,7 @@ import tempfile
 from decimal import Decimal
 from pathlib import Path
 
-from bench.engine_path import EngineGateway, engine_start, engine_stop, engine_wait
+from bench.engine_path import EngineGateway, clean_up, engine_start, engine_stop, engine_wait
 from bench.gateway import free_port
 
 FULL = 224 * 224  # the trained model's canvas
@@ -156,11 +156,7 @@ def run(per_task: int, tasks: list[str], caps: list[int], json_path: Path | None
             print(f"written to {json_path}")
         return result
     finally:
-        for step in (engine_stop, gateway.stop):
-            try:
-                step()
-            except Exception as exc:  # clean up the rest whatever one step says
-                print(f"cleanup: {exc!r}", file=sys.stderr)
+        clean_up(engine_stop, gateway.stop)
         shutil.rmtree(folder, ignore_errors=True)
 
 
