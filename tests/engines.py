@@ -45,31 +45,41 @@ async def read_request(reader) -> None:
         rest += await reader.read(65536)
 
 
-def with_raw_engine(world, handler, request_body):
-    """Send `request_body` twice through the gateway to `handler`, alice's key, the vision tier."""
+async def raw_engine(world, handler):
+    """`handler` serving on a port of its own, registered as a healthy engine of the vision tier."""
     from controlplane.fleet.models import EngineInstance, Node
+
+    server = await asyncio.start_server(handler, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+
+    def register():
+        node = Node.objects.create(name="flaky", address="127.0.0.1", queue="node.flaky", last_seen_at=timezone.now())
+        EngineInstance.objects.create(tier=world.vision, node=node, port=port, actual_state="running",
+                                      healthy=True, last_health_at=timezone.now())
+
+    await sync_to_async(register)()
+    return server
+
+
+async def answer(world, body: bytes) -> tuple[int, bytes]:
+    """The gateway's answer to alice's request `body`, read to its end: its status and bytes."""
     from controlplane.gateway import handlers
     from controlplane.gateway.http import Request
 
+    response = await handlers.chat_completions(Request("POST", {"authorization": f"Bearer {world.alice_key}"}, body))
+    text = b"".join([c async for c in response.stream]) if response.stream else response.body
+    if response.on_close:
+        await response.on_close()
+    return response.status, text
+
+
+def with_raw_engine(world, handler, request_body):
+    """Send `request_body` twice through the gateway to `handler`, alice's key, the vision tier."""
+
     @async_to_sync
     async def run():
-        server = await asyncio.start_server(handler, "127.0.0.1", 0)
-        port = server.sockets[0].getsockname()[1]
-
-        def register():
-            node = Node.objects.create(name="flaky", address="127.0.0.1", queue="node.flaky", last_seen_at=timezone.now())
-            EngineInstance.objects.create(tier=world.vision, node=node, port=port, actual_state="running",
-                                          healthy=True, last_health_at=timezone.now())
-
-        await sync_to_async(register)()
-        request = Request("POST", {"authorization": f"Bearer {world.alice_key}"}, json.dumps(request_body).encode())
-        results = []
-        for _ in range(2):
-            response = await handlers.chat_completions(request)
-            text = b"".join([c async for c in response.stream]) if response.stream else response.body
-            if response.on_close:
-                await response.on_close()
-            results.append((response.status, text))
+        server = await raw_engine(world, handler)
+        results = [await answer(world, json.dumps(request_body).encode()) for _ in range(2)]
         server.close()
         return results
 

@@ -9,12 +9,9 @@ import json
 import time
 
 import pytest
-from asgiref.sync import async_to_sync, sync_to_async
-from django.utils import timezone
+from asgiref.sync import async_to_sync
 
-from controlplane.fleet.models import EngineInstance, Node
-from controlplane.gateway import handlers
-from controlplane.gateway.http import Request
+from tests.engines import answer, raw_engine
 from tests.images import data_url, image_bytes
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -49,8 +46,7 @@ class Engine:
         await asyncio.sleep(PREFILL_S)
         self.prefilling[kind] -= 1
         self.log.append((time.monotonic(), "first token", kind))
-        for chunk in ({"choices": [{"index": 0, "delta": {"content": "a"}}]},):
-            self._send(writer, chunk)
+        self._send(writer, {"choices": [{"index": 0, "delta": {"content": "a"}}]})
         await writer.drain()
         await asyncio.sleep(DECODE_S)
         self._send(writer, {"choices": [{"index": 0, "delta": {"content": "b"}, "finish_reason": "stop"}]})
@@ -82,27 +78,10 @@ def test_an_engine_prefills_no_more_image_requests_than_its_slots_and_text_is_no
 
     @async_to_sync
     async def run():
-        server = await asyncio.start_server(engine.serve, "127.0.0.1", 0)
-        port = server.sockets[0].getsockname()[1]
-
-        def register():
-            node = Node.objects.create(name="n", address="127.0.0.1", queue="node.n", last_seen_at=timezone.now())
-            EngineInstance.objects.create(tier=world.vision, node=node, port=port, actual_state="running",
-                                          healthy=True, last_health_at=timezone.now())
-
-        await sync_to_async(register)()
-
-        async def ask(images: bool):
-            request = Request("POST", {"authorization": f"Bearer {world.alice_key}"}, _body(images))
-            response = await handlers.chat_completions(request)
-            text = b"".join([c async for c in response.stream]) if response.stream else response.body
-            if response.on_close:
-                await response.on_close()
-            return response.status, text
-
-        images = [asyncio.ensure_future(ask(True)) for _ in range(4)]
+        server = await raw_engine(world, engine.serve)
+        images = [asyncio.ensure_future(answer(world, _body(True))) for _ in range(4)]
         await asyncio.sleep(0.05)
-        texts = [asyncio.ensure_future(ask(False)) for _ in range(2)]
+        texts = [asyncio.ensure_future(answer(world, _body(False))) for _ in range(2)]
         answers = await asyncio.gather(*images, *texts)
         server.close()
         return answers
