@@ -11,7 +11,6 @@ from django.db.models import Count, Max
 
 from controlplane.alerts.models import AlertRule
 from controlplane.benchmarks.models import BenchmarkProfile, BenchmarkRun
-from controlplane.catalog.engine_settings import EngineSettingsError
 from controlplane.catalog.models import ModelTier
 from controlplane.fleet.models import EngineEvent, EngineInstance
 from controlplane.metering.models import SERVER_ERROR, UsageEvent
@@ -213,13 +212,7 @@ def _latency_objective(rule: AlertRule, now: dt.datetime) -> list[Reading]:
     tiers = ModelTier.objects.filter(enabled=True).order_by("name")
     if rule.tier_id:
         tiers = tiers.filter(pk=rule.tier_id)
-    objectives = {}
-    for tier in tiers:
-        try:
-            objectives[tier] = tier.settings.ttft_objectives()
-        except EngineSettingsError:
-            continue  # its page says what is wrong with its settings
-    objectives = {tier: set_ for tier, set_ in objectives.items() if set_}
+    objectives = {tier: by_class for tier in tiers if (by_class := tier.ttft_objectives())}
     if not objectives:
         return []
     seen = latency_by_class(since=now - dt.timedelta(minutes=rule.window_minutes), until=now + dt.timedelta(seconds=1),

@@ -332,6 +332,14 @@ class ModelTier(models.Model):
             self._settings, self._settings_key = EngineSettings.parse(self.engine_settings, self.engine_kind), key
         return self._settings
 
+    def ttft_objectives(self) -> dict[str, int]:
+        """The p95 first-token objective of each request class the tier sets (ms); none while
+        its stored settings cannot be used (its page says what is wrong with them)."""
+        try:
+            return self.settings.ttft_objectives()
+        except EngineSettingsError:
+            return {}
+
     @property
     def runs_on_cpu(self) -> bool:
         """A vLLM tier with `device: cpu` runs vLLM's CPU build, on a node without GPUs."""

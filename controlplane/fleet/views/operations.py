@@ -14,7 +14,6 @@ from django.contrib.auth.decorators import login_required
 from django.shortcuts import render
 from django.utils import timezone
 
-from controlplane.catalog.engine_settings import EngineSettingsError
 from controlplane.catalog.models import ModelTier
 from controlplane.fleet.models import EngineInstance
 from controlplane.fleet.selectors import engine_series, node_summaries
@@ -75,13 +74,6 @@ def operations(request):
     })
 
 
-def _objectives(tier: ModelTier) -> dict[str, int]:
-    try:
-        return tier.settings.ttft_objectives()
-    except EngineSettingsError:
-        return {}
-
-
 def _by_class(tiers, instances, *, since, until, tier_ids) -> list[tuple[str, str, list[dict]]]:
     """Text, image and large-image requests apart, per tier and per engine: what an image burst
     does to the text beside it shows here, where one figure per tier would hide it."""
@@ -95,7 +87,7 @@ def _by_class(tiers, instances, *, since, until, tier_ids) -> list[tuple[str, st
             if owner not in owners:
                 continue
             tier = owners[owner] if by == "tier" else owners[owner].tier
-            objective = _objectives(tier).get(kind)
+            objective = tier.ttft_objectives().get(kind)
             rows["tiers" if by == "tier" else "engines"].append({
                 "owner": label(owners[owner]), "kind": kind, "figures": figures, "objective": objective,
                 "breached": objective is not None and figures.first_token[1] > objective})
