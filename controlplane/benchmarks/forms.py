@@ -12,6 +12,7 @@ from controlplane.benchmarks.models import BenchmarkProfile, EvalItem, EvalSet
 from controlplane.catalog.models import ModelTier
 from controlplane.fleet.models import EngineInstance
 from controlplane.imaging import synthetic
+from controlplane.tenants.models import Tenant
 
 
 class ProfileForm(forms.ModelForm):
@@ -180,3 +181,39 @@ class AdviceForm(forms.Form):
 
     def target(self):
         return Target(self.cleaned_data["target_kind"], self.cleaned_data["target_points"])
+
+
+class ObservedProfileForm(forms.Form):
+    """A load profile read from what a tier (or one tenant on it) served over a window."""
+
+    WINDOWS = {"1h": 3600, "24h": 86400, "7d": 7 * 86400, "30d": 30 * 86400}
+
+    name = forms.SlugField(max_length=64)
+    tier = forms.ModelChoiceField(queryset=ModelTier.objects.order_by("name"))
+    tenant = forms.ModelChoiceField(queryset=Tenant.objects.order_by("name"), required=False,
+                                    empty_label="every tenant", help_text="Whose traffic to read")
+    window = forms.ChoiceField(choices=[("1h", "the last hour"), ("24h", "the last 24 hours"),
+                                        ("7d", "the last 7 days"), ("30d", "the last 30 days")], initial="24h")
+    multipliers = forms.CharField(
+        initial="1, 2, 4", max_length=100,
+        help_text="Load levels as multiples of the observed request rate, e.g. 1, 2, 4")
+    stage_duration_s = forms.FloatField(initial=30.0, min_value=0.5, label="Seconds per level")
+
+    def clean_name(self):
+        name = self.cleaned_data["name"]
+        if BenchmarkProfile.objects.filter(name=name).exists():
+            raise forms.ValidationError("a profile of this name exists")
+        return name
+
+    def clean_multipliers(self):
+        try:
+            values = [float(v) for v in self.cleaned_data["multipliers"].replace(",", " ").split()]
+        except ValueError:
+            raise forms.ValidationError("numbers separated by commas") from None
+        if not values or len(values) > 20 or not all(0 < v <= 1000 for v in values):
+            raise forms.ValidationError("1 to 20 multipliers, each above 0 and at most 1000")
+        return values
+
+    @property
+    def seconds(self) -> int:
+        return self.WINDOWS[self.cleaned_data["window"]]

@@ -23,7 +23,7 @@ from django.db.models.functions import Coalesce, Concat
 from django.utils import timezone
 
 from controlplane import outbound
-from controlplane.benchmarks import loadgen, resolution, stats
+from controlplane.benchmarks import loadgen, observed, resolution, stats
 from controlplane.benchmarks.models import BenchmarkImage, BenchmarkProfile, BenchmarkRun, EvalSet
 from controlplane.benchmarks.resolution import Item
 from controlplane.benchmarks.schedules import profile_schedule_remove, profile_schedule_sync
@@ -436,6 +436,23 @@ def profile_save(*, profile: BenchmarkProfile) -> BenchmarkProfile:
     profile.save()
     profile_schedule_sync(profile=profile)
     return profile
+
+
+def profile_from_traffic(*, name: str, tier, tenant=None, seconds: float, multipliers: list[float],
+                         stage_duration_s: float = 30.0) -> BenchmarkProfile:
+    """A load profile whose mix and rates are those `tier` (or `tenant` on it) served over the
+    last `seconds`, leaving out benchmark traffic. Raises observed.NoTraffic when there was none."""
+    until = timezone.now()
+    seen = observed.observe(tier, tenant=tenant, since=until - dt.timedelta(seconds=seconds), until=until,
+                            exclude_tenant=BENCHMARK_TENANT)
+    whose = f"{tenant.name} on {tier.name}" if tenant is not None else tier.name
+    profile = BenchmarkProfile(
+        name=name, tier=tier,
+        description=f"Drawn from the traffic of {whose}, {until - dt.timedelta(seconds=seconds):%Y-%m-%d %H:%M} "
+                    f"to {until:%Y-%m-%d %H:%M} UTC: {seen.summary()}.",
+        **observed.profile_fields(seen, multipliers=multipliers, stage_duration_s=stage_duration_s))
+    profile.full_clean()
+    return profile_save(profile=profile)
 
 
 @transaction.atomic

@@ -6,6 +6,7 @@ app_name = "benchmarks"
 urlpatterns = [
     path("", views.profile_list, name="list"),
     path("new/", views.profile_edit, name="profile-new"),
+    path("from-traffic/", views.profile_from_traffic, name="profile-from-traffic"),
     path("<int:pk>/", views.profile_edit, name="profile"),
     path("<int:pk>/delete/", views.profile_delete, name="profile-delete"),
     path("<int:pk>/run/", views.profile_run, name="profile-run"),

@@ -7,7 +7,7 @@ import io
 
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
-from django.core.exceptions import PermissionDenied
+from django.core.exceptions import PermissionDenied, ValidationError
 from django.core.paginator import Paginator
 from django.db.models import Count
 from django.http import HttpResponse
@@ -15,13 +15,14 @@ from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_GET, require_POST
 from PIL import Image
 
-from controlplane.benchmarks import charts, curve_views, evalsets, selectors, services
+from controlplane.benchmarks import charts, curve_views, evalsets, observed, selectors, services
 from controlplane.benchmarks.forms import (
     CompareForm,
     EvalImportForm,
     EvalItemForm,
     EvalSetGenerateForm,
     ImageUploadForm,
+    ObservedProfileForm,
     ProfileForm,
     RunForm,
 )
@@ -64,6 +65,27 @@ def profile_edit(request, pk: int | None = None):
         context.update(run_form=RunForm(), upload_form=ImageUploadForm(), images=profile.images.all(),
                        runs=profile.runs.all()[:30])
     return render(request, "benchmarks/profile.html", context)
+
+
+@login_required
+def profile_from_traffic(request):
+    """A new load profile read from the traffic a tier served."""
+    _operator(request)
+    form = ObservedProfileForm(request.POST or None, initial=request.GET or None)
+    if request.method == "POST" and form.is_valid():
+        data = form.cleaned_data
+        try:
+            profile = services.profile_from_traffic(
+                name=data["name"], tier=data["tier"], tenant=data["tenant"], seconds=form.seconds,
+                multipliers=data["multipliers"], stage_duration_s=data["stage_duration_s"])
+        except observed.NoTraffic:
+            form.add_error("window", "no requests in this window (benchmark traffic is left out)")
+        except (ValueError, ValidationError) as exc:
+            form.add_error(None, "; ".join(getattr(exc, "messages", None) or [str(exc)]))
+        else:
+            messages.success(request, f"Profile {profile.name} drawn from traffic.")
+            return redirect("benchmarks:profile", pk=profile.pk)
+    return render(request, "benchmarks/from_traffic.html", {"form": form})
 
 
 @login_required
