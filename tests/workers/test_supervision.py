@@ -16,6 +16,7 @@ from controlplane.fleet.models import EngineEvent, EngineInstance
 from tests.system.harness import ROOT, wait_for
 from workers import supervision
 from workers.engines import process
+from workers.supervision import liveness
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -371,3 +372,36 @@ def test_an_sglang_tier_on_a_node_without_sglang_fails_at_once_with_the_reason(a
     _reconcile_until(agent, lambda i: i.actual_state == "failed", "the launch to be refused")
     assert agent.pid is None and not agent.command
     assert f"SGLang is not installed for {sys.executable}" in agent.state_reason
+
+
+def test_an_engine_whose_every_slot_holds_a_long_answer_is_busy_not_hung(agent):
+    import threading
+
+    import httpx
+
+    # One slot, held for some seconds by one long answer: the completion probe waits behind it
+    # and fails, pass after pass, while the engine's counters advance.
+    agent.tier.engine_settings = {**agent.tier.engine_settings, "max_num_seqs": 1, "decode_ms_per_token": 20}
+    agent.tier.save()
+    _reconcile_until(agent, _running, "the engine to come up")
+    pid, result = agent.pid, {}
+
+    def long_request():
+        response = httpx.post(f"{agent.base_url}/v1/chat/completions", timeout=60,
+                              headers={"Authorization": f"Bearer {agent.api_key}"},
+                              json={"model": agent.tier.name, "max_tokens": 450, "min_tokens": 450, "ignore_eos": True,
+                                    "messages": [{"role": "user", "content": "a long answer please"}]})
+        result["status"] = response.status_code
+
+    client = threading.Thread(target=long_request)
+    client.start()
+    probes = set()
+    while client.is_alive():
+        # A probe on every pass (it is due every 10 s), so that failures would mount quickly.
+        EngineInstance.objects.filter(pk=agent.pk).update(last_probe_at=timezone.now() - liveness.PROBE_EVERY)
+        supervision.node_reconcile(agent.node.name)
+        agent.refresh_from_db()
+        probes.add(agent.last_probe_at)
+        assert _running(agent) and agent.pid == pid, agent.state_reason
+    client.join()
+    assert result["status"] == 200 and len(probes) >= 3  # probed on several passes, never taken for hung

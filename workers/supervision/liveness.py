@@ -94,6 +94,8 @@ def observe(instance: EngineInstance, now: dt.datetime, fields: dict) -> Snapsho
         record_sample(instance, snap, now)
         fields.update(num_running=snap.running, num_waiting=snap.waiting,
                       kv_cache_usage=snap.kv_cache_usage, metrics_at=now)
+        if snap.kv_capacity_tokens:
+            fields["kv_capacity_tokens"] = int(snap.kv_capacity_tokens)
     return snap
 
 
@@ -102,9 +104,11 @@ def assess(instance: EngineInstance, now: dt.datetime, fields: dict) -> Liveness
     if not health_ok(instance):
         return Liveness(False, "health check failed")
     snap = observe(instance, now, fields)
+    progressed = False
     if snap is not None:
         if snap.progress != instance.last_progress or instance.last_progress_at is None:
             fields.update(last_progress=snap.progress, last_progress_at=now)
+            progressed = instance.last_progress_at is not None
         elif snap.running + snap.waiting > 0 and now - instance.last_progress_at > HANG_AFTER:
             return Liveness(False, f"hung: {snap.running + snap.waiting:g} requests pending and no "
                                    f"progress for {(now - instance.last_progress_at).seconds}s", snap)
@@ -112,7 +116,9 @@ def assess(instance: EngineInstance, now: dt.datetime, fields: dict) -> Liveness
            or now - instance.last_probe_at >= PROBE_EVERY)
     if due or instance.actual_state != EngineInstance.Actual.RUNNING:
         ok = probe(instance)
-        failures = 0 if ok else instance.probe_failures + 1
+        # A probe waits for a free slot like any request: an engine whose every slot holds a
+        # long answer fails it while its counters advance. That engine is busy, not hung.
+        failures = 0 if ok or progressed else instance.probe_failures + 1
         fields.update(last_probe_at=now, probe_failures=failures)
         if failures >= PROBE_FAILURES_HUNG:
             return Liveness(False, f"completion probe failed {failures} times in a row", snap)
