@@ -118,6 +118,7 @@ class Snapshot:
     requests_finished: float = 0.0
     ttft: Histogram | None = None
     e2e: Histogram | None = None
+    kv_capacity_tokens: float = 0.0  # the KV cache's size in tokens, as the engine allocated it
 
     @property
     def progress(self) -> float:
@@ -161,7 +162,20 @@ def snapshot(text: str) -> Snapshot:
         requests_finished=_total(series, "vllm:request_success_total") or 0.0,
         ttft=_histogram(series, "vllm:time_to_first_token_seconds"),
         e2e=_histogram(series, "vllm:e2e_request_latency_seconds"),
+        kv_capacity_tokens=_vllm_kv_capacity(series),
     )
+
+
+def _vllm_kv_capacity(series) -> float:
+    """Blocks times tokens a block, from the labels of vLLM's cache_config_info (summed over a
+    data-parallel engine's ranks, each with a cache of its own)."""
+    total = 0.0
+    for labels, _ in series.get("vllm:cache_config_info", ()):
+        try:
+            total += int(labels.get("num_gpu_blocks") or 0) * int(labels.get("block_size") or 0)
+        except ValueError:
+            continue  # "None" before the cache is allocated
+    return total
 
 
 def _sglang_snapshot(series) -> Snapshot:

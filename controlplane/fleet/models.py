@@ -108,6 +108,8 @@ class EngineInstance(models.Model):
     num_running = models.FloatField(default=0.0)
     num_waiting = models.FloatField(default=0.0)
     kv_cache_usage = models.FloatField(default=0.0)
+    kv_capacity_tokens = models.PositiveIntegerField(
+        null=True, blank=True, help_text="The KV cache's size in tokens, as the engine reports it")
     metrics_at = models.DateTimeField(null=True, blank=True)
     log_tail = models.TextField(blank=True)
 

@@ -38,13 +38,16 @@ def _as_written(value):
 _write_json = msgspec.json.Encoder(enc_hook=_as_written).encode
 
 
+# Lower runs first in vLLM: text ahead of images, images ahead of large images, so a large
+# prefill does not hold up the text beside it.
+PRIORITY_TEXT, PRIORITY_IMAGE, PRIORITY_LARGE_IMAGE = 0, 1, 2
+
+
 def engine_body(key: state.KeyInfo, tier: TierSpec, prepared: Prepared, *, large: bool = False) -> dict:
     body = dict(prepared.body)
     body["model"] = tier.name
     if tier.priority_scheduling:
-        # Lower runs first in vLLM: text ahead of images, images ahead of large images, so
-        # a large prefill does not hold up the text beside it.
-        body["priority"] = 2 if large else 1 if prepared.images else 0
+        body["priority"] = PRIORITY_LARGE_IMAGE if large else PRIORITY_IMAGE if prepared.images else PRIORITY_TEXT
     if key.cache_salt:
         body["cache_salt"] = key.cache_salt
     else:

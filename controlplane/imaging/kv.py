@@ -17,8 +17,11 @@ from dataclasses import dataclass, field
 from controlplane.imaging.tokens import count_image_tokens
 
 GIB = 1024 ** 3
-BLOCK_TOKENS = 16
-DTYPE_BYTES = {"auto": 2, "bfloat16": 2, "float16": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
+BLOCK_TOKENS = 16  # vLLM's block on a GPU
+CPU_BLOCK_TOKENS = 128  # vLLM's block on its CPU build (vllm/platforms/cpu.py)
+CPU_KV_SPACE_GIB = 4  # VLLM_CPU_KVCACHE_SPACE when unset
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "half": 2, "float32": 4, "float": 4, "fp8": 1, "fp8_e4m3": 1,
+               "fp8_e5m2": 1}
 
 
 @dataclass(frozen=True)
@@ -29,8 +32,33 @@ class ModelArch:
     kv_heads: int
     head_dim: int
     params_billion: float  # language model and vision tower
-    dtype_bytes: int = 2  # weights in bf16
+    dtype_bytes: int = 2  # weights (and a KV cache of type "auto") in bf16
     processor_options: dict = field(default_factory=dict)
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def arch_from_config(config: dict, model_id: str = "", *, dtype: str | None = None) -> ModelArch:
+    """A model's KV shape from its config.json: the language model's layers, KV heads and head
+    dimension (a multimodal config keeps them in text_config), and its weights' type unless
+    the engine is told another (`dtype`, as vLLM's --dtype). The parameter count is not in a
+    config; it is left at 0 (the weights' size is read from their files where it matters)."""
+    text = config.get("text_config") or config
+    try:
+        layers, heads = int(text["num_hidden_layers"]), int(text["num_attention_heads"])
+        kv_heads = int(text.get("num_key_value_heads") or heads)
+        head_dim = int(text.get("head_dim") or int(text["hidden_size"]) // heads)
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        raise ConfigError("the model's config names no layers, attention heads and hidden size") from None
+    if dtype in (None, "", "auto"):
+        dtype = str(text.get("torch_dtype") or text.get("dtype") or config.get("torch_dtype")
+                    or config.get("dtype") or "bfloat16")
+    if dtype not in DTYPE_BYTES:
+        raise ConfigError(f"unknown weights type {dtype!r}")
+    return ModelArch(model_id, str(config.get("model_type", "")), layers, kv_heads, head_dim, 0.0,
+                     dtype_bytes=DTYPE_BYTES[dtype])
 
 
 # From each checkpoint's config.json (num_hidden_layers, num_key_value_heads,
@@ -65,7 +93,7 @@ def preset_for(model_id: str) -> ModelArch | None:
 def kv_bytes_per_token(arch: ModelArch, *, tensor_parallel: int = 1, kv_cache_dtype: str = "auto",
                        per_gpu: bool = False) -> int:
     """KV bytes one token holds, in total or (per_gpu) on each of the tensor-parallel GPUs."""
-    element = DTYPE_BYTES[kv_cache_dtype]
+    element = arch.dtype_bytes if kv_cache_dtype == "auto" else DTYPE_BYTES[kv_cache_dtype]
     if not per_gpu:
         return 2 * arch.layers * arch.kv_heads * arch.head_dim * element
     heads = max(1, arch.kv_heads // tensor_parallel)
@@ -114,6 +142,14 @@ class Deployment:
         """Tokens of KV the deployment holds (whole blocks)."""
         block_bytes = BLOCK_TOKENS * self.kv_bytes_per_token_per_gpu
         return int(self.kv_budget_bytes_per_gpu // block_bytes) * BLOCK_TOKENS
+
+
+def cpu_kv_token_capacity(arch: ModelArch, *, space_gib: float = CPU_KV_SPACE_GIB,
+                          block_tokens: int = CPU_BLOCK_TOKENS, kv_cache_dtype: str = "auto") -> int:
+    """Tokens of KV vLLM's CPU build allocates in `space_gib` of host memory (its
+    VLLM_CPU_KVCACHE_SPACE): as many whole blocks as fit, each block holding every layer."""
+    block_bytes = block_tokens * kv_bytes_per_token(arch, kv_cache_dtype=kv_cache_dtype)
+    return int(space_gib * GIB // block_bytes) * block_tokens
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from django.views.decorators.http import require_POST
 
 from controlplane.catalog.models import ModelTier
 from controlplane.fleet.charts import engine_load_chart
+from controlplane.fleet.kv_check import kv_check
 from controlplane.fleet.models import EngineEvent, EngineInstance, Node
 from controlplane.fleet.services import (
     FleetActionRefused,
@@ -59,6 +60,7 @@ def fleet_instance(request, pk: int):
         "instance": instance,
         "events": instance.events.all()[:50],
         "chart": engine_load_chart(samples) if samples else "",
+        "kv": kv_check(instance),
     })
 
 

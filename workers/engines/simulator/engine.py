@@ -104,7 +104,8 @@ class SimulatedEngine:
         self.auto_tool_choice = auto_tool_choice
         self.max_image_pixels = max_image_pixels  # VLLM_MAX_IMAGE_PIXELS; None: no limit
         self.cost = cost
-        self.metrics = Metrics(served_model_name)
+        self.metrics = Metrics(served_model_name, kv_blocks=max(1, kv_cache_tokens // block_size),
+                               block_size=block_size)
         self.processor_cache = ImageCache(processor_cache_items)
         config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, kv_cache_tokens,
                                  scheduling_policy or "fcfs", enable_prefix_caching, block_size)

@@ -35,8 +35,9 @@ FINISHED_REASONS = ("stop", "length", "abort", "error", "repetition")  # all exp
 
 
 class Metrics:
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, *, kv_blocks: int = 0, block_size: int = 16):
         self.model_name = model_name
+        self.kv_blocks, self.block_size = kv_blocks, block_size
         self.counters: dict[str, float] = defaultdict(float)
         self.success: dict[str, int] = defaultdict(int)
         self.histograms = {
@@ -73,6 +74,10 @@ class Metrics:
         }
         for name, value in gauges.items():
             lines += [f"# TYPE {name} gauge", f"{name}{{{labels}}} {float(value)}"]
+        # vLLM's cache configuration as an info gauge: its values are labels (among them).
+        lines += ["# TYPE vllm:cache_config_info gauge",
+                  f'vllm:cache_config_info{{block_size="{self.block_size}",engine="0",'
+                  f'num_gpu_blocks="{self.kv_blocks}"}} 1.0']
         for name in ("vllm:prompt_tokens_total", "vllm:generation_tokens_total",
                      "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
                      "vllm:mm_cache_queries_total", "vllm:mm_cache_hits_total",
