@@ -54,7 +54,10 @@ class Observed:
 
 def _percentiles(values: list[int], low: float = 0.05, high: float = 0.95) -> tuple[int, int]:
     ordered = sorted(values)
-    pick = lambda q: ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]  # noqa: E731
+
+    def pick(q: float) -> int:  # the nearest-rank percentile
+        return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
     return pick(low), pick(high)
 
 

@@ -67,7 +67,7 @@ async def _first_token_order(base_url: str, model: str, headers: dict, running: 
         tasks = []
         try:
             for i in range(running):  # each holds its slot a different while, so that they free one at a time
-                tasks.append(asyncio.create_task(ask(http, "holder", image_body(i, 4000 + 100 * i, stream=False))))
+                tasks.append(asyncio.create_task(ask(http, "holder", image_body(i, 3000 + 100 * i, stream=False))))
             await _wait_for_state(http, base_url, headers, lambda m: m.running == running and not m.waiting,
                                   "the images never held every slot")
             for i in range(WAITING_IMAGES):
