@@ -186,14 +186,14 @@ class AdviceForm(forms.Form):
 class ObservedProfileForm(forms.Form):
     """A load profile read from what a tier (or one tenant on it) served over a window."""
 
-    WINDOWS = {"1h": 3600, "24h": 86400, "7d": 7 * 86400, "30d": 30 * 86400}
+    WINDOWS = {"1h": (3600, "the last hour"), "24h": (86400, "the last 24 hours"),
+               "7d": (7 * 86400, "the last 7 days"), "30d": (30 * 86400, "the last 30 days")}
 
     name = forms.SlugField(max_length=64)
     tier = forms.ModelChoiceField(queryset=ModelTier.objects.order_by("name"))
     tenant = forms.ModelChoiceField(queryset=Tenant.objects.order_by("name"), required=False,
                                     empty_label="every tenant", help_text="Whose traffic to read")
-    window = forms.ChoiceField(choices=[("1h", "the last hour"), ("24h", "the last 24 hours"),
-                                        ("7d", "the last 7 days"), ("30d", "the last 30 days")], initial="24h")
+    window = forms.ChoiceField(choices=[(key, label) for key, (_, label) in WINDOWS.items()], initial="24h")
     multipliers = forms.CharField(
         initial="1, 2, 4", max_length=100,
         help_text="Load levels as multiples of the observed request rate, e.g. 1, 2, 4")
@@ -216,4 +216,4 @@ class ObservedProfileForm(forms.Form):
 
     @property
     def seconds(self) -> int:
-        return self.WINDOWS[self.cleaned_data["window"]]
+        return self.WINDOWS[self.cleaned_data["window"]][0]

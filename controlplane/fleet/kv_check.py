@@ -9,6 +9,7 @@ the model's files (a local path or the Hugging Face cache, as for its tokenizer)
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,7 +57,7 @@ def _weights_bytes(directory: Path) -> int:
 
 def _per_token(arch: kv.ModelArch, kv_cache_dtype: str) -> str:
     return (f"{arch.layers} layers × {arch.kv_heads} KV heads × {arch.head_dim} dims × 2 (K and V) × "
-            f"{arch.dtype_bytes if kv_cache_dtype == 'auto' else kv.DTYPE_BYTES[kv_cache_dtype]} bytes = "
+            f"{kv.kv_element_bytes(arch, kv_cache_dtype)} bytes = "
             f"{kv.kv_bytes_per_token(arch, kv_cache_dtype=kv_cache_dtype):,} bytes a token")
 
 
@@ -85,8 +86,7 @@ def kv_check(instance) -> KvCheck:
     gpus = list(instance.gpus.all())
     if not gpus or not all(g.memory_mib for g in gpus):
         return KvCheck(reported, None, "the engine's GPUs and their memory are not known")
-    arch = kv.ModelArch(arch.model_id, arch.family, arch.layers, arch.kv_heads, arch.head_dim,
-                        _weights_bytes(directory) / arch.dtype_bytes / 1e9, dtype_bytes=arch.dtype_bytes)
+    arch = dataclasses.replace(arch, params_billion=_weights_bytes(directory) / arch.dtype_bytes / 1e9)
     utilisation = settings.gpu_memory_utilization or 0.9
     deployment = kv.Deployment(arch, kv.Gpu(gpus[0].model, min(g.memory_mib for g in gpus) / 1024),
                                tensor_parallel=settings.tensor_parallel_size, gpu_memory_utilization=utilisation,

@@ -90,10 +90,15 @@ def preset_for(model_id: str) -> ModelArch | None:
     return None
 
 
+def kv_element_bytes(arch: ModelArch, kv_cache_dtype: str = "auto") -> int:
+    """Bytes of one K or V value: the model's own type unless the cache is given another."""
+    return arch.dtype_bytes if kv_cache_dtype == "auto" else DTYPE_BYTES[kv_cache_dtype]
+
+
 def kv_bytes_per_token(arch: ModelArch, *, tensor_parallel: int = 1, kv_cache_dtype: str = "auto",
                        per_gpu: bool = False) -> int:
     """KV bytes one token holds, in total or (per_gpu) on each of the tensor-parallel GPUs."""
-    element = arch.dtype_bytes if kv_cache_dtype == "auto" else DTYPE_BYTES[kv_cache_dtype]
+    element = kv_element_bytes(arch, kv_cache_dtype)
     if not per_gpu:
         return 2 * arch.layers * arch.kv_heads * arch.head_dim * element
     heads = max(1, arch.kv_heads // tensor_parallel)

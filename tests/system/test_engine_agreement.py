@@ -14,6 +14,7 @@ from controlplane.fleet.engine_metrics import snapshot
 from controlplane.fleet.kv_check import kv_check
 from controlplane.fleet.models import EngineInstance
 from controlplane.gateway.forwarding import PRIORITY_IMAGE, PRIORITY_TEXT
+from controlplane.imaging import kv
 from tests.engines import simulator
 from tests.images import data_url, image_bytes
 from tests.system.conftest import REAL_TIER
@@ -105,7 +106,7 @@ def test_the_simulator_lets_text_overtake_waiting_images_as_the_real_engine_does
     slots = settings.max_num_seqs
     real = _order(real_engine.base_url, REAL_TIER, {"Authorization": f"Bearer {real_engine.api_key}"}, slots)
     flags = ["--max-num-seqs", str(slots), "--scheduling-policy", settings.scheduling_policy,
-             "--block-size", "128", "--sim-decode-ms-per-token", "0.3"]  # about the real engine's pace
+             "--block-size", str(kv.CPU_BLOCK_TOKENS), "--sim-decode-ms-per-token", "0.3"]  # about the real engine's pace
     with simulator(name="same-load", extra=flags) as port:
         simulated = _order(f"http://127.0.0.1:{port}", "same-load", {}, slots)
     # Each slot that frees goes to text before the images that were waiting longer.

@@ -37,7 +37,8 @@ def _instance(world, model_id, settings, **fields):
 
 
 def test_the_engines_kv_size_is_read_from_its_cache_config():
-    metrics = Metrics("m", kv_blocks=16384, block_size=128)
+    metrics = Metrics("m")
+    metrics.kv_blocks, metrics.block_size = 16384, 128
     assert snapshot(metrics.render()).kv_capacity_tokens == 2_097_152
     assert snapshot('vllm:cache_config_info{block_size="16",num_gpu_blocks="None"} 1.0\n').kv_capacity_tokens == 0
 

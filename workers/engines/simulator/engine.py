@@ -104,13 +104,13 @@ class SimulatedEngine:
         self.auto_tool_choice = auto_tool_choice
         self.max_image_pixels = max_image_pixels  # VLLM_MAX_IMAGE_PIXELS; None: no limit
         self.cost = cost
-        self.metrics = Metrics(served_model_name, kv_blocks=max(1, kv_cache_tokens // block_size),
-                               block_size=block_size)
+        self.metrics = Metrics(served_model_name)
         self.processor_cache = ImageCache(processor_cache_items)
         config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, kv_cache_tokens,
                                  scheduling_policy or "fcfs", enable_prefix_caching, block_size)
         self.scheduler = Scheduler(config, cost, self.metrics, faults=faults, clock=clock,
                                    sleep=sleep, encoder_cache=ImageCache(encoder_cache_items))
+        self.metrics.kv_blocks, self.metrics.block_size = self.scheduler.total_blocks, block_size
         # vLLM refuses to start when one sequence of max_model_len cannot fit in the KV
         # cache; the simulator shrinks max_model_len to the KV instead.
         self.max_model_len = min(max_model_len, self.scheduler.total_blocks * block_size)

@@ -35,9 +35,9 @@ FINISHED_REASONS = ("stop", "length", "abort", "error", "repetition")  # all exp
 
 
 class Metrics:
-    def __init__(self, model_name: str, *, kv_blocks: int = 0, block_size: int = 16):
+    def __init__(self, model_name: str):
         self.model_name = model_name
-        self.kv_blocks, self.block_size = kv_blocks, block_size
+        self.kv_blocks, self.block_size = 0, 16  # the KV pool, as the scheduler sizes it
         self.counters: dict[str, float] = defaultdict(float)
         self.success: dict[str, int] = defaultdict(int)
         self.histograms = {
