@@ -4,6 +4,7 @@ crosses the rule's threshold. Reads only; alerts_evaluate turns readings into al
 from __future__ import annotations
 
 import datetime as dt
+from collections import Counter
 from dataclasses import dataclass
 from decimal import Decimal
 
@@ -13,6 +14,7 @@ from controlplane.alerts.models import AlertRule
 from controlplane.benchmarks.models import BenchmarkProfile, BenchmarkRun
 from controlplane.catalog.models import ModelTier
 from controlplane.fleet.models import EngineEvent, EngineInstance
+from controlplane.fleet.selectors import routable_instances
 from controlplane.metering.models import SERVER_ERROR, UsageEvent
 from controlplane.metering.selectors import quotas_use
 from controlplane.metering.traffic import latency_by_class
@@ -235,6 +237,41 @@ def _latency_objective(rule: AlertRule, now: dt.datetime) -> list[Reading]:
     return found
 
 
+def _tier_unserved(rule: AlertRule, now: dt.datetime) -> list[Reading]:
+    """Each enabled tier's engines that the gateway can route to now; where there are none,
+    how long since there last were: since an engine of the tier last left the running state
+    (or was last found healthy), else since its engines were first placed. A tier with no
+    engine at all has been unserved for as long as it matters: it reads past any threshold."""
+    tiers = ModelTier.objects.filter(enabled=True).order_by("name")
+    if rule.tier_id:
+        tiers = tiers.filter(pk=rule.tier_id)
+    found = []
+    for tier in tiers:
+        serving = len(routable_instances(tier_id=tier.pk, now=now))
+        if serving:
+            found.append(Reading(subject=f"tier:{tier.name}", value=Decimal(0), breached=False,
+                                 message=f"{tier.name} is served by {serving} engine{'s' if serving > 1 else ''}"))
+            continue
+        instances = EngineInstance.objects.filter(tier=tier).exclude(pool="candidate")
+        events = EngineEvent.objects.filter(instance__in=instances, created_at__lte=now)
+        since = max(filter(None, [
+            events.filter(from_state=A.RUNNING).aggregate(at=Max("created_at"))["at"],
+            instances.filter(actual_state=A.RUNNING).aggregate(at=Max("last_health_at"))["at"],
+        ]), default=None) or events.order_by("created_at").values_list("created_at", flat=True).first()
+        states = ", ".join(f"{n} {state}" for state, n in sorted(Counter(
+            instances.filter(desired_state=EngineInstance.Desired.RUNNING).values_list("actual_state", flat=True)
+        ).items()))
+        if since is None:
+            held, message = int(rule.threshold), f"{tier.name} is enabled and has no engine to serve it"
+        else:
+            held = max(0, int((now - since).total_seconds()))
+            message = f"{tier.name} has had no engine serving it for {held} s"
+        message += f" ({states}); its requests are answered 503" if states else "; its requests are answered 503"
+        found.append(Reading(subject=f"tier:{tier.name}", value=Decimal(held), breached=held >= rule.threshold,
+                             message=message))
+    return found
+
+
 _READERS = {
     AlertRule.Kind.QUOTA_USE: _quota_use,
     AlertRule.Kind.ENGINE_UNHEALTHY: _engine_unhealthy,
@@ -243,4 +280,5 @@ _READERS = {
     AlertRule.Kind.COUNT_DISAGREE: _count_disagree,
     AlertRule.Kind.QUALITY_REGRESSION: _quality_regression,
     AlertRule.Kind.LATENCY_OBJECTIVE: _latency_objective,
+    AlertRule.Kind.TIER_UNSERVED: _tier_unserved,
 }

@@ -40,6 +40,7 @@ class AlertRule(models.Model):
         COUNT_DISAGREE = "count_disagree", "the engine's image tokens disagree with the gateway's"
         QUALITY_REGRESSION = "quality_regression", "a tier's accuracy falling between two resolution sweeps"
         LATENCY_OBJECTIVE = "latency_objective", "a request class's first token past its tier's objective"
+        TIER_UNSERVED = "tier_unserved", "an enabled tier with no engine serving it"
 
     SPECS = {
         Kind.QUOTA_USE: KindSpec("percent of any limit", Decimal(1), Decimal(100), False, ("tenant",),
@@ -56,6 +57,8 @@ class AlertRule(models.Model):
                                           ("tier",), unit=" points"),
         Kind.LATENCY_OBJECTIVE: KindSpec("percent of the objective its p95 reaches", Decimal(10), Decimal(1000),
                                          False, ("tier",), uses_min_requests=True),
+        Kind.TIER_UNSERVED: KindSpec("seconds with no engine serving", Decimal(10), Decimal(86400), True, ("tier",),
+                                     uses_window=False, unit=" s"),
     }
     WINDOW_MAX_MINUTES = 7 * 24 * 60
     FOR_SECONDS_MAX = 24 * 3600

@@ -25,10 +25,10 @@ def failing_instance_ids(*, tier_id: int) -> set[int]:
     return set(EngineInstance.objects.filter(tier_id=tier_id, actual_state__in=FAILING).values_list("id", flat=True))
 
 
-def routable_instances(*, tier_id: int):
+def routable_instances(*, tier_id: int, now: dt.datetime | None = None):
     """Instances the gateway may send work to: running, healthy, recently checked, not draining,
     and not a candidate (an engine started only to measure a proposed change)."""
-    now = timezone.now()
+    now = now or timezone.now()
     fresh = now - dt.timedelta(seconds=HEALTH_FRESH_SECONDS)
     latest = EngineInstance.objects.aggregate(latest=models.Max("last_health_at"))["latest"]
     if latest is not None and latest < fresh:

@@ -219,7 +219,11 @@ def test_a_fresh_install_alerts_with_the_default_rules(world, now):
     Quota.objects.create(tenant=world.alice, period="month", total_tokens=1000)
     _spend(world.alice, world.text, 850)
     alerts_evaluate(now=now)
-    assert [a.rule.name for a in firing()] == ["Quota 80 % used"]
+    # The world's tiers are enabled with no engine: each is unserved.
+    assert sorted((a.rule.name, a.subject) for a in firing()) == [
+        ("Quota 80 % used", "tenant:alice"),
+        ("Tier with no engine serving", f"tier:{world.text.name}"),
+        ("Tier with no engine serving", f"tier:{world.vision.name}")]
 
 
 def test_disabling_a_rule_resolves_its_alerts_and_it_raises_no_more(world, only_rule, now):
