@@ -9,6 +9,7 @@ from controlplane.dashboard import playground, views
 app_name = "dashboard"
 urlpatterns = [
     path("", views.index, name="index"),
+    path("usage/", views.usage, name="usage"),
     path("playground/", playground.playground, name="playground"),
     path("", include("controlplane.alerts.urls")),
     path("", include("controlplane.audit.urls")),

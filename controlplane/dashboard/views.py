@@ -1,4 +1,5 @@
-"""The home page: the reader's usage, read from the metering rollups, and each vision tier's
+"""The home page (an operator's: the service's health; anyone else's: their usage) and the
+usage page: the reader's usage, read from the metering rollups, and each vision tier's
 resolution curve."""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from django.utils import timezone
 from controlplane.catalog.charts import resolution_curves_chart
 from controlplane.catalog.models import ModelTier
 from controlplane.catalog.services import resolution_curves
+from controlplane.dashboard.health import service_health
 from controlplane.metering.charts import (
     cache_savings_chart,
     cost_chart,
@@ -40,6 +42,14 @@ def _require(check, user):
 
 @login_required
 def index(request):
+    """An operator's home is the service's health; every other role's is its usage."""
+    if roles.is_operator(request.user):
+        return render(request, "dashboard/health.html", {"health": service_health(now=timezone.now())})
+    return usage(request)
+
+
+@login_required
+def usage(request):
     """Usage from the rollups: image tokens, cost and cache savings over time per tier (and per
     tenant for staff), the cost of one image, each tier's resolution-to-tokens curve, totals.
 

@@ -55,7 +55,7 @@ def _daily(tenant, tier, days_ago=0, **totals):
 
 def _page(client, user, **params):
     client.force_login(user)
-    response = client.get("/", params)
+    response = client.get("/usage/", params)
     assert response.status_code == 200
     return response.content.decode()
 
@@ -259,14 +259,14 @@ def test_the_page_makes_the_same_few_queries_however_many_events_lie_behind_it(
     _bulk_usage([world.alice, world.bob], [world.vision], days=1, per_day=2)
     client.force_login(world.operator)
     with CaptureQueriesContext(connection) as few:
-        assert client.get("/", {"period": period}).status_code == 200
+        assert client.get("/usage/", {"period": period}).status_code == 200
     assert len(few) <= 12
 
     tenants = [world.alice, world.bob, world.charlie, *(TenantFactory() for _ in range(5))]
     _bulk_usage(tenants, [world.vision, flagship, world.text], days=60, per_day=20, start=10)
     assert UsageEvent.objects.count() > 1000
     with django_assert_max_num_queries(len(few)):
-        page = client.get("/", {"period": period}).content.decode()
+        page = client.get("/usage/", {"period": period}).content.decode()
     assert "cost-per-image-chart" in page
 
 

@@ -26,7 +26,7 @@ def test_anonymous_visitors_are_sent_to_login(client):
 def test_the_operator_dashboard_draws_image_tokens_per_day_with_local_plotly(client, world):
     _usage(world.alice, world.vision, 1224)
     client.force_login(world.operator)
-    page = client.get("/").content.decode()
+    page = client.get("/usage/").content.decode()
     assert 'id="image-tokens-chart"' in page
     # Its hashed name once collectstatic has run (runlocal runs it), its plain name before.
     (script,) = re.findall(r'<script src="(/static/vendor/plotly\.min(?:\.[0-9a-f]{12})?\.js)">', page)
@@ -39,7 +39,7 @@ def test_the_operator_dashboard_draws_image_tokens_per_day_with_local_plotly(cli
 def test_the_dashboard_also_draws_cost_per_day_by_tier(client, world):
     _usage(world.alice, world.vision, 1224)
     client.force_login(world.operator)
-    page = client.get("/").content.decode()
+    page = client.get("/usage/").content.decode()
     assert 'id="cost-chart"' in page and "Cost per day (USD)" in page
 
 
