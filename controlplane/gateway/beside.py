@@ -28,10 +28,10 @@ async def image_refusal(prepared: Prepared | None) -> GatewayError | None:
     return None
 
 
-async def record_image_refusal(record: UsageRecord, started: float, response: Response) -> Response:
-    record.status, record.http_status = "error", 400
-    await hand_over_usage(record, started)
-    return response
+async def record_image_refusal(record: UsageRecord, started: float, refusal: GatewayError,
+                               request_id: str) -> Response:
+    await hand_over_usage(refusal.recorded_on(record, "intake"), started)
+    return refusal.response(request_id)
 
 
 async def answer_once_checks_pass(sending, prepared: Prepared, admission: Admission):

@@ -17,13 +17,19 @@ _TYPES = {
 
 class GatewayError(Exception):
     def __init__(self, status: int, message: str, *, code: str | None = None, param: str | None = None,
-                 headers: dict | None = None):
+                 headers: dict | None = None, stage: str | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
         self.code = code
         self.param = param
         self.headers = headers or {}
+        self.stage = stage  # where it failed (metering.records.STAGES), when the raiser knows better
+
+    def recorded_on(self, record, stage: str):
+        """`record` marked as failed with this error, at its own stage or else `stage`."""
+        return record.failed(self.stage or stage, self.status, code=self.code or "", message=self.message,
+                             param=self.param or "")
 
     def response(self, request_id: str | None = None) -> Response:
         return error_response(self.status, self.message, code=self.code, param=self.param,

@@ -16,7 +16,7 @@ from controlplane.gateway.admission import Admission
 from controlplane.gateway.apps import current_process
 from controlplane.gateway.beside import answer_once_checks_pass, image_refusal, record_image_refusal
 from controlplane.gateway.engine_watch import EngineFailing, unless_engine_fails
-from controlplane.gateway.errors import GatewayError, NotAdmitted, error_response
+from controlplane.gateway.errors import GatewayError, NotAdmitted
 from controlplane.gateway.prepare import Prepared, TierSpec
 from controlplane.gateway.recording import hand_over_usage, ms_since, refusal_of
 from controlplane.gateway.relaying import engine_failed_response, relay_answer, relay_stream
@@ -71,21 +71,22 @@ async def forward(request_id: str, key: state.KeyInfo, tier: TierSpec, prepared:
     except GatewayError as exc:
         # An image's 400 first, then the admission's refusal, as when they were awaited first.
         failed = await admission.failure()
-        exc = await image_refusal(prepared) or failed or exc
+        refused = await image_refusal(prepared)
+        exc = refused or failed or exc
         if exc is failed:
-            await hand_over_usage(refusal_of(record, exc.status), started)
+            await hand_over_usage(exc.recorded_on(refusal_of(record), "admission"), started)
         else:
-            record.status, record.http_status = "error", exc.status
-            await hand_over_usage(record, started)
+            await hand_over_usage(exc.recorded_on(record, "intake" if exc is refused else "engine"), started)
         return exc.response(request_id)
     except asyncio.CancelledError:
         if not record.recorded:  # gone while waiting for a slot: release the quota it reserved
-            record.status, record.http_status = "aborted", 499
+            record.failed("routing", 499, code="client_closed", status="aborted",
+                          message="the client left while the request waited for an engine")
             await hand_over_usage(record, started)
         raise
     except Exception:
         if not record.recorded:  # whatever failed, the reservation is settled and the request metered
-            record.status, record.http_status = "error", 500
+            record.failed("engine", 500, code="internal_error", message="the gateway failed on this request")
             await hand_over_usage(record, started)
         raise
 
@@ -135,7 +136,7 @@ async def _try_engines(request_id, tier, prepared, admission, candidates, payloa
             except NotAdmitted:
                 raise
             except GatewayError as broken:  # an image sent unchecked failed its check: refused as before
-                return await record_image_refusal(record, started, broken.response(request_id))
+                return await record_image_refusal(record, started, broken, request_id)
             except EngineFailing:
                 # Hung or dead (supervision says so): it will not answer; another engine may.
                 log.warning("engine %s stopped answering %s; trying another", instance.id, request_id)
@@ -161,7 +162,8 @@ async def _try_engines(request_id, tier, prepared, admission, candidates, payloa
             return await relay_answer(request_id, tier, record, prepared, response.status_code, content, started)
         except asyncio.CancelledError:
             # The client went away before the engine answered: the engine still did work.
-            record.status, record.http_status = "aborted", 499
+            record.failed("engine", 499, code="client_closed", status="aborted",
+                          message="the client left before the engine answered")
             await hand_over_usage(record, started)
             raise
         finally:
@@ -173,9 +175,8 @@ async def _try_engines(request_id, tier, prepared, admission, candidates, payloa
         raise failed
     broken = await image_refusal(prepared)
     if broken is not None:
-        return await record_image_refusal(record, started, broken.response(request_id))
-    record.status, record.http_status = "error", 503
-    await hand_over_usage(record, started)
-    return error_response(503, f"no healthy engine is serving '{tier.name}' right now; retry shortly",
-                          code="engine_unavailable", request_id=request_id,
-                          headers={"Retry-After": "5"})
+        return await record_image_refusal(record, started, broken, request_id)
+    unavailable = GatewayError(503, f"no healthy engine is serving '{tier.name}' right now; retry shortly",
+                               code="engine_unavailable", headers={"Retry-After": "5"})
+    await hand_over_usage(unavailable.recorded_on(record, "routing"), started)
+    return unavailable.response(request_id)

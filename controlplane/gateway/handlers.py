@@ -125,7 +125,7 @@ async def _chat_completions(request: Request, request_id: str, meters: list):
                                code="model_not_priced", headers={"Retry-After": "60"})
     except GatewayError as exc:
         return exc.response(request_id)
-    started, prepared = time.monotonic(), None
+    started, prepared, stage = time.monotonic(), None, "intake"
     try:
         try:
             if tier.policy is not None:
@@ -152,21 +152,25 @@ async def _chat_completions(request: Request, request_id: str, meters: list):
             except moderation.Unavailable as unavailable:
                 raise GatewayError(503, f"{unavailable}; retry shortly", code="moderation_unavailable",
                                    headers={"Retry-After": "5"}) from None
+        stage = "routing"
         route = await route_request(key, tier, prepared)
+        stage = "admission"
         admission = await admit(request_id, key, tier, prepared, started, engine=route.first)
         meter.admitted = True
     except GatewayError as exc:
-        exc = await image_refusal(prepared) or exc
+        refused = await image_refusal(prepared)
+        exc, stage = (refused, "intake") if refused else (exc, stage)
         # Refused once the tier was known: the tenant sees it in their usage, at no cost.
-        await hand_over_usage(UsageRecord(request_id=request_id, tenant_id=key.tenant_id, api_key_id=key.key_id,
-                                  tier_id=tier.id, status="error", http_status=exc.status,
-                                  stream=bool(body.get("stream"))), started)
+        await hand_over_usage(exc.recorded_on(UsageRecord(
+            request_id=request_id, tenant_id=key.tenant_id, api_key_id=key.key_id, tier_id=tier.id,
+            stream=bool(body.get("stream"))), stage), started)
         return exc.response(request_id)
     except Exception:
         # A failure of the gateway itself: the request is in the tenant's usage all the same.
-        await hand_over_usage(UsageRecord(request_id=request_id, tenant_id=key.tenant_id, api_key_id=key.key_id,
-                                  tier_id=tier.id, status="error", http_status=500,
-                                  stream=bool(body.get("stream"))), started)
+        await hand_over_usage(UsageRecord(
+            request_id=request_id, tenant_id=key.tenant_id, api_key_id=key.key_id, tier_id=tier.id,
+            stream=bool(body.get("stream"))).failed(stage, 500, code="internal_error",
+                                                    message="the gateway failed on this request"), started)
         raise
     return await forward(request_id, key, tier, prepared, admission, started, route)
 

@@ -332,7 +332,7 @@ class PrefillSlots:
                     await self.store.leave(ask)
                     raise GatewayError(429, "too many image requests are waiting for this model's engines; "
                                             "retry shortly", code="rate_limit_exceeded",
-                                       headers={"Retry-After": "2"})
+                                       headers={"Retry-After": "2"}, stage="routing")
                 freed = self._freed.setdefault(ask.tier_id, asyncio.Event())
                 try:
                     await asyncio.wait_for(freed.wait(), min(LOOK_EVERY_S, left))
@@ -343,7 +343,7 @@ class PrefillSlots:
             raise
         except (redis.exceptions.RedisError, OSError):
             raise GatewayError(503, "the gateway cannot reach its shared state; retry shortly",
-                               code="service_unavailable", headers={"Retry-After": "2"}) from None
+                               code="service_unavailable", headers={"Retry-After": "2"}, stage="routing") from None
 
     async def _leave_quietly(self, ask: Ask) -> None:
         try:

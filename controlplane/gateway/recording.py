@@ -21,12 +21,11 @@ def ms_since(started: float) -> int:
     return int((time.monotonic() - started) * 1000)
 
 
-def refusal_of(record: UsageRecord, status: int) -> UsageRecord:
+def refusal_of(record: UsageRecord) -> UsageRecord:
     """What a request its admission did not admit is recorded as, as any refused before an
-    engine worked on it: in the tenant's usage, at no cost."""
+    engine worked on it: in the tenant's usage, at no cost (its error marked by the caller)."""
     return UsageRecord(request_id=record.request_id, tenant_id=record.tenant_id, api_key_id=record.api_key_id,
-                       tier_id=record.tier_id, status="error", http_status=status, stream=record.stream,
-                       latency_ms=record.latency_ms)
+                       tier_id=record.tier_id, stream=record.stream, latency_ms=record.latency_ms)
 
 
 def release_if_admitted(done: asyncio.Future, record: UsageRecord, started: float) -> None:
@@ -36,7 +35,9 @@ def release_if_admitted(done: asyncio.Future, record: UsageRecord, started: floa
     if done.cancelled() or (isinstance(done.exception(), NotAdmitted) and done.exception().refused):
         return  # nothing was reserved
     # No engine was sent it: the one chosen beforehand did no work, nothing is billed.
-    record.status, record.http_status, record.instance_id = "aborted", 499, None
+    record.instance_id = None
+    record.failed("admission", 499, code="client_closed", status="aborted",
+                  message="the client left while the request was being admitted")
     in_background(hand_over_usage(record, started))
 
 
@@ -77,7 +78,7 @@ async def hand_over_usage(record: UsageRecord, started: float) -> None:
 async def _hand_over(record: UsageRecord, written: asyncio.Future | None = None) -> None:
     if record.admission is not None and (failed := await record.admission.failure()) is not None \
             and record.status == "aborted":
-        record = refusal_of(record, failed.status)
+        record = failed.recorded_on(refusal_of(record), "admission")
         record.recorded = True
     process = current_process()
     process.counters.count(tier=process.tier_names.get(record.tier_id, str(record.tier_id)), status=record.status,

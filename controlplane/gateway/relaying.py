@@ -21,10 +21,9 @@ log = logging.getLogger(__name__)
 
 
 async def engine_failed_response(record: UsageRecord, started: float) -> Response:
-    record.status, record.http_status = "error", 502
-    await hand_over_usage(record, started)
-    return error_response(502, "the engine failed while answering; retry the request",
-                          code="engine_error", request_id=record.request_id)
+    message = "the engine failed while answering; retry the request"
+    await hand_over_usage(record.failed("engine", 502, code="engine_error", message=message), started)
+    return error_response(502, message, code="engine_error", request_id=record.request_id)
 
 
 def client_usage(usage: dict, prepared: Prepared) -> dict:
@@ -74,11 +73,12 @@ async def relay_answer(request_id, tier, record, prepared, status, content, star
     except ValueError:
         data = None
     if status != 200 or not isinstance(data, dict):
-        record.status, record.http_status = "error", 502 if status < 400 else status
-        await hand_over_usage(record, started)
         message = "the engine returned an invalid response"
         if isinstance(data, dict) and isinstance(data.get("error"), dict):
             message = f"the engine refused the request: {data['error'].get('message', '')}"
+        record.failed("engine", 502 if status < 400 else status, code="upstream_error",
+                      message=f"{message} (HTTP {status})")
+        await hand_over_usage(record, started)
         http = status if 400 <= status < 500 else 502
         return error_response(http, message, code="upstream_error", request_id=request_id)
     apply_engine_usage(record, data.get("usage"), prepared, tier.family)
@@ -106,7 +106,8 @@ def relay_stream(request_id, tier, flight, prepared, response, instance, started
             if slot is not None:
                 await slot.release()
             if not progress["finished"] and record.status == "ok":
-                record.status = "aborted"
+                record.failed("relay", record.http_status, code="client_closed", status="aborted",
+                              message="the client closed the stream before its end")
             if not record.output_tokens:
                 record.output_tokens = flight.produced  # what was generated before the end
             await hand_over_usage(record, started)  # its hand-over survives this task being cancelled
@@ -144,9 +145,9 @@ def relay_stream(request_id, tier, flight, prepared, response, instance, started
         except (upstream.Broken, EngineFailing) as exc:
             # The engine dropped the stream, or hung: tell the client in the stream's own terms.
             log.warning("engine %s broke the stream of %s: %s", instance.id, request_id, exc)
-            record.status, record.http_status = "error", 502
-            error = {"error": {"message": "the engine failed while streaming; retry the request",
-                               "type": "server_error", "param": None, "code": "engine_error"}}
+            message = "the engine failed while streaming; retry the request"
+            record.failed("relay", 502, code="engine_error", message=message)
+            error = {"error": {"message": message, "type": "server_error", "param": None, "code": "engine_error"}}
             yield b"data: " + orjson.dumps(error) + b"\n\n"
         finally:
             await lines.aclose()

@@ -4,6 +4,8 @@ from decimal import Decimal
 from django.db import models
 from django.utils import timezone
 
+from controlplane.metering.records import ERROR_MESSAGE_CHARS, STAGES
+
 
 class UsageEvent(models.Model):
     """Exactly one per gateway request, keyed by its request id."""
@@ -41,6 +43,11 @@ class UsageEvent(models.Model):
     queue_ms = models.PositiveIntegerField(null=True, blank=True,
                                            help_text="Waiting in the gateway before an engine was sent it")
     ttft_ms = models.PositiveIntegerField(null=True, blank=True, help_text="From arrival to the first token streamed")
+    error_stage = models.CharField(max_length=16, blank=True, choices=list(STAGES.items()),
+                                   help_text="Where a failed request stopped")
+    error_code = models.CharField(max_length=64, blank=True, help_text="The error's code, as its client was told")
+    error_message = models.CharField(max_length=ERROR_MESSAGE_CHARS, blank=True)
+    error_param = models.CharField(max_length=120, blank=True, help_text="The part of the request it named")
     image_count = models.PositiveIntegerField(default=0)
     image_tokens = models.PositiveIntegerField(default=0)
     cached_tokens = models.PositiveIntegerField(default=0)

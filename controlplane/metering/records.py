@@ -10,6 +10,16 @@ from typing import NamedTuple
 from django.utils import timezone
 
 CUT_SHORT = ("aborted", "interrupted")  # billed only if an engine worked on them
+# Where a request that failed stopped: its body and images read, an engine chosen, its quota
+# admitted, the engine's work, the answer relayed to the client.
+STAGES = {
+    "intake": "reading the request and its images",
+    "routing": "choosing an engine",
+    "admission": "admission against quotas",
+    "engine": "the engine",
+    "relay": "relaying the answer",
+}
+ERROR_MESSAGE_CHARS = 300
 
 
 @dataclass
@@ -52,15 +62,29 @@ class UsageRecord:
     # handed over once the admission has its answer.
     admission: object = None
     recorded: bool = False  # set once the gateway has handed the record over
+    # Why it failed, when it did: the stage (STAGES), the error's code and message as the client
+    # was told them, and the parameter it named ("messages[0].content[1]": which image).
+    error_stage: str = ""
+    error_code: str = ""
+    error_message: str = ""
+    error_param: str = ""
+
+    def failed(self, stage: str, http_status: int, *, code: str = "", message: str = "", param: str = "",
+               status: str = "error") -> UsageRecord:
+        self.status, self.http_status = status, http_status
+        self.error_stage, self.error_code, self.error_param = stage, code, param[:120]
+        self.error_message = message[:ERROR_MESSAGE_CHARS]
+        return self
 
 
 _SCALARS = ("request_id", "tenant_id", "api_key_id", "tier_id", "stream", "image_tokens", "text_tokens",
             "output_tokens", "cached_tokens", "cached_image_tokens", "instance_id", "status", "http_status",
             "latency_ms", "engine_image_tokens", "image_tokens_disagree", "counted_prompt_tokens", "prompt_estimated",
-            "prepare_ms", "queue_ms", "ttft_ms")
+            "prepare_ms", "queue_ms", "ttft_ms", "error_stage", "error_code", "error_message", "error_param")
 # Fields newer than some records already in flight (streams and journals outlive a deploy).
 _SCALAR_DEFAULTS = {"engine_image_tokens": None, "image_tokens_disagree": False, "counted_prompt_tokens": None,
-                    "prompt_estimated": True, "prepare_ms": None, "queue_ms": None, "ttft_ms": None}
+                    "prompt_estimated": True, "prepare_ms": None, "queue_ms": None, "ttft_ms": None,
+                    "error_stage": "", "error_code": "", "error_message": "", "error_param": ""}
 _IMAGE_FIELDS = ("source_format", "source_width", "source_height", "width", "height", "fingerprint", "tile", "tiles")
 
 

@@ -50,8 +50,16 @@ def request_detail(request, request_id: str):
         raise Http404("no such request")
     return render(request, "metering/request.html", {
         "event": event, "timings": _timings(event), "pictures": _pictures(event.image_rows),
-        "recorded_after": event.recorded_at - event.created_at,
+        "recorded_after": event.recorded_at - event.created_at, "image_failure": _image_failure(event),
     })
+
+
+def _image_failure(event: UsageEvent) -> str | None:
+    """Why its images were refused, when that is why it failed (the gateway names the image:
+    "image 2: ...")."""
+    if event.error_stage == "intake" and event.error_message.startswith("image "):
+        return event.error_message
+    return None
 
 
 def _timings(event: UsageEvent) -> list[tuple[str, int | None, str]]:

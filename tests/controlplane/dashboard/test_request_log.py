@@ -147,3 +147,35 @@ def test_a_filter_moment_that_cannot_be_written_in_utc_is_explained(client, worl
     page = client.get("/requests/", {bound: moment})
     assert page.status_code == 200
     assert "no moment that far out can be kept" in " ".join(field_errors(page.content.decode()))
+
+
+def test_a_refused_image_request_says_why_where_it_failed_and_which_key_sent_it(client, world):
+    from tests.controlplane.gateway.calls import error_of, image_message, post
+
+    response = post(client, world.alice_key, {"model": "vlm-lite",
+                                              "messages": image_message("data:image/png;base64," + "QUJD" * 8)})
+    told = error_of(response)
+    request_id = response["x-request-id"]
+    client.force_login(world.operator)
+
+    row = client.get("/requests/").content.decode().split(f'data-request="{request_id}"')[1].split("</tr>")[0]
+    assert "alice-main" in row and "error 400" in row
+    assert "unsupported_image_format · reading the request and its images" in row
+    page = client.get(f"/requests/{request_id}/").content.decode()
+    why = page.split('id="failure"')[1].split("</tr>")[0]
+    assert "Failed at <strong>reading the request and its images</strong>" in why
+    assert "<code>unsupported_image_format</code>" in why and told["message"] in why
+    assert "Its images were not read: image 1: " in page and "a text request" not in page
+
+
+def test_a_request_no_engine_could_serve_says_so(client, world):
+    from tests.controlplane.gateway.calls import post
+
+    response = post(client, world.alice_key, {"model": "text", "messages": [{"role": "user", "content": "hi"}]})
+    assert response.status_code == 503
+    client.force_login(world.alice_admin)
+    page = client.get(f"/requests/{response['x-request-id']}/").content.decode()
+    why = page.split('id="failure"')[1].split("</tr>")[0]
+    assert "Failed at <strong>choosing an engine</strong>" in why and "engine_unavailable" in why
+    assert "no healthy engine is serving" in why
+    assert "No image was measured" in page

@@ -165,6 +165,12 @@ def test_a_refused_request_is_in_the_tenants_usage_at_no_cost(client, world, led
     assert events[too_much["x-request-id"]].http_status == 429
     assert events[hostile["x-request-id"]].http_status == 400
     assert all(e.status == "error" and e.cost == 0 and e.image_tokens == 0 for e in events.values())
+    # and why, as its client was told
+    refused, broken = events[too_much["x-request-id"]], events[hostile["x-request-id"]]
+    assert (refused.error_stage, refused.error_code) == ("admission", json.loads(too_much.content)["error"]["code"])
+    assert refused.error_message == json.loads(too_much.content)["error"]["message"]
+    assert (broken.error_stage, broken.error_code) == ("intake", json.loads(hostile.content)["error"]["code"])
+    assert broken.error_message.startswith("image 1: ")
 
 
 def image_bytes_for_test():

@@ -44,7 +44,8 @@ def test_an_answer_cut_off_is_a_502_metered_once_and_frees_the_large_image_slot(
     assert (first, second) == (502, 502)  # the second is not refused: the slot came back
     ingested()
     events = UsageEvent.objects.filter(tenant=world.alice)
-    assert [(e.status, e.http_status, e.cost) for e in events] == [("error", 502, 0)] * 2
+    assert [(e.status, e.http_status, e.cost, e.error_stage, e.error_code) for e in events] == \
+        [("error", 502, 0, "engine", "engine_error")] * 2
     assert not any(current_process().engines.outstanding.values())
 
 
@@ -55,4 +56,5 @@ def test_a_stream_the_engine_drops_ends_with_an_error_event(world):
     assert json.loads(events[0])["choices"][0]["delta"]["content"] == "hel"
     assert json.loads(events[-1])["error"]["code"] == "engine_error"
     recorded = UsageEvent.objects.filter(tenant=world.alice).order_by("created_at").first()
-    assert (recorded.status, recorded.http_status) == ("error", 502)
+    assert (recorded.status, recorded.http_status, recorded.error_stage, recorded.error_code) == \
+        ("error", 502, "relay", "engine_error")
