@@ -25,8 +25,9 @@ $(STAMP_DIR)/.installed-dev: pyproject.toml $(STAMP_DIR)/.installed-run
 install: $(STAMP_DIR)/.installed-run
 install-dev: $(STAMP_DIR)/.installed-dev
 
-# Local defaults: DEBUG on (a secret key is generated under var/); override by exporting.
-run: export DEBUG ?= true
+# Local defaults: a secret key generated once under var/, the product's own error pages (DEBUG
+# off); override by exporting.
+run: export LOCAL_SECRET_KEY ?= true
 run: install
 	$(PY) manage.py migrate --noinput
 	$(PY) manage.py seed_demo

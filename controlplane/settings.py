@@ -36,8 +36,8 @@ VAR_DIR = Path(VAR_DIR).resolve()
 VAR_DIR.mkdir(mode=0o700, parents=True, exist_ok=True)
 
 DEBUG = env_bool("DEBUG", False,
-    help=("Development mode (`make run` sets it): Django's error pages, `/metrics` without a token, "
-          "and a secret key generated under `VAR_DIR` when none is set."))
+    help=("Development mode: Django's error pages, `/metrics` without a token, and a secret key "
+          "generated under `VAR_DIR` when none is set."))
 
 SECRET_KEY = env_str("SECRET_KEY",
     help=("Django's secret key (sessions, CSRF tokens). Required when DEBUG is off, unless "
@@ -53,9 +53,9 @@ if SECRET_KEY is None:
         )
     SECRET_KEY = local_secret_key(VAR_DIR / "secret_key")
 
-ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", ["127.0.0.1", "localhost", "[::1]"] if DEBUG else [],
+ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", ["127.0.0.1", "localhost", "[::1]"] if DEBUG or LOCAL_SECRET_KEY else [],
     help=("Host names this server answers for, comma-separated. Default: `127.0.0.1`, `localhost` and"
-          " `[::1]` in DEBUG, none otherwise."))
+          " `[::1]` in DEBUG or with LOCAL_SECRET_KEY (one host, as `make run`), none otherwise."))
 CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS", [],
     help=("Origins (`https://cp.example.com`) whose pages may post the dashboard's forms besides the "
           "host's own, comma-separated: the address users reach it at when a proxy in front "

@@ -44,8 +44,8 @@ class StaticStorage(CompressedManifestStaticFilesStorage):
         return _Compressor(**kwargs)
 
     def url(self, name, force=False):
-        # Django names files plainly under DEBUG; the demo (`make run`, DEBUG on) serves what
-        # production serves. A file edited meanwhile is named anew at the next start.
+        # Django names files plainly under DEBUG; a DEBUG run serves what production serves.
+        # A file edited meanwhile is named anew at the next start.
         return super().url(name, force=True)
 
     def stored_name(self, name):

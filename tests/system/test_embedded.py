@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sqlite3
 
+import httpx
 import openai
 import pytest
 
@@ -18,8 +19,10 @@ pytestmark = [pytest.mark.system, pytest.mark.xdist_group("embedded")]
 @pytest.fixture(scope="module")
 def embedded(tmp_path_factory):
     var_dir = tmp_path_factory.mktemp("embedded")
-    env = system_env(var_dir=var_dir, extra={"NODE_NAME": "embedded-node", "DEBUG": "true"})
-    env.pop("SECRET_KEY")  # DEBUG on: a key is generated once under var/
+    # As `make run` starts it: no secret key given (one is generated once under var/), DEBUG off.
+    env = system_env(var_dir=var_dir, extra={"NODE_NAME": "embedded-node", "LOCAL_SECRET_KEY": "true"})
+    env.pop("SECRET_KEY")
+    env.pop("ALLOWED_HOSTS", None)
     running = System(env=env, var_dir=var_dir, port=free_port())
     running.start()
     running.wait_for_engines(tiers=("text", "vlm-lite"))
@@ -54,6 +57,12 @@ def test_it_serves_and_meters_an_image_request_without_any_server(embedded):
         return total and total >= completion.usage.prompt_tokens_details.image_tokens
 
     wait_for(rolled_up, timeout=30, interval=0.5, what="beat to roll usage up over the file broker")
+
+
+def test_an_unknown_page_is_the_products_404_not_a_list_of_every_url(embedded):
+    response = httpx.get(f"{embedded.base_url}/no-such-page/", timeout=10)
+    assert response.status_code == 404 and 'id="not-found"' in response.text
+    assert "URLconf" not in response.text and "api/v1/" not in response.text
 
 
 def test_a_second_run_starts_cleanly_with_the_same_demo_key(embedded):

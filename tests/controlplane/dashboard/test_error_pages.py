@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from django.contrib.auth import get_user_model
+from django.urls import include, path
 
 pytestmark = pytest.mark.django_db
 
@@ -27,3 +28,20 @@ def test_an_unknown_page_is_a_404_inside_the_layout(client, world):
     client.force_login(world.operator)
     response = client.get("/tiers/no-such-tier/")
     assert response.status_code == 404 and 'id="not-found"' in response.content.decode()
+
+
+def _fails(request):
+    raise RuntimeError("a bug")
+
+
+urlpatterns = [path("fails/", _fails), path("", include("controlplane.urls"))]
+
+
+@pytest.mark.urls(__name__)
+def test_a_server_error_is_a_500_inside_the_layout_with_a_way_out(client, world):
+    client.raise_request_exception = False
+    client.force_login(world.operator)
+    response = client.get("/fails/")
+    page = response.content.decode()
+    assert response.status_code == 500 and 'id="server-error"' in page and 'href="/"' in page
+    assert "a bug" not in page and "Traceback" not in page
