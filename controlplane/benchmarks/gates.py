@@ -230,7 +230,7 @@ def _compare(check: GateCheck, tier: ModelTier, sides: dict, *, done: float, sha
     for n, (name, (instance, as_served, policy)) in enumerate(sides.items()):
         stages = resolution.variant_specs(items, [resolution.under_policy(policy)], max_tokens=gate.max_tokens,
                                           estimate_tokens=token_estimator(as_served))
-        target = loadgen.Target(url=f"{instance.base_url}/v1/chat/completions", model=tier.name,
+        target = loadgen.Target(url=f"{instance.base_url}/v1/chat/completions", model=instance.model_name,
                                 api_key=instance.api_key)
         _log(check, f"{tier.name}, {name}: {len(items)} items of {gate.eval_set.name}, on instance {instance.pk}")
         samples = _run_load(check, target, stages, done=done + share * n / len(sides), share=share / len(sides))

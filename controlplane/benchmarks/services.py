@@ -187,7 +187,7 @@ def _target(run: BenchmarkRun, planned_s: float):
         # Engines the node agent launched are called as they are; an external one's URL was set
         # by an operator, and is vetted.
         pinned = _vetted(url, "engine URL") if instance.external_url else None
-        target = loadgen.Target(url=url, model=profile.tier.name, api_key=instance.api_key, pinned=pinned)
+        target = loadgen.Target(url=url, model=instance.model_name, api_key=instance.api_key, pinned=pinned)
         return target, f"instance {instance.pk} at {instance.base_url}", lambda: None
     url = f"{profile.gateway_base}/v1/chat/completions"
     # This server's own gateway (GATEWAY_PUBLIC_URL) is its configuration, not a URL an operator set.

@@ -101,6 +101,8 @@ class ResolutionPolicy(models.Model):
         )
 
 
+# The most engines one tier may run (the fleet page and the tier form hold to it).
+MAX_REPLICAS = 64
 # The currencies a plan may bill in (ISO 4217 codes).
 CURRENCIES = ("USD", "EUR", "GBP", "JPY", "CNY", "CHF", "CAD", "AUD", "INR", "SGD", "KRW", "BRL", "SEK")
 
@@ -293,7 +295,8 @@ class ModelTier(models.Model):
     large_image_threshold = models.PositiveIntegerField(
         default=4096, help_text="Requests with more image tokens than this go to the large-image pool"
     )
-    replicas = models.PositiveSmallIntegerField(default=1)
+    replicas = models.PositiveSmallIntegerField(
+        default=1, validators=[MaxValueValidator(MAX_REPLICAS)], help_text=f"Engines to run, 0 to {MAX_REPLICAS}")
     gpus_per_replica = models.PositiveSmallIntegerField(default=0)
     enabled = models.BooleanField(default=True)
     # What the model name `auto` resolves to (routing.py), unless a tenant names its own.

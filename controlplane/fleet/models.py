@@ -96,6 +96,9 @@ class EngineInstance(models.Model):
     api_key = models.CharField(max_length=64, default=engine_api_key, editable=False)
     # Engine kind "external": an endpoint started elsewhere, watched and routed to, never launched.
     external_url = models.URLField(blank=True, help_text="For external engines: e.g. http://vllm-7b.svc:8000")
+    served_model_name = models.CharField(
+        max_length=200, blank=True,
+        help_text="The model name an external engine answers to (its --served-model-name); empty: the tier's name")
     drain = models.BooleanField(default=False, help_text="Stop gracefully: no new work, wait for in-flight")
     drain_started_at = models.DateTimeField(null=True, blank=True)
     # Liveness beyond /health: counters must move when there is work, and a tiny completion
@@ -146,6 +149,11 @@ class EngineInstance(models.Model):
         refused = self.external_url and self.external_url_refusal()
         if refused:
             raise ValidationError({"external_url": refused})
+
+    @property
+    def model_name(self) -> str:
+        """The name this engine serves its model under: what the gateway sends as `model`."""
+        return self.served_model_name or self.tier.name
 
     @property
     def base_url(self) -> str | None:

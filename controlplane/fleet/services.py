@@ -251,20 +251,24 @@ class FleetActionRefused(Exception):
     """An action that cannot be done as asked; the message says why."""
 
 
-def external_engine_register(*, tier: ModelTier, url: str, actor: str) -> EngineInstance:
-    """An engine started elsewhere, registered by its URL: it joins rotation once healthy.
-    FleetActionRefused when the URL is not one the control plane may call."""
+def external_engine_register(*, tier: ModelTier, url: str, actor: str, served_model_name: str = "") -> EngineInstance:
+    """An engine started elsewhere, registered by its URL and the model name it serves under
+    (empty: the tier's name): it joins rotation once healthy. FleetActionRefused when the URL is
+    not one the control plane may call."""
     try:
         URLValidator(schemes=["http", "https"])(url)
     except ValidationError:
         raise FleetActionRefused(f"{url!r} is not an http(s) URL") from None
-    instance = EngineInstance(tier=tier, external_url=url)
+    served_model_name = served_model_name.strip()
+    if len(served_model_name) > 200 or any(c.isspace() or not c.isprintable() for c in served_model_name):
+        raise FleetActionRefused("the served model name is at most 200 characters, without spaces")
+    instance = EngineInstance(tier=tier, external_url=url, served_model_name=served_model_name)
     refused = instance.external_url_refusal()
     if refused:
         raise FleetActionRefused(refused)
     instance.save()
     EngineEvent.objects.create(instance=instance, from_state="pending", to_state="pending",
-                               reason=f"registered at {url} by {actor}")
+                               reason=f"registered at {url} serving {instance.model_name} by {actor}")
     return instance
 
 

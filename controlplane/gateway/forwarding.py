@@ -65,8 +65,13 @@ async def forward(request_id: str, key: state.KeyInfo, tier: TierSpec, prepared:
     large, images, candidates = route.large, route.images, route.candidates
     body = engine_body(key, tier, prepared, large=large)
     payload = _write_json(body)
+
+    def payload_for(instance: state.InstanceSpec) -> bytes:
+        # An external engine may serve its model under a name of its own.
+        return _write_json({**body, "model": instance.model}) if instance.model else payload
+
     try:
-        return await _try_engines(request_id, tier, prepared, admission, candidates, payload, started,
+        return await _try_engines(request_id, tier, prepared, admission, candidates, payload_for, started,
                                   large=large, images=images, first=route.first)
     except GatewayError as exc:
         # An image's 400 first, then the admission's refusal, as when they were awaited first.
@@ -106,7 +111,7 @@ async def _engine_for(request_id: str, tier: TierSpec, prepared: Prepared, tenan
     return next(c for c in ranked if c.id == slot.engine), slot
 
 
-async def _try_engines(request_id, tier, prepared, admission, candidates, payload, started, *, large, images,
+async def _try_engines(request_id, tier, prepared, admission, candidates, payload_for, started, *, large, images,
                        first=None):
     record = admission.record
     tried: set[int] = set()
@@ -126,7 +131,7 @@ async def _try_engines(request_id, tier, prepared, admission, candidates, payloa
             if record.queue_ms is None:
                 record.queue_ms = max(0, ms_since(started) - (record.prepare_ms or 0))
             sending = current_process().connections.engine_post(
-                f"{instance.base_url}/v1/chat/completions", content=payload,
+                f"{instance.base_url}/v1/chat/completions", content=payload_for(instance),
                 headers={"content-type": "application/json", "x-request-id": request_id,
                          **({"authorization": f"Bearer {instance.api_key}"} if instance.api_key else {})},
             )

@@ -82,6 +82,7 @@ async def relay_answer(request_id, tier, record, prepared, status, content, star
         http = status if 400 <= status < 500 else 502
         return error_response(http, message, code="upstream_error", request_id=request_id)
     apply_engine_usage(record, data.get("usage"), prepared, tier.family)
+    data["model"] = tier.name  # what the client asked for, whatever name the engine serves it under
     if data.get("usage"):
         data["usage"] = client_usage(data["usage"], prepared)
     data["id"] = data.get("id") or request_id
@@ -129,6 +130,8 @@ def relay_stream(request_id, tier, flight, prepared, response, instance, started
                     chunk = orjson.loads(data)
                 except ValueError:
                     continue
+                if "model" in chunk:
+                    chunk["model"] = tier.name
                 if chunk.get("usage"):
                     apply_engine_usage(record, chunk["usage"], prepared, tier.family)
                     chunk["usage"] = client_usage(chunk["usage"], prepared)

@@ -51,6 +51,7 @@ class InstanceSpec:
     pool: str
     api_key: str = ""
     queued: float = 0.0  # the engine's own running + waiting requests, from its last scrape
+    model: str = ""  # the name it serves its model under, when not the tier's
 
 
 _MISSING = object()
@@ -190,7 +191,7 @@ async def tiers() -> dict[str, TierSpec]:
 def _load_instances(tier_id: int) -> list[InstanceSpec]:
     return [
         InstanceSpec(id=i.pk, tier_id=i.tier_id, base_url=i.base_url, pool=i.pool, api_key=i.api_key,
-                     queued=i.num_running + i.num_waiting)
+                     queued=i.num_running + i.num_waiting, model=i.served_model_name)
         for i in routable_instances(tier_id=tier_id)
     ]
 

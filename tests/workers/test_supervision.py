@@ -295,6 +295,32 @@ def test_an_external_engine_is_watched_and_routed_to_but_never_launched(world, s
     assert instance.actual_state == "unhealthy" and routable_instances(tier_id=tier.pk) == []
 
 
+def test_an_external_engine_serving_its_model_under_its_own_name_answers_for_the_tier(client, world, settings):
+    from controlplane.catalog.models import ModelTier
+    from controlplane.fleet.services import external_engine_register
+    from tests.controlplane.gateway.calls import post
+    from tests.engines import simulator
+
+    settings.OPERATOR_URL_TRUSTED_NETWORKS = ["127.0.0.1/32"]  # where the test's engine runs
+    tier = ModelTier.objects.create(name="vlm-7b", family="qwen2_5_vl", model_id="Qwen/Qwen2.5-VL-7B-Instruct",
+                                    kind="vision", engine_kind="external",
+                                    resolution_policy=world.vision.resolution_policy, price_plan=world.vision.price_plan)
+    with simulator(name="Qwen/Qwen2.5-VL-7B-Instruct") as port:
+        # Registered under the tier's name, the engine knows no model "vlm-7b": its probe fails.
+        unnamed = external_engine_register(tier=tier, url=f"http://127.0.0.1:{port}", actor="olivia")
+        supervision.external_reconcile()
+        unnamed.refresh_from_db()
+        assert unnamed.actual_state == "unhealthy" and "404" in unnamed.state_reason
+        unnamed.delete()
+        external_engine_register(tier=tier, url=f"http://127.0.0.1:{port}", actor="olivia",
+                                 served_model_name="Qwen/Qwen2.5-VL-7B-Instruct")
+        supervision.external_reconcile()
+        response = post(client, world.alice_key, {"model": "vlm-7b", "max_tokens": 4,
+                                                  "messages": [{"role": "user", "content": "hello"}]})
+    assert response.status_code == 200, response.content
+    assert response.json()["model"] == "vlm-7b"  # as the client asked, whatever the engine calls it
+
+
 def test_an_external_engine_at_an_address_no_longer_trusted_is_taken_out_of_rotation(world, settings):
     from controlplane.catalog.models import ModelTier
     from controlplane.fleet.selectors import routable_instances

@@ -61,9 +61,10 @@ def scrape(instance: EngineInstance) -> Snapshot | None:
         return None
 
 
-def probe(instance: EngineInstance) -> bool:
-    """A real one-token completion: the engine must still be able to serve."""
-    body = {"model": instance.tier.name, "max_tokens": 1,
+def probe(instance: EngineInstance) -> str | None:
+    """A real one-token completion: the engine must still be able to serve. None when it
+    answered; otherwise why not (an engine that knows no model of the name it was sent says so)."""
+    body = {"model": instance.model_name, "max_tokens": 1,
             "messages": [{"role": "user", "content": "ping"}]}
     if instance.serving_tier().settings.scheduling_policy == "priority":
         body["priority"] = -1000  # ahead of tenant traffic, so a busy engine is not mistaken for a hung one
@@ -71,9 +72,15 @@ def probe(instance: EngineInstance) -> bool:
         with _http(instance) as http:
             response = http.post(f"{instance.base_url}/v1/chat/completions", json=body,
                                  headers=_headers(instance), timeout=PROBE_TIMEOUT_S)
-    except httpx.HTTPError:
-        return False
-    return response.status_code == 200
+    except httpx.HTTPError as exc:
+        return type(exc).__name__
+    if response.status_code == 200:
+        return None
+    try:
+        said = response.json()["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        said = ""
+    return f"HTTP {response.status_code}" + (f": {str(said)[:160]}" if said else "")
 
 
 def record_sample(instance: EngineInstance, snap: Snapshot, now: dt.datetime) -> None:
@@ -115,13 +122,13 @@ def assess(instance: EngineInstance, now: dt.datetime, fields: dict) -> Liveness
     due = (instance.last_probe_at is None or instance.probe_failures > 0
            or now - instance.last_probe_at >= PROBE_EVERY)
     if due or instance.actual_state != EngineInstance.Actual.RUNNING:
-        ok = probe(instance)
+        failed = probe(instance)
         # A probe waits for a free slot like any request: an engine whose every slot holds a
         # long answer fails it while its counters advance. That engine is busy, not hung.
-        failures = 0 if ok or progressed else instance.probe_failures + 1
+        failures = 0 if not failed or progressed else instance.probe_failures + 1
         fields.update(last_probe_at=now, probe_failures=failures)
         if failures >= PROBE_FAILURES_HUNG:
-            return Liveness(False, f"completion probe failed {failures} times in a row", snap)
-        if not ok and instance.actual_state != EngineInstance.Actual.RUNNING:
-            return Liveness(False, "not serving completions yet", snap)
+            return Liveness(False, f"completion probe failed {failures} times in a row ({failed})", snap)
+        if failed and instance.actual_state != EngineInstance.Actual.RUNNING:
+            return Liveness(False, f"not serving completions yet ({failed})", snap)
     return Liveness(True, snapshot=snap)

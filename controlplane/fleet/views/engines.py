@@ -16,7 +16,7 @@ from django.shortcuts import get_object_or_404, redirect, render
 from django.utils import timezone
 from django.views.decorators.http import require_POST
 
-from controlplane.catalog.models import ModelTier
+from controlplane.catalog.models import MAX_REPLICAS, ModelTier
 from controlplane.fleet.charts import engine_load_chart
 from controlplane.fleet.kv_check import kv_check
 from controlplane.fleet.models import EngineEvent, EngineInstance, Node
@@ -101,10 +101,10 @@ def fleet_replicas(request, name: str):
     tier = get_object_or_404(ModelTier, name=name)
     try:
         replicas = int(request.POST.get("replicas", ""))
-        if not 0 <= replicas <= 64:
+        if not 0 <= replicas <= MAX_REPLICAS:
             raise ValueError
     except ValueError:
-        messages.error(request, "Replicas must be a whole number from 0 to 64.")
+        messages.error(request, f"Replicas must be a whole number from 0 to {MAX_REPLICAS}.")
         return redirect("dashboard:fleet")
     tier_replicas_set(tier=tier, replicas=replicas, actor=request.user.get_username())
     transaction.on_commit(_reconcile_soon(fleet_reconcile))
@@ -125,7 +125,8 @@ def fleet_register_external(request):
         raise Http404("no such external tier") from None
     url = (request.POST.get("url") or "").strip()
     try:
-        external_engine_register(tier=tier, url=url, actor=request.user.username)
+        external_engine_register(tier=tier, url=url, actor=request.user.username,
+                                 served_model_name=request.POST.get("served_model_name") or "")
     except FleetActionRefused as refused:
         messages.error(request, str(refused))
         return redirect("dashboard:fleet")

@@ -200,3 +200,17 @@ def test_enabling_or_disabling_a_tier_always_returns_to_the_tiers_page(client, w
     client.force_login(world.operator)
     response = client.post(f"/tiers/{world.text.name}/disable/", {"next": "https://elsewhere.example/"})
     assert response["Location"] == "/tiers/"
+
+
+def test_the_tier_form_refuses_more_replicas_than_the_fleet_page_allows(client, world):
+    from controlplane.catalog.models import MAX_REPLICAS
+
+    client.force_login(world.operator)
+    page = client.get(f"/tiers/{world.vision.name}/")
+    form = page.context["form"]
+    data = {name: value for name, value in form.initial.items() if value is not None and not isinstance(value, list)}
+    data.update({"replicas": MAX_REPLICAS + 1})
+    response = client.post(f"/tiers/{world.vision.name}/", data)
+    assert response.status_code == 200 and "replicas" in response.context["form"].errors
+    world.vision.refresh_from_db()
+    assert world.vision.replicas <= MAX_REPLICAS

@@ -159,4 +159,4 @@ def test_an_external_engine_is_registered_only_where_the_control_plane_may_call(
     assert not EngineInstance.objects.filter(tier=tier).exists()
     settings.OPERATOR_URL_TRUSTED_NETWORKS = ["10.0.0.0/24"]
     instance = external_engine_register(tier=tier, url="http://10.0.0.7:8000", actor="olivia")
-    assert instance.events.get().reason == "registered at http://10.0.0.7:8000 by olivia"
+    assert instance.events.get().reason == "registered at http://10.0.0.7:8000 serving vlm-ext by olivia"

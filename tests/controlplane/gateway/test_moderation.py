@@ -84,9 +84,9 @@ def moderated(world, settings):
     Moderator.seen.clear()
     with simulator(name="vlm-lite") as port:
         node = Node.objects.create(name="mod", queue="node.mod", last_seen_at=timezone.now())
-        for tier in (world.vision, world.text):
+        for tier in (world.vision, world.text):  # one engine serves both, under its own name
             EngineInstance.objects.create(tier=tier, node=node, port=port, actual_state="running",
-                                          healthy=True, last_health_at=timezone.now())
+                                          healthy=True, last_health_at=timezone.now(), served_model_name="vlm-lite")
         yield world
     server.shutdown()
     server.server_close()

@@ -151,6 +151,9 @@ class App:
             body = json.loads(await _read_body(receive))
             if not isinstance(body, dict):
                 raise EngineRequestError("request body must be a JSON object")
+            if body.get("model") not in (None, self.engine.name):  # as vLLM answers a name it does not serve
+                return await _send(send, 404, _error(f"The model `{body.get('model')}` does not exist.", 404,
+                                                     "NotFoundError", "model"))
             prompt = self.engine.plan(body)
         except ConnectionError:
             return
