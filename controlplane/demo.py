@@ -44,7 +44,7 @@ def _tier(name, **fields):
 @transaction.atomic
 def seed_demo() -> Tenant:
     standard, _ = ResolutionPolicy.objects.get_or_create(name="standard", defaults={
-        "max_pixels": 1003520, "low_detail_max_pixels": 200704, "max_images_per_request": 4})
+        "max_pixels": 1003520, "low_detail_max_pixels": 200704})
     detailed, _ = ResolutionPolicy.objects.get_or_create(name="detailed", defaults={
         "max_pixels": 3211264, "low_detail_max_pixels": 401408, "max_images_per_request": 8,
         "max_total_pixels": 40_000_000})

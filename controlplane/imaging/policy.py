@@ -71,9 +71,9 @@ class Policy:
     low_detail_max_pixels: int = 200704
     default_detail: str = "high"
     max_long_edge: int = 4096
-    max_aspect_ratio: float = 20.0
+    max_aspect_ratio: float = 4.0  # the model's default (catalog.models.ResolutionPolicy)
     tile_long_images: bool = True
-    max_images_per_request: int = 4
+    max_images_per_request: int = 8
     max_total_pixels: int = 16_000_000
     max_input_pixels: int = 50_000_000
     allowed_formats: tuple[str, ...] = ()

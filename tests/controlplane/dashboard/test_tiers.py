@@ -80,7 +80,7 @@ def test_the_preview_shows_the_vllm_command_sample_costs_and_the_gpu_fit_without
     assert "1148 × 840" in row and "1,232" in row
     fit = page.split('id="tier-fit"')[1].split("</table>")[0]
     # 7B in bf16 (16.6 GB) on a 24 GB L4 leaves room for a context of 32,768 tokens.
-    assert "1 x L4" in fit and "yes" in fit and "requests at once with 4 images" in fit
+    assert "1 x L4" in fit and "yes" in fit and "requests at once with 8 images" in fit
 
 
 def test_a_model_too_large_for_the_gpus_is_shown_not_to_fit(client, world):

@@ -222,7 +222,8 @@ def test_unacceptable_images_are_refused_with_the_reason(client, world, url, cod
 
 @pytest.mark.django_db
 def test_too_many_images_and_images_to_a_text_tier_are_refused(client, world):
-    parts = [{"type": "image_url", "image_url": {"url": data_url(image_bytes(32, 32))}}] * 5
+    limit = world.vision.resolution_policy.max_images_per_request
+    parts = [{"type": "image_url", "image_url": {"url": data_url(image_bytes(32, 32))}}] * (limit + 1)
     many = post(client, world.alice_key, {"model": "vlm-lite", "messages": [{"role": "user", "content": parts}]})
     assert many.status_code == 400 and error_of(many)["code"] == "too_many_images"
     text = post(client, world.alice_key, {"model": "text", "messages": image_message(data_url(image_bytes(32, 32)))})

@@ -77,7 +77,7 @@ def test_small_image_is_not_upscaled():
 
 
 def test_long_edge_cap_applies_even_under_the_pixel_cap():
-    policy = Policy(max_long_edge=1000)
+    policy = Policy(max_long_edge=1000, max_aspect_ratio=20)
     result = normalise(image_bytes(3000, 300), policy)
     assert (result.width, result.height) == (1000, 100)
 
@@ -244,11 +244,12 @@ def test_invalid_detail_is_a_policy_violation(detail, data):
 
 
 def test_aspect_ratio_beyond_the_policy_is_a_policy_violation():
+    policy = Policy(max_aspect_ratio=20)
     with pytest.raises(PolicyViolation, match="aspect ratio"):
-        normalise(image_bytes(2100, 100), STANDARD)  # 21:1 > 20
+        normalise(image_bytes(2100, 100), policy)  # 21:1 > 20
     with pytest.raises(PolicyViolation):
-        normalise(image_bytes(100, 2100, fmt="PNG"), STANDARD)
-    assert normalise(image_bytes(2000, 100), STANDARD).width == 2000  # exactly 20:1 passes
+        normalise(image_bytes(100, 2100, fmt="PNG"), policy)
+    assert normalise(image_bytes(2000, 100), policy).width == 2000  # exactly 20:1 passes
 
 
 # --- fingerprints ------------------------------------------------------------------------
