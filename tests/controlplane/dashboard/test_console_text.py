@@ -1,0 +1,21 @@
+"""Text on the product pages is text: names quoted in help and labels show as code, never as
+the backticks they are written with."""
+
+from __future__ import annotations
+
+import pytest
+
+from controlplane.dashboard.templatetags.console import code_spans
+
+pytestmark = pytest.mark.django_db
+
+
+def test_quoted_names_in_a_form_show_as_code(client, world):
+    client.force_login(world.operator)
+    page = client.get(f"/tiers/{world.vision.name}/").content.decode()
+    assert "The <code>model</code> tenants ask for" in page and "Default for text (<code>auto</code>)" in page
+    assert "`" not in page.split("<main>")[1].split("<script")[0]
+
+
+def test_quoted_text_is_escaped_before_it_is_marked_up():
+    assert code_spans("say `<b>` and `x`") == "say <code>&lt;b&gt;</code> and <code>x</code>"
