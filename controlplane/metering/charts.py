@@ -7,7 +7,7 @@ from decimal import Decimal
 
 import plotly.graph_objects as go
 
-from controlplane.web.charts import MARGIN, colour_of, figure_html, money
+from controlplane.web.charts import COUNT_AXIS, MARGIN, MONEY_AXIS, colour_of, figure_html, money
 
 
 def _unit(slots: list) -> str:
@@ -18,14 +18,16 @@ def _slot_labels(slots: list) -> list[str]:
     return [s.strftime("%Y-%m-%d %H:00") if isinstance(s, dt.datetime) else s.isoformat() for s in slots]
 
 
-def _stacked_bars(slots: list, series: dict[str, list], *, title: str, axis: str, div_id: str) -> str:
+def _stacked_bars(slots: list, series: dict[str, list], *, title: str, axis: str, div_id: str,
+                  money_axis: bool = False) -> str:
     unit = _unit(slots)
     x = _slot_labels(slots)
     figure = go.Figure()
     for name, values in series.items():
         figure.add_bar(name=name, x=x, y=[float(v) for v in values], marker_color=colour_of(name))
     figure.update_layout(
-        barmode="stack", title=title, xaxis_title=f"{unit} (UTC)", yaxis_title=axis,
+        barmode="stack", title=title, xaxis_title=f"{unit} (UTC)",
+        yaxis={"title": axis, **(MONEY_AXIS if money_axis else COUNT_AXIS)},
         margin=MARGIN, height=380, xaxis={"type": "category"},
     )
     return figure_html(figure, div_id)
@@ -42,7 +44,7 @@ def cost_chart(slots: list, series: dict[str, list[Decimal]], *, currency: str, 
     """Cost per hour or day, stacked per tier or per tenant, in `currency`."""
     split = "" if by == "tier" else f" by {by}"
     return _stacked_bars(slots, series, title=f"Cost per {_unit(slots)} ({currency}){split}", axis=currency,
-                         div_id=f"cost{split.replace(' ', '-')}-chart")
+                         div_id=f"cost{split.replace(' ', '-')}-chart", money_axis=True)
 
 
 def cache_savings_chart(slots: list, savings: dict[str, list[Decimal]], cached_tokens: dict[str, list[int]],
@@ -60,10 +62,10 @@ def cache_savings_chart(slots: list, savings: dict[str, list[Decimal]], cached_t
     figure.update_layout(
         barmode="stack", title="Saved by cached images" + (f": {money(total)} {currency} in all" if total is not None
                                                            else f" ({currency})"),
-        xaxis_title=f"{unit} (UTC)", yaxis={"title": f"saved per {unit} ({currency})"},
+        xaxis_title=f"{unit} (UTC)", yaxis={"title": f"saved per {unit} ({currency})", **MONEY_AXIS},
         yaxis2={"title": "cached image tokens", "overlaying": "y", "side": "right", "showgrid": False,
-                "rangemode": "tozero"},
-        margin={**MARGIN, "r": 70}, height=380, xaxis={"type": "category"},
+                **COUNT_AXIS},
+        margin={**MARGIN, "r": 90}, height=380, xaxis={"type": "category"}, legend={"x": 1.08},
     )
     return figure_html(figure, "cache-savings-chart")
 
@@ -86,7 +88,8 @@ def cost_per_image_chart(distribution, *, currency: str, since: dt.date | None =
         if distribution.mean is not None and single else ""
     figure.update_layout(
         barmode="stack", title=f"Cost per image{f' since {since}' if since else ''}: {distribution.images} images{mean}",
-        xaxis_title=f"cost of one image ({currency})", yaxis_title="images", margin=MARGIN, height=380,
+        xaxis_title=f"cost of one image ({currency})", yaxis={"title": "images", **COUNT_AXIS}, margin=MARGIN,
+        height=380,
         xaxis={"type": "category"},
     )
     return figure_html(figure, "cost-per-image-chart")

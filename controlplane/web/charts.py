@@ -12,8 +12,14 @@ import plotly.io as pio
 MARGIN = {"l": 60, "r": 20, "t": 50, "b": 50}
 # A tier (or tenant) keeps its colour on every chart: chosen from its name, not from its
 # place in a chart's legend, which differs from chart to chart.
-PALETTE = ("#2f6fde", "#e8710a", "#1b9e77", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
+# No grey among them: grey is "others".
+PALETTE = ("#2f6fde", "#e8710a", "#1b9e77", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#6b8e23",
            "#bcbd22", "#17becf", "#1f3f8f", "#a15c00", "#0b6e4f", "#8c1d18", "#5b3f8c", "#b85c9e")
+# Axes of counts and of money start at zero, however flat the data (plotly's default range
+# for an all-zero series runs from -1); money is printed as money, never with an SI prefix
+# ("150μ"): up to six decimals, thousands apart.
+COUNT_AXIS = {"rangemode": "tozero", "tickformat": ",~r"}
+MONEY_AXIS = {"rangemode": "tozero", "tickformat": ",.6~f"}
 
 
 def colour_of(name: str) -> str:
