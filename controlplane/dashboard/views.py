@@ -63,7 +63,11 @@ def usage(request):
     tenant = next((t for t in tenants if t.name == request.GET.get("tenant")), None)
     tier = next((t for t in tiers if t.name == request.GET.get("tier")), None)
     period = PERIODS.get(request.GET.get("period"), PERIODS[DEFAULT_PERIOD])
-    scope = UsageScope(tenants=[tenant] if tenant else visible, tier=tier, period=period, now=timezone.now())
+    asked = request.GET.get("tenant")  # a tenant admin's tenants are read only when one is named
+    refused = _refused_filters(request.GET, period=period, tier=tier,
+                               tenant_names={t.name for t in (tenants if staff else visible)} if asked else set())
+    scope = UsageScope(tenants=[] if refused else [tenant] if tenant else visible, tier=tier, period=period,
+                       now=timezone.now())
 
     by_tier = usage_over_time(scope=scope, by="tier")
     # A tenant admin's usage is one tenant's: splitting it per tenant would say nothing.
@@ -75,7 +79,7 @@ def usage(request):
     curves = resolution_curves(tier=tier)
     return render(request, "dashboard/index.html", {
         "period": period, "periods": PERIODS.values(), "tenant": tenant, "tier": tier,
-        "tenants": tenants, "tiers": tiers,
+        "tenants": tenants, "tiers": tiers, "refused": refused,
         "has_data": bool(table),
         "chart": image_tokens_chart(scope.slots, by_tier.of("image_tokens")),
         "cost_chart": cost_chart(scope.slots, by_tier.of("cost"), currency=currency),
@@ -93,4 +97,20 @@ def usage(request):
         "curves_chart": resolution_curves_chart(curves, div_id="tier-resolution-curves") if curves else "",
         "table": table, "totals": totals,
         "first_day": scope.first_day, "last_day": scope.last_day,
-    })
+    }, status=400 if refused else 200)
+
+
+USAGE_FILTERS = ("period", "tenant", "tier")
+
+
+def _refused_filters(query, *, period, tier, tenant_names: set[str]) -> list[str]:
+    """What of the page's filter names nothing that exists: a filter silently ignored shows
+    figures the reader did not ask for."""
+    refused = [f"unknown filter {name!r}" for name in sorted(set(query) - set(USAGE_FILTERS))]
+    if query.get("period") and query["period"] != period.key:
+        refused.append(f"no period {query['period']!r} (choose {', '.join(PERIODS)})")
+    if query.get("tenant") and query["tenant"] not in tenant_names:
+        refused.append(f"no tenant {query['tenant']!r} you can see")
+    if query.get("tier") and tier is None:
+        refused.append(f"no tier {query['tier']!r}")
+    return refused

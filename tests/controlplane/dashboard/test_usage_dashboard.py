@@ -125,7 +125,7 @@ def test_a_tenant_admin_sees_only_their_own_tenant_whatever_they_ask(client, wor
     _daily(world.alice, world.vision, image_tokens=777_001, cost=Decimal("7.77"), cache_savings=Decimal("0.77"))
     _daily(world.charlie, world.vision, image_tokens=333_002, cost=Decimal("3.33"), cache_savings=Decimal("0.33"))
 
-    for params in ({}, {"tenant": "alice"}):
+    for params in ({}, {"tenant": "charlie"}):
         page = _page(client, world.charlie_admin, **params)
         figures = _figures(page)
         assert _traces(figures["image-tokens-chart"]) == {"vlm-lite": _zeros_but(30, last=333_002)}
@@ -299,3 +299,25 @@ def test_a_page_of_tiers_in_two_currencies_never_adds_them(client, world):
     figures = _figures(page)
     assert "each tier's currency" in _title(figures["cost-chart"])
     assert "cost-by-tenant-chart" not in figures  # a tenant's cost over tiers in two currencies
+
+
+def test_a_filter_naming_nothing_is_refused_with_a_message_not_ignored(client, world):
+    DailyUsage.objects.create(day=timezone.now().date(), tenant=world.alice, tier=world.vision, requests=3,
+                              images=3, image_tokens=777_001, cost="1.5")
+    client.force_login(world.operator)
+    response = client.get("/usage/", {"period": "7y", "tenant": "nobody", "colour": "red"})
+    page = response.content.decode()
+    assert response.status_code == 400
+    refused = page.split('id="filter-refused"')[1].split("</p>")[0]
+    assert "no period &#x27;7y&#x27;" in refused and "no tenant &#x27;nobody&#x27;" in refused
+    assert "unknown filter &#x27;colour&#x27;" in refused
+    assert "777001" not in page and "777,001" not in page  # no figures for a filter it did not understand
+    client.force_login(world.alice_admin)
+    assert client.get("/usage/", {"tenant": "bob"}).status_code == 400  # not a tenant an admin of alice sees
+
+
+def test_the_per_image_report_link_keeps_the_pages_tenant(client, world):
+    client.force_login(world.finance)
+    page = client.get("/usage/", {"tenant": "alice"}).content.decode()
+    link = page.split('id="export-images"')[0].rsplit('href="', 1)[1]
+    assert "tenant=alice" in link
