@@ -302,7 +302,8 @@ PAGES = [
     Page("home", "/", "operator", tenants_rolled_up, 18),
     Page("home as a tenant admin", "/", "alice_admin", requests_rolled_up, 10),
     Page("tiers", "/tiers/", "operator", tiers, 6),
-    Page("tier", "/tiers/vlm-lite/", "operator", engines, 10),
+    # its engines, serving count, last hour and month at a glance: five reads, none per row
+    Page("tier", "/tiers/vlm-lite/", "operator", engines, 15),
     Page("policies", "/policies/", "operator", policies, 7),
     Page("policy", "/policies/standard/", "operator", tiers, 12),
     Page("prices", "/prices/", "finance", price_plans, 7),

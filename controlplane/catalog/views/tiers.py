@@ -3,12 +3,16 @@ a preview of what it will do, and enabling or disabling it."""
 
 from __future__ import annotations
 
+import datetime as dt
+from collections import Counter
+
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.core.exceptions import ValidationError
-from django.db.models import Count, Q
+from django.db.models import Count, Q, Sum
 from django.http import Http404
 from django.shortcuts import get_object_or_404, redirect, render
+from django.utils import timezone
 from django.views.decorators.http import require_POST
 
 from controlplane.audit.services import history
@@ -18,6 +22,10 @@ from controlplane.catalog.forms import TierForm
 from controlplane.catalog.models import ModelTier
 from controlplane.catalog.routing import resolve_auto
 from controlplane.catalog.views.preview import tier_plan
+from controlplane.fleet.models import EngineInstance
+from controlplane.fleet.selectors import routable_instances
+from controlplane.metering.models import DailyUsage
+from controlplane.metering.traffic import traffic_by_tier
 from controlplane.web.access import operators_only
 
 ENGINE_KINDS = dict(ModelTier.EngineKind.choices)
@@ -83,6 +91,7 @@ def _tier_form(request, tier: ModelTier, engine_kind: str):
     elif request.method == "GET" and not creating:
         plan = tier_plan(tier)
     return render(request, "catalog/tier_form.html", {
+        "glance": None if creating else _glance(tier, timezone.now()),
         "form": form, "tier": tier, "creating": creating, "engine_kind": engine_kind,
         "engine_label": ENGINE_KINDS[engine_kind], "engine_kinds": ENGINE_KINDS, "plan": plan,
         "history": history(tier)[:20] if not creating else [],
@@ -101,3 +110,18 @@ def tier_enable(request, name, enabled: bool):
     else:
         messages.success(request, f"Tier {tier.name} {'enabled' if enabled else 'disabled'}.")
     return redirect("dashboard:tiers")
+
+
+def _glance(tier: ModelTier, now) -> dict:
+    """The tier at work: its engines by state, those serving, its last hour of traffic and what
+    it billed this month."""
+    engines = Counter(EngineInstance.objects.filter(tier=tier).exclude(pool="candidate")
+                      .values_list("actual_state", flat=True))
+    hour = (traffic_by_tier(since=now - dt.timedelta(hours=1), until=now, bucket=dt.timedelta(hours=1),
+                            tier_ids=[tier.pk]).get(tier.pk) or [None])[0]
+    month = DailyUsage.objects.filter(tier=tier, day__gte=now.date().replace(day=1)).aggregate(
+        cost=Sum("cost"), requests=Sum("requests"))
+    return {"engines": sorted(engines.items()), "serving": len(routable_instances(tier_id=tier.pk)),
+            "hour": hour, "error_rate": 100 * hour.errors / hour.requests if hour and hour.requests else None,
+            "month_cost": month["cost"] or 0, "month_requests": month["requests"] or 0,
+            "currency": tier.price_plan.currency}

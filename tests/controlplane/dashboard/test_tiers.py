@@ -142,7 +142,7 @@ def test_marking_a_tier_the_default_for_images_takes_the_mark_from_the_previous_
     page = client.get("/tiers/").content.decode()
     assert "requests with images to <strong>vlm-lite</strong>" in page
     response = client.post("/tiers/new/", _form(world, save="1", default_for_images="on"), follow=True)
-    assert "`auto` now sends images requests to vlm-7b instead of vlm-lite." in html.unescape(
+    assert "<code>auto</code> now sends images requests to vlm-7b instead of vlm-lite." in html.unescape(
         response.content.decode())
     world.vision.refresh_from_db()
     assert not world.vision.default_for_images and ModelTier.objects.get(name="vlm-7b").default_for_images
@@ -214,3 +214,24 @@ def test_the_tier_form_refuses_more_replicas_than_the_fleet_page_allows(client, 
     assert response.status_code == 200 and "replicas" in response.context["form"].errors
     world.vision.refresh_from_db()
     assert world.vision.replicas <= MAX_REPLICAS
+
+
+def test_a_tiers_page_shows_its_engines_traffic_errors_and_what_it_billed(client, world):
+    import datetime as dt
+
+    from django.utils import timezone
+
+    from controlplane.fleet.models import EngineInstance
+    from controlplane.metering.models import DailyUsage
+    from tests.controlplane.alerts.conftest import usage
+
+    EngineInstance.objects.create(tier=world.vision, actual_state="crashloop")
+    usage(tenant=world.alice, tier=world.vision, n=3, latency_ms=400)
+    usage(tenant=world.alice, tier=world.vision, n=1, status="error", http_status=503)
+    DailyUsage.objects.create(day=timezone.now().date(), tenant=world.alice, tier=world.vision, requests=4, cost="2.5")
+    DailyUsage.objects.create(day=timezone.now().date() - dt.timedelta(days=40), tenant=world.alice,
+                              tier=world.vision, requests=4, cost="100")
+    client.force_login(world.operator)
+    glance = client.get(f"/tiers/{world.vision.name}/").content.decode().split('id="tier-glance"')[1].split("</div>\n</div>")[0]
+    assert "1 crashloop" in glance and "25.0 %" in glance and "2.50 USD" in glance
+    assert 'Serving now<span class="error">0</span>' in glance and "Requests, last hour<span>4</span>" in glance
