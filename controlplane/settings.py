@@ -507,6 +507,7 @@ LOGOUT_REDIRECT_URL = "login"
 
 LANGUAGE_CODE = "en-us"
 TIME_ZONE = "UTC"
+FORMAT_MODULE_PATH = ["controlplane.formats"]  # dates written one way (ISO) on every page
 USE_I18N = False
 USE_TZ = True
 

@@ -3,7 +3,10 @@ the backticks they are written with."""
 
 from __future__ import annotations
 
+import datetime as dt
+
 import pytest
+from django.template import Context, Template
 
 from controlplane.dashboard.templatetags.console import code_spans
 
@@ -19,3 +22,9 @@ def test_quoted_names_in_a_form_show_as_code(client, world):
 
 def test_quoted_text_is_escaped_before_it_is_marked_up():
     assert code_spans("say `<b>` and `x`") == "say <code>&lt;b&gt;</code> and <code>x</code>"
+
+
+def test_a_date_on_any_page_is_written_in_iso_with_its_time_zone():
+    moment = dt.datetime(2026, 12, 6, 10, 11, tzinfo=dt.UTC)
+    shown = Template("{{ moment }} | {{ moment.date }} | {{ moment|date }}").render(Context({"moment": moment}))
+    assert shown == "2026-12-06 10:11 UTC | 2026-12-06 | 2026-12-06"  # not "Dec. 6, 2026, 10:11 a.m."
