@@ -17,12 +17,13 @@ from celery import Celery
 
 from controlplane.benchmarks import advisor, gates, loadgen, resolution
 from controlplane.benchmarks.models import EvalItem, EvalSet, GateCheck, QualityGate
-from controlplane.catalog.models import ModelTier
+from controlplane.catalog.models import ModelTier, ResolutionPolicy
 from controlplane.fleet.models import EngineInstance
 from controlplane.imaging import synthetic
+from controlplane.intervals import wilson
 from tests.system.conftest import REAL_TIER, SYSTEM_REDIS_DB
 from tests.system.harness import wait_for
-from workers.engines.cpu import seeing_model, tiny_model
+from workers.engines.cpu import seeing_long, seeing_model, tiny_model
 
 pytestmark = [pytest.mark.system, pytest.mark.xdist_group("system")]
 
@@ -66,6 +67,30 @@ def test_vllm_serves_the_trained_model_with_the_answers_transformers_gives(real_
     differ = [(s.task, s.answers[0], a, b) for s, a, b in compared if a != b]
     assert len(differ) <= 0.05 * len(compared), differ
     assert sum(seeing_model.correct(s, a) for s, a, _ in compared) >= 0.85 * len(compared)
+
+
+def test_long_banners_tiled_at_the_default_threshold_are_read_where_squashed_they_are_not(real_engine):
+    # Sent as the gateway sends them at the model's canvas: cut into tiles past the default
+    # policy's aspect bound, or squashed whole into the cap.
+    threshold = ResolutionPolicy._meta.get_field("max_aspect_ratio").default
+    strips = seeing_long.held_out("banner", (6, 15), 20)
+
+    def ask(args):
+        strip, sent_under = args
+        parts = [{"type": "image_url", "image_url": {"url": "data:image/jpeg;base64," + base64.b64encode(
+            tile["data"]).decode()}} for tile in seeing_long.as_sent(strip, sent_under)]
+        response = httpx.post(f"{real_engine.base_url}/v1/chat/completions", timeout=60,
+                              headers={"Authorization": f"Bearer {real_engine.api_key}"}, json={
+                                  "model": REAL_TIER, "max_tokens": 8, "temperature": 0,
+                                  "messages": [{"role": "user", "content": [
+                                      *parts, {"type": "text", "text": strip.question}]}]})
+        response.raise_for_status()
+        return seeing_model.correct(strip, response.json()["choices"][0]["message"]["content"])
+
+    with ThreadPoolExecutor(2) as pool:
+        tiled = sum(pool.map(ask, [(strip, threshold) for strip in strips]))
+        squashed = sum(pool.map(ask, [(strip, None) for strip in strips]))
+    assert wilson(squashed, len(strips))[1] < wilson(tiled, len(strips))[0], (tiled, squashed)
 
 
 def test_the_trained_model_reads_less_as_the_pixel_cap_falls_through_the_gateway(system, real_engine):

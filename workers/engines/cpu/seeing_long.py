@@ -14,6 +14,7 @@ and asked in the engine environment (torch and transformers), as a child process
     python -m workers.engines.cpu.seeing_long train --from DIR --out DIR [--steps N] [--long-share F]
         [--strips KINDS] [--thresholds LIST] [--curriculum F] [--save-every N]
     python -m workers.engines.cpu.seeing_long eval MODEL_DIR [--count N] [--json]
+    python -m workers.engines.cpu.seeing_long recipe --from DIR --out DIR   # the committed model's stage
 """
 
 from __future__ import annotations
@@ -54,7 +55,14 @@ READ_CANVASES = ((224, 224), (336, 112), (448, 112), (448, 224), (672, 224))
 # Measured: strips of these ratios under each threshold (None: squashed).
 EVAL_RATIOS = ((6, 15), (15, 30))
 EVAL_THRESHOLDS = (None, 2, 4, 8, 20)
-ENGINE_IMAGES = 4  # images a prompt the tier's engine takes (the policy's default)
+# The committed model's long-image stage, on from the seeing model's three stages: two runs,
+# each in its own process, the second on from the first's weights (docs/design/seeing-model.md).
+RECIPE = (
+    ("--steps", "2000", "--threads", "1", "--lr", "1e-3", "--long-share", "0.5", "--strips", "banner",
+     "--thresholds", "2,3,4", "--curriculum", "0.33", "--eval-count", "0"),
+    ("--steps", "1500", "--threads", "1", "--lr", "5e-4", "--long-share", "0.5", "--strips", "banner",
+     "--thresholds", "2,3,4", "--eval-count", "40"),
+)
 # Files of a model directory that a stage carries over as they are (the weights are its own).
 CARRIED = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "preprocessor_config.json",
            "generation_config.json")
@@ -352,6 +360,7 @@ def evaluate(python: Path, model_dir: Path, *, count: int, threads: int, cap: in
     """Exact match (95 % Wilson interval), images and image tokens per strip, for each strip kind,
     ratio range and tiling threshold, on held-out strips at `cap`."""
     # not in the engine environment (libvips), where this module also runs
+    from controlplane.imaging.policy import Policy
     from controlplane.imaging.tokens import count_image_tokens
     from controlplane.intervals import wilson  # not in the engine environment (libvips)
 
@@ -378,7 +387,7 @@ def evaluate(python: Path, model_dir: Path, *, count: int, threads: int, cap: in
                "interval": [round(v, 3) for v in wilson(right, count)],
                "images_per_strip": round(sum(images) / count, 2),
                "image_tokens_per_strip": round(sum(tokens) / count, 1),
-               "over_engine_images": sum(n > ENGINE_IMAGES for n in images)}
+               "over_engine_images": sum(n > Policy().max_images_per_request for n in images)}
         rows.append(row)
         log(f"{strip} 1:{low:g}-{high:g} {row['policy']:18} {row['accuracy']:6.1%} "
             f"({row['interval'][0]:.0%}-{row['interval'][1]:.0%}) images {row['images_per_strip']:.2f} "
@@ -418,6 +427,9 @@ def main(argv: list[str]) -> None:
                           help="for this fraction of the steps, at most --curriculum-tiles tiles a strip")
     training.add_argument("--curriculum-tiles", type=int, default=2)
     training.add_argument("--save-every", type=int, default=0, help="also save the weights every N steps")
+    recipe = commands.add_parser("recipe", help="the committed model's long-image stage, both runs")
+    recipe.add_argument("--from", dest="source", type=Path, required=True, help="the seeing model's directory")
+    recipe.add_argument("--out", type=Path, required=True)
     evaluation = commands.add_parser("eval", help="long strips: squashed against tiled at each threshold")
     evaluation.add_argument("model", type=Path)
     evaluation.add_argument("--count", type=int, default=60, help="strips per kind and ratio range")
@@ -452,6 +464,12 @@ def main(argv: list[str]) -> None:
         print(json.dumps(answer(args.model, pickle.loads(args.items.read_bytes()), threads=args.threads)))
         return
 
+    if args.command == "recipe":
+        first = args.out.with_name(args.out.name + "-first")
+        for source, out, options in ((args.source, first, RECIPE[0]), (first, args.out, RECIPE[1])):
+            subprocess.run([sys.executable, "-m", "workers.engines.cpu.seeing_long", "train", "--from", str(source),
+                            "--out", str(out), *options], cwd=seeing_model.ROOT, check=True)
+        return
     python = install.ensure()
     if args.command == "train":
         if args.steps < 1 or args.threads < 1 or args.batch < 2:
