@@ -42,6 +42,12 @@ def page(browser):
     context.close()
 
 
+def _go(page, menu, link):
+    """Open one of the header's menus, as a user does (hovering it), and follow a link in it."""
+    page.locator(f"#nav-{menu} > button").hover()
+    page.locator(f"#nav-{menu} .panel").get_by_role("link", name=link, exact=True).click()
+
+
 def _login(page, base_url, username, password):
     page.goto(f"{base_url}/")
     page.get_by_label("Username").fill(username)
@@ -59,6 +65,8 @@ def test_an_operator_logs_in_and_sees_image_tokens_per_day(system, page):
     page.on("request", lambda r: r.url.startswith(system.base_url) or scripts_from_elsewhere.append(r.url))
 
     _login(page, system.base_url, "operator", "operator")
+    expect(page.get_by_role("heading", name="Overview")).to_be_visible()  # an operator's home: health
+    _go(page, "traffic", "Usage")
     expect(page.get_by_role("heading", name="Usage, last 30 days")).to_be_visible()
 
     # The beat rollup runs every 2 s here: reload until today's bar is drawn (days without
@@ -73,6 +81,7 @@ def test_an_operator_logs_in_and_sees_image_tokens_per_day(system, page):
     expect(page.locator("#image-tokens-chart .gtitle")).to_have_text("Image tokens per day")
     assert scripts_from_elsewhere == []  # plotly.js is served locally, no CDN
 
+    page.locator("#user-menu > button").hover()  # the user menu holds Log out
     page.get_by_role("button", name="Log out").click()
     expect(page.get_by_role("heading", name="Log in")).to_be_visible()
     page.goto(f"{system.base_url}/")
@@ -83,6 +92,8 @@ def test_plotly_reaches_the_browser_compressed_under_a_hashed_name_cached_for_go
     scripts = {}
     page.on("response", lambda r: "plotly" in r.url and scripts.setdefault(r.url, r))
     _login(page, system.base_url, "operator", "operator")
+    expect(page.get_by_role("heading", name="Overview")).to_be_visible()  # an operator's home: health
+    _go(page, "traffic", "Usage")
     expect(page.get_by_role("heading", name="Usage, last 30 days")).to_be_visible()
     html = page.content()
     assert html.count("plotly.min.") == 1  # one script tag, however many charts
@@ -104,7 +115,7 @@ def test_a_wrong_password_is_refused(system, page):
 
 def test_an_operator_creates_a_key_that_is_shown_once_and_works(system, page):
     _login(page, system.base_url, "operator", "operator")
-    page.get_by_role("link", name="API keys").click()
+    _go(page, "tenants", "API keys")
     page.get_by_label("Tenant").select_option(label="demo")
     page.get_by_label("Name").fill("from-the-browser")
     page.get_by_role("button", name="Create key").click()
@@ -138,7 +149,7 @@ def test_finance_downloads_the_per_image_report_and_monthly_summary_from_the_exp
     request_id = sent.headers["x-request-id"]
 
     _login(page, system.base_url, "finance", "finance")
-    page.get_by_role("link", name="Exports").click()
+    _go(page, "billing", "Exports")
     expect(page.get_by_role("heading", name="Exports")).to_be_visible()
     this_month = page.locator("#quick-exports tr", has_text="This month so far")
 
@@ -163,7 +174,7 @@ def test_finance_downloads_the_per_image_report_and_monthly_summary_from_the_exp
 
 def test_an_operator_points_a_benchmark_at_the_gateway_runs_it_and_sees_its_latencies(system, page):
     _login(page, system.base_url, "operator", "operator")
-    page.get_by_role("link", name="Benchmarks").click()
+    _go(page, "models", "Benchmarks")
     page.get_by_role("link", name="text-baseline").first.click()
     form = page.locator("#profile-form")
     form.get_by_label("Gateway url").fill(system.base_url)
@@ -181,7 +192,7 @@ def test_an_operator_points_a_benchmark_at_the_gateway_runs_it_and_sees_its_late
 
 def test_an_operator_is_asked_before_stopping_an_engine_and_the_fleet_page_updates_in_place(system, page):
     _login(page, system.base_url, "operator", "operator")
-    page.get_by_role("link", name="Fleet").click()
+    _go(page, "models", "Engines and nodes")
     page.evaluate("window.notReloaded = true")
     row = page.locator("#instances tbody tr", has=page.get_by_role("button", name="Stop")).first
     instance = row.get_attribute("data-instance")
@@ -222,7 +233,7 @@ def test_no_engine_is_stopped_unasked_while_the_page_that_asks_is_still_loading(
 
 def test_a_tenant_admin_makes_a_key_for_one_model_that_the_gateway_holds_to_it(system, page):
     _login(page, system.base_url, "demo-admin", "demo-admin")
-    page.get_by_role("link", name="Keys and quota").click()
+    _go(page, "tenants", "Keys and quota")
     page.get_by_label("Name").fill("vision only")
     page.get_by_label("vlm-lite").check()
     page.get_by_role("button", name="Create key").click()
@@ -238,7 +249,7 @@ def test_an_operator_tries_a_model_with_an_image_sees_the_estimate_then_the_mete
     photo = tmp_path / "photo.jpg"
     photo.write_bytes(image_bytes(2000, 1500, color=(20, 120, 200)))
     _login(page, system.base_url, "operator", "operator")
-    page.get_by_role("link", name="Playground").click()
+    _go(page, "traffic", "Playground")
     page.wait_for_load_state()
     page.get_by_label("API key").fill(system.api_key)
     page.get_by_label("API key").press("Tab")

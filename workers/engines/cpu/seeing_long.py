@@ -37,6 +37,7 @@ from pathlib import Path
 from PIL import Image
 
 from controlplane.imaging import synthetic
+from controlplane.intervals import wilson
 from workers.engines.cpu import install, seeing_model
 
 CAP = 224 * 224  # the seeing model's canvas: a cap that binds on every long strip
@@ -360,9 +361,8 @@ def evaluate(python: Path, model_dir: Path, *, count: int, threads: int, cap: in
     """Exact match (95 % Wilson interval), images and image tokens per strip, for each strip kind,
     ratio range and tiling threshold, on held-out strips at `cap`."""
     # not in the engine environment (libvips), where this module also runs
-    from controlplane.imaging.policy import Policy
-    from controlplane.imaging.tokens import count_image_tokens
-    from controlplane.intervals import wilson  # not in the engine environment (libvips)
+    from controlplane.imaging import policy as policies
+    from controlplane.imaging import tokens
 
     cells, items = [], []
     for strip in strips:
@@ -381,13 +381,14 @@ def evaluate(python: Path, model_dir: Path, *, count: int, threads: int, cap: in
         mine, replies = replies[:len(made)], replies[len(made):]
         right = sum(seeing_model.correct(s, r) for s, r in zip(samples, mine, strict=True))
         images = [len(i["images"]) for i in made]
-        tokens = [sum(count_image_tokens("qwen2_5_vl", s["width"], s["height"]) for s in i["images"]) for i in made]
+        spent = [sum(tokens.count_image_tokens("qwen2_5_vl", s["width"], s["height"]) for s in i["images"])
+                 for i in made]
         row = {"strip": strip, "ratios": [low, high], "policy": policy_name(threshold), "threshold": threshold,
                "cap": cap, "count": count, "accuracy": round(right / count, 3),
                "interval": [round(v, 3) for v in wilson(right, count)],
                "images_per_strip": round(sum(images) / count, 2),
-               "image_tokens_per_strip": round(sum(tokens) / count, 1),
-               "over_engine_images": sum(n > Policy().max_images_per_request for n in images)}
+               "image_tokens_per_strip": round(sum(spent) / count, 1),
+               "over_engine_images": sum(n > policies.Policy().max_images_per_request for n in images)}
         rows.append(row)
         log(f"{strip} 1:{low:g}-{high:g} {row['policy']:18} {row['accuracy']:6.1%} "
             f"({row['interval'][0]:.0%}-{row['interval'][1]:.0%}) images {row['images_per_strip']:.2f} "
