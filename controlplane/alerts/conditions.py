@@ -14,9 +14,9 @@ from controlplane.alerts.models import AlertRule
 from controlplane.benchmarks.models import BenchmarkProfile, BenchmarkRun
 from controlplane.catalog.models import ModelTier
 from controlplane.fleet.models import EngineEvent, EngineInstance
-from controlplane.fleet.selectors import routable_instances
+from controlplane.fleet.selectors import routable_counts
 from controlplane.metering.models import SERVER_ERROR, UsageEvent
-from controlplane.metering.selectors import quotas_use
+from controlplane.metering.selectors import quota_shares
 from controlplane.metering.traffic import latency_by_class
 from controlplane.tenants.models import Quota
 
@@ -49,15 +49,13 @@ def _quota_use(rule: AlertRule, now: dt.datetime) -> list[Reading]:
     if rule.tenant_id:
         quotas = quotas.filter(tenant_id=rule.tenant_id)
     quotas = [quota for quota in quotas if not quota.unlimited]
-    use = quotas_use([quota.tenant for quota in quotas], now=now)  # every tenant's in one query
+    shares = quota_shares([quota.tenant for quota in quotas], now=now)  # every tenant's in one query
     found = []
     for quota in quotas:
-        rows = [row for row in use[quota.tenant_id] if row["limit"] and row["used"] is not None]
+        rows = shares[quota.tenant_id]
         if not rows:
             continue
-        for row in rows:
-            row["pct"] = _pct(100 * row["used"] / row["limit"])
-        top = max(rows, key=lambda row: row["pct"])
+        top = rows[0]
         over = [row for row in rows if row["pct"] >= rule.threshold]
         shown = over or [top]
         period = "today" if quota.period == Quota.Period.DAY else "this month"
@@ -245,9 +243,9 @@ def _tier_unserved(rule: AlertRule, now: dt.datetime) -> list[Reading]:
     tiers = ModelTier.objects.filter(enabled=True).order_by("name")
     if rule.tier_id:
         tiers = tiers.filter(pk=rule.tier_id)
-    found = []
+    found, counts = [], routable_counts(now=now)
     for tier in tiers:
-        serving = len(routable_instances(tier_id=tier.pk, now=now))
+        serving = counts.get(tier.pk, 0)
         if serving:
             found.append(Reading(subject=f"tier:{tier.name}", value=Decimal(0), breached=False,
                                  message=f"{tier.name} is served by {serving} engine{'s' if serving > 1 else ''}"))

@@ -7,50 +7,24 @@ near a quota."""
 from __future__ import annotations
 
 import datetime as dt
-from collections import Counter, defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from django.db.models import Count, Sum
 
 from controlplane.alerts.models import Alert
 from controlplane.catalog.models import ModelTier
-from controlplane.fleet.models import EngineInstance, Node
-from controlplane.fleet.selectors import HEALTH_FRESH_SECONDS, routable_instances
+from controlplane.fleet.glance import TierHealth, tiers_health
+from controlplane.fleet.models import Node
+from controlplane.fleet.selectors import HEALTH_FRESH_SECONDS
 from controlplane.metering.models import DailyUsage
-from controlplane.metering.selectors import quotas_use
-from controlplane.metering.traffic import traffic_by_tier
+from controlplane.metering.selectors import quota_shares
 from controlplane.tenants.models import Tenant
 
-HOUR = dt.timedelta(hours=1)
 TOP_SPENDERS = 5
 NEAR_QUOTA_PERCENT = 80
 # Nodes whose agent has not reported for this long are shown as silent.
 NODE_SILENT_SECONDS = 3 * HEALTH_FRESH_SECONDS
 SHOWN_ALERTS = 10
-
-
-@dataclass
-class TierHealth:
-    tier: ModelTier
-    engines: Counter = field(default_factory=Counter)  # actual state -> count (candidates left out)
-    serving: int = 0  # routable now
-    requests: int = 0  # in the last hour
-    errors: int = 0  # 5xx
-    ttft_p50: float | None = None  # ms, streamed requests
-    ttft_p95: float | None = None
-    latency_p95: float | None = None
-
-    @property
-    def error_rate(self) -> float:
-        return 100 * self.errors / self.requests if self.requests else 0.0
-
-    @property
-    def unserved(self) -> bool:
-        return self.tier.enabled and not self.serving
-
-    @property
-    def states(self) -> list[tuple[str, int]]:
-        return sorted(self.engines.items())
 
 
 @dataclass
@@ -92,20 +66,9 @@ class Health:
 
 
 def service_health(*, now: dt.datetime) -> Health:
-    tiers = {tier.pk: TierHealth(tier=tier) for tier in ModelTier.objects.order_by("-enabled", "name")}
-    for row in (EngineInstance.objects.exclude(pool="candidate").values("tier_id", "actual_state")
-                .annotate(n=Count("id"))):
-        tiers[row["tier_id"]].engines[row["actual_state"]] += row["n"]
-    for health in tiers.values():
-        if health.tier.enabled:
-            health.serving = len(routable_instances(tier_id=health.tier.pk))
-    for tier_id, points in traffic_by_tier(since=now - HOUR, until=now, bucket=HOUR).items():
-        if tier_id in tiers and points:
-            point, health = points[0], tiers[tier_id]
-            health.requests, health.errors = point.requests, point.errors
-            health.ttft_p50, health.ttft_p95, health.latency_p95 = point.ttft_p50, point.ttft_p95, point.latency_p95
+    tiers = tiers_health(list(ModelTier.objects.order_by("-enabled", "name")), now=now)
     return Health(
-        tiers=list(tiers.values()), nodes=_nodes(now), alerts=_alerts(),
+        tiers=tiers, nodes=_nodes(now), alerts=_alerts(),
         alerts_firing=Alert.objects.filter(state=Alert.State.FIRING).count(),
         top_spenders=_top_spenders(now.date()), near_quota=_near_quota(now))
 
@@ -134,11 +97,7 @@ def _top_spenders(day: dt.date) -> list[dict]:
 def _near_quota(now: dt.datetime) -> list[dict]:
     tenants = [tenant for tenant in Tenant.objects.filter(active=True).select_related("quota").order_by("name")
                if getattr(tenant, "quota", None) is not None and not tenant.quota.unlimited]
-    near = defaultdict(list)
-    use = quotas_use(tenants, now=now)
-    for tenant in tenants:
-        for row in use[tenant.pk]:
-            if row["share"] is not None and row["share"] >= NEAR_QUOTA_PERCENT:
-                near[tenant.name].append(row)
-    return [{"tenant": name, "limits": rows} for name, rows in sorted(
-        near.items(), key=lambda item: -max(row["share"] for row in item[1]))]
+    shares = quota_shares(tenants, now=now)
+    near = {tenant.name: rows for tenant in tenants
+            if (rows := [row for row in shares[tenant.pk] if row["pct"] >= NEAR_QUOTA_PERCENT])}
+    return [{"tenant": name, "limits": rows} for name, rows in sorted(near.items(), key=lambda item: -item[1][0]["pct"])]

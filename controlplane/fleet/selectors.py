@@ -25,7 +25,7 @@ def failing_instance_ids(*, tier_id: int) -> set[int]:
     return set(EngineInstance.objects.filter(tier_id=tier_id, actual_state__in=FAILING).values_list("id", flat=True))
 
 
-def routable_instances(*, tier_id: int, now: dt.datetime | None = None):
+def _routable(now: dt.datetime | None = None):
     """Instances the gateway may send work to: running, healthy, recently checked, not draining,
     and not a candidate (an engine started only to measure a proposed change)."""
     now = now or timezone.now()
@@ -33,18 +33,25 @@ def routable_instances(*, tier_id: int, now: dt.datetime | None = None):
     latest = EngineInstance.objects.aggregate(latest=models.Max("last_health_at"))["latest"]
     if latest is not None and latest < fresh:
         fresh = now - dt.timedelta(seconds=SUPERVISION_GRACE_SECONDS)
-    return list(
-        EngineInstance.objects.filter(
-            tier_id=tier_id,
-            desired_state=EngineInstance.Desired.RUNNING,
-            actual_state=EngineInstance.Actual.RUNNING,
-            healthy=True,
-            last_health_at__gte=fresh,
-        ).filter(
-            # launched here (a node and a port) or registered by URL (external)
-            models.Q(port__isnull=False, node__isnull=False) | ~models.Q(external_url=""),
-        ).exclude(pool="candidate").select_related("node")
-    )
+    return EngineInstance.objects.filter(
+        desired_state=EngineInstance.Desired.RUNNING,
+        actual_state=EngineInstance.Actual.RUNNING,
+        healthy=True,
+        last_health_at__gte=fresh,
+    ).filter(
+        # launched here (a node and a port) or registered by URL (external)
+        models.Q(port__isnull=False, node__isnull=False) | ~models.Q(external_url=""),
+    ).exclude(pool="candidate")
+
+
+def routable_instances(*, tier_id: int, now: dt.datetime | None = None):
+    """The tier's instances the gateway may send work to (see _routable)."""
+    return list(_routable(now).filter(tier_id=tier_id).select_related("node"))
+
+
+def routable_counts(*, now: dt.datetime | None = None) -> dict[int, int]:
+    """How many instances each tier may send work to now, in one query (tiers with none left out)."""
+    return dict(_routable(now).order_by().values("tier_id").annotate(n=models.Count("id")).values_list("tier_id", "n"))
 
 
 # vLLM takes this share of each of its GPUs' memory when the tier does not say.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 from dataclasses import dataclass
+from decimal import Decimal
 
 from django.db.models import Count, Max, Q
 from django.utils import timezone
@@ -146,6 +147,18 @@ def quotas_use(tenants, *, now: dt.datetime | None = None) -> dict[int, list[dic
                                              "total_tokens": int(row.get(f"{quota.period}_total") or 0),
                                              "requests_per_minute": row.get("requests_per_minute") or 0})
     return {tenant.pk: use.get(tenant.pk, []) for tenant in tenants}
+
+
+def quota_shares(tenants, *, now: dt.datetime | None = None) -> dict[int, list[dict]]:
+    """The limits of each of `tenants` that are set and counted, as quotas_use reads them,
+    each with `pct`, the share used (a Decimal percent, two places), most used first; by
+    tenant id. What a quota alert and the home page's tenants near a quota both read."""
+    shares = {}
+    for tenant_id, rows in quotas_use(tenants, now=now).items():
+        rows = [dict(row, pct=Decimal(100 * row["used"] / row["limit"]).quantize(Decimal("0.01")))
+                for row in rows if row["limit"] and row["used"] is not None]
+        shares[tenant_id] = sorted(rows, key=lambda row: -row["pct"])
+    return shares
 
 
 def _quota_rows(quota, used: dict) -> list[dict]:

@@ -3,9 +3,6 @@ a preview of what it will do, and enabling or disabling it."""
 
 from __future__ import annotations
 
-import datetime as dt
-from collections import Counter
-
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.core.exceptions import ValidationError
@@ -22,10 +19,8 @@ from controlplane.catalog.forms import TierForm
 from controlplane.catalog.models import ModelTier
 from controlplane.catalog.routing import resolve_auto
 from controlplane.catalog.views.preview import tier_plan
-from controlplane.fleet.models import EngineInstance
-from controlplane.fleet.selectors import routable_instances
+from controlplane.fleet.glance import tiers_health
 from controlplane.metering.models import DailyUsage
-from controlplane.metering.traffic import traffic_by_tier
 from controlplane.web.access import operators_only
 
 ENGINE_KINDS = dict(ModelTier.EngineKind.choices)
@@ -113,15 +108,8 @@ def tier_enable(request, name, enabled: bool):
 
 
 def _glance(tier: ModelTier, now) -> dict:
-    """The tier at work: its engines by state, those serving, its last hour of traffic and what
-    it billed this month."""
-    engines = Counter(EngineInstance.objects.filter(tier=tier).exclude(pool="candidate")
-                      .values_list("actual_state", flat=True))
-    hour = (traffic_by_tier(since=now - dt.timedelta(hours=1), until=now, bucket=dt.timedelta(hours=1),
-                            tier_ids=[tier.pk]).get(tier.pk) or [None])[0]
+    """The tier at work (its engines, those serving, its last hour) and what it billed this month."""
     month = DailyUsage.objects.filter(tier=tier, day__gte=now.date().replace(day=1)).aggregate(
         cost=Sum("cost"), requests=Sum("requests"))
-    return {"engines": sorted(engines.items()), "serving": len(routable_instances(tier_id=tier.pk)),
-            "hour": hour, "error_rate": 100 * hour.errors / hour.requests if hour and hour.requests else None,
-            "month_cost": month["cost"] or 0, "month_requests": month["requests"] or 0,
-            "currency": tier.price_plan.currency}
+    return {"health": tiers_health([tier], now=now)[0], "month_cost": month["cost"] or 0,
+            "month_requests": month["requests"] or 0, "currency": tier.price_plan.currency}
