@@ -308,6 +308,43 @@ def test_the_real_engines_metrics_are_scraped_into_samples(client, system_db, re
     assert sample.ttft is not None and sample.ttft["count"] > 0
 
 
+def test_an_external_vllm_serving_its_own_model_name_answers_for_a_tier_of_another_name(client, system_db,
+                                                                                        real_engine):
+    """An engine started elsewhere serves its model under its own name: registered with that
+    name, the gateway sends it that name and the client sees the tier it asked for."""
+    from controlplane.catalog.models import ModelTier
+
+    real = ModelTier.objects.using(system_db).get(name=REAL_TIER)
+    tier = ModelTier.objects.using(system_db).create(
+        name="tiny-elsewhere", family=real.family, kind=real.kind, engine_kind="external", model_id=real.model_id,
+        resolution_policy=real.resolution_policy, price_plan=real.price_plan,
+        large_image_threshold=real.large_image_threshold, replicas=0)
+    instance = EngineInstance.objects.using(system_db).create(
+        tier=tier, external_url=real_engine.base_url, api_key=real_engine.api_key, served_model_name=REAL_TIER)
+    try:
+        def healthy():
+            row = EngineInstance.objects.using(system_db).get(pk=instance.pk)
+            assert row.actual_state == "running" and row.healthy, f"{row.actual_state}: {row.state_reason}"
+            return row
+
+        wait_for(healthy, timeout=60, what="the external engine to pass its health check under its own name")
+
+        def answered():
+            try:
+                return client.chat.completions.create(model="tiny-elsewhere", messages=_content(image_bytes(320, 240)),
+                                                      max_tokens=3)
+            except (openai.NotFoundError, openai.InternalServerError):  # the gateway's caches catching up
+                return None
+
+        completion = wait_for(answered, timeout=30, interval=0.5, what="an answer from the tier of another name")
+        assert completion.model == "tiny-elsewhere" and completion.usage.prompt_tokens > 0
+        wait_for(lambda: UsageEvent.objects.using(system_db).filter(tier=tier, instance=instance, status="ok").exists(),
+                 timeout=20, what="its usage, metered to the tier and the external engine")
+    finally:
+        ModelTier.objects.using(system_db).filter(pk=tier.pk).update(enabled=False)
+        EngineInstance.objects.using(system_db).filter(pk=instance.pk).update(desired_state="stopped")
+
+
 def _shape(value):
     """A JSON value's keys all the way down (what a client's parser depends on), not its numbers."""
     if isinstance(value, dict):
