@@ -16,9 +16,9 @@ from controlplane.catalog.models import ModelTier
 from controlplane.fleet.models import EngineEvent, EngineInstance
 from controlplane.fleet.selectors import routable_counts
 from controlplane.metering.models import SERVER_ERROR, UsageEvent
-from controlplane.metering.selectors import quota_shares
+from controlplane.metering.selectors import budget_terms, keys_spend, quota_shares
 from controlplane.metering.traffic import latency_by_class
-from controlplane.tenants.models import Quota
+from controlplane.tenants.models import ApiKey, Quota
 
 A = EngineInstance.Actual
 # Out of service, and staying so unless something changes: how long in one of these counts.
@@ -52,7 +52,7 @@ def _quota_use(rule: AlertRule, now: dt.datetime) -> list[Reading]:
     shares = quota_shares([quota.tenant for quota in quotas], now=now)  # every tenant's in one query
     found = []
     for quota in quotas:
-        rows = shares[quota.tenant_id]
+        rows = [row for row in shares[quota.tenant_id] if not row["money"]]  # budgets: _budget_spent
         if not rows:
             continue
         top = rows[0]
@@ -64,6 +64,38 @@ def _quota_use(rule: AlertRule, now: dt.datetime) -> list[Reading]:
         found.append(Reading(subject=f"tenant:{quota.tenant.name}", value=top["pct"], breached=bool(over),
                              message=f"tenant {quota.tenant.name} has used " + "; ".join(parts)))
     return found
+
+
+def _budget_spent(rule: AlertRule, now: dt.datetime) -> list[Reading]:
+    """Each tenant's budget, hard or soft, and each key's, with the share spent this period."""
+    quotas = Quota.objects.select_related("tenant").filter(tenant__active=True, spend_limit__isnull=False)
+    keys = ApiKey.objects.select_related("tenant", "tenant__quota").filter(
+        spend_limit__isnull=False, revoked_at__isnull=True, tenant__active=True)
+    if rule.tenant_id:
+        quotas, keys = quotas.filter(tenant_id=rule.tenant_id), keys.filter(tenant_id=rule.tenant_id)
+    quotas, keys = list(quotas.order_by("tenant__name")), list(keys.order_by("tenant__name", "prefix"))
+    shares = quota_shares([quota.tenant for quota in quotas], now=now)
+    found = []
+    for quota in quotas:
+        for row in shares[quota.tenant_id]:
+            if row["money"]:
+                found.append(_spent(f"tenant:{quota.tenant.name}", f"tenant {quota.tenant.name}", row["used"],
+                                    row["limit"], quota.spend_currency, quota.period, rule, hard=quota.spend_hard))
+    spent = keys_spend(keys, now=now)
+    for key in keys:
+        period, currency = budget_terms(key.tenant)
+        found.append(_spent(f"key:{key.prefix}", f"key {key.name or key.prefix} of {key.tenant.name}",
+                            spent[key.pk], key.spend_limit, currency, period, rule, hard=True))
+    return found
+
+
+def _spent(subject: str, whose: str, used, limit, currency: str, period: str, rule: AlertRule, *,
+           hard: bool) -> Reading:
+    pct = _pct(100 * used / limit)
+    when = "today" if period == Quota.Period.DAY else "this month"
+    kind = "budget" if hard else "soft budget (alerts only)"
+    return Reading(subject=subject, value=pct, breached=pct >= rule.threshold,
+                   message=f"{whose} has spent {pct:.0f} % of its {kind}: {used:,.2f} of {limit:,.2f} {currency} {when}")
 
 
 def _engine_unhealthy(rule: AlertRule, now: dt.datetime) -> list[Reading]:
@@ -272,6 +304,7 @@ def _tier_unserved(rule: AlertRule, now: dt.datetime) -> list[Reading]:
 
 _READERS = {
     AlertRule.Kind.QUOTA_USE: _quota_use,
+    AlertRule.Kind.BUDGET_SPENT: _budget_spent,
     AlertRule.Kind.ENGINE_UNHEALTHY: _engine_unhealthy,
     AlertRule.Kind.UNRATED_USAGE: _unrated_usage,
     AlertRule.Kind.ERROR_RATE: _error_rate,

@@ -41,6 +41,7 @@ class AlertRule(models.Model):
         QUALITY_REGRESSION = "quality_regression", "a tier's accuracy falling between two resolution sweeps"
         LATENCY_OBJECTIVE = "latency_objective", "a request class's first token past its tier's objective"
         TIER_UNSERVED = "tier_unserved", "an enabled tier with no engine serving it"
+        BUDGET_SPENT = "budget_spent", "a tenant's or a key's budget spent"
 
     SPECS = {
         Kind.QUOTA_USE: KindSpec("percent of any limit", Decimal(1), Decimal(100), False, ("tenant",),
@@ -59,6 +60,8 @@ class AlertRule(models.Model):
                                          False, ("tier",), uses_min_requests=True),
         Kind.TIER_UNSERVED: KindSpec("seconds with no engine serving", Decimal(10), Decimal(86400), True, ("tier",),
                                      uses_window=False, unit=" s"),
+        Kind.BUDGET_SPENT: KindSpec("percent of a budget spent", Decimal(1), Decimal(1000), False, ("tenant",),
+                                    uses_window=False),
     }
     WINDOW_MAX_MINUTES = 7 * 24 * 60
     FOR_SECONDS_MAX = 24 * 3600

@@ -13,9 +13,10 @@ from django.utils import timezone
 from controlplane.gateway import ledger, state
 from controlplane.gateway.apps import current_process
 from controlplane.gateway.errors import GatewayError, NotAdmitted
-from controlplane.gateway.ledger import Ask, Flight, Refused
+from controlplane.gateway.ledger import MICROS, SPEND, Ask, Flight, Refused
 from controlplane.gateway.prepare import Prepared, TierSpec
 from controlplane.gateway.recording import ms_since, release_if_admitted
+from controlplane.metering.rating import price_parts
 from controlplane.metering.records import UsageRecord
 from controlplane.redis_clients import until_written
 
@@ -87,6 +88,19 @@ class Admission:
         return None
 
 
+def worst_cost(prepared: Prepared, tier: TierSpec, currency: str) -> dict:
+    """The most a request can cost, its output at max_tokens and no image cached, in micro-units
+    of the budgets' `currency`, and the rates that price what it used when it ends; a tier
+    priced in another currency costs the budgets nothing."""
+    if tier.rates is None or tier.currency != currency:
+        return {}
+    lines = [(image.tokens, 0) for image in prepared.images]
+    unlined = max(0, prepared.image_tokens - sum(tokens for tokens, _ in lines))
+    total = price_parts(images=lines, unlined=(unlined, 0), text_tokens=prepared.text_tokens,
+                        output_tokens=prepared.body["max_tokens"], rates=tier.rates).total
+    return {"cost": int(total * MICROS), "rates": tier.rates}
+
+
 async def admit(request_id: str, key: state.KeyInfo, tier: TierSpec, prepared: Prepared,
                  started: float, *, engine=None) -> Admission:
     """Reserve the request against the tenant's quota and journal it, in one step; or refuse
@@ -105,7 +119,8 @@ async def admit(request_id: str, key: state.KeyInfo, tier: TierSpec, prepared: P
     ask = None if key.limits is None else Ask(
         image_tokens=prepared.image_tokens,
         total_tokens=prepared.text_tokens + prepared.image_tokens + prepared.body["max_tokens"],
-        large=prepared.image_tokens > tier.large_image_threshold)
+        large=prepared.image_tokens > tier.large_image_threshold, key_id=key.key_id,
+        **worst_cost(prepared, tier, key.limits.currency))
     key_counted_at = None
     if key.key_requests_per_minute is not None:
         key_counted_at = timezone.now()
@@ -148,7 +163,7 @@ async def admission_answer(record: UsageRecord, key: state.KeyInfo, ask: Ask | N
         if key_counted_at is not None:
             await ledger.key_rate_return(key.key_id, key_counted_at)
         code = "rate_limit_exceeded" if refused.limit in ("requests_per_minute", "concurrent_large_images") \
-            else "insufficient_quota"
+            else "budget_exceeded" if refused.limit in SPEND else "insufficient_quota"
         raise NotAdmitted(429, str(refused), code=code, headers={"Retry-After": str(refused.retry_after)}) from None
     except Exception:
         # The quota cannot be checked (its store does not answer): nothing is answered unchecked.

@@ -44,6 +44,8 @@ class TierSpec:
     tool_calls: bool = False  # the engine runs with a tool-call parser (engine setting tool_call_parser)
     tokenizer: object = None  # the model's ChatTokenizer (controlplane.prompts), when the tier has one
     priced: bool = True  # its price plan has a rate in effect; without one nothing is forwarded
+    rates: object = None  # that rate's amounts (metering.rating.Rates), what budgets count a request at
+    currency: str = ""  # and its plan's currency
     default_for_text: bool = False  # where `auto` goes (controlplane/catalog/routing.py)
     default_for_images: bool = False
 

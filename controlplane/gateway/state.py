@@ -15,15 +15,17 @@ from django.conf import settings
 from django.utils import timezone
 
 from controlplane.catalog.engine_settings import EngineSettingsError
-from controlplane.catalog.models import ModelTier, TierTokenizer, priced_plans
+from controlplane.catalog.models import ModelTier, TierTokenizer
 from controlplane.fleet.selectors import failing_instance_ids, routable_instances
 from controlplane.gateway.apps import current_process
 from controlplane.gateway.errors import GatewayError
-from controlplane.gateway.ledger import Limits
+from controlplane.gateway.ledger import MICROS, Limits
 from controlplane.gateway.prepare import TierSpec
 from controlplane.gateway.ttl_cache import TTLCache
 from controlplane.imaging.fetch import FetchPolicy
 from controlplane.imaging.tokens import processor_options
+from controlplane.metering.ratebook import NoRate, RateBook
+from controlplane.metering.rating import Rates
 from controlplane.prompts import ChatTokenizer
 from controlplane.tenants.services import api_key_lookup, usable_tier_ids
 
@@ -78,6 +80,11 @@ def clear_caches() -> None:
     current_process().caches.clear()
 
 
+def micros(amount) -> int | None:
+    """A budget's amount in micro-units (None: no budget)."""
+    return None if amount is None else int(amount * MICROS)
+
+
 def _salt(tenant_name: str) -> str:
     return hashlib.sha256(f"{settings.SECRET_KEY}:tenant:{tenant_name}".encode()).hexdigest()[:32]
 
@@ -93,11 +100,13 @@ def _load_key(secret: str) -> KeyInfo | None:
     if api_key.last_used_at is None or (now - api_key.last_used_at).total_seconds() > 60:
         type(api_key).objects.filter(pk=api_key.pk).update(last_used_at=now)
     quota = getattr(tenant, "quota", None)
-    limits = None
+    limits = Limits(key_spend=micros(api_key.spend_limit))
     if quota is not None:
         limits = Limits(period=quota.period, image_tokens=quota.image_tokens, total_tokens=quota.total_tokens,
                         requests_per_minute=quota.requests_per_minute,
-                        concurrent_large_images=quota.concurrent_large_images)
+                        concurrent_large_images=quota.concurrent_large_images,
+                        spend=micros(quota.spend_limit) if quota.spend_hard else None,
+                        key_spend=limits.key_spend, currency=quota.spend_currency)
     return KeyInfo(
         key_id=api_key.pk,
         tenant_id=tenant.pk,
@@ -139,7 +148,7 @@ def _load_tiers() -> dict[str, TierSpec]:
     specs = {}
     tiers = list(ModelTier.objects.filter(enabled=True).select_related("resolution_policy"))
     tokenizers = _tier_tokenizers([t.pk for t in tiers])
-    priced = priced_plans({tier.price_plan_id for tier in tiers}, timezone.now())
+    book, now = RateBook().load({tier.price_plan_id for tier in tiers}), timezone.now()
     for tier in tiers:
         policy = tier.image_policy()
         options = (
@@ -159,6 +168,10 @@ def _load_tiers() -> dict[str, TierSpec]:
                 allowed_domains=engine.allowed_media_domains,
                 trusted_networks=tuple(settings.GATEWAY_TRUSTED_IMAGE_NETWORKS),
             )
+        try:
+            rate = book.rate_at(tier.price_plan_id, now)
+        except NoRate:
+            rate = None
         specs[tier.name] = TierSpec(
             id=tier.pk,
             name=tier.name,
@@ -177,7 +190,9 @@ def _load_tiers() -> dict[str, TierSpec]:
             fetch_policy=fetch,
             tool_calls=bool(engine.tool_call_parser),
             tokenizer=tokenizers.get(tier.pk),
-            priced=tier.price_plan_id in priced,
+            priced=rate is not None,
+            rates=None if rate is None else Rates.of(rate),
+            currency="" if rate is None else rate.plan.currency,
             default_for_text=tier.default_for_text,
             default_for_images=tier.default_for_images,
         )

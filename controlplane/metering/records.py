@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import datetime as dt
 from dataclasses import dataclass, field
+from decimal import Decimal
 from typing import NamedTuple
 
 from django.utils import timezone
+
+from controlplane.metering.rating import Rates, price_parts
 
 CUT_SHORT = ("aborted", "interrupted")  # billed only if an engine worked on them
 # Where a request that failed stopped: its body and images read, an engine chosen, its quota
@@ -140,3 +143,32 @@ def is_billable(record: UsageRecord) -> bool:
     refused or failed before an engine worked on it is not. Work interrupted by a gateway crash
     is billed as far as its journal knew."""
     return record.status == "ok" or (record.status in CUT_SHORT and record.instance_id is not None)
+
+
+def priced_lines(record: UsageRecord) -> tuple[list[tuple[int, int]], tuple[int, int]]:
+    """(tokens, cached) per image line as they are priced, the per-image report's way; and the
+    image tokens (and cached) a record counts without lines.
+
+    Lines carry their cached share. A record whose lines carry none but which counts cached
+    image tokens (made before shares were kept) has them laid over its images in order, as
+    a prefix cache covers a prompt from its start."""
+    lines = [(tokens, min(cached, tokens)) for _, tokens, cached in record.images]
+    cached = min(record.cached_image_tokens, record.image_tokens)
+    if not lines:
+        return [], (record.image_tokens, cached)
+    if cached and not any(share for _, share in lines):
+        spread = []
+        for tokens, _ in lines:
+            share = min(tokens, cached)
+            spread.append((tokens, share))
+            cached -= share
+        lines = spread
+    return lines, (0, 0)
+
+
+def record_price(record: UsageRecord, rates: Rates) -> Decimal:
+    """What a record costs at `rates`, part by part as its bill prices it (see rating.py)."""
+    record.images = image_lines(record.images)
+    lines, unlined = priced_lines(record)
+    return price_parts(images=lines, unlined=unlined, text_tokens=record.text_tokens,
+                       output_tokens=record.output_tokens, rates=rates).total

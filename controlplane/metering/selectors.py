@@ -6,12 +6,12 @@ import datetime as dt
 from dataclasses import dataclass
 from decimal import Decimal
 
-from django.db.models import Count, Max, Q
+from django.db.models import Count, Max, Q, Sum
 from django.utils import timezone
 
 from controlplane.metering.models import UsageEvent
 from controlplane.metering.periods import period_start
-from controlplane.metering.services import billed, metered_so_far, metered_sums
+from controlplane.metering.services import billed, metered_sums
 
 
 def image_count_disagreements(*, since: dt.datetime) -> list[dict]:
@@ -118,35 +118,65 @@ def usage_event_detail(*, request_id: str, tenant_ids: tuple[int, ...] | None) -
 def quota_use(*, tenant, quota, now: dt.datetime | None = None) -> list[dict]:
     """Each limit of `quota` beside what `tenant` has used against it, as admission counts
     (the tenant pages and the quota alerts read the same figures)."""
-    if quota is None:
-        return []
-    now = now or timezone.now()
-    image, total = metered_so_far(tenant.pk, quota.period, now)
-    return _quota_rows(quota, {"image_tokens": image, "total_tokens": total,
-                               "requests_per_minute": UsageEvent.objects.filter(
-                                   tenant=tenant, created_at__gte=now - dt.timedelta(minutes=1)).count()})
+    return [] if quota is None else _use({tenant.pk: quota}, now or timezone.now())[tenant.pk]
 
 
 def quotas_use(tenants, *, now: dt.datetime | None = None) -> dict[int, list[dict]]:
     """quota_use of each of `tenants` (each with its `quota`, or none), by tenant id: the same
     figures, read in one query for them all."""
-    now = now or timezone.now()
     quotas = {tenant.pk: quota for tenant in tenants if (quota := getattr(tenant, "quota", None)) is not None}
+    use = _use(quotas, now or timezone.now())
+    return {tenant.pk: use.get(tenant.pk, []) for tenant in tenants}
+
+
+def _use(quotas: dict, now: dt.datetime) -> dict[int, list[dict]]:
+    """What each tenant (by id, with its quota) has used against its quota, in one query: image
+    and total tokens and spend in its budget's currency this period, requests this minute."""
     minute = now - dt.timedelta(minutes=1)
     starts = {period: period_start(period, now) for period in {quota.period for quota in quotas.values()}}
     sums = {"requests_per_minute": Count("id", filter=Q(created_at__gte=minute))}
     for period, since in starts.items():
         sums |= {f"{period}_{name}": total
                  for name, total in metered_sums(filter=billed() & Q(created_at__gte=since)).items()}
+    for period, currency in {(quota.period, quota.spend_currency) for quota in quotas.values()}:
+        sums[f"{period}_{currency}"] = Sum("cost", filter=billed() & Q(created_at__gte=starts[period],
+                                                                       rate__plan__currency=currency))
     read = {row["tenant_id"]: row for row in UsageEvent.objects.filter(
-        tenant_id__in=quotas, created_at__gte=min([minute, *starts.values()])).values("tenant_id").annotate(**sums)}
+        tenant_id__in=quotas, created_at__gte=min([minute, *starts.values()])).values("tenant_id").order_by()
+        .annotate(**sums)} if quotas else {}
     use = {}
     for tenant_id, quota in quotas.items():
         row = read.get(tenant_id, {})
         use[tenant_id] = _quota_rows(quota, {"image_tokens": int(row.get(f"{quota.period}_image") or 0),
                                              "total_tokens": int(row.get(f"{quota.period}_total") or 0),
-                                             "requests_per_minute": row.get("requests_per_minute") or 0})
-    return {tenant.pk: use.get(tenant.pk, []) for tenant in tenants}
+                                             "requests_per_minute": row.get("requests_per_minute") or 0,
+                                             "spend_limit": row.get(f"{quota.period}_{quota.spend_currency}")
+                                             or Decimal(0)})
+    return use
+
+
+def budget_terms(tenant) -> tuple[str, str]:
+    """The period and currency a tenant's budgets (its own and its keys') count in: its quota's,
+    else a month in USD."""
+    quota = getattr(tenant, "quota", None)
+    return (quota.period, quota.spend_currency) if quota is not None else ("month", "USD")
+
+
+def keys_spend(keys, *, now: dt.datetime | None = None) -> dict[int, Decimal]:
+    """What each of `keys` (with its tenant and the tenant's quota read) has spent this budget
+    period (budget_terms), by key id, in one query."""
+    now = now or timezone.now()
+    terms = {key.pk: budget_terms(key.tenant) for key in keys}
+    sums = {f"{period}_{currency}": Sum("cost", filter=billed() & Q(created_at__gte=period_start(period, now),
+                                                                     rate__plan__currency=currency))
+            for period, currency in set(terms.values())}
+    if not sums:
+        return {}
+    since = min(period_start(period, now) for period, _ in terms.values())
+    read = {row["api_key_id"]: row for row in UsageEvent.objects.filter(api_key_id__in=terms, created_at__gte=since)
+            .values("api_key_id").order_by().annotate(**sums)}
+    return {key_id: read.get(key_id, {}).get(f"{period}_{currency}") or Decimal(0)
+            for key_id, (period, currency) in terms.items()}
 
 
 def quota_shares(tenants, *, now: dt.datetime | None = None) -> dict[int, list[dict]]:
@@ -166,7 +196,10 @@ def _quota_rows(quota, used: dict) -> list[dict]:
     for name in quota.LIMITS:
         limit = getattr(quota, name)
         value = used.get(name)
-        rows.append({"name": name, "label": name.replace("_", " ").capitalize(), "limit": limit, "used": value,
+        money = name == "spend_limit"
+        rows.append({"name": name, "label": "Budget" if money else name.replace("_", " ").capitalize(),
+                     "limit": limit, "used": value, "money": money,
+                     "currency": quota.spend_currency if money else "", "hard": quota.spend_hard if money else True,
                      "share": round(100 * value / limit) if limit and value is not None else None,
                      "left": max(0, limit - value) if limit and value is not None else None})
     return rows

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+from dataclasses import dataclass
 
 from django.db import IntegrityError, connection, transaction
 from django.db.models import F, Q, Sum
@@ -14,9 +15,18 @@ from controlplane.catalog.models import ModelTier
 from controlplane.metering.models import UsageEvent, UsageImage
 from controlplane.metering.periods import period_start
 from controlplane.metering.ratebook import NoRate, RateBook
-from controlplane.metering.records import CUT_SHORT, UsageRecord, image_lines, is_billable
+from controlplane.metering.rating import Rates
+from controlplane.metering.records import (
+    CUT_SHORT,
+    UsageRecord,
+    image_lines,
+    is_billable,
+    priced_lines,
+    record_price,
+)
 
 log = logging.getLogger(__name__)
+MICROS = 1_000_000  # micro-units in a unit of a currency
 
 
 
@@ -33,6 +43,42 @@ def metered_so_far(tenant_id: int, period: str, now: dt.datetime) -> tuple[int, 
     totals = UsageEvent.objects.filter(billed(), tenant_id=tenant_id, created_at__gte=period_start(period, now)).aggregate(
         **metered_sums())
     return int(totals["image"] or 0), int(totals["total"] or 0)
+
+
+@dataclass(frozen=True)
+class Metered:
+    """What a tenant has used this period as its quota and budgets count it: image and total
+    tokens, and spend by counter ('tenant', and 'k<key id>' per key) in micro-units."""
+
+    image_tokens: int
+    total_tokens: int
+    spent: dict[str, int]
+
+
+def metered_spend(tenant_id: int, period: str, now: dt.datetime, currency: str) -> dict[str, int]:
+    """What the tenant, and each of its keys, has spent this period in `currency` (micro-units),
+    as budgets count it: billed requests at the price they were billed."""
+    rows = (UsageEvent.objects.filter(billed(), tenant_id=tenant_id, created_at__gte=period_start(period, now),
+                                      rate__plan__currency=currency)
+            .values("api_key_id").order_by().annotate(cost=Sum("cost")))
+    spent = {f"k{row['api_key_id'] or 0}": int(row["cost"] * MICROS) for row in rows}
+    spent["tenant"] = sum(spent.values())
+    return spent
+
+
+def pending_price(record: UsageRecord, currency: str) -> int:
+    """What a record not yet stored will be billed in `currency` (micro-units; 0 when not billed,
+    not priced, or priced in another currency)."""
+    if not is_billable(record):
+        return 0
+    plan_id = ModelTier.objects.filter(pk=record.tier_id).values_list("price_plan_id", flat=True).first()
+    try:
+        rate = RateBook().rate_at(plan_id, record.created_at)
+    except NoRate:
+        return 0
+    if rate.plan.currency != currency:
+        return 0
+    return int(record_price(record, Rates.of(rate)) * MICROS)
 
 
 def metered_sums(**options) -> dict:
@@ -150,27 +196,6 @@ def _copy_rows(rows: list[tuple[dict, list[dict]]]) -> None:
                         copy.write_row((pk, *line.values()))
 
 
-def _priced_lines(record: UsageRecord) -> tuple[list[tuple[int, int]], tuple[int, int]]:
-    """(tokens, cached) per image line as they are priced, the per-image report's way; and the
-    image tokens (and cached) a record counts without lines.
-
-    Lines carry their cached share. A record whose lines carry none but which counts cached
-    image tokens (made before shares were kept) has them laid over its images in order, as
-    a prefix cache covers a prompt from its start."""
-    lines = [(tokens, min(cached, tokens)) for _, tokens, cached in record.images]
-    cached = min(record.cached_image_tokens, record.image_tokens)
-    if not lines:
-        return [], (record.image_tokens, cached)
-    if cached and not any(share for _, share in lines):
-        spread = []
-        for tokens, _ in lines:
-            share = min(tokens, cached)
-            spread.append((tokens, share))
-            cached -= share
-        lines = spread
-    return lines, (0, 0)
-
-
 def _usage_rows(record: UsageRecord, tier: ModelTier, book: RateBook) -> tuple[UsageEvent, list[UsageImage]]:
     """The unsaved event and image rows for a record, priced at the rate in effect when it was made."""
     event_values, image_values = _usage_values(record, tier, book)
@@ -184,7 +209,7 @@ def _usage_values(record: UsageRecord, tier: ModelTier, book: RateBook) -> tuple
     The ingest makes these thousands of times a second: dict displays, and each line walked
     once."""
     record.images = image_lines(record.images)
-    lines, unlined = _priced_lines(record)
+    lines, unlined = priced_lines(record)
     cached_image = unlined[1]
     images, kept = [], []
     for position, ((image, tokens, _), (_, cached)) in enumerate(zip(record.images, lines, strict=True)):

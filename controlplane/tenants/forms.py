@@ -3,6 +3,8 @@ operator's and a tenant admin's own), users and their roles."""
 
 from __future__ import annotations
 
+from decimal import Decimal
+
 from django import forms
 from django.contrib.auth import get_user_model
 from django.contrib.auth.forms import AuthenticationForm
@@ -10,7 +12,7 @@ from django.core.exceptions import ValidationError
 from django.core.validators import MaxLengthValidator
 from django.utils import timezone
 
-from controlplane.catalog.models import ModelTier
+from controlplane.catalog.models import CURRENCIES, ModelTier
 from controlplane.tenants import roles
 from controlplane.tenants.models import Quota, QuotaDefault, QuotaLimits, Tenant
 from controlplane.tenants.users import TENANT_ADMIN, Role
@@ -53,6 +55,9 @@ class ApiKeyForm(forms.Form):
                                            help_text="None ticked: every model its tenant may use")
     requests_per_minute = forms.IntegerField(min_value=1, max_value=10**6, required=False,
                                              label="Requests per minute", help_text="Optional: this key's own limit")
+    spend_limit = forms.DecimalField(min_value=Decimal("0.01"), max_value=10**9, decimal_places=2, required=False,
+                                     label="Budget", help_text="Optional: what it may spend each quota period, in "
+                                                               "its tenant's budget currency")
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -66,6 +71,9 @@ class OwnKeyForm(forms.Form):
     expires_at = UtcDateTimeField(required=False, label="Expires", help_text="Optional, e.g. 2027-06-30 00:00")
     requests_per_minute = forms.IntegerField(min_value=1, max_value=10**6, required=False,
                                              label="Requests per minute", help_text="Optional: this key's own limit")
+    spend_limit = forms.DecimalField(min_value=Decimal("0.01"), max_value=10**9, decimal_places=2, required=False,
+                                     label="Budget", help_text="Optional: what it may spend each quota period, in "
+                                                               "its tenant's budget currency")
 
     def __init__(self, *args, tenant, **kwargs):
         super().__init__(*args, **kwargs)
@@ -81,9 +89,23 @@ class OwnKeyForm(forms.Form):
 
 
 QUOTA_LIMITS = QuotaLimits.LIMITS
+QUOTA_SETTINGS = QuotaLimits.SETTINGS
 
 
-class TenantForm(forms.ModelForm):
+class BudgetFields(forms.Form):
+    """A quota's money budget: its amount, currency, and whether it refuses once spent."""
+
+    spend_limit = forms.DecimalField(min_value=Decimal("0.01"), max_value=10**9, decimal_places=2, required=False,
+                                     label="Budget")
+    spend_currency = forms.TypedChoiceField(choices=[(c, c) for c in CURRENCIES], initial="USD", required=False,
+                                            empty_value="USD", label="Budget currency")
+    spend_hard = forms.TypedChoiceField(
+        widget=forms.RadioSelect, coerce=lambda value: value != "soft", initial="hard", required=False,
+        empty_value=True, label="Once spent",
+        choices=[("hard", "Refuse requests (429 budget_exceeded)"), ("soft", "Serve on; alerts only")])
+
+
+class TenantForm(BudgetFields, forms.ModelForm):
     """A tenant with the tiers it may use and its quota, each an explicit choice: a new tenant
     starts from the operator's default quota, and "every tier" or "unlimited" is chosen on
     purpose, never by leaving something empty."""
@@ -131,7 +153,8 @@ class TenantForm(forms.ModelForm):
         elif not start.unlimited:
             self.initial["quota_mode"] = "limits"  # the operator's default quota, filled in below
         if start is not None:
-            self.initial.update({name: getattr(start, name) for name in ("period", *QUOTA_LIMITS)})
+            self.initial.update({name: getattr(start, name) for name in QUOTA_SETTINGS})
+            self.initial["spend_hard"] = "hard" if start.spend_hard else "soft"
 
     def clean(self):
         data = super().clean()
@@ -154,19 +177,23 @@ class TenantForm(forms.ModelForm):
         """Its quota; None: unlimited."""
         if self.cleaned_data["quota_mode"] == "unlimited":
             return None
-        return {name: self.cleaned_data.get(name) for name in ("period", *QUOTA_LIMITS)}
+        return {name: self.cleaned_data.get(name) for name in QUOTA_SETTINGS}
 
 
-class QuotaDefaultForm(forms.ModelForm):
+class QuotaDefaultForm(BudgetFields, forms.ModelForm):
     class Meta:
         from controlplane.tenants.models import QuotaDefault
 
         model = QuotaDefault
-        fields = ["period", *QUOTA_LIMITS]
+        fields = list(QUOTA_SETTINGS)
         labels = {"image_tokens": "Image tokens", "total_tokens": "Total tokens",
                   "requests_per_minute": "Requests per minute",
                   "concurrent_large_images": "Large-image requests at once"}
         del QuotaDefault
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.initial["spend_hard"] = "hard" if self.instance.spend_hard else "soft"
 
 
 class RoleField(forms.ChoiceField):

@@ -1,9 +1,14 @@
 from __future__ import annotations
 
+from decimal import Decimal
+
 from django.conf import settings
 from django.core.exceptions import ValidationError
+from django.core.validators import MinValueValidator
 from django.db import models
 from django.utils import timezone
+
+from controlplane.catalog.models import CURRENCIES
 
 
 class Tenant(models.Model):
@@ -54,6 +59,10 @@ class ApiKey(models.Model):
         help_text="Empty: every tier its tenant may use; else only these (and only those its tenant may use)")
     requests_per_minute = models.PositiveIntegerField(
         null=True, blank=True, help_text="This key's own limit, within its tenant's quota; empty: none")
+    spend_limit = models.DecimalField(
+        max_digits=14, decimal_places=2, null=True, blank=True, validators=[MinValueValidator(Decimal("0.01"))],
+        help_text="What this key may spend each quota period, in its tenant's budget currency; refused with "
+                  "budget_exceeded once spent; empty: no budget of its own")
 
     class Meta:
         ordering = ["-created_at"]
@@ -75,13 +84,22 @@ class QuotaLimits(models.Model):
         DAY = "day", "day"
         MONTH = "month", "month"
 
-    LIMITS = ("image_tokens", "total_tokens", "requests_per_minute", "concurrent_large_images")
+    LIMITS = ("image_tokens", "total_tokens", "requests_per_minute", "concurrent_large_images", "spend_limit")
+    SETTINGS = ("period", *LIMITS, "spend_hard", "spend_currency")  # all a quota says
 
     period = models.CharField(max_length=8, choices=Period.choices, default=Period.MONTH)
     image_tokens = models.PositiveBigIntegerField(null=True, blank=True, help_text="Empty: no limit")
     total_tokens = models.PositiveBigIntegerField(null=True, blank=True, help_text="Empty: no limit")
     requests_per_minute = models.PositiveIntegerField(null=True, blank=True)
     concurrent_large_images = models.PositiveIntegerField(null=True, blank=True)
+    # A money budget per period: hard, refused with budget_exceeded once spent; soft, alerts only
+    # (alert rules of kind budget_spent at the thresholds the operator sets).
+    spend_limit = models.DecimalField(max_digits=14, decimal_places=2, null=True, blank=True,
+                                      validators=[MinValueValidator(Decimal("0.01"))],
+                                      help_text="Budget per period; empty: none")
+    spend_hard = models.BooleanField(default=True, help_text="Refuse requests once the budget is spent")
+    spend_currency = models.CharField(max_length=3, default="USD", choices=[(c, c) for c in CURRENCIES],
+                                      help_text="What the budget counts: requests to tiers priced in it")
 
     class Meta:
         abstract = True

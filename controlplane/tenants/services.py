@@ -37,7 +37,7 @@ def key_hash(secret: str) -> str:
 
 def api_key_create(
     *, tenant: Tenant, name: str = "", created_by=None, expires_at: datetime | None = None, tiers=None,
-    requests_per_minute: int | None = None,
+    requests_per_minute: int | None = None, spend_limit=None,
 ) -> IssuedKey:
     """A new key of `tenant`; `tiers`, when given, scopes it to those models. TenantInactive
     when the tenant is deactivated."""
@@ -57,6 +57,7 @@ def api_key_create(
                     created_by=created_by,
                     expires_at=expires_at,
                     requests_per_minute=requests_per_minute,
+                    spend_limit=spend_limit,
                 )
         except IntegrityError:
             if attempt == 4:
@@ -94,6 +95,7 @@ def _key_audit(api_key: ApiKey, user, *, created: bool) -> None:
                      after={"tenant": api_key.tenant.name, "name": api_key.name, "prefix": api_key.prefix,
                             "models": ", ".join(sorted(api_key.allowed_tiers.values_list("name", flat=True)))
                             or "every model of its tenant", "requests_per_minute": api_key.requests_per_minute,
+                            "spend_limit": str(api_key.spend_limit) if api_key.spend_limit is not None else None,
                             "expires_at": api_key.expires_at.isoformat() if api_key.expires_at else None})
     else:
         audit_record(actor=who, action=AuditEntry.Action.CHANGED, obj=api_key, before={"revoked_at": None},
@@ -113,7 +115,7 @@ def api_key_lookup(secret: str) -> ApiKey | None:
 
 TENANT_AUDITED = ("name", "display_name", "active", "isolate_prefix_cache", "default_text_tier_id",
                   "default_image_tier_id")
-QUOTA_AUDITED = ("period", *QuotaLimits.LIMITS)
+QUOTA_AUDITED = QuotaLimits.SETTINGS
 
 
 @transaction.atomic

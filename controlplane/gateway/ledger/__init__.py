@@ -35,6 +35,8 @@ from django.utils import timezone
 from controlplane.gateway.apps import current_process
 from controlplane.gateway.ledger import spool
 from controlplane.gateway.ledger.base import (
+    MICROS,
+    SPEND,
     Ask,
     Flight,
     IntakeLimits,
@@ -49,7 +51,7 @@ from controlplane.gateway.ledger.redis_store import RedisLedger
 from controlplane.gateway.ledger.spool import Spool
 from controlplane.metering.records import UsageRecord
 
-__all__ = ("Ask", "DatabaseLedger", "Flight", "IntakeLimits", "LedgerBook", "Limits", "RedisLedger", "Refused", "Reservation", "admit",
+__all__ = ("MICROS", "SPEND", "Ask", "DatabaseLedger", "Flight", "IntakeLimits", "LedgerBook", "Limits", "RedisLedger", "Refused", "Reservation", "admit",
            "engine_chosen", "finish", "intake_charge", "intake_over", "journal_reap", "ledger", "settlement")
 log = logging.getLogger(__name__)
 

@@ -7,14 +7,25 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 from dataclasses import dataclass
+from decimal import Decimal
 from typing import Protocol
 
 from controlplane.metering.periods import minute_window, seconds_to_period_end
-from controlplane.metering.records import UsageRecord, is_billable, usage_from_json, usage_to_json
+from controlplane.metering.rating import Rates
+from controlplane.metering.records import (
+    UsageRecord,
+    is_billable,
+    record_price,
+    usage_from_json,
+    usage_to_json,
+)
 
-LIMITS = ("image_tokens", "total_tokens", "requests_per_minute", "concurrent_large_images")
+LIMITS = ("image_tokens", "total_tokens", "requests_per_minute", "concurrent_large_images", "spend", "key_spend")
 NAMES = {"image_tokens": "image tokens", "total_tokens": "total tokens",
-         "requests_per_minute": "requests per minute", "concurrent_large_images": "concurrent large-image requests"}
+         "requests_per_minute": "requests per minute", "concurrent_large_images": "concurrent large-image requests",
+         "spend": "the tenant's budget", "key_spend": "this API key's budget"}
+SPEND = ("spend", "key_spend")  # money, in micro-units of the budget's currency
+MICROS = 1_000_000
 
 
 @dataclass(frozen=True)
@@ -24,6 +35,9 @@ class Limits:
     total_tokens: int | None = None
     requests_per_minute: int | None = None
     concurrent_large_images: int | None = None
+    spend: int | None = None  # the tenant's hard budget for the period, micro-units of `currency`
+    key_spend: int | None = None  # the key's own
+    currency: str = "USD"  # what budgets are counted in: requests to tiers priced in another cost them nothing
 
     @property
     def unlimited(self) -> bool:
@@ -81,6 +95,10 @@ class Ask:
     image_tokens: int
     total_tokens: int
     large: bool
+    cost: int = 0  # the most it can cost (its output at max_tokens), micro-units of the budgets' currency
+    key_id: int | None = None  # whose key's budget it counts against too
+    # What prices it, to settle its cost to what it used (None: it costs the budgets nothing).
+    rates: Rates | None = None
 
 
 @dataclass(frozen=True)
@@ -90,21 +108,42 @@ class Reservation:
     ask: Ask
     id: str = ""  # the request's id (Redis keeps the epoch of the counters it was made in)
 
+    @property
+    def key_field(self) -> str:
+        """The key's field among the period's spend counters."""
+        return f"k{self.ask.key_id or 0}"
+
+
+_RATES = ("text_input_per_mtok", "image_per_mtok", "output_per_mtok", "per_image_fee", "cached_image_discount")
+
 
 def reservation_to_json(reservation: Reservation) -> dict:
+    ask = reservation.ask
+    rates = None if ask.rates is None else [str(getattr(ask.rates, name)) for name in _RATES]
     return {"tenant_id": reservation.tenant_id, "period_window": reservation.period_window, "id": reservation.id,
-            "ask": [reservation.ask.image_tokens, reservation.ask.total_tokens, reservation.ask.large]}
+            "ask": [ask.image_tokens, ask.total_tokens, ask.large, ask.cost, ask.key_id], "rates": rates}
 
 
 def reservation_from_json(data: dict) -> Reservation:
-    image_tokens, total_tokens, large = data["ask"]
-    return Reservation(data["tenant_id"], data["period_window"], Ask(image_tokens, total_tokens, bool(large)),
-                       data.get("id", ""))
+    image_tokens, total_tokens, large, *spend = data["ask"]
+    cost, key_id = (spend + [0, None])[:2]
+    rates = data.get("rates")
+    rates = None if rates is None else Rates(**{name: Decimal(value) for name, value in zip(_RATES, rates, strict=True)})
+    return Reservation(data["tenant_id"], data["period_window"],
+                       Ask(image_tokens, total_tokens, bool(large), cost, key_id, rates), data.get("id", ""))
+
+
+def money(micros: int, currency: str) -> str:
+    return f"{Decimal(micros) / MICROS:,.2f} {currency}"
 
 
 class Refused(Exception):
-    def __init__(self, limit: str, limit_value: int, retry_after: int, period: str):
+    def __init__(self, limit: str, limit_value: int, retry_after: int, period: str, currency: str = ""):
         self.limit, self.retry_after = limit, max(1, retry_after)
+        if limit in SPEND:
+            super().__init__(f"budget exceeded: {NAMES[limit]} of {money(limit_value, currency)} this {period} is "
+                             f"spent; it renews in {self.retry_after}s")
+            return
         window = {"requests_per_minute": "this minute", "concurrent_large_images": "at once"}.get(
             limit, f"this {period}")
         super().__init__(f"quota exceeded: {NAMES[limit]} ({limit_value:,} {window}); retry after "
@@ -114,7 +153,7 @@ class Refused(Exception):
 def refusal(limit: str, limits: Limits, now: dt.datetime) -> Refused:
     retry = {"requests_per_minute": 60 - now.second, "concurrent_large_images": 2}.get(
         limit, seconds_to_period_end(limits.period, now))
-    return Refused(limit, getattr(limits, limit), retry, limits.period)
+    return Refused(limit, getattr(limits, limit), retry, limits.period, limits.currency)
 
 
 @dataclass(eq=False)
@@ -130,12 +169,15 @@ class Flight:
     beaten: int = 0  # of which the journal knows
 
 
-def settlement(record: UsageRecord) -> tuple[int, int]:
-    """Image and total tokens a finished request holds against its quota: what it used if
-    it is billed, nothing if it is not."""
+def settlement(record: UsageRecord) -> tuple[int, int, int]:
+    """Image and total tokens, and the cost (micro-units), a finished request holds against
+    its quota and budgets: what it used, priced as its bill will price it, if it is billed;
+    nothing if it is not."""
     if not is_billable(record):
-        return 0, 0
-    return record.image_tokens, record.text_tokens + record.image_tokens + record.output_tokens
+        return 0, 0, 0
+    rates = record.reservation.ask.rates if record.reservation is not None else None
+    cost = 0 if rates is None else int(record_price(record, rates) * MICROS)
+    return record.image_tokens, record.text_tokens + record.image_tokens + record.output_tokens, cost
 
 
 def entry(record: UsageRecord) -> dict:

@@ -39,10 +39,15 @@ from controlplane.gateway.ledger.base import (
 from controlplane.gateway.models import InFlightRequest
 from controlplane.metering.periods import minute_window, period_window
 from controlplane.metering.records import UsageRecord
-from controlplane.metering.services import metered_so_far, usage_record
+from controlplane.metering.services import metered_so_far, metered_spend, usage_record
 from controlplane.tenants.models import ApiKey, QuotaCounter
 
 log = logging.getLogger(__name__)
+
+
+def _key_spend(reservation: Reservation) -> str:
+    """The counter of what the reservation's key has spent."""
+    return f"key{reservation.ask.key_id or 0}:spend"
 
 
 class DatabaseLedger:
@@ -171,47 +176,55 @@ class DatabaseLedger:
     def _reserve(self, tenant_id: int, limits: Limits, ask: Ask, now: dt.datetime) -> Reservation:
         """Inside a transaction: every limit checked and reserved on its locked row, or none."""
         window = period_window(limits.period, now)
-        plan = [("image_tokens", ask.image_tokens, window), ("total_tokens", ask.total_tokens, window),
-                ("requests_per_minute", 1, minute_window(now))]
+        reservation = Reservation(tenant_id, window, ask)
+        plan = [("image_tokens", "image_tokens", ask.image_tokens, window),
+                ("total_tokens", "total_tokens", ask.total_tokens, window),
+                ("requests_per_minute", "requests_per_minute", 1, minute_window(now)),
+                ("spend", "spend", ask.cost, window), ("key_spend", _key_spend(reservation), ask.cost, window)]
         if ask.large:
-            plan.append(("concurrent_large_images", 1, ""))
+            plan.append(("concurrent_large_images", "concurrent_large_images", 1, ""))
         with transaction.atomic():
-            for name, amount, counter_window in plan:
+            for name, counter, amount, counter_window in plan:
                 limit = getattr(limits, name)
                 if limit is None:
                     continue
-                row = QuotaCounter.objects.select_for_update().filter(tenant_id=tenant_id, key=name).first()
+                row = QuotaCounter.objects.select_for_update().filter(tenant_id=tenant_id, key=counter).first()
                 if row is None:
-                    row = QuotaCounter.objects.create(tenant_id=tenant_id, key=name, window="", used=0)
+                    row = QuotaCounter.objects.create(tenant_id=tenant_id, key=counter, window="", used=0)
                 if row.window != counter_window:  # a new period or minute starts from what is metered
                     row.window = counter_window
-                    row.used = self._start(name, tenant_id, limits.period, now)
+                    row.used = self._start(name, reservation, limits, now)
                 if row.used + amount > limit:
                     raise refusal(name, limits, now)
                 row.used += amount
                 row.save(update_fields=["window", "used"])
-        return Reservation(tenant_id, window, ask)
+        return reservation
 
     @staticmethod
-    def _start(name: str, tenant_id: int, period: str, now: dt.datetime) -> int:
+    def _start(name: str, reservation: Reservation, limits: Limits, now: dt.datetime) -> int:
         if name in ("image_tokens", "total_tokens"):
-            image_used, total_used = metered_so_far(tenant_id, period, now)
+            image_used, total_used = metered_so_far(reservation.tenant_id, limits.period, now)
             return image_used if name == "image_tokens" else total_used
+        if name in ("spend", "key_spend"):
+            spent = metered_spend(reservation.tenant_id, limits.period, now, limits.currency)
+            return spent.get("tenant" if name == "spend" else reservation.key_field, 0)
         return 0
 
-    def settle_sync(self, reservation: Reservation, *, image_tokens: int, total_tokens: int) -> None:
+    def settle_sync(self, reservation: Reservation, *, image_tokens: int, total_tokens: int, cost: int = 0) -> None:
         """Correct a reservation to what was used (release it: 0 and 0)."""
-        counters = QuotaCounter.objects.filter(tenant_id=reservation.tenant_id)
+        counters = QuotaCounter.objects.filter(tenant_id=reservation.tenant_id, window=reservation.period_window)
         with transaction.atomic():
-            counters.filter(key="image_tokens", window=reservation.period_window).update(
-                used=F("used") + (image_tokens - reservation.ask.image_tokens))
-            counters.filter(key="total_tokens", window=reservation.period_window).update(
-                used=F("used") + (total_tokens - reservation.ask.total_tokens))
+            counters.filter(key="image_tokens").update(used=F("used") + (image_tokens - reservation.ask.image_tokens))
+            counters.filter(key="total_tokens").update(used=F("used") + (total_tokens - reservation.ask.total_tokens))
+            counters.filter(key__in=["spend", _key_spend(reservation)]).update(
+                used=F("used") + (cost - reservation.ask.cost))
             if reservation.ask.large:
-                counters.filter(key="concurrent_large_images").update(used=Greatest(F("used") - 1, 0))
+                QuotaCounter.objects.filter(tenant_id=reservation.tenant_id, key="concurrent_large_images").update(
+                    used=Greatest(F("used") - 1, 0))
 
-    async def settle(self, reservation: Reservation, *, image_tokens: int, total_tokens: int) -> None:
-        await sync_to_async(self.settle_sync)(reservation, image_tokens=image_tokens, total_tokens=total_tokens)
+    async def settle(self, reservation: Reservation, *, image_tokens: int, total_tokens: int, cost: int = 0) -> None:
+        await sync_to_async(self.settle_sync)(reservation, image_tokens=image_tokens, total_tokens=total_tokens,
+                                              cost=cost)
 
     # -- beat ------------------------------------------------------------------------------
 
@@ -245,8 +258,8 @@ class DatabaseLedger:
                 return False  # the reaper finished it already
             usage_record(record=record)
             if record.reservation is not None:
-                image_tokens, total_tokens = settlement(record)
-                self.settle_sync(record.reservation, image_tokens=image_tokens, total_tokens=total_tokens)
+                image_tokens, total_tokens, cost = settlement(record)
+                self.settle_sync(record.reservation, image_tokens=image_tokens, total_tokens=total_tokens, cost=cost)
         return True
 
     async def keep_safe(self) -> int:

@@ -54,7 +54,14 @@ from controlplane.metering.periods import (
     seconds_to_period_end,
 )
 from controlplane.metering.records import UsageRecord, usage_from_json, usage_to_json
-from controlplane.metering.services import metered_so_far, usage_record, usage_record_many
+from controlplane.metering.services import (
+    Metered,
+    metered_so_far,
+    metered_spend,
+    pending_price,
+    usage_record,
+    usage_record_many,
+)
 from controlplane.redis_clients import (
     async_redis,
     key_prefix,
@@ -65,7 +72,7 @@ from controlplane.redis_clients import (
 
 log = logging.getLogger(__name__)
 
-_ORDER = ("image_tokens", "total_tokens", "requests_per_minute", "concurrent_large_images")
+_ORDER = ("image_tokens", "total_tokens", "requests_per_minute", "concurrent_large_images", "spend", "key_spend")
 
 
 HANDED_KEEP_S, HANDED_MAX = 120, 200_000  # well past the ingest's interval
@@ -95,14 +102,19 @@ def _as_stored(record: UsageRecord) -> UsageRecord:
     return record
 
 
-def _metered_with(tenant_id: int, period: str, now: dt.datetime, pending: dict) -> tuple[int, int]:
+def _metered_with(tenant_id: int, period: str, now: dt.datetime, pending: dict, currency: str) -> Metered:
+    """What the tenant has used this period: metered, and `pending` (handed over, not stored)."""
     image_used, total_used = metered_so_far(tenant_id, period, now)
+    spent = metered_spend(tenant_id, period, now, currency)
     stored = set(UsageEvent.objects.filter(request_id__in=list(pending)).values_list("request_id", flat=True))
     for request_id, record in pending.items():
         if request_id not in stored:
-            image, total = settlement(record)
+            image, total, _ = settlement(record)
             image_used, total_used = image_used + image, total_used + total
-    return image_used, total_used
+            cost = pending_price(record, currency)
+            for field in ("tenant", f"k{record.api_key_id or 0}"):
+                spent[field] = spent.get(field, 0) + cost
+    return Metered(image_used, total_used, spent)
 
 
 def _beat(flight: Flight, now: float) -> str:
@@ -130,6 +142,9 @@ class RedisLedger:
         base = f"{self.prefix}:quota:{tenant_id}"
         return [f"{base}:{window}:image_tokens", f"{base}:{window}:total_tokens",
                 f"{base}:rpm:{minute_window(now)}", f"{base}:large", f"{base}:{window}:epoch"]
+
+    def _spend_key(self, tenant_id: int, window: str) -> str:
+        return f"{self.prefix}:quota:{tenant_id}:{window}:spend"
 
     # -- a key's own rate ------------------------------------------------------------------
 
@@ -203,46 +218,53 @@ class RedisLedger:
     async def _run(self, tenant_id: int, limits: Limits | None, ask: Ask | None, now: dt.datetime, *,
                    journal: tuple[str, str, str] = ("", "", "")) -> None:
         window = period_window(limits.period, now) if limits else ""
-        keys = self._quota_keys(tenant_id, window, now) + [self.inflight, self.beats, self.epochs]
+        spend_key = self._spend_key(tenant_id, window)
+        keys = self._quota_keys(tenant_id, window, now) + [self.inflight, self.beats, self.epochs, spend_key]
+        limit = {} if limits is None else {name: -1 if getattr(limits, name) is None else getattr(limits, name)
+                                           for name in _ORDER}
         quota = [0, 0, 0, -1, -1, -1, -1] if limits is None else [
-            ask.image_tokens, ask.total_tokens, int(ask.large),
-            *(-1 if getattr(limits, name) is None else getattr(limits, name) for name in _ORDER)]
+            ask.image_tokens, ask.total_tokens, int(ask.large), *(limit[name] for name in _ORDER[:4])]
+        spend = [0, -1, "", -1] if limits is None else [
+            ask.cost, limit["spend"], f"k{ask.key_id or 0}", limit["key_spend"]]
         client, scripts = self._client(), self._scripts()
         for _attempt in range(2):
-            outcome = await lua.run(scripts, lua.ADMIT, 8, *keys, *quota, *journal, "1" if limits else "0")
+            outcome = await lua.run(scripts, lua.ADMIT, 9, *keys, *quota, *journal, "1" if limits else "0", *spend)
             if outcome == -1:  # the period's first request (or Redis lost them): start from what is metered
                 await self.keep_safe()  # what Redis lost is in the database first
-                image_used, total_used = await self._used(client, tenant_id, limits.period, now)
+                used = await self._used(client, tenant_id, limits, now)
                 ttl = seconds_to_period_end(limits.period, now) + 2 * 86400
-                await lua.run(scripts, lua.SEED, 3, keys[0], keys[1], keys[4], image_used, total_used, uuid.uuid4().hex, ttl)
+                fields = [item for pair in {"seeded": 1, **used.spent}.items() for item in pair]
+                await lua.run(scripts, lua.SEED, 4, keys[0], keys[1], keys[4], spend_key, used.image_tokens,
+                              used.total_tokens, uuid.uuid4().hex, ttl, *fields)
                 continue
             if outcome:
                 raise refusal(_ORDER[outcome - 1], limits, now)
             return
         raise RuntimeError("quota counters could not be started")
 
-    async def _used(self, client, tenant_id: int, period: str, now: dt.datetime) -> tuple[int, int]:
+    async def _used(self, client, tenant_id: int, limits: Limits, now: dt.datetime) -> Metered:
         """What the tenant has used this period: metered in the database, and handed over to
         the usage stream but not stored yet (each request once)."""
-        since, pending = period_start(period, now), {}
+        since, pending = period_start(limits.period, now), {}
         for _entry_id, fields in await client.xrange(stream_key(), count=500_000):
             data = orjson.loads(fields[b"record"])
             if data["tenant_id"] == tenant_id and dt.datetime.fromisoformat(data["created_at"]) >= since:
                 pending[data["request_id"]] = usage_from_json(data)
-        return await sync_to_async(_metered_with)(tenant_id, period, now, pending)
+        return await sync_to_async(_metered_with)(tenant_id, limits.period, now, pending, limits.currency)
 
-    def _settle_call(self, reservation: Reservation, image_tokens: int, total_tokens: int) -> tuple[list, list]:
+    def _settle_call(self, reservation: Reservation, image_tokens: int, total_tokens: int,
+                     cost: int) -> tuple[list, list]:
         base, window = f"{self.prefix}:quota:{reservation.tenant_id}", reservation.period_window
         keys = [f"{base}:{window}:image_tokens", f"{base}:{window}:total_tokens", f"{base}:large",
-                f"{base}:{window}:epoch", self.epochs]
+                f"{base}:{window}:epoch", self.epochs, self._spend_key(reservation.tenant_id, window)]
         return keys, [reservation.id, image_tokens - reservation.ask.image_tokens,
                       total_tokens - reservation.ask.total_tokens, image_tokens, total_tokens,
-                      int(reservation.ask.large)]
+                      int(reservation.ask.large), reservation.key_field, cost - reservation.ask.cost, cost]
 
-    async def settle(self, reservation: Reservation, *, image_tokens: int, total_tokens: int) -> None:
+    async def settle(self, reservation: Reservation, *, image_tokens: int, total_tokens: int, cost: int = 0) -> None:
         """Correct a reservation to what was used (release it: 0 and 0)."""
-        keys, args = self._settle_call(reservation, image_tokens, total_tokens)
-        await lua.run(self._scripts(), lua.SETTLE, 5, *keys, *args)
+        keys, args = self._settle_call(reservation, image_tokens, total_tokens, cost)
+        await lua.run(self._scripts(), lua.SETTLE, 6, *keys, *args)
 
     # -- beat ------------------------------------------------------------------------------
 
@@ -258,10 +280,9 @@ class RedisLedger:
         keys, args = [self.inflight, self.beats, stream_key(), f"{self.prefix}:reaped:{record.request_id}"], [
             record.request_id, "1" if journaled else "0", orjson.dumps(usage_to_json(record))]
         if record.reservation is not None:
-            image_tokens, total_tokens = settlement(record)
-            settle_keys, settle_args = self._settle_call(record.reservation, image_tokens, total_tokens)
+            settle_keys, settle_args = self._settle_call(record.reservation, *settlement(record))
             return keys + settle_keys, args + ["1", *settle_args, stale_beat]
-        return keys + [""] * 5, args + ["0", "", 0, 0, 0, 0, 0, stale_beat]
+        return keys + [""] * 6, args + ["0", "", 0, 0, 0, 0, 0, "", 0, 0, stale_beat]
 
     async def finish(self, flight: Flight, written: asyncio.Future | None = None) -> None:
         """Hand the usage over and settle, in one script; `written` is resolved once the script
@@ -293,9 +314,10 @@ class RedisLedger:
             except Exception:
                 log.warning("could not remove %s from the usage journal", record.request_id)
             if (held or not flight.journaled) and record.reservation is not None:
-                image_tokens, total_tokens = settlement(record)
+                image_tokens, total_tokens, cost = settlement(record)
                 try:
-                    await self.settle(record.reservation, image_tokens=image_tokens, total_tokens=total_tokens)
+                    await self.settle(record.reservation, image_tokens=image_tokens, total_tokens=total_tokens,
+                                      cost=cost)
                 except Exception:
                     log.exception("could not settle the quota reservation of %s", record.request_id)
 

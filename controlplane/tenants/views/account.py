@@ -6,15 +6,12 @@ from __future__ import annotations
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.core.exceptions import PermissionDenied
-from django.db.models import Sum
 from django.shortcuts import get_object_or_404, redirect, render
 from django.utils import timezone
 from django.views.decorators.http import require_POST
 
 from controlplane.catalog.routing import tenant_auto
-from controlplane.metering.models import UsageEvent
-from controlplane.metering.periods import period_start
-from controlplane.metering.selectors import quota_use
+from controlplane.metering.selectors import budget_terms, keys_spend, quota_use
 from controlplane.tenants import roles
 from controlplane.tenants.forms import OwnKeyForm
 from controlplane.tenants.models import ApiKey, Quota
@@ -37,23 +34,25 @@ def account(request):
             issued = api_key_create(tenant=tenant, name=form.cleaned_data["name"], created_by=request.user,
                                     expires_at=form.cleaned_data["expires_at"],
                                     tiers=list(form.cleaned_data["tiers"]),
-                                    requests_per_minute=form.cleaned_data["requests_per_minute"])
+                                    requests_per_minute=form.cleaned_data["requests_per_minute"],
+                                    spend_limit=form.cleaned_data["spend_limit"])
         except TenantInactive as exc:  # deactivated as the form was sent
             form.add_error(None, str(exc))
         else:
             request.session["issued_key"] = issued.secret
             return redirect("dashboard:account")
     now = timezone.now()
-    month = period_start("month", now)
-    spend = dict(UsageEvent.objects.filter(tenant=tenant, created_at__gte=month).values("api_key_id")
-                 .annotate(cost=Sum("cost")).values_list("api_key_id", "cost"))
-    keys = list(ApiKey.objects.filter(tenant=tenant).prefetch_related("allowed_tiers").order_by("-created_at"))
+    keys = list(ApiKey.objects.filter(tenant=tenant).select_related("tenant", "tenant__quota")
+                .prefetch_related("allowed_tiers").order_by("-created_at"))
+    spend = keys_spend(keys, now=now)
     for key in keys:
-        key.spend = spend.get(key.pk) or 0
+        key.spend = spend.get(key.pk, 0)
     quota = Quota.objects.filter(tenant=tenant).first()
+    period, currency = budget_terms(tenant)
     return render(request, "tenants/account.html", {
         "tenant": tenant, "form": form, "keys": keys, "issued": request.session.pop("issued_key", None),
-        "quota": quota, "use": quota_use(tenant=tenant, quota=quota, now=now), "auto": tenant_auto(tenant), "month": f"{now:%Y-%m}", "now": now,
+        "quota": quota, "use": quota_use(tenant=tenant, quota=quota, now=now), "auto": tenant_auto(tenant),
+        "budget_period": "today" if period == "day" else f"{now:%Y-%m}", "currency": currency, "now": now,
     })
 
 

@@ -10,6 +10,7 @@ from django.views.decorators.http import require_POST
 
 from controlplane.catalog.models import ModelTier
 from controlplane.catalog.routing import tenant_auto
+from controlplane.metering.selectors import budget_terms, keys_spend
 from controlplane.tenants.forms import ApiKeyForm
 from controlplane.tenants.models import ApiKey
 from controlplane.tenants.services import TenantInactive, api_key_create, api_key_revoke
@@ -25,7 +26,8 @@ def keys(request):
             result = api_key_create(tenant=form.cleaned_data["tenant"], name=form.cleaned_data["name"],
                                     created_by=request.user, expires_at=form.cleaned_data["expires_at"],
                                     tiers=list(form.cleaned_data["tiers"]),
-                                    requests_per_minute=form.cleaned_data["requests_per_minute"])
+                                    requests_per_minute=form.cleaned_data["requests_per_minute"],
+                                    spend_limit=form.cleaned_data["spend_limit"])
         except TenantInactive as exc:  # deactivated as the form was sent
             form.add_error("tenant", str(exc))
         else:
@@ -34,13 +36,15 @@ def keys(request):
             request.session["issued_key"] = result.secret
             return redirect("dashboard:keys")
 
-    keys = list(ApiKey.objects.select_related("tenant").prefetch_related("tenant__allowed_tiers")
+    keys = list(ApiKey.objects.select_related("tenant", "tenant__quota").prefetch_related("tenant__allowed_tiers")
                 .order_by("tenant__name", "-created_at"))
+    spend = keys_spend(keys)
     enabled, routes = list(ModelTier.objects.filter(enabled=True)), {}
     for key in keys:
         if key.tenant_id not in routes:
             routes[key.tenant_id] = tenant_auto(key.tenant, enabled_tiers=enabled)
         key.auto = routes[key.tenant_id]
+        key.spend, (_, key.currency) = spend.get(key.pk, 0), budget_terms(key.tenant)
     return render(request, "tenants/keys.html", {
         "form": form, "issued": request.session.pop("issued_key", None), "keys": keys,
     })

@@ -301,3 +301,23 @@ def test_evaluators_running_at_once_fire_an_alert_once(world, only_rule, now):
         thread.join()
     assert sum(result.fired for result in results) == 1
     assert Alert.objects.count() == 1
+
+
+def test_a_budget_alert_fires_for_a_soft_budget_and_a_keys_past_the_share_the_operator_set(world, only_rule, now):
+    from controlplane.tenants.services import api_key_create
+
+    only_rule(kind="budget_spent", threshold=80)
+    Quota.objects.create(tenant=world.alice, spend_limit=Decimal("1.00"), spend_hard=False)
+    Quota.objects.create(tenant=world.bob, spend_limit=Decimal("10.00"))
+    _spend(world.alice, world.text, 0, output_tokens=1_500_000)  # 0.90 USD
+    _spend(world.bob, world.text, 0, output_tokens=1_500_000)  # 9 % of bob's
+    capped = api_key_create(tenant=world.charlie, name="ci", spend_limit=Decimal("0.50")).api_key
+    usage_record(record=UsageRecord(request_id="req_key_spend", tenant_id=world.charlie.pk, api_key_id=capped.pk,
+                                    tier_id=world.text.pk, output_tokens=1_000_000))  # 0.60 USD
+
+    alerts_evaluate(now=now)
+    alerts = {alert.subject: alert.message for alert in firing()}
+    assert alerts == {
+        "tenant:alice": "tenant alice has spent 90 % of its soft budget (alerts only): 0.90 of 1.00 USD this month",
+        f"key:{capped.prefix}": "key ci of charlie has spent 120 % of its budget: 0.60 of 0.50 USD this month",
+    }

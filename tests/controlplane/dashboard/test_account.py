@@ -42,7 +42,7 @@ def test_a_tenant_admin_sees_its_keys_with_spend_and_revokes_one_but_never_anoth
     client.force_login(world.alice_admin)
     page = client.get("/account/").content.decode()
     row = page.split(f'data-key="{mine.prefix}"')[1].split("</tr>")[0]
-    assert "web" in row and "0.200000" in row and "every model of yours" in row  # 1 M text tokens at $0.20
+    assert "web" in row and "0.20 USD" in row and "every model of yours" in row  # 1 M text tokens at $0.20
     assert theirs.prefix not in page
     assert client.post(f"/account/keys/{theirs.pk}/revoke/").status_code == 404
     client.post(f"/account/keys/{mine.pk}/revoke/")

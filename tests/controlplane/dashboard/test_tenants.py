@@ -5,6 +5,7 @@ chosen, or every tier when that is chosen; the quota editor shows what the tenan
 from __future__ import annotations
 
 import datetime as dt
+from decimal import Decimal
 
 import pytest
 from django.utils import timezone
@@ -122,3 +123,21 @@ def test_only_operators_manage_tenants(client, world):
         assert client.get("/tenants/").status_code == 403
         assert client.post("/tenants/new/", _new(world)).status_code == 403
     assert QuotaDefault.objects.count() == 0
+
+
+def test_a_tenants_budget_is_set_on_its_form_and_its_spend_shown_beside_it(client, world):
+    from controlplane.metering.records import UsageRecord
+    from controlplane.metering.services import usage_record
+
+    client.force_login(world.operator)
+    response = client.post("/tenants/new/", _new(world, spend_limit="2.50", spend_hard="soft"))
+    assert response.status_code == 302
+    quota = Quota.objects.get(tenant__name="acme")
+    assert (quota.spend_limit, quota.spend_hard, quota.spend_currency) == (Decimal("2.50"), False, "USD")
+    usage_record(record=UsageRecord(request_id="req-acme", tenant_id=quota.tenant_id, api_key_id=None,
+                                    tier_id=world.vision.pk, output_tokens=1_000_000))  # 0.60 USD
+    page = client.get("/tenants/acme/").content.decode()
+    row = page.split('data-limit="spend_limit"')[1].split("</tr>")[0]
+    assert "0.60 of 2.50 USD (24%), soft" in row
+    refused = client.post("/tenants/acme/", _new(world, spend_limit="-1")).content.decode()
+    assert "Ensure this value is greater than or equal to 0.01." in field_errors(refused)
