@@ -92,15 +92,15 @@ def size_buckets(sizes: list[tuple[int, int]], limit: int = MAX_BUCKETS) -> list
             for (w, h), n in sorted(counts.items(), key=lambda item: (-item[1], item[0]))]
 
 
-def observe(tier, *, since: datetime, until: datetime, tenant=None, exclude_tenant: str = "") -> Observed:
+def observe(tier, *, since: datetime, until: datetime, tenant=None, exclude_internal: bool = False) -> Observed:
     """The traffic mix of `tier` (and `tenant`) between `since` and `until`."""
     if until <= since:
         raise ValueError("the window must end after it starts")
     events = UsageEvent.objects.filter(tier=tier, created_at__gte=since, created_at__lt=until)
     if tenant is not None:
         events = events.filter(tenant=tenant)
-    if exclude_tenant:
-        events = events.exclude(tenant__name=exclude_tenant)
+    if exclude_internal:  # the service's own traffic (benchmarks): not what clients send
+        events = events.exclude(tenant__internal=True)
     requests = events.count()
     if not requests:
         raise NoTraffic("no requests in this window")

@@ -41,12 +41,15 @@ from controlplane.fleet.selectors import routable_instances
 from controlplane.imaging.policy import sent_sizes
 from controlplane.imaging.tokens import count_image_tokens
 from controlplane.metering.ratebook import NoRate, RateBook
-from controlplane.tenants.models import Tenant
-from controlplane.tenants.services import TenantInactive, api_key_create, api_key_revoke
+from controlplane.tenants.services import (
+    TenantInactive,
+    api_key_create,
+    api_key_revoke,
+    internal_tenant,
+)
 
 log = logging.getLogger(__name__)
 
-BENCHMARK_TENANT = "benchmarks"
 POLL_S = 0.5
 MAX_STORED_SAMPLES = 20_000
 # The run task's hard time limit (workers.tasks.benchmark_run): no worker still runs a run
@@ -192,8 +195,7 @@ def _target(run: BenchmarkRun, planned_s: float):
     url = f"{profile.gateway_base}/v1/chat/completions"
     # This server's own gateway (GATEWAY_PUBLIC_URL) is its configuration, not a URL an operator set.
     pinned = _vetted(url, "benchmark target URL") if profile.gateway_url else None
-    tenant, _ = Tenant.objects.get_or_create(name=BENCHMARK_TENANT, defaults={
-        "display_name": "Benchmark runs", "isolate_prefix_cache": True})
+    tenant = internal_tenant()
     try:
         issued = api_key_create(tenant=tenant, name=f"benchmark run {run.pk}",
                                 expires_at=timezone.now() + dt.timedelta(seconds=planned_s + 3600))
@@ -444,7 +446,7 @@ def profile_from_traffic(*, name: str, tier, tenant=None, seconds: float, multip
     last `seconds`, leaving out benchmark traffic. Raises observed.NoTraffic when there was none."""
     until = timezone.now()
     seen = observed.observe(tier, tenant=tenant, since=until - dt.timedelta(seconds=seconds), until=until,
-                            exclude_tenant=BENCHMARK_TENANT)
+                            exclude_internal=True)
     whose = f"{tenant.name} on {tier.name}" if tenant is not None else tier.name
     profile = BenchmarkProfile(
         name=name, tier=tier,

@@ -87,8 +87,10 @@ def _alerts() -> list[Alert]:
 
 
 def _top_spenders(day: dt.date) -> list[dict]:
-    """Today's spend per tenant and currency, from the daily rollups, largest first."""
-    rows = (DailyUsage.objects.filter(day=day).values("tenant__name", "tier__price_plan__currency")
+    """Today's spend per client tenant (not the service's own traffic) and currency, from the
+    daily rollups, largest first."""
+    rows = (DailyUsage.objects.filter(day=day, tenant__internal=False)
+            .values("tenant__name", "tier__price_plan__currency")
             .annotate(cost=Sum("cost"), requests=Sum("requests")).filter(cost__gt=0).order_by("-cost"))
     return [{"tenant": row["tenant__name"], "currency": row["tier__price_plan__currency"] or "",
              "cost": row["cost"], "requests": row["requests"]} for row in rows[:TOP_SPENDERS]]

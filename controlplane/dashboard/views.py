@@ -66,8 +66,14 @@ def usage(request):
     asked = request.GET.get("tenant")  # a tenant admin's tenants are read only when one is named
     refused = _refused_filters(request.GET, period=period, tier=tier,
                                tenant_names={t.name for t in (tenants if staff else visible)} if asked else set())
-    scope = UsageScope(tenants=[] if refused else [tenant] if tenant else visible, tier=tier, period=period,
-                       now=timezone.now())
+    # Every tenant is every client's: the service's own traffic is shown apart.
+    scope = UsageScope(tenants=[] if refused else [tenant] if tenant else visible.filter(internal=False), tier=tier,
+                       period=period, now=timezone.now())
+    internal = None
+    if staff and tenant is None and not refused:
+        internal_table = usage_table(scope=UsageScope(tenants=visible.filter(internal=True), tier=tier, period=period,
+                                                      now=scope.now))
+        internal = usage_totals(internal_table) if internal_table else None
 
     by_tier = usage_over_time(scope=scope, by="tier")
     # A tenant admin's usage is one tenant's: splitting it per tenant would say nothing.
@@ -95,7 +101,8 @@ def usage(request):
         "distribution_chart": cost_per_image_chart(distribution, currency=currency, since=scope.first_day)
         if distribution.buckets else "",
         "curves_chart": resolution_curves_chart(curves, div_id="tier-resolution-curves") if curves else "",
-        "table": table, "totals": totals,
+        "table": table, "totals": totals, "internal": internal,
+        "internal_tenants": [t for t in tenants if t.internal],
         "first_day": scope.first_day, "last_day": scope.last_day,
     }, status=400 if refused else 200)
 

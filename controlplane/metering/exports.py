@@ -168,7 +168,8 @@ class Export:
 
 def export_for(*, report: str, filetype: str, params: Mapping, tenants, today: dt.date) -> Export:
     """What an export request asks for, checked. `tenants` are those the caller may see; the
-    optional `tenant` parameter narrows them to one by name."""
+    optional `tenant` parameter narrows them to one by name. Every tenant leaves out the
+    service's own traffic (internal tenants) unless `internal=1`."""
     if report not in SHEET_TITLES or filetype not in CONTENT_TYPES:
         raise ExportError(f"no {report} report as {filetype}")
     period = period_from(params, today=today)
@@ -179,6 +180,8 @@ def export_for(*, report: str, filetype: str, params: Mapping, tenants, today: d
         tenants = tenants.filter(name=name)
         if not tenants.exists():
             raise ExportError(f"no tenant named {name!r}")
+    elif params.get("internal") != "1":
+        tenants = tenants.filter(internal=False)
     return Export(report=report, filetype=filetype, period=period, tenants=tenants, tenant_name=name)
 
 

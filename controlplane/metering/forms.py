@@ -83,6 +83,9 @@ class ExportForm(forms.Form):
     start = forms.DateField(required=False, label="From", widget=forms.DateInput(attrs={"type": "date"}))
     end = forms.DateField(required=False, label="To", widget=forms.DateInput(attrs={"type": "date"}))
     tenant = forms.ModelChoiceField(queryset=None, required=False, to_field_name="name", empty_label="Every tenant")
+    internal = forms.BooleanField(required=False, label="With the service's own traffic",
+                                  help_text="Benchmarks, evaluations and the playground, left out of every "
+                                            "tenant's totals unless ticked")
     filetype = forms.ChoiceField(choices=FILETYPE_CHOICES, initial=CSV, label="File type", widget=forms.RadioSelect)
 
     def __init__(self, *args, tenants, **kwargs):
@@ -106,4 +109,6 @@ class ExportForm(forms.Form):
                      "to": data["end"].isoformat() if data.get("end") else ""}
         if data.get("tenant"):
             query["tenant"] = data["tenant"].name
+        elif data.get("internal"):
+            query["internal"] = "1"
         return {key: value for key, value in query.items() if value}

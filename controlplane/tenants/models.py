@@ -28,6 +28,9 @@ class Tenant(models.Model):
     )
     active = models.BooleanField(default=True)
     created_at = models.DateTimeField(default=timezone.now)
+    # The service's own traffic (benchmarks, evaluations, the playground): metered like any
+    # tenant's, kept out of finance totals, exports and statements unless asked for.
+    internal = models.BooleanField(default=False, editable=False)
 
     class Meta:
         ordering = ["name"]

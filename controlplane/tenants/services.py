@@ -35,6 +35,21 @@ def key_hash(secret: str) -> str:
     return hashlib.sha256(secret.encode()).hexdigest()
 
 
+INTERNAL_TENANT = "internal"
+
+
+def internal_tenant() -> Tenant:
+    """The tenant the service's own traffic is metered to (benchmarks, evaluations, the
+    playground): kept out of finance totals and statements unless asked for."""
+    found = Tenant.objects.filter(internal=True).order_by("pk").first()
+    if found is None:
+        taken = set(Tenant.objects.filter(name__startswith=INTERNAL_TENANT).values_list("name", flat=True))
+        name = next(name for n in range(len(taken) + 1) if (name := f"{INTERNAL_TENANT}{f'-{n}' if n else ''}")
+                    not in taken)  # a client's tenant may be called "internal": never metered to it
+        found = Tenant.objects.create(name=name, display_name="The service's own traffic", internal=True)
+    return found
+
+
 def api_key_create(
     *, tenant: Tenant, name: str = "", created_by=None, expires_at: datetime | None = None, tiers=None,
     requests_per_minute: int | None = None, spend_limit=None,

@@ -12,7 +12,7 @@ from django.utils import timezone
 from controlplane.benchmarks import observed, services
 from controlplane.benchmarks.models import BenchmarkProfile
 from controlplane.metering.models import UsageEvent, UsageImage
-from controlplane.tenants.models import Tenant
+from controlplane.tenants.services import internal_tenant
 
 pytestmark = pytest.mark.django_db
 
@@ -68,7 +68,7 @@ def test_a_profile_drawn_from_traffic_sends_the_mix_the_tier_served(world):
 
 
 def test_benchmark_traffic_and_other_tenants_are_left_out_when_asked(world):
-    benchmarks = Tenant.objects.create(name=services.BENCHMARK_TENANT)
+    benchmarks = internal_tenant()
     _traffic(world.alice, world.vision, requests=50, hours=1, prefix="alice")
     _traffic(world.bob, world.vision, requests=150, hours=1, prefix="bob")
     _traffic(benchmarks, world.vision, requests=1000, hours=1, prefix="bench")

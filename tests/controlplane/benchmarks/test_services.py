@@ -79,7 +79,7 @@ def test_a_run_through_the_gateway_uses_a_benchmark_key_meters_it_and_revokes_it
     # the gateway reports the exact image tokens of each image request: 393 for 640x480
     assert stage["classes"]["image"]["mean_image_tokens"] == 393
     key = ApiKey.objects.get(name=f"benchmark run {run.pk}")
-    assert key.tenant.name == "benchmarks" and key.revoked_at is not None
+    assert key.tenant.internal and key.revoked_at is not None
     assert UsageEvent.objects.filter(api_key=key).count() == stage["requests"]
 
 
@@ -132,16 +132,17 @@ def test_a_run_with_no_engine_fails_with_the_reason(world):
 
 @pytest.mark.django_db
 def test_a_run_through_the_gateway_fails_with_the_reason_when_its_tenant_is_deactivated(world):
-    from controlplane.benchmarks.services import BENCHMARK_TENANT
-    from tests.factories import TenantFactory
+    from controlplane.tenants.services import internal_tenant
 
-    TenantFactory(name=BENCHMARK_TENANT, active=False)
+    internal = internal_tenant()
+    internal.active = False
+    internal.save()
     run = BenchmarkRun.objects.create(profile=make_profile(world.vision, target="gateway", gateway_url=""))
     benchmark_execute(run_id=run.pk)
     run.refresh_from_db()
     assert run.state == "failed"
-    assert "benchmarks is deactivated" in run.log
-    assert not ApiKey.objects.filter(tenant__name=BENCHMARK_TENANT).exists()
+    assert f"{internal.name} is deactivated" in run.log
+    assert not ApiKey.objects.filter(tenant=internal).exists()
 
 
 @pytest.mark.django_db

@@ -116,3 +116,22 @@ def test_an_operators_key_expiry_that_cannot_be_written_in_utc_is_a_form_error(c
     assert "no moment that far out can be kept" in page.content.decode()
     assert not ApiKey.objects.filter(name="forever").exists()
     assert client.get("/keys/").status_code == 200
+
+
+def test_the_services_own_traffic_is_shown_apart_from_every_tenants_usage(client, world):
+    from controlplane.tenants.services import internal_tenant
+
+    internal = internal_tenant()
+    _usage(world.alice, world.vision, 1_000)
+    DailyUsage.objects.create(day=timezone.now().date(), tenant=internal, tier=world.vision, requests=40,
+                              images=40, image_tokens=90_000, cost="2.5")
+    client.force_login(world.operator)
+    page = client.get("/usage/").content.decode()
+    totals = page.split('id="usage-totals"')[1].split("</div>\n</div>")[0]
+    assert "90,000" not in totals and "1,000" in totals  # every client tenant, not the service's own
+    note = page.split('id="internal-usage"')[1].split("</p>")[0]
+    assert f">{internal.name}</a>: 40 requests, 2.500000 USD" in note
+    alone = client.get("/usage/", {"tenant": internal.name}).content.decode()
+    assert "90,000" in alone.split('id="usage-totals"')[1].split("</div>\n</div>")[0]
+    spenders = client.get("/").content.decode().split('id="top-spenders"')[1].split("</section>")[0]
+    assert "alice" in spenders and internal.name not in spenders  # 0.5 USD today is top; 2.5 is not a client's

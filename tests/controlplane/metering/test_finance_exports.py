@@ -341,3 +341,22 @@ def test_the_exports_are_in_the_api_schema_which_generates_without_warnings(clie
     assert "/api/v1/exports/images.{filetype}" in schema
     assert "/api/v1/exports/monthly-summary.{filetype}" in schema
     call_command("spectacular", "--validate", "--fail-on-warn", "--file", str(tmp_path / "schema.yaml"))
+
+
+def test_every_tenants_reports_leave_out_the_services_own_traffic_unless_asked(client, world):
+    from controlplane.tenants.services import internal_tenant
+
+    _march(world)
+    internal = internal_tenant()
+    _record(world, internal, "bench-1", MARCH + dt.timedelta(days=3), images=[(1224, False)])
+    _rollup()
+    client.force_login(world.finance)
+    every = _summary(_csv(client.get("/api/v1/exports/monthly-summary.csv", {"month": "2025-03"})))
+    assert {tenant for tenant, _, _ in every} == {"alice", "bob"}
+    asked = _summary(_csv(client.get("/api/v1/exports/monthly-summary.csv", {"month": "2025-03", "internal": "1"})))
+    assert (internal.name, "total", None) in asked
+    alone = _summary(_csv(client.get("/api/v1/exports/monthly-summary.csv",
+                                     {"month": "2025-03", "tenant": internal.name})))
+    assert {tenant for tenant, _, _ in alone} == {internal.name}  # named, it is reported
+    images = _csv(client.get("/api/v1/exports/images.csv", {"month": "2025-03"}))
+    assert images and internal.name not in {row["tenant"] for row in images}
