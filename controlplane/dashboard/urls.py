@@ -11,6 +11,7 @@ urlpatterns = [
     path("", views.index, name="index"),
     path("usage/", views.usage, name="usage"),
     path("playground/", playground.playground, name="playground"),
+    path("playground/key/", playground.playground_key, name="playground-key"),
     path("", include("controlplane.alerts.urls")),
     path("", include("controlplane.audit.urls")),
     path("", include("controlplane.catalog.urls")),

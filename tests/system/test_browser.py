@@ -6,7 +6,6 @@ import concurrent.futures
 import re
 import shutil
 
-import httpx
 import openai
 import pytest
 from playwright.sync_api import TimeoutError as PlaywrightTimeoutError
@@ -245,34 +244,53 @@ def test_a_tenant_admin_makes_a_key_for_one_model_that_the_gateway_holds_to_it(s
     expect(page.locator("#keys tr", has_text="vision only")).to_contain_text("vlm-lite")
 
 
-def test_an_operator_tries_a_model_with_an_image_sees_the_estimate_then_the_metered_usage(system, page, tmp_path):
+def test_an_operator_chats_with_two_models_over_an_image_metered_to_the_services_own_tenant(system, page,
+                                                                                              tmp_path):
     photo = tmp_path / "photo.jpg"
     photo.write_bytes(image_bytes(2000, 1500, color=(20, 120, 200)))
     _login(page, system.base_url, "operator", "operator")
     _go(page, "traffic", "Playground")
-    page.wait_for_load_state()
-    page.get_by_label("API key").fill(system.api_key)
-    page.get_by_label("API key").press("Tab")
-    expect(page.get_by_label("Model")).to_be_enabled()
-    page.get_by_label("Model").select_option("vlm-lite")
+    expect(page.get_by_label("Metered to")).to_have_value("internal")  # no key pasted: the session's own
+    expect(page.get_by_label("Model", exact=True)).to_be_enabled()
+    page.get_by_label("Model", exact=True).select_option("vlm-lite")
+    page.get_by_label("Compare with").select_option("text")
     page.locator("#pg-image").set_input_files(str(photo))
+    expect(page.locator("#pg-estimate")).to_contain_text("Cannot send photo.jpg to text")
+    expect(page.get_by_role("button", name="Send")).to_be_disabled()  # a refused image is never sent
+
+    page.get_by_label("Compare with").select_option("vlm-flagship")
     estimate = page.locator("#pg-estimate-line")
-    expect(estimate).to_contain_text("vlm-lite receives it as")
+    expect(estimate).to_contain_text("vlm-lite: photo.jpg (2000×1500) → ")
     estimated_tokens = int(estimate.get_attribute("data-image-tokens"))
-    assert "2000×1500" not in estimate.inner_text()  # the policy downscales it before the model sees it
+    sent = estimate.inner_text().split("→ ")[1].split(",")[0]
+    assert sent != "2000×1500"  # the policy downscales it before the model sees it
+    expect(page.locator("#pg-preview img")).to_have_count(1)
+    page.get_by_text("System prompt and sampling").click()
+    page.get_by_label("System prompt").fill("Answer in one word.")
+    page.get_by_label("Temperature").fill("0")
 
     page.get_by_role("button", name="Send").click()
     expect(page.locator("#pg-usage-cost")).to_contain_text("Cost recorded", timeout=60_000)
-    assert page.locator("#pg-answer").inner_text().strip()
-    request_id = page.locator("#pg-usage-cost a").inner_text().removeprefix("Request ").strip()
-    (event,) = httpx.get(f"{system.base_url}/api/v1/usage/requests/", params={"request_id": request_id},
-                         headers={"Authorization": f"Bearer {system.api_key}"}).json()["results"]
-    assert event["image_tokens"] == estimated_tokens  # what it showed before sending is what was billed
-    assert f"{event['image_tokens']:,} image" in page.locator("#pg-usage-tokens").inner_text()
-    assert f"{float(event['cost']):.6f}" in page.locator("#pg-usage-cost").inner_text()
-    # The link opens the request in the request log.
-    page.locator("#pg-usage-cost a").click()
-    expect(page.get_by_role("heading", name=f"Request {request_id}")).to_be_visible()
+    expect(page.locator("#pg-thread-1 .pg-assistant")).to_have_count(1)  # the other model answered too
+    assert f"{estimated_tokens:,} image" in page.locator("#pg-usage-tokens").inner_text()
+    first_prompt = int(page.locator("#pg-usage-tokens").inner_text().split(" prompt")[0].split()[-1].replace(",", ""))
+
+    page.get_by_label("Message").fill("And its colour?")
+    page.get_by_role("button", name="Send").click()
+    expect(page.locator("#pg-thread-0 .pg-assistant")).to_have_count(2)
+    expect(page.locator("#pg-usage-cost")).to_contain_text("Cost recorded", timeout=60_000)
+    second_prompt = int(page.locator("#pg-usage-tokens").inner_text().split(" prompt")[0].split()[-1].replace(",", ""))
+    assert second_prompt > first_prompt  # the conversation so far, the first answer included
+    assert f"{estimated_tokens:,} image" in page.locator("#pg-usage-tokens").inner_text()  # and its image
+
+    page.get_by_role("button", name="View code").click()
+    python = page.locator("#pg-code-python").inner_text()
+    assert 'model="vlm-lite"' in python and 'image("photo.jpg")' in python and '"temperature"' not in python
+    assert "temperature=0" in python and "Answer in one word." in python and '"role": "assistant"' in python
+    assert "$VLM_API_KEY" in page.locator("#pg-code-curl").inner_text()
+
+    page.locator("#pg-usage-cost a").click()  # the request log has it, metered to the internal tenant
+    expect(page.locator("tr", has_text="Tenant").first).to_contain_text("internal")
     expect(page.locator("#timings")).to_contain_text("Time to first token")
 
 
