@@ -4,6 +4,8 @@ resolution curve."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from django.contrib.auth.decorators import login_required
 from django.core.exceptions import PermissionDenied
 from django.shortcuts import render
@@ -30,6 +32,7 @@ from controlplane.metering.usage import (
     usage_totals,
 )
 from controlplane.tenants import roles
+from controlplane.tenants.models import ApiKey
 
 # The tenants drawn one by one in the per-tenant charts; the rest are summed as "others".
 TOP_TENANTS = 10
@@ -63,25 +66,32 @@ def usage(request):
     tenant = next((t for t in tenants if t.name == request.GET.get("tenant")), None)
     tier = next((t for t in tiers if t.name == request.GET.get("tier")), None)
     period = PERIODS.get(request.GET.get("period"), PERIODS[DEFAULT_PERIOD])
+    keys = list(ApiKey.objects.filter(tenant__in=[tenant] if tenant else visible).select_related("tenant")
+                .order_by("tenant__name", "name", "prefix"))
+    api_key = next((k for k in keys if k.prefix == request.GET.get("key")), None)
     asked = request.GET.get("tenant")  # a tenant admin's tenants are read only when one is named
     refused = _refused_filters(request.GET, period=period, tier=tier,
-                               tenant_names={t.name for t in (tenants if staff else visible)} if asked else set())
+                               tenant_names={t.name for t in (tenants if staff else visible)} if asked else set(),
+                               api_key=api_key)
     # Every tenant is every client's: the service's own traffic is shown apart.
     scope = UsageScope(tenants=[] if refused else [tenant] if tenant else visible.filter(internal=False), tier=tier,
-                       period=period, now=timezone.now())
+                       period=period, now=timezone.now(), api_key=api_key)
+    if api_key is not None:  # one key's usage: whichever tenant's it is
+        scope = dataclasses.replace(scope, tenants=[api_key.tenant])
     internal = None
-    if staff and tenant is None and not refused:
+    if staff and tenant is None and api_key is None and not refused:
         internal_table = usage_table(scope=UsageScope(tenants=visible.filter(internal=True), tier=tier, period=period,
                                                       now=scope.now))
         internal = usage_totals(internal_table) if internal_table else None
 
     by_tier = usage_over_time(scope=scope, by="tier")
     # A tenant admin's usage is one tenant's: splitting it per tenant would say nothing.
-    by_tenant = usage_over_time(scope=scope, by="tenant") if staff and tenant is None else None
+    by_tenant = usage_over_time(scope=scope, by="tenant") if staff and tenant is None and api_key is None else None
     table = usage_table(scope=scope)
     totals = usage_totals(table)
     currency = currency_label(totals)
-    distribution = image_cost_distribution(scope=scope)
+    # Images' costs are kept per tenant and tier, not per key.
+    distribution = image_cost_distribution(scope=scope) if api_key is None else None
     curves = resolution_curves(tier=tier)
     return render(request, "dashboard/index.html", {
         "period": period, "periods": PERIODS.values(), "tenant": tenant, "tier": tier,
@@ -99,7 +109,8 @@ def usage(request):
                                              total=totals["cache_savings"], currency=currency),
         "distribution": distribution,
         "distribution_chart": cost_per_image_chart(distribution, currency=currency, since=scope.first_day)
-        if distribution.buckets else "",
+        if distribution and distribution.buckets else "",
+        "keys": keys, "api_key": api_key,
         "curves_chart": resolution_curves_chart(curves, div_id="tier-resolution-curves") if curves else "",
         "table": table, "totals": totals, "internal": internal,
         "internal_tenants": [t for t in tenants if t.internal],
@@ -107,10 +118,10 @@ def usage(request):
     }, status=400 if refused else 200)
 
 
-USAGE_FILTERS = ("period", "tenant", "tier")
+USAGE_FILTERS = ("period", "tenant", "tier", "key")
 
 
-def _refused_filters(query, *, period, tier, tenant_names: set[str]) -> list[str]:
+def _refused_filters(query, *, period, tier, tenant_names: set[str], api_key=None) -> list[str]:
     """What of the page's filter names nothing that exists: a filter silently ignored shows
     figures the reader did not ask for."""
     refused = [f"unknown filter {name!r}" for name in sorted(set(query) - set(USAGE_FILTERS))]
@@ -120,4 +131,6 @@ def _refused_filters(query, *, period, tier, tenant_names: set[str]) -> list[str
         refused.append(f"no tenant {query['tenant']!r} you can see")
     if query.get("tier") and tier is None:
         refused.append(f"no tier {query['tier']!r}")
+    if query.get("key") and api_key is None:
+        refused.append(f"no API key {query['key']!r} you can see{' of this tenant' if query.get('tenant') else ''}")
     return refused

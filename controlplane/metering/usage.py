@@ -51,12 +51,14 @@ DEFAULT_PERIOD = "30d"
 
 @dataclass(frozen=True)
 class UsageScope:
-    """Whose usage, of which tier (None: every tier), over which period."""
+    """Whose usage (its tenants, or one API key of theirs), of which tier (None: every tier),
+    over which period."""
 
     tenants: object  # a Tenant queryset or list
     period: Period
     now: dt.datetime
     tier: object = None
+    api_key: object = None
 
     @cached_property
     def slots(self) -> list:
@@ -74,6 +76,8 @@ class UsageScope:
         """The rollup rows of the scope, and the name of their period field."""
         model, at = (HourlyUsage, "hour") if self.period.hourly else (DailyUsage, "day")
         rows = model.objects.filter(tenant__in=self.tenants, **{f"{at}__gte": self.slots[0]})
+        if self.api_key is not None:
+            rows = rows.filter(api_key=self.api_key)
         return (rows if self.tier is None else rows.filter(tier=self.tier)), at
 
 

@@ -103,18 +103,70 @@ def api_key_revoke(*, api_key: ApiKey, actor=None) -> None:
         _key_audit(api_key, actor, created=False)
 
 
+def _key_fields(api_key: ApiKey) -> dict:
+    """What an audit entry records of a key."""
+    return {"tenant": api_key.tenant.name, "name": api_key.name, "prefix": api_key.prefix,
+            "models": ", ".join(sorted(api_key.allowed_tiers.values_list("name", flat=True)))
+            or "every model of its tenant", "requests_per_minute": api_key.requests_per_minute,
+            "spend_limit": str(api_key.spend_limit) if api_key.spend_limit is not None else None,
+            "expires_at": api_key.expires_at.isoformat() if api_key.expires_at else None}
+
+
 def _key_audit(api_key: ApiKey, user, *, created: bool) -> None:
     who = getattr(user, "username", None) or (user if isinstance(user, str) else "")
     if created:
-        audit_record(actor=who, action=AuditEntry.Action.CREATED, obj=api_key,
-                     after={"tenant": api_key.tenant.name, "name": api_key.name, "prefix": api_key.prefix,
-                            "models": ", ".join(sorted(api_key.allowed_tiers.values_list("name", flat=True)))
-                            or "every model of its tenant", "requests_per_minute": api_key.requests_per_minute,
-                            "spend_limit": str(api_key.spend_limit) if api_key.spend_limit is not None else None,
-                            "expires_at": api_key.expires_at.isoformat() if api_key.expires_at else None})
+        audit_record(actor=who, action=AuditEntry.Action.CREATED, obj=api_key, after=_key_fields(api_key))
     else:
         audit_record(actor=who, action=AuditEntry.Action.CHANGED, obj=api_key, before={"revoked_at": None},
                      after={"revoked_at": api_key.revoked_at.isoformat()})
+
+
+KEY_EDITABLE = ("name", "requests_per_minute", "spend_limit", "expires_at")
+
+
+class KeyRevoked(Exception):
+    def __init__(self, api_key: ApiKey):
+        super().__init__(f"key {api_key.prefix}… is revoked: make a new one")
+
+
+@transaction.atomic
+def api_key_update(*, api_key: ApiKey, values: dict, tiers, actor) -> ApiKey:
+    """Change a key's name, models, limits and expiry (checked by its form), recording the
+    change. The gateway applies it within GATEWAY_KEY_CACHE_SECONDS."""
+    api_key = ApiKey.objects.select_for_update().select_related("tenant").get(pk=api_key.pk)
+    if api_key.revoked_at is not None:
+        raise KeyRevoked(api_key)
+    before = _key_fields(api_key)
+    for name in KEY_EDITABLE:
+        setattr(api_key, name, values.get(name))
+    api_key.save(update_fields=list(KEY_EDITABLE))
+    api_key.allowed_tiers.set(tiers or [])
+    audit_record(actor=getattr(actor, "username", None) or str(actor), action=AuditEntry.Action.CHANGED,
+                 obj=api_key, before=before, after=_key_fields(api_key))
+    return api_key
+
+
+@transaction.atomic
+def api_key_rotate(*, api_key: ApiKey, actor) -> IssuedKey:
+    """A new secret for the same key: its name, models, limits, budget, spend and history stay;
+    the old secret stops working (within GATEWAY_KEY_CACHE_SECONDS, as a revoked key does)."""
+    api_key = ApiKey.objects.select_for_update().select_related("tenant").get(pk=api_key.pk)
+    if api_key.revoked_at is not None:
+        raise KeyRevoked(api_key)
+    if not api_key.tenant.active:
+        raise TenantInactive(api_key.tenant)
+    before = api_key.prefix
+    for _attempt in range(5):
+        prefix = secrets.token_hex(4)
+        secret = f"{KEY_PREFIX}{prefix}-{secrets.token_urlsafe(32)}"
+        if not ApiKey.objects.filter(prefix=prefix).exists():
+            break
+    api_key.prefix, api_key.key_hash = prefix, key_hash(secret)
+    api_key.save(update_fields=["prefix", "key_hash"])
+    audit_record(actor=getattr(actor, "username", None) or str(actor), action=AuditEntry.Action.CHANGED,
+                 obj=api_key, before={"prefix": before, "secret": "replaced"}, after={"prefix": prefix,
+                                                                                     "secret": "new"})
+    return IssuedKey(api_key=api_key, secret=secret)
 
 
 def api_key_lookup(secret: str) -> ApiKey | None:

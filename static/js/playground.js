@@ -343,10 +343,5 @@
     $("pg-code-toggle").setAttribute("aria-expanded", String(shown));
     code();
   });
-  document.querySelectorAll("[data-copy]").forEach((button) => button.addEventListener("click", async () => {
-    await navigator.clipboard.writeText($(button.dataset.copy).textContent);
-    button.textContent = "Copied";
-    setTimeout(() => { button.textContent = "Copy"; }, 1500);
-  }));
   if (tenant.value) loadModels();
 })();

@@ -300,7 +300,7 @@ PAGES = [
     # The product pages.
     # the operator's home is the service's health: a few queries per tier (its engines), none per row
     Page("home", "/", "operator", tenants_rolled_up, 16),
-    Page("home as a tenant admin", "/", "alice_admin", requests_rolled_up, 10),
+    Page("home as a tenant admin", "/", "alice_admin", requests_rolled_up, 11),
     Page("tiers", "/tiers/", "operator", tiers, 6),
     # its engines, serving count, last hour and month at a glance: five reads, none per row
     Page("tier", "/tiers/vlm-lite/", "operator", engines, 15),

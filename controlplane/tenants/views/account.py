@@ -7,6 +7,7 @@ from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.core.exceptions import PermissionDenied
 from django.shortcuts import get_object_or_404, redirect, render
+from django.urls import reverse
 from django.utils import timezone
 from django.views.decorators.http import require_POST
 
@@ -16,6 +17,7 @@ from controlplane.tenants import roles
 from controlplane.tenants.forms import OwnKeyForm
 from controlplane.tenants.models import ApiKey, Quota
 from controlplane.tenants.services import TenantInactive, api_key_create, api_key_revoke
+from controlplane.tenants.views.keys import key_page, key_rotated
 
 
 def _tenant(request):
@@ -64,3 +66,19 @@ def account_key_revoke(request, pk: int):
     api_key_revoke(api_key=api_key, actor=request.user)
     messages.success(request, f"Key {api_key.prefix}… revoked: requests with it are refused from now on.")
     return redirect("dashboard:account")
+
+
+@login_required
+def account_key_edit(request, pk: int):
+    tenant = _tenant(request)
+    api_key = get_object_or_404(ApiKey.objects.select_related("tenant", "tenant__quota"), pk=pk, tenant=tenant)
+    return key_page(request, api_key, back=reverse("dashboard:account"),
+                    rotate=reverse("dashboard:account-key-rotate", args=[pk]))
+
+
+@login_required
+@require_POST
+def account_key_rotate(request, pk: int):
+    tenant = _tenant(request)
+    api_key = get_object_or_404(ApiKey, pk=pk, tenant=tenant)  # another tenant's key is not found
+    return key_rotated(request, api_key, back=reverse("dashboard:account"))

@@ -6,14 +6,22 @@ from __future__ import annotations
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.shortcuts import get_object_or_404, redirect, render
+from django.urls import reverse
 from django.views.decorators.http import require_POST
 
 from controlplane.catalog.models import ModelTier
 from controlplane.catalog.routing import tenant_auto
 from controlplane.metering.selectors import budget_terms, keys_spend
-from controlplane.tenants.forms import ApiKeyForm
+from controlplane.tenants.forms import ApiKeyForm, OwnKeyForm
 from controlplane.tenants.models import ApiKey
-from controlplane.tenants.services import TenantInactive, api_key_create, api_key_revoke
+from controlplane.tenants.services import (
+    KeyRevoked,
+    TenantInactive,
+    api_key_create,
+    api_key_revoke,
+    api_key_rotate,
+    api_key_update,
+)
 from controlplane.web.access import operators_only
 
 
@@ -58,3 +66,51 @@ def key_revoke(request, pk: int):
     api_key_revoke(api_key=api_key, actor=request.user)
     messages.success(request, f"Key {api_key.prefix}… revoked.")
     return redirect("dashboard:keys")
+
+
+def key_page(request, api_key: ApiKey, *, back: str, rotate: str):
+    """A key's own page: edit its name, models, limits, budget and expiry; rotate its secret.
+    `back`: the keys list it belongs to (the operator's or the tenant admin's)."""
+    form = OwnKeyForm(request.POST or None, tenant=api_key.tenant, initial={
+        "name": api_key.name, "tiers": list(api_key.allowed_tiers.all()), "expires_at": api_key.expires_at,
+        "requests_per_minute": api_key.requests_per_minute, "spend_limit": api_key.spend_limit})
+    if request.method == "POST" and form.is_valid():
+        try:
+            api_key_update(api_key=api_key, values=form.cleaned_data, tiers=list(form.cleaned_data["tiers"]),
+                           actor=request.user)
+        except KeyRevoked as exc:
+            form.add_error(None, str(exc))
+        else:
+            messages.success(request, f"Key {api_key.prefix}… saved: the gateway applies it within seconds.")
+            return redirect(back)
+    spend = keys_spend([api_key])
+    return render(request, "tenants/key_form.html", {
+        "form": form, "key": api_key, "back": back, "rotate": rotate, "spend": spend.get(api_key.pk, 0),
+        "currency": budget_terms(api_key.tenant)[1]})
+
+
+def key_rotated(request, api_key: ApiKey, *, back: str):
+    """Rotate a key and show its new secret once, on the list it belongs to."""
+    try:
+        issued = api_key_rotate(api_key=api_key, actor=request.user)
+    except (KeyRevoked, TenantInactive) as exc:
+        messages.error(request, str(exc))
+    else:
+        request.session["issued_key"] = issued.secret
+        messages.success(request, f"Key {api_key.name or api_key.prefix} has a new secret: the old one stops "
+                                  "working within seconds.")
+    return redirect(back)
+
+
+@login_required
+def key_edit(request, pk: int):
+    operators_only(request)
+    api_key = get_object_or_404(ApiKey.objects.select_related("tenant", "tenant__quota"), pk=pk)
+    return key_page(request, api_key, back=reverse("dashboard:keys"), rotate=reverse("dashboard:key-rotate", args=[pk]))
+
+
+@login_required
+@require_POST
+def key_rotate(request, pk: int):
+    operators_only(request)
+    return key_rotated(request, get_object_or_404(ApiKey, pk=pk), back=reverse("dashboard:keys"))
