@@ -55,3 +55,37 @@ def statement(*, tenant, year: int, month: int) -> dict:
         "unbilled_requests": month_events.exclude(billed()).count(),
         "unrated_requests": month_events.filter(rated=False).count(),
     }
+
+
+def month_statements(*, tenants, year: int, month: int) -> dict:
+    """Every one of `tenants`' statement totals for a month, in two queries: a row per tenant
+    and currency (each equal to that tenant's statement), the totals per currency of the client
+    tenants, and the service's own (internal) tenants apart, in no total."""
+    start, end = month_bounds(year, month)
+    events = UsageEvent.objects.filter(tenant__in=tenants, created_at__gte=start, created_at__lt=end)
+    rows = [
+        {"tenant": row["tenant__name"], "internal": row["tenant__internal"], "currency": row["tier__price_plan__currency"],
+         **{f: row[f] or 0 for f in COUNTS}, **{f: Decimal(row[f] or 0) for f in AMOUNTS}}
+        for row in events.filter(billed()).values("tenant__name", "tenant__internal", "tier__price_plan__currency")
+        .order_by("tenant__name", "tier__price_plan__currency")
+        .annotate(requests=Count("id"), images=Sum("image_count"), image_tokens=Sum("image_tokens"),
+                  cached_image_tokens=Sum("cached_image_tokens"), text_tokens=Sum("text_tokens"),
+                  output_tokens=Sum("output_tokens"), cost=Sum("cost"), cache_savings=Sum("cache_savings"))
+    ]
+    unbilled = dict(events.exclude(billed()).values("tenant__name").order_by().annotate(n=Count("id"))
+                    .values_list("tenant__name", "n"))
+    totals = {}
+    for row in rows:
+        row["unbilled_requests"] = unbilled.get(row["tenant"], 0)
+        if row["internal"]:
+            continue
+        total = totals.setdefault(row["currency"], {"currency": row["currency"], "tenants": 0,
+                                                    **{f: 0 for f in COUNTS}, **{f: Decimal(0) for f in AMOUNTS}})
+        total["tenants"] += 1
+        for f in LINE_FIELDS:
+            total[f] += row[f]
+    return {"period": f"{year:04d}-{month:02d}", "from": start, "to": end,
+            "rows": [row for row in rows if not row["internal"]], "internal": [row for row in rows if row["internal"]],
+            "totals": [totals[currency] for currency in sorted(totals)],
+            "unbilled_requests": sum(n for name, n in unbilled.items()),
+            "idle": sorted({t.name for t in tenants if not t.internal} - {row["tenant"] for row in rows})}

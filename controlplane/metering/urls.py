@@ -10,6 +10,7 @@ urlpatterns = [
     path("requests/", requests.request_log, name="requests"),
     path("requests/<str:request_id>/", requests.request_detail, name="request"),
     path("statements/", statements.statements, name="statements"),
+    path("statements/<slug:tenant>/<str:month>.pdf", statements.invoice, name="invoice"),
     path("exports/", exports.exports, name="exports"),
     path("exports/<slug:report>.<str:filetype>", exports.download, name="export"),
 ]
