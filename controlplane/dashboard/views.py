@@ -11,7 +11,7 @@ from django.core.exceptions import PermissionDenied
 from django.shortcuts import render
 from django.utils import timezone
 
-from controlplane.catalog.charts import resolution_curves_chart
+from controlplane.catalog.charts import resolution_curves_chart, tier_colours
 from controlplane.catalog.models import ModelTier
 from controlplane.catalog.services import resolution_curves
 from controlplane.dashboard.health import service_health
@@ -93,12 +93,13 @@ def usage(request):
     # Images' costs are kept per tenant and tier, not per key.
     distribution = image_cost_distribution(scope=scope) if api_key is None else None
     curves = resolution_curves(tier=tier)
+    colours = tier_colours(tiers)
     return render(request, "dashboard/index.html", {
         "period": period, "periods": PERIODS.values(), "tenant": tenant, "tier": tier,
         "tenants": tenants, "tiers": tiers, "refused": refused,
         "has_data": bool(table),
-        "chart": image_tokens_chart(scope.slots, by_tier.of("image_tokens")),
-        "cost_chart": cost_chart(scope.slots, by_tier.of("cost"), currency=currency),
+        "chart": image_tokens_chart(scope.slots, by_tier.of("image_tokens"), colours=colours),
+        "cost_chart": cost_chart(scope.slots, by_tier.of("cost"), currency=currency, colours=colours),
         "tenant_charts": [
             image_tokens_chart(scope.slots, by_tenant.of("image_tokens", top=TOP_TENANTS), by="tenant"),
             # a tenant's cost is summed over its tiers: only where they bill in one currency
@@ -106,12 +107,14 @@ def usage(request):
               if totals["currency"] else []),
         ] if by_tenant else [],
         "savings_chart": cache_savings_chart(scope.slots, by_tier.of("cache_savings"), by_tier.of("cached_image_tokens"),
-                                             total=totals["cache_savings"], currency=currency),
+                                             total=totals["cache_savings"], currency=currency, colours=colours),
         "distribution": distribution,
-        "distribution_chart": cost_per_image_chart(distribution, currency=currency, since=scope.first_day)
+        "distribution_chart": cost_per_image_chart(distribution, currency=currency, since=scope.first_day,
+                                                   colours=colours)
         if distribution and distribution.buckets else "",
         "keys": keys, "api_key": api_key,
-        "curves_chart": resolution_curves_chart(curves, div_id="tier-resolution-curves") if curves else "",
+        "curves_chart": resolution_curves_chart(curves, div_id="tier-resolution-curves", colours=colours)
+        if curves else "",
         "table": table, "totals": totals, "internal": internal,
         "internal_tenants": [t for t in tenants if t.internal],
         "first_day": scope.first_day, "last_day": scope.last_day,

@@ -3,11 +3,20 @@
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Mapping
 from decimal import Decimal
 
 import plotly.graph_objects as go
 
-from controlplane.web.charts import COUNT_AXIS, MARGIN, MONEY_AXIS, colour_of, figure_html, money
+from controlplane.web.charts import (
+    COUNT_AXIS,
+    MARGIN,
+    MONEY_AXIS,
+    TIME_AXIS,
+    colour_of,
+    figure_html,
+    money,
+)
 
 
 def _unit(slots: list) -> str:
@@ -19,43 +28,46 @@ def _slot_labels(slots: list) -> list[str]:
 
 
 def _stacked_bars(slots: list, series: dict[str, list], *, title: str, axis: str, div_id: str,
-                  money_axis: bool = False) -> str:
+                  money_axis: bool = False, colours: Mapping[str, str] | None = None) -> str:
     unit = _unit(slots)
     x = _slot_labels(slots)
     figure = go.Figure()
     for name, values in series.items():
-        figure.add_bar(name=name, x=x, y=[float(v) for v in values], marker_color=colour_of(name))
+        figure.add_bar(name=name, x=x, y=[float(v) for v in values], marker_color=colour_of(name, colours))
     figure.update_layout(
         barmode="stack", title=title, xaxis_title=f"{unit} (UTC)",
         yaxis={"title": axis, **(MONEY_AXIS if money_axis else COUNT_AXIS)},
-        margin=MARGIN, height=380, xaxis={"type": "category"},
+        margin=MARGIN, height=420, xaxis=TIME_AXIS,
     )
     return figure_html(figure, div_id)
 
 
-def image_tokens_chart(slots: list, series: dict[str, list[int]], *, by: str = "tier") -> str:
-    """Image tokens per hour or day, stacked per tier or per tenant."""
+def image_tokens_chart(slots: list, series: dict[str, list[int]], *, by: str = "tier",
+                       colours: Mapping[str, str] | None = None) -> str:
+    """Image tokens per hour or day, stacked per tier (each in its colour) or per tenant."""
     split = "" if by == "tier" else f" by {by}"
     return _stacked_bars(slots, series, title=f"Image tokens per {_unit(slots)}{split}", axis="image tokens",
-                         div_id=f"image-tokens{split.replace(' ', '-')}-chart")
+                         div_id=f"image-tokens{split.replace(' ', '-')}-chart", colours=colours)
 
 
-def cost_chart(slots: list, series: dict[str, list[Decimal]], *, currency: str, by: str = "tier") -> str:
-    """Cost per hour or day, stacked per tier or per tenant, in `currency`."""
+def cost_chart(slots: list, series: dict[str, list[Decimal]], *, currency: str, by: str = "tier",
+               colours: Mapping[str, str] | None = None) -> str:
+    """Cost per hour or day, stacked per tier (each in its colour) or per tenant, in `currency`."""
     split = "" if by == "tier" else f" by {by}"
     return _stacked_bars(slots, series, title=f"Cost per {_unit(slots)} ({currency}){split}", axis=currency,
-                         div_id=f"cost{split.replace(' ', '-')}-chart", money_axis=True)
+                         div_id=f"cost{split.replace(' ', '-')}-chart", money_axis=True, colours=colours)
 
 
 def cache_savings_chart(slots: list, savings: dict[str, list[Decimal]], cached_tokens: dict[str, list[int]],
-                        *, total: Decimal | None, currency: str) -> str:
+                        *, total: Decimal | None, currency: str, colours: Mapping[str, str] | None = None) -> str:
     """What the cached-image discount saved per hour or day and tier, with the cached image
     tokens that earned it (summed over tiers) on a second axis."""
     unit = _unit(slots)
     x = _slot_labels(slots)
     figure = go.Figure()
     for name, values in savings.items():
-        figure.add_bar(name=f"{name} saved", x=x, y=[float(v) for v in values], marker_color=colour_of(name))
+        figure.add_bar(name=f"{name} saved", x=x, y=[float(v) for v in values],
+                       marker_color=colour_of(name, colours))
     if cached_tokens:
         tokens = [sum(values) for values in zip(*cached_tokens.values(), strict=True)]
         figure.add_scatter(name="cached image tokens", x=x, y=tokens, mode="lines+markers", yaxis="y2")
@@ -65,12 +77,13 @@ def cache_savings_chart(slots: list, savings: dict[str, list[Decimal]], cached_t
         xaxis_title=f"{unit} (UTC)", yaxis={"title": f"saved per {unit} ({currency})", **MONEY_AXIS},
         yaxis2={"title": "cached image tokens", "overlaying": "y", "side": "right", "showgrid": False,
                 **COUNT_AXIS},
-        margin={**MARGIN, "r": 90}, height=380, xaxis={"type": "category"}, legend={"x": 1.08},
+        margin={**MARGIN, "r": 90}, height=420, xaxis=TIME_AXIS, legend={"x": 1.08},
     )
     return figure_html(figure, "cache-savings-chart")
 
 
-def cost_per_image_chart(distribution, *, currency: str, since: dt.date | None = None) -> str:
+def cost_per_image_chart(distribution, *, currency: str, since: dt.date | None = None,
+                         colours: Mapping[str, str] | None = None) -> str:
     """How many images cost how much each, stacked per tier (a `CostDistribution`, of the whole
     days from `since` when given)."""
     x = [bucket.label for bucket in distribution.buckets]
@@ -79,7 +92,7 @@ def cost_per_image_chart(distribution, *, currency: str, since: dt.date | None =
     for tier in tiers:
         figure.add_bar(
             name=tier, x=x, y=[bucket.images.get(tier, 0) for bucket in distribution.buckets],
-            marker_color=colour_of(tier),
+            marker_color=colour_of(tier, colours),
             customdata=[float(bucket.cost.get(tier, 0)) for bucket in distribution.buckets],
             hovertemplate="%{x}: %{y} images, %{customdata:.6f} in all",
         )

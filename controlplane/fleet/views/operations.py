@@ -8,12 +8,14 @@ Per node, its engines and the GPU memory they hold."""
 from __future__ import annotations
 
 import datetime as dt
+import functools
 
 import plotly.graph_objects as go
 from django.contrib.auth.decorators import login_required
 from django.shortcuts import render
 from django.utils import timezone
 
+from controlplane.catalog.charts import tier_colours
 from controlplane.catalog.models import ModelTier
 from controlplane.fleet.models import EngineInstance
 from controlplane.fleet.selectors import engine_series, node_summaries
@@ -48,23 +50,24 @@ def operations(request):
     engines = {_engine_label(instances[pk]): points for pk, points in
                engine_series(since=since, until=until, bucket=bucket, tier_ids=tier_ids).items() if pk in instances}
     seconds = bucket.total_seconds()
+    line = functools.partial(_lines, colours=tier_colours())
     charts = [
-        _lines("latency-chart", "End-to-end latency (ms)", "ms", traffic,
+        line("latency-chart", "End-to-end latency (ms)", "ms", traffic,
                lambda p: p.latency_p50, lambda p: p.latency_p95),
-        _lines("ttft-chart", "Time to first token, streamed (ms)", "ms", traffic,
+        line("ttft-chart", "Time to first token, streamed (ms)", "ms", traffic,
                lambda p: p.ttft_p50, lambda p: p.ttft_p95),
-        _lines("error-rate-chart", "Error rate, 5xx (%)", "%", traffic, lambda p: 100 * p.error_rate),
-        _lines("requests-chart", "Requests per second", "req/s", traffic, lambda p: p.requests / seconds),
-        _lines("tokens-chart", "Tokens per second (prompt and output)", "tokens/s", traffic,
+        line("error-rate-chart", "Error rate, 5xx (%)", "%", traffic, lambda p: 100 * p.error_rate),
+        line("requests-chart", "Requests per second", "req/s", traffic, lambda p: p.requests / seconds),
+        line("tokens-chart", "Tokens per second (prompt and output)", "tokens/s", traffic,
                lambda p: p.tokens / seconds),
-        _lines("queue-chart", "Engine queue depth (waiting requests)", "requests", engines, lambda p: p.waiting),
-        _lines("kv-chart", "Engine KV cache use (%)", "%", engines, lambda p: 100 * p.kv_cache_usage),
-        _lines("engine-tokens-chart", "Engine tokens per second", "tokens/s", engines, lambda p: p.tokens_per_s),
-        _lines("engine-ttft-chart", "Engine time to first token (s), its own histogram", "s", engines,
+        line("queue-chart", "Engine queue depth (waiting requests)", "requests", engines, lambda p: p.waiting),
+        line("kv-chart", "Engine KV cache use (%)", "%", engines, lambda p: 100 * p.kv_cache_usage),
+        line("engine-tokens-chart", "Engine tokens per second", "tokens/s", engines, lambda p: p.tokens_per_s),
+        line("engine-ttft-chart", "Engine time to first token (s), its own histogram", "s", engines,
                lambda p: p.ttft_p50, lambda p: p.ttft_p95),
-        _lines("prefix-cache-chart", "Prefix cache hit rate (% of prompt tokens looked up)", "%", engines,
+        line("prefix-cache-chart", "Prefix cache hit rate (% of prompt tokens looked up)", "%", engines,
                lambda p: None if p.prefix_hit_rate is None else 100 * p.prefix_hit_rate),
-        _lines("mm-cache-chart", "Image cache hit rate (% of images looked up)", "%", engines,
+        line("mm-cache-chart", "Image cache hit rate (% of images looked up)", "%", engines,
                lambda p: None if p.mm_hit_rate is None else 100 * p.mm_hit_rate),
     ]
     return render(request, "fleet/operations.html", {
@@ -99,11 +102,12 @@ def _engine_label(instance: EngineInstance) -> str:
     return f"{instance.tier.name}#{instance.pk}{where}"
 
 
-def _lines(div_id: str, title: str, axis: str, series: dict[str, list], p50, p95=None) -> dict:
-    """One line per series (p50 solid, p95 dotted in the same colour)."""
+def _lines(div_id: str, title: str, axis: str, series: dict[str, list], p50, p95=None, *,
+           colours: dict[str, str]) -> dict:
+    """One line per series (p50 solid, p95 dotted in the same colour: its tier's)."""
     figure = go.Figure()
     for name, points in sorted(series.items()):
-        colour = colour_of(name.split("#")[0])
+        colour = colour_of(name.split("#")[0], colours)
         x = [p.at.isoformat() for p in points]
         figure.add_scatter(name=f"{name} p50" if p95 else name, x=x, y=[p50(p) for p in points], mode="lines+markers",
                            line={"color": colour}, marker={"size": 4}, legendgroup=name)

@@ -29,7 +29,7 @@ def test_the_operator_dashboard_draws_image_tokens_per_day_with_local_plotly(cli
     page = client.get("/usage/").content.decode()
     assert 'id="image-tokens-chart"' in page
     # Its hashed name once collectstatic has run (runlocal runs it), its plain name before.
-    (script,) = re.findall(r'<script src="(/static/vendor/plotly\.min(?:\.[0-9a-f]{12})?\.js)">', page)
+    (script,) = re.findall(r'<script src="(/static/vendor/plotly-basic\.min(?:\.[0-9a-f]{12})?\.js)">', page)
     # no script from elsewhere (not "cdn" anywhere: a random CSRF token can spell it)
     assert not re.search(r'<script[^>]*src="(https?:)?//', page) and "cdn.plot.ly" not in page
     assert "1224" in page
@@ -105,7 +105,7 @@ def test_a_static_file_no_finder_has_is_found_nowhere():
     from django.contrib.staticfiles import finders
 
     assert not finders.find("css/no-such-file.css")
-    assert finders.find("vendor/plotly.min.js").endswith("plotly.min.js")
+    assert finders.find("vendor/plotly-basic.min.js").endswith("plotly-basic.min.js")
 
 
 @pytest.mark.parametrize("expires", ["9999-12-31T23:59:59-12:00", "0001-01-01T00:00:00+12:00"])
