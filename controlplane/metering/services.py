@@ -55,30 +55,37 @@ class Metered:
     spent: dict[str, int]
 
 
-def metered_spend(tenant_id: int, period: str, now: dt.datetime, currency: str) -> dict[str, int]:
-    """What the tenant, and each of its keys, has spent this period in `currency` (micro-units),
-    as budgets count it: billed requests at the price they were billed."""
-    rows = (UsageEvent.objects.filter(billed(), tenant_id=tenant_id, created_at__gte=period_start(period, now),
-                                      rate__plan__currency=currency)
-            .values("api_key_id").order_by().annotate(cost=Sum("cost")))
-    spent = {f"k{row['api_key_id'] or 0}": int(row["cost"] * MICROS) for row in rows}
+def metered_usage(tenant_id: int, period: str, now: dt.datetime, currency: str) -> Metered:
+    """What the tenant has used this period as its quota and budgets count it, in one query:
+    billed requests' image and total tokens, and what it and each of its keys spent in
+    `currency` (micro-units) at the price they were billed."""
+    rows = (UsageEvent.objects.filter(billed(), tenant_id=tenant_id, created_at__gte=period_start(period, now))
+            .values("api_key_id").order_by()
+            .annotate(**metered_sums(), cost=Sum("cost", filter=Q(rate__plan__currency=currency))))
+    spent = {f"k{row['api_key_id'] or 0}": int((row["cost"] or 0) * MICROS) for row in rows}
     spent["tenant"] = sum(spent.values())
-    return spent
+    return Metered(sum(int(row["image"] or 0) for row in rows), sum(int(row["total"] or 0) for row in rows), spent)
 
 
-def pending_price(record: UsageRecord, currency: str) -> int:
-    """What a record not yet stored will be billed in `currency` (micro-units; 0 when not billed,
-    not priced, or priced in another currency)."""
-    if not is_billable(record):
-        return 0
-    plan_id = ModelTier.objects.filter(pk=record.tier_id).values_list("price_plan_id", flat=True).first()
-    try:
-        rate = RateBook().rate_at(plan_id, record.created_at)
-    except NoRate:
-        return 0
-    if rate.plan.currency != currency:
-        return 0
-    return int(record_price(record, Rates.of(rate)) * MICROS)
+def metered_spend(tenant_id: int, period: str, now: dt.datetime, currency: str) -> dict[str, int]:
+    """What the tenant ('tenant') and each of its keys ('k<id>') spent this period in `currency`."""
+    return metered_usage(tenant_id, period, now, currency).spent
+
+
+def pending_prices(records: list[UsageRecord], currency: str) -> list[int]:
+    """What each of `records`, not yet stored, will be billed in `currency` (micro-units; 0 when
+    not billed, not priced, or priced in another currency), in two queries for them all."""
+    plans = dict(ModelTier.objects.filter(pk__in={r.tier_id for r in records}).values_list("pk", "price_plan_id"))
+    book = RateBook().load(set(plans.values()))
+    prices = []
+    for record in records:
+        try:
+            rate = book.rate_at(plans.get(record.tier_id), record.created_at) if is_billable(record) else None
+        except NoRate:
+            rate = None
+        priced = rate is not None and rate.plan.currency == currency
+        prices.append(int(record_price(record, Rates.of(rate)) * MICROS) if priced else 0)
+    return prices
 
 
 def metered_sums(**options) -> dict:

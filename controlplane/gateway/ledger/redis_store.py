@@ -56,9 +56,8 @@ from controlplane.metering.periods import (
 from controlplane.metering.records import UsageRecord, usage_from_json, usage_to_json
 from controlplane.metering.services import (
     Metered,
-    metered_so_far,
-    metered_spend,
-    pending_price,
+    metered_usage,
+    pending_prices,
     usage_record,
     usage_record_many,
 )
@@ -104,16 +103,16 @@ def _as_stored(record: UsageRecord) -> UsageRecord:
 
 def _metered_with(tenant_id: int, period: str, now: dt.datetime, pending: dict, currency: str) -> Metered:
     """What the tenant has used this period: metered, and `pending` (handed over, not stored)."""
-    image_used, total_used = metered_so_far(tenant_id, period, now)
-    spent = metered_spend(tenant_id, period, now, currency)
-    stored = set(UsageEvent.objects.filter(request_id__in=list(pending)).values_list("request_id", flat=True))
-    for request_id, record in pending.items():
-        if request_id not in stored:
-            image, total, _ = settlement(record)
-            image_used, total_used = image_used + image, total_used + total
-            cost = pending_price(record, currency)
-            for field in ("tenant", f"k{record.api_key_id or 0}"):
-                spent[field] = spent.get(field, 0) + cost
+    metered = metered_usage(tenant_id, period, now, currency)
+    image_used, total_used, spent = metered.image_tokens, metered.total_tokens, metered.spent
+    stored = set(UsageEvent.objects.filter(request_id__in=list(pending)).values_list("request_id", flat=True)) \
+        if pending else set()
+    waiting = [record for request_id, record in pending.items() if request_id not in stored]
+    for record, cost in zip(waiting, pending_prices(waiting, currency) if waiting else [], strict=True):
+        image, total, _ = settlement(record)
+        image_used, total_used = image_used + image, total_used + total
+        for field in ("tenant", f"k{record.api_key_id or 0}"):
+            spent[field] = spent.get(field, 0) + cost
     return Metered(image_used, total_used, spent)
 
 
@@ -129,6 +128,8 @@ class RedisLedger:
         self.epochs = f"{self.prefix}:inflight:epoch"
         self._marked = False  # whether this process has marked this Redis (see keep_safe)
         self._marking: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> its marking
+        # event loop -> (tenant, its period's counters) -> the task starting them (see _seed_once)
+        self._seeding: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def _client(self):
         return async_redis(self.url)
@@ -230,17 +231,35 @@ class RedisLedger:
         for _attempt in range(2):
             outcome = await lua.run(scripts, lua.ADMIT, 9, *keys, *quota, *journal, "1" if limits else "0", *spend)
             if outcome == -1:  # the period's first request (or Redis lost them): start from what is metered
-                await self.keep_safe()  # what Redis lost is in the database first
-                used = await self._used(client, tenant_id, limits, now)
-                ttl = seconds_to_period_end(limits.period, now) + 2 * 86400
-                fields = [item for pair in {"seeded": 1, **used.spent}.items() for item in pair]
-                await lua.run(scripts, lua.SEED, 4, keys[0], keys[1], keys[4], spend_key, used.image_tokens,
-                              used.total_tokens, uuid.uuid4().hex, ttl, *fields)
+                await self._seed_once(client, tenant_id, limits, now, keys, spend_key)
                 continue
             if outcome:
                 raise refusal(_ORDER[outcome - 1], limits, now)
             return
         raise RuntimeError("quota counters could not be started")
+
+    async def _seed_once(self, client, tenant_id: int, limits: Limits, now: dt.datetime, keys: list,
+                         spend_key: str) -> None:
+        """Start the period's counters from what is metered. A burst of the period's first
+        requests starts them once in this process: the others wait for it, then admit."""
+        loop = asyncio.get_running_loop()
+        seeding = self._seeding.setdefault(loop, {})
+        task = seeding.get((tenant_id, spend_key))
+        if task is None or task.done():
+            task = seeding[(tenant_id, spend_key)] = loop.create_task(
+                self._seed(client, tenant_id, limits, now, keys, spend_key))
+            task.add_done_callback(lambda done: seeding.pop((tenant_id, spend_key), None) if seeding.get(
+                (tenant_id, spend_key)) is done else None)
+        await asyncio.shield(task)
+
+    async def _seed(self, client, tenant_id: int, limits: Limits, now: dt.datetime, keys: list,
+                    spend_key: str) -> None:
+        await self.keep_safe()  # what Redis lost is in the database first
+        used = await self._used(client, tenant_id, limits, now)
+        ttl = seconds_to_period_end(limits.period, now) + 2 * 86400
+        fields = [item for pair in {"seeded": 1, **used.spent}.items() for item in pair]
+        await lua.run(self._scripts(), lua.SEED, 4, keys[0], keys[1], keys[4], spend_key, used.image_tokens,
+                      used.total_tokens, uuid.uuid4().hex, ttl, *fields)
 
     async def _used(self, client, tenant_id: int, limits: Limits, now: dt.datetime) -> Metered:
         """What the tenant has used this period: metered in the database, and handed over to
