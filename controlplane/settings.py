@@ -250,6 +250,11 @@ FLEET_RECONCILE_SECONDS = env_int("FLEET_RECONCILE_SECONDS", 5, minimum=1,
           "run."))
 ROLLUP_SECONDS = env_int("ROLLUP_SECONDS", 60, minimum=1,
     help="How often beat rolls usage into the hourly and daily totals per tenant, key and tier.")
+CAPTURE_RETENTION_HOURS = env_int("CAPTURE_RETENTION_HOURS", 72, minimum=1,
+    help=("How long the request and response bodies captured for debugging (a tenant's or key's "
+          "`capture bodies`, off by default) are kept before they are deleted."))
+CAPTURE_MAX_CHARS = env_int("CAPTURE_MAX_CHARS", 64 * 1024, minimum=1024,
+    help="The most of each captured request's text and answer kept (characters); the rest is cut.")
 INGEST_SECONDS = env_int("INGEST_SECONDS", 2, minimum=1,
     help=("How often beat moves the usage events the gateways wrote to the usage stream "
           "(USAGE_OUTBOX=redis) into the database."))
@@ -281,6 +286,11 @@ CELERY_BEAT_SCHEDULE = {
         "task": "metering.rollup_daily",
         "schedule": timedelta(seconds=ROLLUP_SECONDS),
         "options": {"expire_seconds": max(1, int(ROLLUP_SECONDS * 0.9))},
+    },
+    "metering-captures-prune": {
+        "task": "metering.captures_prune",
+        "schedule": timedelta(minutes=10),
+        "options": {"expire_seconds": 540},
     },
     "alerts-evaluate": {
         "task": "alerts.evaluate",

@@ -9,6 +9,7 @@ from django.utils import timezone
 
 from controlplane.audit.services import audit_record, field_values
 from controlplane.catalog.engine_settings import EngineSettings, EngineSettingsError
+from controlplane.currencies import CURRENCIES
 from controlplane.imaging.decode import SUPPORTED_FORMATS
 from controlplane.imaging.policy import Policy
 from controlplane.imaging.tokens import FAMILIES, image_grid
@@ -107,8 +108,6 @@ class ResolutionPolicy(models.Model):
 
 # The most engines one tier may run (the fleet page and the tier form hold to it).
 MAX_REPLICAS = 64
-# The currencies a plan may bill in (ISO 4217 codes).
-CURRENCIES = ("USD", "EUR", "GBP", "JPY", "CNY", "CHF", "CAD", "AUD", "INR", "SGD", "KRW", "BRL", "SEK")
 
 
 class PricePlan(models.Model):

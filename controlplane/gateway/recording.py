@@ -8,8 +8,11 @@ import asyncio
 import logging
 import time
 
+from asgiref.sync import sync_to_async
+
 from controlplane.gateway import ledger
 from controlplane.gateway.apps import current_process
+from controlplane.gateway.capture import capture_store
 from controlplane.gateway.errors import NotAdmitted
 from controlplane.metering.records import UsageRecord
 from controlplane.redis_clients import until_written
@@ -98,3 +101,5 @@ async def _hand_over(record: UsageRecord, written: asyncio.Future | None = None)
         await ledger.finish(record, written)
     except Exception:  # never lose the response over metering; the error is logged loudly
         log.exception("could not record usage for %s", record.request_id)
+    if record.capture is not None:  # after the hand-over, never in its way
+        await sync_to_async(capture_store)(record)

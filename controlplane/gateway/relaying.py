@@ -86,6 +86,8 @@ async def relay_answer(request_id, tier, record, prepared, status, content, star
     if data.get("usage"):
         data["usage"] = client_usage(data["usage"], prepared)
     data["id"] = data.get("id") or request_id
+    if record.capture is not None:
+        record.capture["response"] = orjson.dumps(data).decode()
     await hand_over_usage(record, started)
     return json_response(data, headers={"x-request-id": request_id})
 
@@ -142,6 +144,8 @@ def relay_stream(request_id, tier, flight, prepared, response, instance, started
                 for choice in chunk.get("choices") or ():
                     if (choice.get("delta") or {}).get("content"):
                         flight.produced += 1  # also what the journal bills if this gateway dies
+                        if record.capture is not None:
+                            record.capture.setdefault("parts", []).append(choice["delta"]["content"])
                         if record.ttft_ms is None:
                             record.ttft_ms = ms_since(started)
                 yield b"data: " + orjson.dumps(chunk) + b"\n\n"

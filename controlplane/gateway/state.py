@@ -43,6 +43,7 @@ class KeyInfo:
     default_text_tier_id: int | None = None  # the tenant's own `auto` (catalog/routing.py)
     default_image_tier_id: int | None = None
     key_requests_per_minute: int | None = None  # the key's own limit, within the tenant's quota
+    capture: bool = False  # keep its requests' bodies and answers for debugging (gateway/capture.py)
 
 
 @dataclass(frozen=True)
@@ -117,6 +118,7 @@ def _load_key(secret: str) -> KeyInfo | None:
         default_text_tier_id=tenant.default_text_tier_id,
         default_image_tier_id=tenant.default_image_tier_id,
         key_requests_per_minute=api_key.requests_per_minute,
+        capture=tenant.capture_bodies or api_key.capture_bodies,
     )
 
 

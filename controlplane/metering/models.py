@@ -256,3 +256,18 @@ class ImageCostHistogram(models.Model):
 
 def _plain(amount: Decimal) -> str:
     return format(amount.normalize(), "f")
+
+
+class RequestCapture(models.Model):
+    """A request's body and its answer, kept for debugging when its tenant or key asks for it
+    (off by default): images as small thumbnails, text whole up to CAPTURE_MAX_CHARS, for
+    CAPTURE_RETENTION_HOURS. Only operators see them."""
+
+    request_id = models.CharField(max_length=64, unique=True)
+    tenant = models.ForeignKey("tenants.Tenant", on_delete=models.CASCADE, related_name="+")
+    created_at = models.DateTimeField(default=timezone.now, db_index=True)
+    request = models.JSONField()  # the body, each image a thumbnail data URL
+    response = models.TextField(blank=True)  # the answer's JSON, or a stream's text
+
+    def __str__(self):
+        return f"capture of {self.request_id}"

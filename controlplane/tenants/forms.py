@@ -12,7 +12,8 @@ from django.core.exceptions import ValidationError
 from django.core.validators import MaxLengthValidator
 from django.utils import timezone
 
-from controlplane.catalog.models import CURRENCIES, ModelTier
+from controlplane.catalog.models import ModelTier
+from controlplane.currencies import CURRENCIES
 from controlplane.tenants import roles
 from controlplane.tenants.models import Quota, QuotaDefault, QuotaLimits, Tenant
 from controlplane.tenants.users import TENANT_ADMIN, Role
@@ -75,8 +76,13 @@ class OwnKeyForm(forms.Form):
                                      label="Budget", help_text="Optional: what it may spend each quota period, in "
                                                                "its tenant's budget currency")
 
-    def __init__(self, *args, tenant, **kwargs):
+    def __init__(self, *args, tenant, capture: bool = False, **kwargs):
+        """`capture`: the reader is an operator, who may have the key's bodies captured."""
         super().__init__(*args, **kwargs)
+        if capture:
+            self.fields["capture_bodies"] = forms.BooleanField(
+                required=False, label="Capture request and response bodies (debugging)",
+                help_text="Kept for CAPTURE_RETENTION_HOURS, images as thumbnails, seen by operators only")
         allowed = tenant.allowed_tiers.all()
         self.fields["tiers"].queryset = (allowed if allowed.exists() else ModelTier.objects.filter(enabled=True)
                                          ).order_by("name")
@@ -129,9 +135,10 @@ class TenantForm(BudgetFields, forms.ModelForm):
 
         model = Tenant
         fields = ["name", "display_name", "active", "isolate_prefix_cache", "default_text_tier",
-                  "default_image_tier"]
+                  "default_image_tier", "capture_bodies"]
         labels = {"isolate_prefix_cache": "Own prefix cache (never shares KV blocks with other tenants)",
-                  "default_text_tier": "`auto` for text", "default_image_tier": "`auto` for images"}
+                  "default_text_tier": "`auto` for text", "default_image_tier": "`auto` for images",
+                  "capture_bodies": "Capture request and response bodies (debugging)"}
         del Tenant
 
     def __init__(self, *args, **kwargs):

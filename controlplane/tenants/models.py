@@ -8,7 +8,7 @@ from django.core.validators import MinValueValidator
 from django.db import models
 from django.utils import timezone
 
-from controlplane.catalog.models import CURRENCIES
+from controlplane.currencies import CURRENCIES
 
 
 class Tenant(models.Model):
@@ -31,6 +31,9 @@ class Tenant(models.Model):
     # The service's own traffic (benchmarks, evaluations, the playground): metered like any
     # tenant's, kept out of finance totals, exports and statements unless asked for.
     internal = models.BooleanField(default=False, editable=False)
+    capture_bodies = models.BooleanField(
+        default=False, help_text="Keep its requests' bodies and answers for debugging (images as thumbnails), "
+                                 "for CAPTURE_RETENTION_HOURS, seen by operators only")
 
     class Meta:
         ordering = ["name"]
@@ -62,6 +65,8 @@ class ApiKey(models.Model):
         help_text="Empty: every tier its tenant may use; else only these (and only those its tenant may use)")
     requests_per_minute = models.PositiveIntegerField(
         null=True, blank=True, help_text="This key's own limit, within its tenant's quota; empty: none")
+    capture_bodies = models.BooleanField(
+        default=False, help_text="Keep this key's requests' bodies and answers for debugging (operators only)")
     spend_limit = models.DecimalField(
         max_digits=14, decimal_places=2, null=True, blank=True, validators=[MinValueValidator(Decimal("0.01"))],
         help_text="What this key may spend each quota period, in its tenant's budget currency; refused with "

@@ -109,7 +109,8 @@ def _key_fields(api_key: ApiKey) -> dict:
             "models": ", ".join(sorted(api_key.allowed_tiers.values_list("name", flat=True)))
             or "every model of its tenant", "requests_per_minute": api_key.requests_per_minute,
             "spend_limit": str(api_key.spend_limit) if api_key.spend_limit is not None else None,
-            "expires_at": api_key.expires_at.isoformat() if api_key.expires_at else None}
+            "expires_at": api_key.expires_at.isoformat() if api_key.expires_at else None,
+            "capture_bodies": api_key.capture_bodies}
 
 
 def _key_audit(api_key: ApiKey, user, *, created: bool) -> None:
@@ -121,7 +122,7 @@ def _key_audit(api_key: ApiKey, user, *, created: bool) -> None:
                      after={"revoked_at": api_key.revoked_at.isoformat()})
 
 
-KEY_EDITABLE = ("name", "requests_per_minute", "spend_limit", "expires_at")
+KEY_EDITABLE = ("name", "requests_per_minute", "spend_limit", "expires_at", "capture_bodies")
 
 
 class KeyRevoked(Exception):
@@ -137,9 +138,10 @@ def api_key_update(*, api_key: ApiKey, values: dict, tiers, actor) -> ApiKey:
     if api_key.revoked_at is not None:
         raise KeyRevoked(api_key)
     before = _key_fields(api_key)
-    for name in KEY_EDITABLE:
-        setattr(api_key, name, values.get(name))
-    api_key.save(update_fields=list(KEY_EDITABLE))
+    changed = [name for name in KEY_EDITABLE if name in values]  # capture_bodies: an operator's only
+    for name in changed:
+        setattr(api_key, name, values[name])
+    api_key.save(update_fields=changed)
     api_key.allowed_tiers.set(tiers or [])
     audit_record(actor=getattr(actor, "username", None) or str(actor), action=AuditEntry.Action.CHANGED,
                  obj=api_key, before=before, after=_key_fields(api_key))
@@ -181,7 +183,7 @@ def api_key_lookup(secret: str) -> ApiKey | None:
 
 
 TENANT_AUDITED = ("name", "display_name", "active", "isolate_prefix_cache", "default_text_tier_id",
-                  "default_image_tier_id")
+                  "default_image_tier_id", "capture_bodies")
 QUOTA_AUDITED = QuotaLimits.SETTINGS
 
 

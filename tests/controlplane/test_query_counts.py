@@ -304,7 +304,7 @@ PAGES = [
     Page("tiers", "/tiers/", "operator", tiers, 6),
     # its engines, serving count, last hour and month at a glance: five reads, none per row
     Page("tier", "/tiers/vlm-lite/", "operator", engines, 15),
-    Page("policies", "/policies/", "operator", policies, 7),
+    Page("policies", "/policies/", "operator", policies, 8),  # one of them: every tier's colour
     Page("policy", "/policies/standard/", "operator", tiers, 12),
     Page("prices", "/prices/", "finance", price_plans, 7),
     Page("price plan", "/prices/vlm-lite/", "finance", rates, 7),
@@ -320,7 +320,7 @@ PAGES = [
     Page("audit log", "/audit/", "finance", audit_entries, 8),
     Page("request log", "/requests/", "operator", requests, 8),
     Page("request log as a tenant admin", "/requests/", "alice_admin", requests, 8),
-    Page("request", "/requests/pictured-0/", "operator", images, 8),
+    Page("request", "/requests/pictured-0/", "operator", images, 9),  # one of them: its captured body
     Page("statements", f"/statements/?tenant=alice&month={MONTH}", "finance", tiers_used, 8),
     Page("exports", "/exports/", "finance", tenants, 5),
     Page("per-image export", f"/exports/images.csv?month={MONTH}", "finance", requests, 7),

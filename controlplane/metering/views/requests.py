@@ -5,13 +5,14 @@ Operators and finance see every tenant; a tenant's admin sees their own tenant o
 
 from __future__ import annotations
 
+from django.conf import settings
 from django.contrib.auth.decorators import login_required
 from django.core.exceptions import PermissionDenied
 from django.http import Http404
 from django.shortcuts import render
 
 from controlplane.metering.forms import LogFilterForm
-from controlplane.metering.models import UsageEvent
+from controlplane.metering.models import RequestCapture, UsageEvent
 from controlplane.metering.selectors import LogCursor, usage_event_detail, usage_log
 from controlplane.tenants import roles
 
@@ -48,10 +49,36 @@ def request_detail(request, request_id: str):
     event = usage_event_detail(request_id=request_id, tenant_ids=tenant_ids)
     if event is None:
         raise Http404("no such request")
+    # Its body and answer, when its tenant or key captured them: for operators alone.
+    captured = RequestCapture.objects.filter(request_id=request_id).first() if roles.is_operator(request.user) \
+        else None
     return render(request, "metering/request.html", {
         "event": event, "timings": _timings(event), "pictures": _pictures(event.image_rows),
         "recorded_after": event.recorded_at - event.created_at, "image_failure": _image_failure(event),
+        "captured": captured, "captured_messages": _captured_messages(captured),
+        "retention_hours": settings.CAPTURE_RETENTION_HOURS,
     })
+
+
+def _captured_messages(captured) -> list[dict]:
+    """A captured body's messages as the page shows them: each with its role and its parts,
+    text or a thumbnail."""
+    if captured is None:
+        return []
+    shown = []
+    for message in captured.request.get("messages") or []:
+        content = message.get("content")
+        parts = [{"text": content}] if isinstance(content, str) else []
+        for part in content if isinstance(content, list) else []:
+            if part.get("type") == "text":
+                parts.append({"text": part.get("text", "")})
+            else:
+                spec = part.get(part.get("type"))
+                url = spec.get("url") if isinstance(spec, dict) else spec
+                parts.append({"image": url if isinstance(url, str) and url.startswith("data:image/jpeg") else None,
+                              "text": "" if isinstance(url, str) and url.startswith("data:") else str(url)})
+        shown.append({"role": message.get("role"), "parts": parts})
+    return shown
 
 
 def _image_failure(event: UsageEvent) -> str | None:

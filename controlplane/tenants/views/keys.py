@@ -12,6 +12,7 @@ from django.views.decorators.http import require_POST
 from controlplane.catalog.models import ModelTier
 from controlplane.catalog.routing import tenant_auto
 from controlplane.metering.selectors import budget_terms, keys_spend
+from controlplane.tenants import roles
 from controlplane.tenants.forms import ApiKeyForm, OwnKeyForm
 from controlplane.tenants.models import ApiKey
 from controlplane.tenants.services import (
@@ -71,9 +72,10 @@ def key_revoke(request, pk: int):
 def key_page(request, api_key: ApiKey, *, back: str, rotate: str):
     """A key's own page: edit its name, models, limits, budget and expiry; rotate its secret.
     `back`: the keys list it belongs to (the operator's or the tenant admin's)."""
-    form = OwnKeyForm(request.POST or None, tenant=api_key.tenant, initial={
+    form = OwnKeyForm(request.POST or None, tenant=api_key.tenant, capture=roles.is_operator(request.user), initial={
         "name": api_key.name, "tiers": list(api_key.allowed_tiers.all()), "expires_at": api_key.expires_at,
-        "requests_per_minute": api_key.requests_per_minute, "spend_limit": api_key.spend_limit})
+        "requests_per_minute": api_key.requests_per_minute, "spend_limit": api_key.spend_limit,
+        "capture_bodies": api_key.capture_bodies})
     if request.method == "POST" and form.is_valid():
         try:
             api_key_update(api_key=api_key, values=form.cleaned_data, tiers=list(form.cleaned_data["tiers"]),
