@@ -171,6 +171,73 @@ def test_finance_downloads_the_per_image_report_and_monthly_summary_from_the_exp
     assert any("demo" in row for row in cells)  # the demo tenant has a line this month
 
 
+def test_finance_sees_every_tenants_month_and_downloads_a_tenants_invoice(system, page):
+    import io
+
+    import pypdf
+
+    client = openai.OpenAI(base_url=f"{system.base_url}/v1", api_key=system.api_key, max_retries=0)
+    client.chat.completions.create(model="text", max_tokens=4, messages=[{"role": "user", "content": "hi"}])
+    _login(page, system.base_url, "finance", "finance")
+    _go(page, "billing", "Statements")
+    expect(page.get_by_role("heading", name=re.compile("Statements of every tenant"))).to_be_visible()
+    demo = page.locator("#every-statement tr[data-tenant='demo']")
+    for _ in range(20):  # the usage stream is ingested every 2 s
+        if demo.count():
+            break
+        page.wait_for_timeout(1000)
+        page.reload()
+    amount = demo.locator("td").nth(8).inner_text()
+    demo.get_by_role("link", name="demo").click()
+    expect(page.get_by_role("heading", name=re.compile("Statement of demo"))).to_be_visible()
+    with page.expect_download() as download:
+        page.get_by_role("link", name="Invoice (PDF)").click()
+    assert download.value.suggested_filename.startswith("invoice-demo-")
+    text = pypdf.PdfReader(io.BytesIO(open(download.value.path(), "rb").read())).pages[0].extract_text()
+    assert "Tenant: demo" in text and "Total in" in text
+    assert float(amount) <= float(text.split("Total in")[1].splitlines()[0].split()[-2])  # what it showed, or since
+
+
+def test_a_tenant_admin_gives_a_key_a_budget_edits_it_and_rotates_its_secret(system, page):
+    _login(page, system.base_url, "demo-admin", "demo-admin")
+    _go(page, "tenants", "Keys and quota")
+    page.get_by_label("Name").fill("nightly batch")
+    page.get_by_label("Budget").fill("5")
+    page.get_by_role("button", name="Create key").click()
+    secret = page.locator("#issued-key").inner_text().strip()
+    assert f"Bearer {secret}" in page.locator("#issued-curl").inner_text()  # a snippet ready to paste
+    expect(page.get_by_role("button", name="Copy").first).to_be_visible()
+    row = page.locator("#keys tr", has_text="nightly batch")
+    expect(row).to_contain_text("5.00 USD")
+
+    row.get_by_role("link", name="nightly batch").click()
+    page.get_by_label("Name").fill("nightly batch v2")
+    page.get_by_label("Requests per minute").fill("30")
+    page.get_by_role("button", name="Save").click()
+    expect(page.locator("#keys tr", has_text="nightly batch v2")).to_contain_text("30")
+
+    page.locator("#keys tr", has_text="nightly batch v2").get_by_role("link", name="nightly batch v2").click()
+    page.on("dialog", lambda dialog: dialog.accept())
+    page.get_by_role("button", name="Rotate secret").click()
+    rotated = page.locator("#issued-key").inner_text().strip()
+    assert rotated != secret
+    client = openai.OpenAI(base_url=f"{system.base_url}/v1", api_key=rotated, max_retries=0)
+    assert client.models.list().data  # the new secret works at once
+
+    def old_refused():
+        try:
+            openai.OpenAI(base_url=f"{system.base_url}/v1", api_key=secret, max_retries=0).models.list()
+        except openai.AuthenticationError:
+            return True
+        return False
+
+    for _ in range(40):  # within the gateway's key cache (seconds)
+        if old_refused():
+            break
+        page.wait_for_timeout(500)
+    assert old_refused()
+
+
 def test_an_operator_points_a_benchmark_at_the_gateway_runs_it_and_sees_its_latencies(system, page):
     _login(page, system.base_url, "operator", "operator")
     _go(page, "models", "Benchmarks")
