@@ -67,13 +67,14 @@ def response_of(text: str) -> str:
 
 
 def capture_store(record: UsageRecord) -> None:
-    """Keep the request's capture (once per request id); the answer is its error when it failed."""
+    """Keep the request's capture (once per request id), made here, off the event loop: its
+    body with thumbnails, and its answer (its error when it failed)."""
     capture = record.capture
     response = capture.get("response") or "".join(capture.get("parts", ())) or (
         f"{record.error_code}: {record.error_message}" if record.error_code else "")
     try:
         RequestCapture.objects.update_or_create(request_id=record.request_id, defaults={
-            "tenant_id": record.tenant_id, "created_at": record.created_at, "request": capture["request"],
-            "response": response_of(response)})
+            "tenant_id": record.tenant_id, "created_at": record.created_at,
+            "request": request_of(capture["body"], capture["prepared"]), "response": response_of(response)})
     except Exception:  # debugging aid: never the request's failure
         log.exception("could not keep the capture of %s", record.request_id)

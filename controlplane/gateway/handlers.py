@@ -11,7 +11,7 @@ import uuid
 
 from django.conf import settings
 
-from controlplane.gateway import capture, intake, moderation, state
+from controlplane.gateway import intake, moderation, state
 from controlplane.gateway.admission import admit
 from controlplane.gateway.apps import current_process
 from controlplane.gateway.authentication import authenticate, check_before_body, declares_large_body
@@ -158,7 +158,7 @@ async def _chat_completions(request: Request, request_id: str, meters: list):
         admission = await admit(request_id, key, tier, prepared, started, engine=route.first)
         meter.admitted = True
         if key.capture:
-            admission.record.capture = {"request": capture.request_of(body, prepared)}
+            admission.record.capture = {"body": body, "prepared": prepared}  # made into what is kept later
     except GatewayError as exc:
         refused = await image_refusal(prepared)
         exc, stage = (refused, "intake") if refused else (exc, stage)

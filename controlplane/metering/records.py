@@ -66,7 +66,7 @@ class UsageRecord:
     admission: object = None
     recorded: bool = False  # set once the gateway has handed the record over
     # Its body and answer to keep for debugging, when its tenant or key asks (gateway only):
-    # {"request": ..., "response": ... or "parts": [streamed text]} (gateway/capture.py).
+    # {"body", "prepared", and "response" or "parts": [streamed text]} (gateway/capture.py).
     capture: dict | None = None
     # Why it failed, when it did: the stage (STAGES), the error's code and message as the client
     # was told them, and the parameter it named ("messages[0].content[1]": which image).
