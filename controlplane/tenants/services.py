@@ -50,6 +50,12 @@ def internal_tenant() -> Tenant:
     return found
 
 
+def _new_secret() -> tuple[str, str]:
+    """A key's prefix and secret: 32 bits of prefix (collisions are rare, not impossible)."""
+    prefix = secrets.token_hex(4)
+    return prefix, f"{KEY_PREFIX}{prefix}-{secrets.token_urlsafe(32)}"
+
+
 def api_key_create(
     *, tenant: Tenant, name: str = "", created_by=None, expires_at: datetime | None = None, tiers=None,
     requests_per_minute: int | None = None, spend_limit=None,
@@ -57,8 +63,7 @@ def api_key_create(
     """A new key of `tenant`; `tiers`, when given, scopes it to those models. TenantInactive
     when the tenant is deactivated."""
     for attempt in range(5):
-        prefix = secrets.token_hex(4)  # 32 bits: collisions are rare, not impossible
-        secret = f"{KEY_PREFIX}{prefix}-{secrets.token_urlsafe(32)}"
+        prefix, secret = _new_secret()
         try:
             with transaction.atomic():
                 # Locked: a deactivation saved meanwhile waits for the key, or the key for it.
@@ -159,8 +164,7 @@ def api_key_rotate(*, api_key: ApiKey, actor) -> IssuedKey:
         raise TenantInactive(api_key.tenant)
     before = api_key.prefix
     for _attempt in range(5):
-        prefix = secrets.token_hex(4)
-        secret = f"{KEY_PREFIX}{prefix}-{secrets.token_urlsafe(32)}"
+        prefix, secret = _new_secret()
         if not ApiKey.objects.filter(prefix=prefix).exists():
             break
     api_key.prefix, api_key.key_hash = prefix, key_hash(secret)
