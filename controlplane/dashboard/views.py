@@ -66,9 +66,13 @@ def usage(request):
     tenant = next((t for t in tenants if t.name == request.GET.get("tenant")), None)
     tier = next((t for t in tiers if t.name == request.GET.get("tier")), None)
     period = PERIODS.get(request.GET.get("period"), PERIODS[DEFAULT_PERIOD])
+    # The keys to choose from: one tenant's (every tenant's keys may be thousands); any key the
+    # reader may see is found by its prefix.
     keys = list(ApiKey.objects.filter(tenant__in=[tenant] if tenant else visible).select_related("tenant")
-                .order_by("tenant__name", "name", "prefix"))
-    api_key = next((k for k in keys if k.prefix == request.GET.get("key")), None)
+                .order_by("tenant__name", "name", "prefix")) if tenant or not staff else []
+    api_key = next((k for k in keys if k.prefix == request.GET.get("key")), None) or (
+        ApiKey.objects.filter(tenant__in=visible, prefix=request.GET["key"]).select_related("tenant").first()
+        if request.GET.get("key") and not keys else None)
     asked = request.GET.get("tenant")  # a tenant admin's tenants are read only when one is named
     refused = _refused_filters(request.GET, period=period, tier=tier,
                                tenant_names={t.name for t in (tenants if staff else visible)} if asked else set(),
