@@ -88,21 +88,29 @@ class Admission:
         return None
 
 
-def worst_cost(prepared: Prepared, tier: TierSpec, currency: str) -> dict:
+def worst_cost(image_tokens: list[int], text_tokens: int, max_tokens: int, tier: TierSpec, currency: str) -> dict:
     """The most a request can cost, its output at max_tokens and no image cached, in micro-units
     of the budgets' `currency`, and the rates that price what it used when it ends; a tier
     priced in another currency costs the budgets nothing."""
     if tier.rates is None or tier.currency != currency:
         return {}
-    lines = [(image.tokens, 0) for image in prepared.images]
-    unlined = max(0, prepared.image_tokens - sum(tokens for tokens, _ in lines))
-    total = price_parts(images=lines, unlined=(unlined, 0), text_tokens=prepared.text_tokens,
-                        output_tokens=prepared.body["max_tokens"], rates=tier.rates).total
+    total = price_parts(images=[(tokens, 0) for tokens in image_tokens], unlined=(0, 0), text_tokens=text_tokens,
+                        output_tokens=max_tokens, rates=tier.rates).total
     return {"cost": int(total * MICROS), "rates": tier.rates}
 
 
+def worst_ask(key: state.KeyInfo, tier: TierSpec, image_tokens: list[int], text_tokens: int,
+              max_tokens: int) -> Ask | None:
+    """What a request reserves against its key's limits (None: it has none)."""
+    if key.limits is None:
+        return None
+    return Ask(image_tokens=sum(image_tokens), total_tokens=text_tokens + sum(image_tokens) + max_tokens,
+               large=sum(image_tokens) > tier.large_image_threshold, key_id=key.key_id,
+               **worst_cost(image_tokens, text_tokens, max_tokens, tier, key.limits.currency))
+
+
 async def admit(request_id: str, key: state.KeyInfo, tier: TierSpec, prepared: Prepared,
-                 started: float, *, engine=None) -> Admission:
+                 started: float, *, engine=None, also: Ask | None = None, marks=None) -> Admission:
     """Reserve the request against the tenant's quota and journal it, in one step; or refuse
     it with a 429. With its engine chosen and its admission likely to pass, the admission runs
     beside the request's trip to that engine (see OptimisticAdmission): returned once it is on its way to
@@ -116,11 +124,11 @@ async def admit(request_id: str, key: state.KeyInfo, tier: TierSpec, prepared: P
         instance_id=engine.id if engine is not None else None,
         checking=prepared.checking,
     )
-    ask = None if key.limits is None else Ask(
-        image_tokens=prepared.image_tokens,
-        total_tokens=prepared.text_tokens + prepared.image_tokens + prepared.body["max_tokens"],
-        large=prepared.image_tokens > tier.large_image_threshold, key_id=key.key_id,
-        **worst_cost(prepared, tier, key.limits.currency))
+    if marks is not None:
+        marks.mark(record)
+    ask = worst_ask(key, tier, [p.tokens for p in prepared.images], prepared.text_tokens, prepared.body["max_tokens"])
+    if ask is not None and also is not None:
+        ask = ask.plus(also)
     key_counted_at = None
     if key.key_requests_per_minute is not None:
         key_counted_at = timezone.now()

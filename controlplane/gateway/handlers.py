@@ -1,10 +1,12 @@
 """The OpenAI-compatible front door: /v1/models and /v1/chat/completions, independent of the
 web framework (see controlplane/gateway/asgi.py and views.py for the two ways in). A chat
-request's path reads top to bottom in `_chat_completions`: authenticate, read, choose the
-tier, prepare the images, route, admit, forward and relay, record."""
+request's path reads top to bottom in `_chat_completions` and `_serve`: authenticate, read,
+choose the tier (by name, or by `auto`'s routing rules), prepare the images, route, admit,
+forward and relay, record. A cascade (gateway/cascade.py) serves a request twice at most."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 import uuid
@@ -17,12 +19,14 @@ from controlplane.gateway.apps import current_process
 from controlplane.gateway.authentication import authenticate, check_before_body, declares_large_body
 from controlplane.gateway.beside import image_refusal
 from controlplane.gateway.body import LARGE_BODY, TooComplex, read_body
+from controlplane.gateway.cascade import Attempt, cascade, cascades
 from controlplane.gateway.errors import GatewayError, error_response
 from controlplane.gateway.forwarding import forward
 from controlplane.gateway.http import Request, Response, json_response
-from controlplane.gateway.prepare import prepare
+from controlplane.gateway.prepare import TierSpec, prepare
 from controlplane.gateway.recording import drain, hand_over_usage, in_background
 from controlplane.gateway.routing import route_request
+from controlplane.gateway.rules import Facts
 from controlplane.gateway.state import read_or_unavailable
 from controlplane.gateway.tier_choice import AUTO, allowed_tiers, auto_tier, tier_asked
 from controlplane.gateway.validation import RequestInvalid, image_parts, validate_body
@@ -117,18 +121,34 @@ async def _chat_completions(request: Request, request_id: str, meters: list):
         has_images = bool(image_parts(body["messages"]))
         if has_images:  # and before its pictures are opened
             await intake.check(meter)
-        tier = tier_asked(body["model"], key, await read_or_unavailable("the models", state.tiers()), has_images)
-        if not tier.priced:
-            # Serving it would bill nothing, or bill later at a price nobody agreed to.
-            log.error("tier %s has no price in effect; refusing its requests", tier.name)
-            raise GatewayError(503, f"the model '{tier.name}' has no price in effect yet; retry later",
-                               code="model_not_priced", headers={"Retry-After": "60"})
+        facts = Facts(body, request.headers, max_image_bytes=settings.GATEWAY_MAX_BODY_BYTES)
+        choice = tier_asked(body["model"], key, await read_or_unavailable("the models", state.tiers()), has_images,
+                            facts)
+        for tier in filter(None, (choice.tier, choice.escalate_to)):
+            if not tier.priced:
+                # Serving it would bill nothing, or bill later at a price nobody agreed to.
+                log.error("tier %s has no price in effect; refusing its requests", tier.name)
+                raise GatewayError(503, f"the model '{tier.name}' has no price in effect yet; retry later",
+                                   code="model_not_priced", headers={"Retry-After": "60"})
     except GatewayError as exc:
         return exc.response(request_id)
-    started, prepared, stage = time.monotonic(), None, "intake"
+    started = time.monotonic()
+    if cascades(choice, body):
+        return await cascade(functools.partial(_serve, key=key, meter=meter, started=started), request_id, key,
+                             choice, body, facts)
+    return await _serve(request_id, choice.tier, body, Attempt(routed_by=choice.rule.label if choice.rule else ""),
+                        key=key, meter=meter, started=started)
+
+
+async def _serve(request_id: str, tier: TierSpec, body: dict, attempt: Attempt, *, key: state.KeyInfo,
+                 meter: intake.IntakeMeter, started: float):
+    """The request sent to `tier`: its images prepared, routed, admitted, forwarded, recorded."""
+    prepared, stage = None, "intake"
     try:
         try:
             if tier.policy is not None:
+                if meter.budget is not None:  # a cascade's second attempt: the first's pictures cost too
+                    meter.cpu_s += meter.budget.cpu_spent
                 meter.budget = DecodeBudget(decode_limits(), pixels=tier.policy.max_total_pixels,
                                             shared=current_process().decode_memory)
             prepared = await prepare(body, tier, max_image_bytes=settings.GATEWAY_MAX_BODY_BYTES,
@@ -155,7 +175,9 @@ async def _chat_completions(request: Request, request_id: str, meters: list):
         stage = "routing"
         route = await route_request(key, tier, prepared)
         stage = "admission"
-        admission = await admit(request_id, key, tier, prepared, started, engine=route.first)
+        admission = await admit(request_id, key, tier, prepared, started, engine=route.first,
+                                also=attempt.reserve_also(prepared) if attempt.reserve_also else None,
+                                marks=attempt)
         meter.admitted = True
         if key.capture:
             admission.record.capture = {"body": body, "prepared": prepared}  # made into what is kept later
@@ -163,16 +185,16 @@ async def _chat_completions(request: Request, request_id: str, meters: list):
         refused = await image_refusal(prepared)
         exc, stage = (refused, "intake") if refused else (exc, stage)
         # Refused once the tier was known: the tenant sees it in their usage, at no cost.
-        await hand_over_usage(exc.recorded_on(UsageRecord(
+        await hand_over_usage(exc.recorded_on(attempt.mark(UsageRecord(
             request_id=request_id, tenant_id=key.tenant_id, api_key_id=key.key_id, tier_id=tier.id,
-            stream=bool(body.get("stream"))), stage), started)
+            stream=bool(body.get("stream")))), stage), started)
         return exc.response(request_id)
     except Exception:
         # A failure of the gateway itself: the request is in the tenant's usage all the same.
-        await hand_over_usage(UsageRecord(
+        await hand_over_usage(attempt.mark(UsageRecord(
             request_id=request_id, tenant_id=key.tenant_id, api_key_id=key.key_id, tier_id=tier.id,
-            stream=bool(body.get("stream"))).failed(stage, 500, code="internal_error",
-                                                    message="the gateway failed on this request"), started)
+            stream=bool(body.get("stream")))).failed(stage, 500, code="internal_error",
+                                                     message="the gateway failed on this request"), started)
         raise
     return await forward(request_id, key, tier, prepared, admission, started, route)
 

@@ -82,6 +82,8 @@ async def relay_answer(request_id, tier, record, prepared, status, content, star
         http = status if 400 <= status < 500 else 502
         return error_response(http, message, code="upstream_error", request_id=request_id)
     apply_engine_usage(record, data.get("usage"), prepared, tier.family)
+    if record.judge is not None:
+        record.judge(record, data)
     data["model"] = tier.name  # what the client asked for, whatever name the engine serves it under
     if data.get("usage"):
         data["usage"] = client_usage(data["usage"], prepared)

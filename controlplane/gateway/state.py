@@ -12,6 +12,7 @@ import logging
 from dataclasses import dataclass
 
 from django.conf import settings
+from django.db.models import Q
 from django.utils import timezone
 
 from controlplane.catalog.engine_settings import EngineSettingsError
@@ -21,13 +22,15 @@ from controlplane.gateway.apps import current_process
 from controlplane.gateway.errors import GatewayError
 from controlplane.gateway.ledger import MICROS, Limits
 from controlplane.gateway.prepare import TierSpec
+from controlplane.gateway.rules import Rule
 from controlplane.gateway.ttl_cache import TTLCache
 from controlplane.imaging.fetch import FetchPolicy
 from controlplane.imaging.tokens import processor_options
 from controlplane.metering.ratebook import NoRate, RateBook
 from controlplane.metering.rating import Rates
 from controlplane.prompts import ChatTokenizer
-from controlplane.tenants.services import api_key_lookup, usable_tier_ids
+from controlplane.tenants.models import RoutingRule, usable_tier_ids
+from controlplane.tenants.services import api_key_lookup
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +47,7 @@ class KeyInfo:
     default_image_tier_id: int | None = None
     key_requests_per_minute: int | None = None  # the key's own limit, within the tenant's quota
     capture: bool = False  # keep its requests' bodies and answers for debugging (gateway/capture.py)
+    rules: tuple[Rule, ...] = ()  # what `auto` reads first: the key's routing rules, its tenant's, the defaults
 
 
 @dataclass(frozen=True)
@@ -119,7 +123,19 @@ def _load_key(secret: str) -> KeyInfo | None:
         default_image_tier_id=tenant.default_image_tier_id,
         key_requests_per_minute=api_key.requests_per_minute,
         capture=tenant.capture_bodies or api_key.capture_bodies,
+        rules=_rules(api_key),
     )
+
+
+def _rules(api_key) -> tuple[Rule, ...]:
+    """The enabled routing rules `api_key`'s requests for `auto` read, in the order they are
+    read: its own, its tenant's, then the defaults."""
+    rows = RoutingRule.objects.filter(enabled=True).filter(
+        Q(api_key=api_key) | Q(tenant=api_key.tenant_id, api_key=None) | Q(tenant=None, api_key=None))
+    scopes = {api_key.pk: f"key {api_key.prefix}…"}
+    order = sorted(rows, key=lambda row: (0 if row.api_key_id else 1 if row.tenant_id else 2, row.position, row.pk))
+    return tuple(Rule.of(row, scopes.get(row.api_key_id) or (f"tenant {api_key.tenant.name}" if row.tenant_id
+                                                              else "default")) for row in order)
 
 
 async def key_info(secret: str) -> KeyInfo | None:

@@ -57,7 +57,8 @@ from controlplane.imaging.resample import CORES, bicubic, bicubic_rgb
 from controlplane.threads import Threads
 
 __all__ = ["SUPPORTED_FORMATS", "DecodedDataURL", "NormalisedImage", "Policy", "decode_data_url",
-           "decoded_data_url", "fit_within", "normalise", "normalise_tiles", "picture_sent_sizes", "plan_tiles",
+           "decoded_data_url", "fit_within", "normalise", "normalise_tiles", "picture_sent_sizes", "picture_size",
+           "plan_tiles",
            "sent_sizes"]
 
 _MIME = {"jpeg": "image/jpeg", "png": "image/png", "webp": "image/webp"}
@@ -245,17 +246,25 @@ def sent_sizes(width: int, height: int, policy: Policy, detail: str | None = Non
     return [(right - left, bottom - top) for left, top, right, bottom in plan.boxes]
 
 
-def picture_sent_sizes(data: bytes, policy: Policy, detail: str | None = None, *,
-                       max_scans: int = DEFAULT_MAX_SCANS) -> list[tuple[int, int]]:
-    """What `normalise_tiles` would send of the picture `data`, read from its header alone:
-    the size of each image it becomes (what its tokens are counted on). Refused as its header
-    would be refused; its pixels are not decoded, so a picture broken past its header is not."""
+def picture_size(data: bytes, *, policy: Policy | None = None, max_scans: int = DEFAULT_MAX_SCANS) -> tuple[int, int]:
+    """The upright size of the picture `data`, read from its header alone (refused as its
+    header would be refused under `policy`, the default policy when None)."""
+    policy = policy or Policy()
     sniff_problem(data, documents=False)
     image = open_image(data, allowed_formats=policy.allowed_formats, max_input_pixels=policy.max_input_pixels,
                        max_scans=max_scans, sniffed=True)
     width, height = image.size
     if orientation(image) in (5, 6, 7, 8):
         width, height = height, width
+    return width, height
+
+
+def picture_sent_sizes(data: bytes, policy: Policy, detail: str | None = None, *,
+                       max_scans: int = DEFAULT_MAX_SCANS) -> list[tuple[int, int]]:
+    """What `normalise_tiles` would send of the picture `data`, read from its header alone:
+    the size of each image it becomes (what its tokens are counted on). Refused as its header
+    would be refused; its pixels are not decoded, so a picture broken past its header is not."""
+    width, height = picture_size(data, policy=policy, max_scans=max_scans)
     if width * height > policy.max_total_pixels:
         raise ImageTooLarge(f"images in this request exceed {policy.max_total_pixels} pixels in total")
     return sent_sizes(width, height, policy, detail)

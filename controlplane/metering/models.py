@@ -48,6 +48,12 @@ class UsageEvent(models.Model):
     error_code = models.CharField(max_length=64, blank=True, help_text="The error's code, as its client was told")
     error_message = models.CharField(max_length=ERROR_MESSAGE_CHARS, blank=True)
     error_param = models.CharField(max_length=120, blank=True, help_text="The part of the request it named")
+    routed_by = models.CharField(max_length=160, blank=True, help_text="The routing rule that chose its tier")
+    cascade_of = models.CharField(max_length=64, blank=True,
+                                  help_text="An escalation: the request id of the cascade's first attempt")
+    escalation = models.CharField(max_length=16, blank=True,
+                                  help_text="A cascade's first attempt: why its answer was not sent")
+    confidence = models.FloatField(null=True, blank=True, help_text="A cascade's first answer's token probability")
     image_count = models.PositiveIntegerField(default=0)
     image_tokens = models.PositiveIntegerField(default=0)
     cached_tokens = models.PositiveIntegerField(default=0)
@@ -90,6 +96,8 @@ class UsageEvent(models.Model):
             # The rare events whose engine counted other image tokens, shown per tier.
             models.Index(fields=["tier", "created_at"], condition=models.Q(image_tokens_disagree=True),
                          name="usage_image_count_disagree"),
+            # A cascade's escalation, found from its first attempt.
+            models.Index(fields=["cascade_of"], condition=~models.Q(cascade_of=""), name="usage_escalations"),
             # What a rate billed, and until when (a new rate of its plan starts after that).
             models.Index(fields=["rate", "created_at"], name="usage_by_rate"),
         ]

@@ -65,6 +65,9 @@ class UsageRecord:
     # handed over once the admission has its answer.
     admission: object = None
     recorded: bool = False  # set once the gateway has handed the record over
+    # A cascade's first attempt (gateway only): called with the engine's answer before the
+    # record is handed over, to say whether that answer is escalated (gateway/cascade.py).
+    judge: object = None
     # Its body and answer to keep for debugging, when its tenant or key asks (gateway only):
     # {"body", "prepared", and "response" or "parts": [streamed text]} (gateway/capture.py).
     capture: dict | None = None
@@ -74,6 +77,13 @@ class UsageRecord:
     error_code: str = ""
     error_message: str = ""
     error_param: str = ""
+    # How `auto` chose it, when a routing rule did (gateway/rules.py); a cascade's escalation
+    # names the first attempt it followed, and the first attempt why it was escalated ("" when
+    # its answer was sent) and how sure its answer was.
+    routed_by: str = ""
+    cascade_of: str = ""
+    escalation: str = ""
+    confidence: float | None = None
 
     def failed(self, stage: str, http_status: int, *, code: str = "", message: str = "", param: str = "",
                status: str = "error") -> UsageRecord:
@@ -86,11 +96,13 @@ class UsageRecord:
 _SCALARS = ("request_id", "tenant_id", "api_key_id", "tier_id", "stream", "image_tokens", "text_tokens",
             "output_tokens", "cached_tokens", "cached_image_tokens", "instance_id", "status", "http_status",
             "latency_ms", "engine_image_tokens", "image_tokens_disagree", "counted_prompt_tokens", "prompt_estimated",
-            "prepare_ms", "queue_ms", "ttft_ms", "error_stage", "error_code", "error_message", "error_param")
+            "prepare_ms", "queue_ms", "ttft_ms", "error_stage", "error_code", "error_message", "error_param",
+            "routed_by", "cascade_of", "escalation", "confidence")
 # Fields newer than some records already in flight (streams and journals outlive a deploy).
 _SCALAR_DEFAULTS = {"engine_image_tokens": None, "image_tokens_disagree": False, "counted_prompt_tokens": None,
                     "prompt_estimated": True, "prepare_ms": None, "queue_ms": None, "ttft_ms": None,
-                    "error_stage": "", "error_code": "", "error_message": "", "error_param": ""}
+                    "error_stage": "", "error_code": "", "error_message": "", "error_param": "",
+                    "routed_by": "", "cascade_of": "", "escalation": "", "confidence": None}
 _IMAGE_FIELDS = ("source_format", "source_width", "source_height", "width", "height", "fingerprint", "tile", "tiles")
 
 

@@ -85,6 +85,17 @@ class ApiKey(models.Model):
         return self.expires_at is None or self.expires_at > now
 
 
+def usable_tier_ids(api_key: ApiKey) -> frozenset[int] | None:
+    """The tiers `api_key` may use: its tenant's (None: every enabled tier), narrowed to the
+    key's own scope when it has one."""
+    allowed = frozenset(api_key.tenant.allowed_tiers.values_list("id", flat=True))
+    scoped = frozenset(api_key.allowed_tiers.values_list("id", flat=True))
+    if scoped:
+        allowed = (allowed & scoped) if allowed else scoped
+        return allowed or frozenset({-1})  # none left: no tier, rather than every tier
+    return allowed or None
+
+
 class QuotaLimits(models.Model):
     """A quota's limits: a tenant's own (Quota), or what new tenants start with (QuotaDefault)."""
 
@@ -165,3 +176,126 @@ class QuotaCounter(models.Model):
 
     def __str__(self):
         return f"{self.tenant} {self.key}@{self.window}: {self.used}"
+
+
+class RoutingRule(models.Model):
+    """A rule of `auto`: requests that meet every one of its conditions go to its tier (at a
+    detail or pixel cap within the tier's policy), or first to its tier and, should that
+    answer be unsure, cut short or a refusal, to a second. A key's rules are read first, then
+    its tenant's, then the defaults (neither tenant nor key), each in `position` order; the
+    first that holds decides. None holding, `auto` means what catalog/routing.py says."""
+
+    class Detail(models.TextChoices):
+        LOW = "low", "low"
+        HIGH = "high", "high"
+
+    class Tools(models.TextChoices):
+        WITH = "with", "with tools"
+        WITHOUT = "without", "without tools"
+
+    class Confidence(models.TextChoices):
+        MEAN = "mean", "mean token probability"
+        MIN = "min", "least token probability"
+
+    tenant = models.ForeignKey(Tenant, null=True, blank=True, on_delete=models.CASCADE, related_name="routing_rules",
+                               help_text="Empty (and no key): a default rule, for every tenant")
+    api_key = models.ForeignKey(ApiKey, null=True, blank=True, on_delete=models.CASCADE, related_name="routing_rules")
+    position = models.PositiveIntegerField(default=1, help_text="Lower is read first, within its scope")
+    name = models.CharField(max_length=64, blank=True)
+    enabled = models.BooleanField(default=True)
+    # Conditions: each one empty holds for every request.
+    tasks = models.CharField(max_length=200, blank=True, help_text=(
+        "Task names, comma-separated, one of which the request names (metadata.task, or the X-Task header)"))
+    min_images = models.PositiveIntegerField(null=True, blank=True)
+    max_images = models.PositiveIntegerField(null=True, blank=True)
+    min_source_pixels = models.PositiveIntegerField(null=True, blank=True, help_text="Of its largest image, as sent")
+    max_source_pixels = models.PositiveIntegerField(null=True, blank=True)
+    min_image_tokens = models.PositiveIntegerField(
+        null=True, blank=True, help_text="All its images', counted at this rule's tier as this rule sends them")
+    max_image_tokens = models.PositiveIntegerField(null=True, blank=True)
+    min_prompt_tokens = models.PositiveIntegerField(null=True, blank=True, help_text="Its text, estimated")
+    max_prompt_tokens = models.PositiveIntegerField(null=True, blank=True)
+    min_max_tokens = models.PositiveIntegerField(null=True, blank=True, help_text="The max_tokens it asks for")
+    max_max_tokens = models.PositiveIntegerField(null=True, blank=True)
+    detail = models.CharField(max_length=8, blank=True, choices=[*Detail.choices, ("auto", "auto")],
+                              help_text="The detail every image asks for (none asked is auto)")
+    tools = models.CharField(max_length=8, blank=True, choices=Tools.choices)
+    # What it does.
+    tier = models.ForeignKey("catalog.ModelTier", on_delete=models.PROTECT, related_name="+")
+    send_detail = models.CharField(max_length=8, blank=True, choices=Detail.choices,
+                                   help_text="Every image sent at this detail, whatever it asked")
+    pixel_cap = models.PositiveIntegerField(null=True, blank=True, help_text="At most this many pixels an image, "
+                                            "within the tier's policy")
+    escalate_to = models.ForeignKey("catalog.ModelTier", null=True, blank=True, on_delete=models.PROTECT,
+                                    related_name="+", help_text="A cascade: asked when the first answer is unsure")
+    escalate_detail = models.CharField(max_length=8, blank=True, choices=Detail.choices)
+    escalate_pixel_cap = models.PositiveIntegerField(null=True, blank=True)
+    confidence = models.CharField(max_length=8, choices=Confidence.choices, default=Confidence.MEAN)
+    threshold = models.FloatField(null=True, blank=True, help_text=(
+        "Escalate when the first answer's token probability (mean or least) is below this, between 0 and 1"))
+    escalate_on_length = models.BooleanField(default=True, help_text="Escalate an answer cut short by max_tokens")
+    escalate_on_refusal = models.BooleanField(default=True, help_text="Escalate an answer that refuses")
+    cascade_streams = models.BooleanField(default=True, help_text=(
+        "Cascade streamed requests too (their answer is sent once decided); else streams go to the first tier"))
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["position", "id"]
+
+    def __str__(self):
+        return f"rule {self.position}" + (f" ({self.name})" if self.name else "")
+
+    @property
+    def scope(self) -> str:
+        if self.api_key_id:
+            return f"key {self.api_key.prefix}…"
+        return f"tenant {self.tenant.name}" if self.tenant_id else "default"
+
+    def clean(self):
+        errors = {}
+        if self.api_key_id:
+            self.tenant = self.api_key.tenant
+        for low, high in (("min_images", "max_images"), ("min_source_pixels", "max_source_pixels"),
+                          ("min_image_tokens", "max_image_tokens"), ("min_prompt_tokens", "max_prompt_tokens"),
+                          ("min_max_tokens", "max_max_tokens")):
+            if None not in (getattr(self, low), getattr(self, high)) and getattr(self, low) > getattr(self, high):
+                errors[high] = "below its least"
+        if self.tasks:
+            self.tasks = ",".join(sorted({task.strip() for task in self.tasks.split(",") if task.strip()}))
+        for field, cap, tier in (("pixel_cap", self.pixel_cap, self.tier if self.tier_id else None),
+                                 ("escalate_pixel_cap", self.escalate_pixel_cap,
+                                  self.escalate_to if self.escalate_to_id else None)):
+            if cap is None or tier is None:
+                continue
+            policy = tier.resolution_policy
+            if policy is None:
+                errors[field] = f"{tier.name} takes no images, so has no pixel cap"
+            elif not policy.min_pixels <= cap <= policy.max_pixels:
+                errors[field] = (f"within {tier.name}'s policy: between {policy.min_pixels:,} and "
+                                 f"{policy.max_pixels:,} pixels")
+        if self.escalate_to_id:
+            if self.threshold is None or not 0 < self.threshold < 1:
+                errors["threshold"] = "a cascade escalates below a probability between 0 and 1"
+            if (self.escalate_to_id, self.escalate_detail, self.escalate_pixel_cap) == (
+                    self.tier_id, self.send_detail, self.pixel_cap):
+                errors["escalate_to"] = "the same tier as sent first: a higher cap or detail, or another tier"
+        elif self.threshold is not None:
+            errors["threshold"] = "only a cascade has a threshold: name the tier it escalates to"
+        errors.update(self._tiers_usable())
+        if errors:
+            raise ValidationError(errors)
+
+    def _tiers_usable(self) -> dict:
+        """A tenant's or key's rule may only name tiers it may use."""
+        if self.api_key_id:
+            usable, whose = usable_tier_ids(self.api_key), "this key"
+        elif self.tenant_id:
+            usable, whose = frozenset(self.tenant.allowed_tiers.values_list("id", flat=True)) or None, "this tenant"
+        else:
+            return {}
+        errors = {}
+        for field in ("tier", "escalate_to"):
+            tier_id = getattr(self, f"{field}_id")
+            if tier_id is not None and usable is not None and tier_id not in usable:
+                errors[field] = f"{whose} may not use {getattr(self, field).name}"
+        return errors

@@ -11,7 +11,13 @@ from django.utils import timezone
 
 from controlplane.audit.models import AuditEntry
 from controlplane.audit.services import audit_record, field_values, history
-from controlplane.tenants.models import ApiKey, Quota, QuotaDefault, QuotaLimits, Tenant
+from controlplane.tenants.models import (
+    ApiKey,
+    Quota,
+    QuotaDefault,
+    QuotaLimits,
+    Tenant,
+)
 
 KEY_PREFIX = "vlm-"
 
@@ -88,17 +94,6 @@ def api_key_create(
         _key_audit(api_key, created_by, created=True)
         return IssuedKey(api_key=api_key, secret=secret)
     raise AssertionError("unreachable")
-
-
-def usable_tier_ids(api_key: ApiKey) -> frozenset[int] | None:
-    """The tiers `api_key` may use: its tenant's (None: every enabled tier), narrowed to the
-    key's own scope when it has one."""
-    allowed = frozenset(api_key.tenant.allowed_tiers.values_list("id", flat=True))
-    scoped = frozenset(api_key.allowed_tiers.values_list("id", flat=True))
-    if scoped:
-        allowed = (allowed & scoped) if allowed else scoped
-        return allowed or frozenset({-1})  # none left: no tier, rather than every tier
-    return allowed or None
 
 
 def api_key_revoke(*, api_key: ApiKey, actor=None) -> None:

@@ -100,6 +100,12 @@ class Ask:
     # What prices it, to settle its cost to what it used (None: it costs the budgets nothing).
     rates: Rates | None = None
 
+    def plus(self, other: Ask) -> Ask:
+        """This and `other` reserved as one (a cascade's first attempt holds room for its
+        second); it settles, priced at this one's rates, to what this one used."""
+        return Ask(image_tokens=self.image_tokens + other.image_tokens, total_tokens=self.total_tokens + other.total_tokens,
+                   large=self.large or other.large, cost=self.cost + other.cost, key_id=self.key_id, rates=self.rates)
+
 
 @dataclass(frozen=True)
 class Reservation:

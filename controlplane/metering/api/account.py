@@ -28,7 +28,7 @@ from controlplane.metering.rating import price_parts
 from controlplane.metering.services import billed, metered_so_far
 from controlplane.metering.statements import statement
 from controlplane.tenants.api_auth import TenantPrincipal
-from controlplane.tenants.services import usable_tier_ids
+from controlplane.tenants.models import usable_tier_ids
 
 
 class NotPriced(APIException):

@@ -248,6 +248,16 @@ class SimulatedEngine:
             return tokens[:max_tokens], "length"
         return tokens, "stop"
 
+    @staticmethod
+    def token_logprob(prompt: Prompt) -> float:
+        """How sure the simulated model is of each token it says: of a text prompt, nearly; of
+        pictures, the surer the more of them it sees (their image tokens), as a model that
+        reads is at a higher resolution."""
+        if not prompt.images:
+            return math.log(0.98)
+        seen = sum(image.tokens for image in prompt.images)
+        return math.log(max(1e-6, 0.98 * (1 - math.exp(-seen / 256))))
+
     async def generate(self, body: dict, prompt: Prompt):
         """Yield ("first", Completion) with the first token, then ("token", str) per token.
         Leaving the iteration early (or being cancelled) aborts the sequence."""

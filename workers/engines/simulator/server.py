@@ -192,7 +192,8 @@ class App:
                         continue
                     if stream:
                         delta = {"content": (" " if produced else "") + payload}
-                        await self._emit(send, self._chunk(request_id, created, delta))
+                        await self._emit(send, self._chunk(request_id, created, delta,
+                                                           logprobs=self._logprobs(body, prompt, [payload])))
                     produced.append(payload)
         except EngineDead as exc:
             if not stream:
@@ -204,7 +205,8 @@ class App:
                 "id": request_id, "object": "chat.completion", "created": created,
                 "model": self.engine.name,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": " ".join(produced)},
-                             "logprobs": None, "finish_reason": completion.finish_reason}],
+                             "logprobs": self._logprobs(body, prompt, produced),
+                             "finish_reason": completion.finish_reason}],
                 "usage": _usage(completion, len(produced), streamed=False, api=self.api),
             }))
         await self._emit(send, self._chunk(request_id, created, {}, completion.finish_reason))
@@ -215,10 +217,18 @@ class App:
                                     "usage": _usage(completion, len(produced), streamed=True, api=self.api)})
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
 
-    def _chunk(self, request_id, created, delta, finish=None):
+    def _chunk(self, request_id, created, delta, finish=None, logprobs=None):
         return {"id": request_id, "object": "chat.completion.chunk", "created": created,
                 "model": self.engine.name,
-                "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+                "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
+
+    def _logprobs(self, body, prompt, tokens) -> dict | None:
+        """Each token's log-probability, as vLLM gives them when asked (`logprobs`)."""
+        if not body.get("logprobs"):
+            return None
+        logprob = self.engine.token_logprob(prompt)
+        return {"content": [{"token": token, "logprob": logprob, "bytes": list(token.encode()), "top_logprobs": []}
+                            for token in tokens]}
 
     @staticmethod
     async def _emit(send, data):
