@@ -28,7 +28,8 @@ def refusal_of(record: UsageRecord) -> UsageRecord:
     """What a request its admission did not admit is recorded as, as any refused before an
     engine worked on it: in the tenant's usage, at no cost (its error marked by the caller)."""
     return UsageRecord(request_id=record.request_id, tenant_id=record.tenant_id, api_key_id=record.api_key_id,
-                       tier_id=record.tier_id, stream=record.stream, latency_ms=record.latency_ms)
+                       tier_id=record.tier_id, stream=record.stream, latency_ms=record.latency_ms,
+                       routed_by=record.routed_by, cascade_of=record.cascade_of)
 
 
 def release_if_admitted(done: asyncio.Future, record: UsageRecord, started: float) -> None:

@@ -1,0 +1,158 @@
+"""A cascade through the gateway, on the simulator (surer of a picture the more of it it sees):
+the cheap attempt at a low pixel cap, escalated to the full cap when it is unsure, cut short or
+refusing; both attempts billed as what they were, the quota reserved for both."""
+
+from __future__ import annotations
+
+import json
+
+import orjson
+import pytest
+
+from controlplane.gateway import state
+from controlplane.metering.models import UsageEvent
+from controlplane.tenants.models import Quota, RoutingRule
+from tests.controlplane.gateway.calls import error_of, post, post_and_read_stream
+from tests.controlplane.gateway.conftest import ingested
+from tests.images import data_url, image_bytes
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.accounting]
+
+PICTURE = data_url(image_bytes(1000, 1000))  # 1,227 image tokens at the policy's 1 MP; 18 at 12,544 px
+
+
+def _ask(**extra) -> dict:
+    content = [{"type": "text", "text": "what does it say"}, {"type": "image_url", "image_url": {"url": PICTURE}}]
+    return {"model": "auto", "max_tokens": 64, "messages": [{"role": "user", "content": content}], **extra}
+
+
+def _cascade(world, threshold=0.5, **options) -> RoutingRule:
+    rule = RoutingRule(tier=world.vision, pixel_cap=12_544, escalate_to=world.vision, threshold=threshold,
+                       name="read cheaply", **options)
+    rule.full_clean()
+    rule.save()
+    state.clear_caches()
+    return rule
+
+
+def _events() -> list[UsageEvent]:
+    ingested()
+    return list(UsageEvent.objects.order_by("created_at", "id"))
+
+
+def test_an_unsure_cheap_answer_is_escalated_and_both_attempts_are_billed(client, routed, ledger_mode):
+    _cascade(routed)
+    answer = post(client, routed.alice_key, _ask())
+    assert answer.status_code == 200, answer.content
+    assert answer["x-cascade"] == "escalated: low_confidence"
+    assert answer.json()["choices"][0]["logprobs"] is None  # asked of the engine, not of the client
+    first, second = _events()
+    assert answer["x-cascade-first-request-id"] == first.request_id and answer["x-request-id"] == second.request_id
+    assert (first.image_tokens, second.image_tokens) == (18, 1227)
+    assert first.escalation == "low_confidence" and first.confidence < 0.1
+    assert second.cascade_of == first.request_id and not second.escalation
+    assert first.routed_by == second.routed_by == "rule 1 (read cheaply), default"
+    assert first.status == second.status == "ok" and first.cost > 0 and second.cost > first.cost
+
+
+def test_a_sure_cheap_answer_is_sent_and_the_strong_tier_is_not_asked(client, routed, ledger_mode):
+    _cascade(routed, threshold=0.01)
+    answer = post(client, routed.alice_key, _ask())
+    assert answer.status_code == 200 and answer["x-cascade"] == "kept"
+    (only,) = _events()
+    assert only.image_tokens == 18 and only.escalation == "" and 0.01 < only.confidence < 0.1
+    assert answer["x-request-id"] == only.request_id and answer.json()["usage"]["prompt_tokens_details"][
+        "image_tokens"] == 18
+
+
+def test_a_client_that_asked_for_logprobs_gets_them(client, routed, ledger_mode):
+    _cascade(routed, threshold=0.01)
+    answer = post(client, routed.alice_key, _ask(logprobs=True))
+    assert answer["x-cascade"] == "kept" and answer.json()["choices"][0]["logprobs"]["content"]
+
+
+def test_an_answer_cut_short_is_escalated(client, routed, ledger_mode):
+    _cascade(routed, threshold=0.01)
+    answer = post(client, routed.alice_key, _ask(max_tokens=1))
+    assert answer.status_code == 200 and answer["x-cascade"] == "escalated: length"
+    first, second = _events()
+    assert first.escalation == "length" and second.cascade_of == first.request_id
+
+
+def test_a_rule_may_keep_an_answer_cut_short(client, routed, ledger_mode):
+    _cascade(routed, threshold=0.01, escalate_on_length=False)
+    assert post(client, routed.alice_key, _ask(max_tokens=1))["x-cascade"] == "kept"
+    assert len(_events()) == 1
+
+
+def _stream(key, body) -> tuple[list[dict], object]:
+    response, raw = post_and_read_stream(key, {**body, "stream": True})
+    lines = [line[6:] for line in raw.decode().split("\n") if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [orjson.loads(line) for line in lines[:-1]], response
+
+
+def test_a_streamed_request_gets_the_answer_once_decided(routed, ledger_mode):
+    _cascade(routed)
+    chunks, response = _stream(routed.alice_key, _ask(stream_options={"include_usage": True}))
+    assert response["x-cascade"] == "escalated: low_confidence"
+    assert chunks[-1]["usage"]["prompt_tokens_details"]["image_tokens"] == 1227
+    first, second = _events()
+    assert (first.stream, second.stream) == (False, True)  # the first answer was judged whole
+
+
+def test_a_kept_answer_is_streamed_as_the_stream_it_would_have_been(routed, ledger_mode):
+    _cascade(routed, threshold=0.01)
+    chunks, response = _stream(routed.alice_key, _ask(stream_options={"include_usage": True}))
+    assert response["x-cascade"] == "kept"
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    assert text and chunks[-2]["choices"][0]["finish_reason"] in ("stop", "length")
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert chunks[-1]["usage"]["completion_tokens"] >= 1 and chunks[-1]["choices"] == []
+    (only,) = _events()
+    assert only.output_tokens == chunks[-1]["usage"]["completion_tokens"]
+
+
+def test_a_rule_that_does_not_cascade_streams_sends_them_to_the_first_tier(routed, ledger_mode):
+    _cascade(routed, cascade_streams=False)
+    chunks, response = _stream(routed.alice_key, _ask())
+    assert "x-cascade" not in response
+    (only,) = _events()
+    assert only.image_tokens == 18 and only.stream and only.escalation == "" and only.confidence is None
+
+
+def test_admission_reserves_for_both_attempts(client, routed, ledger_mode):
+    """1,000 tokens a day: the cheap attempt's worst case (its 18 image tokens, its text, 64 out)
+    fits, but not beside the strong one's 1,227 image tokens."""
+    Quota.objects.create(tenant=routed.alice, period="day", total_tokens=1000)
+    rule = _cascade(routed)
+    refused = post(client, routed.alice_key, _ask())
+    assert refused.status_code == 429 and error_of(refused)["code"] == "insufficient_quota"
+    (event,) = _events()
+    assert event.http_status == 429 and event.cost == 0 and event.routed_by == "rule 1 (read cheaply), default"
+    rule.escalate_to, rule.threshold = None, None  # no cascade: the cheap attempt alone fits
+    rule.save()
+    state.clear_caches()
+    assert post(client, routed.alice_key, _ask()).status_code == 200
+
+
+def test_an_escalation_settles_both_attempts_to_what_they_used(client, routed, ledger_mode):
+    """A cascade reserves about 1,400 tokens (both attempts' worst cases) and uses about 1,330.
+    3,100 a day: a second cascade fits only if the first settled to what it used (held at its
+    worst, the two attempts would keep about 2,700), and a third does not fit at all."""
+    Quota.objects.create(tenant=routed.alice, period="day", total_tokens=3100)
+    _cascade(routed)
+    answers = [post(client, routed.alice_key, _ask()) for _ in range(3)]
+    assert [a.status_code for a in answers] == [200, 200, 429], answers[-1].content
+    assert [a["x-cascade"] for a in answers[:2]] == ["escalated: low_confidence"] * 2
+    used = sum(e.text_tokens + e.image_tokens + e.output_tokens for e in _events())
+    assert 2 * 1227 < used < 3100 - 400  # what two cascades used; a third's worst case does not fit beside it
+
+
+def test_an_image_refused_at_its_first_attempt_is_not_escalated(client, routed, ledger_mode):
+    _cascade(routed)
+    broken = _ask()
+    broken["messages"][0]["content"][1]["image_url"]["url"] = "data:image/png;base64," + "iVBORw0KGgo" + "A" * 40
+    answer = post(client, routed.alice_key, json.loads(json.dumps(broken)))
+    assert answer.status_code == 400 and "x-cascade" not in answer
+    assert len(_events()) == 1
