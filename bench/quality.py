@@ -48,14 +48,14 @@ SEED = 1_000_000_007  # held out: the model trained on seeds below it
 TARGETS = (("within", 2.0), ("within", 10.0), ("at_least", 75.0))
 
 
-def items(tasks: list[str], per_task: int) -> list:
+def items(tasks: list[str], per_task: int, seed: int = SEED) -> list:
     from controlplane.benchmarks.resolution import Item
     from controlplane.imaging import synthetic
     from workers.engines.cpu import seeing_model
 
     found = []
     for task in tasks:
-        for n, sample in enumerate(synthetic.generate(task, per_task, SEED, style=seeing_model.STYLE)):
+        for n, sample in enumerate(synthetic.generate(task, per_task, seed, style=seeing_model.STYLE)):
             found.append(Item(key=f"{task}-{n}", data=sample.image, width=sample.width, height=sample.height,
                               content_type="image/png", question=sample.question, task_type=task,
                               answers=sample.answers))
