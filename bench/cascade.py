@@ -158,7 +158,7 @@ def _line(name: str, figures: dict, strong: dict | None = None) -> str:
             f" {figures['cost_per_1000']:10.4f}{share} {100 * figures['escalated']:9.1f} %")
 
 
-def run(per_task: int, json_path: Path | None) -> dict:
+def run(per_task: int, json_path: Path | None, cheap_cap: int = CHEAP_CAP, strong_cap: int = STRONG_CAP) -> dict:
     from controlplane.benchmarks import cascade_curve
     from workers.engines.cpu import install, seeing_model
 
@@ -172,13 +172,13 @@ def run(per_task: int, json_path: Path | None) -> dict:
         engine = engine_start(engine_port, folder)
         engine_wait(engine, engine_port)
         url = f"http://127.0.0.1:{gateway.port}/v1/chat/completions"
-        cheap_key = _key("cheap", pixel_cap=CHEAP_CAP)
-        strong_key = _key("strong", pixel_cap=STRONG_CAP)
+        cheap_key = _key("cheap", pixel_cap=cheap_cap)
+        strong_key = _key("strong", pixel_cap=strong_cap)
         tasks = list(TASKS)
         calibration = items(tasks, per_task, CALIBRATION_SEED)
         evaluation = items(tasks, per_task, EVALUATION_SEED)
         print(f"{len(calibration)} calibration and {len(evaluation)} evaluation questions "
-              f"({per_task} a task: {', '.join(tasks)}); cheap at {CHEAP_CAP:,} px, strong at {STRONG_CAP:,} px",
+              f"({per_task} a task: {', '.join(tasks)}); cheap at {cheap_cap:,} px, strong at {strong_cap:,} px",
               flush=True)
 
         # 1. Calibration: the threshold from the curve.
@@ -192,7 +192,7 @@ def run(per_task: int, json_path: Path | None) -> dict:
               f"{threshold:.4f}", flush=True)
 
         # 2. Evaluation: the three, and the curve predicted from cheap and strong.
-        cascade_key = _key("cascade", pixel_cap=CHEAP_CAP, cascade=True, escalate_pixel_cap=STRONG_CAP,
+        cascade_key = _key("cascade", pixel_cap=cheap_cap, cascade=True, escalate_pixel_cap=strong_cap,
                            threshold=threshold)
         cheap_eval = run_rule(url, cheap_key, evaluation, logprobs=True)
         strong_eval = run_rule(url, strong_key, evaluation)
@@ -231,9 +231,11 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--items", type=int, default=40, help="questions per task in each set (default 40)")
     parser.add_argument("--json", type=Path, help="also write the figures to this file")
+    parser.add_argument("--cheap-cap", type=int, default=CHEAP_CAP, help=f"pixels (default {CHEAP_CAP:,})")
+    parser.add_argument("--strong-cap", type=int, default=STRONG_CAP, help=f"pixels (default {STRONG_CAP:,})")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds through run's cleanup
-    run(args.items, args.json)
+    run(args.items, args.json, args.cheap_cap, args.strong_cap)
 
 
 if __name__ == "__main__":

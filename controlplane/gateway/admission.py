@@ -112,7 +112,8 @@ def worst_ask(key: state.KeyInfo, tier: TierSpec, image_tokens: list[int], text_
 async def admit(request_id: str, key: state.KeyInfo, tier: TierSpec, prepared: Prepared,
                  started: float, *, engine=None, also: Ask | None = None, marks=None) -> Admission:
     """Reserve the request against the tenant's quota and journal it, in one step; or refuse
-    it with a 429. With its engine chosen and its admission likely to pass, the admission runs
+    it with a 429. `also`: room held beside it until it settles (a cascade's second attempt's
+    worst case); `marks`: what its record says of how it was routed. With its engine chosen and its admission likely to pass, the admission runs
     beside the request's trip to that engine (see OptimisticAdmission): returned once it is on its way to
     the ledger's store, answered while the engine works."""
     record = UsageRecord(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import signal
 import threading
@@ -361,6 +362,7 @@ SAME_REQUESTS = {
     "image": {"max_tokens": 3, "messages": "image"},
     "stream_options without stream": {"max_tokens": 3, "stream_options": {"include_usage": True}},
     "top_logprobs without logprobs": {"max_tokens": 3, "top_logprobs": 2},
+    "logprobs": {"max_tokens": 3, "logprobs": True, "messages": "image"},  # what a cascade judges
     "tools without a parser": {"max_tokens": 3, "tools": [
         {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]},
     "priority on a first-come engine": {"max_tokens": 3, "priority": 5},
@@ -382,6 +384,9 @@ def test_the_simulator_answers_as_the_real_engine_does(system_db, real_engine):
     real, simulated = (a.json()["usage"] for a in answers["image"])
     assert _shape(simulated) == _shape(real)
     assert simulated["prompt_tokens_details"]["multimodal_tokens"] == real["prompt_tokens_details"]["multimodal_tokens"]
+    real, simulated = (a.json()["choices"][0]["logprobs"]["content"] for a in answers["logprobs"])
+    assert _shape(simulated[0]) == _shape(real[0]) and len(real) >= 1
+    assert all(math.isfinite(token["logprob"]) and token["logprob"] <= 0 for token in real + simulated)
     for name in ("stream_options without stream", "top_logprobs without logprobs"):
         real_error, simulated_error = (a.json()["error"] for a in answers[name])
         assert (simulated_error["message"], simulated_error["param"]) == (real_error["message"], real_error["param"])

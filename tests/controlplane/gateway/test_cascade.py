@@ -5,12 +5,15 @@ refusing; both attempts billed as what they were, the quota reserved for both.""
 from __future__ import annotations
 
 import json
+from decimal import Decimal
 
 import orjson
 import pytest
 
 from controlplane.gateway import state
 from controlplane.metering.models import UsageEvent
+from controlplane.metering.records import UsageRecord
+from controlplane.metering.services import usage_record
 from controlplane.tenants.models import Quota, RoutingRule
 from tests.controlplane.gateway.calls import error_of, post, post_and_read_stream
 from tests.controlplane.gateway.conftest import ingested
@@ -156,3 +159,20 @@ def test_an_image_refused_at_its_first_attempt_is_not_escalated(client, routed, 
     answer = post(client, routed.alice_key, json.loads(json.dumps(broken)))
     assert answer.status_code == 400 and "x-cascade" not in answer
     assert len(_events()) == 1
+
+
+def test_a_budget_holds_room_for_both_attempts(client, routed, ledger_mode):
+    """Of a 0.01 USD budget 0.0085 is spent. The cheap attempt's worst case (its image fee of
+    0.001, 18 image tokens, 64 out) fits in what is left; beside the strong one's (another
+    0.001 and 1,227 image tokens) it does not."""
+    spent = UsageRecord(request_id="req-spent", tenant_id=routed.alice.pk, api_key_id=None,
+                        tier_id=routed.text.pk, output_tokens=14_167)  # 0.0085 USD at 0.60 a million
+    usage_record(record=spent)
+    Quota.objects.create(tenant=routed.alice, spend_limit=Decimal("0.01"))
+    rule = _cascade(routed)
+    refused = post(client, routed.alice_key, _ask())
+    assert refused.status_code == 429 and error_of(refused)["code"] == "budget_exceeded"
+    rule.escalate_to, rule.threshold = None, None
+    rule.save()
+    state.clear_caches()
+    assert post(client, routed.alice_key, _ask()).status_code == 200
