@@ -115,6 +115,19 @@ def usage_event_detail(*, request_id: str, tenant_ids: tuple[int, ...] | None) -
     return event
 
 
+def cascade_attempts(event: UsageEvent) -> tuple[UsageEvent, UsageEvent | None] | None:
+    """A cascade's two attempts, (first, escalation), when `event` is either of them: the
+    escalation None when the first answer was kept, or was not escalated after all (the second
+    attempt not admitted); the first None when it is no longer kept. None when `event` is no
+    cascade's."""
+    related = UsageEvent.objects.select_related("tier").filter(tenant_id=event.tenant_id)
+    if event.cascade_of:
+        return related.filter(request_id=event.cascade_of).first(), event
+    if event.escalation or event.confidence is not None:
+        return event, related.filter(cascade_of=event.request_id).first() if event.escalation else None
+    return None
+
+
 def quota_use(*, tenant, quota, now: dt.datetime | None = None) -> list[dict]:
     """Each limit of `quota` beside what `tenant` has used against it, as admission counts
     (the tenant pages and the quota alerts read the same figures)."""

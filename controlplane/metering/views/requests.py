@@ -13,10 +13,18 @@ from django.shortcuts import render
 
 from controlplane.metering.forms import LogFilterForm
 from controlplane.metering.models import RequestCapture, UsageEvent
-from controlplane.metering.selectors import LogCursor, usage_event_detail, usage_log
+from controlplane.metering.selectors import (
+    LogCursor,
+    cascade_attempts,
+    usage_event_detail,
+    usage_log,
+)
 from controlplane.tenants import roles
 
 PAGE_SIZE = 50
+# Why a cascade's first answer was not the one sent.
+ESCALATIONS = {"low_confidence": "unsure: its token probability below the rule's threshold",
+               "length": "cut short by max_tokens", "refusal": "a refusal", "no_answer": "no answer"}
 
 
 def _visible(user) -> list:
@@ -56,8 +64,17 @@ def request_detail(request, request_id: str):
         "event": event, "timings": _timings(event), "pictures": _pictures(event.image_rows),
         "recorded_after": event.recorded_at - event.created_at, "image_failure": _image_failure(event),
         "captured": captured, "captured_messages": _captured_messages(captured),
-        "retention_hours": settings.CAPTURE_RETENTION_HOURS,
+        "retention_hours": settings.CAPTURE_RETENTION_HOURS, "cascade": _cascade(event),
     })
+
+
+def _cascade(event: UsageEvent):
+    """Its cascade's two attempts, the first saying in words why it was escalated."""
+    attempts = cascade_attempts(event)
+    if attempts is not None and attempts[0] is not None:
+        first = attempts[0]
+        first.escalation_reason = ESCALATIONS.get(first.escalation, first.escalation)
+    return attempts
 
 
 def _captured_messages(captured) -> list[dict]:

@@ -179,3 +179,22 @@ def test_a_request_no_engine_could_serve_says_so(client, world):
     assert "Failed at <strong>choosing an engine</strong>" in why and "engine_unavailable" in why
     assert "no healthy engine is serving" in why
     assert "No image was measured" in page
+
+
+def test_a_cascades_two_attempts_are_shown_together_each_linking_the_other(client, world):
+    label = "rule 1 (receipts), tenant alice"
+    _request(world, "req-first", routed_by=label, escalation="low_confidence", confidence=0.4213)
+    _request(world, "req-second", routed_by=label, cascade_of="req-first")
+    _request(world, "req-kept", routed_by=label, confidence=0.93)
+    _request(world, "req-plain")
+    client.force_login(world.alice_admin)
+    first = client.get("/requests/req-first/").content.decode()
+    assert label in first.split('id="routed-by">')[1].split("</td>")[0]
+    cascade = first.split('id="cascade"')[1].split("</section>")[0]
+    assert "0.421" in cascade and "escalated: unsure" in cascade and 'href="/requests/req-second/"' in cascade
+    second = client.get("/requests/req-second/").content.decode().split('id="cascade"')[1].split("</section>")[0]
+    assert 'href="/requests/req-first/"' in second and "0.421" in second and "req-second</code> (this one)" in second
+    kept = client.get("/requests/req-kept/").content.decode().split('id="cascade"')[1].split("</section>")[0]
+    assert "kept: its answer was sent" in kept and "cascade-escalation" not in kept
+    plain = client.get("/requests/req-plain/").content.decode()
+    assert 'id="cascade"' not in plain and "no routing rule" in plain
