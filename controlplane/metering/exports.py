@@ -29,8 +29,11 @@ from controlplane.metering.ratebook import RateBook
 from controlplane.metering.rating import money_text
 from controlplane.metering.services import billed
 
+# How its request was routed: the rule that chose its tier; on a cascade's escalation, the
+# request id of its first attempt; on a first attempt, why it was escalated and how sure it was.
+ROUTING_COLUMNS = ["routed_by", "cascade_of", "escalation", "confidence"]
 IMAGE_COLUMNS = ["tenant", "request_id", "time", "tier", "source_width", "source_height", "sent_width",
-                 "sent_height", "image_tokens", "cached_image_tokens", "cost", "currency"]
+                 "sent_height", "image_tokens", "cached_image_tokens", "cost", "currency", *ROUTING_COLUMNS]
 SUMMARY_COUNTERS = ("requests", "images", "image_tokens", "cached_image_tokens", "text_tokens", "output_tokens")
 SUMMARY_AMOUNTS = ("cost", "cache_savings")
 SUMMARY_COLUMNS = ["tenant", "month", "line", "tier", *SUMMARY_COUNTERS, *SUMMARY_AMOUNTS, "currency"]
@@ -51,17 +54,20 @@ class ExportError(ValueError):
 
 def per_image_rows(*, since: dt.datetime, until: dt.datetime, tenants) -> Iterator[list]:
     """One row per image sent to an engine: what it was, what it became, what it cost at the
-    rate that priced its request (None when none did), and in which currency."""
+    rate that priced its request (None when none did), in which currency, and how its request
+    was routed."""
     book = RateBook()
     images = (UsageImage.objects.filter(billed("event__"), event__created_at__gte=since, event__created_at__lt=until,
                                         event__tenant__in=tenants)
               .order_by("event__created_at", "event_id", "position")
               .values_list("event__tenant__name", "event__request_id", "event__created_at", "event__tier__name",
                            "source_width", "source_height", "width", "height", "tokens", "cached_tokens",
-                           "event__rate_id", "event__tier__price_plan__currency"))
-    for *row, rate_id, currency in images.iterator(chunk_size=2000):
+                           "event__rate_id", "event__tier__price_plan__currency",
+                           *(f"event__{name}" for name in ROUTING_COLUMNS)))
+    for values in images.iterator(chunk_size=2000):
+        row, (rate_id, currency), routing = values[:10], values[10:12], values[12:]
         price = book.image_price(rate_id, row[8], row[9])
-        yield [*row, price, book.rate(rate_id).plan.currency if rate_id else currency]
+        yield [*row, price, book.rate(rate_id).plan.currency if rate_id else currency, *routing]
 
 
 # -- the per-tenant monthly summary ---------------------------------------------------------
@@ -268,7 +274,7 @@ def xlsx_file(header: list[str], rows: Iterator[list], *, title: str, rows_per_s
                     continue
                 if isinstance(value, bool):
                     sheet.write_boolean(at, col, value)
-                elif isinstance(value, int):
+                elif isinstance(value, int | float):
                     sheet.write_number(at, col, value)
                 elif isinstance(value, Decimal):
                     sheet.write_number(at, col, float(value), money)

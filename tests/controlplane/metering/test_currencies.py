@@ -12,7 +12,7 @@ from django.utils import timezone
 
 from controlplane.catalog.models import PricePlan, PriceRate
 from controlplane.demo import PRICES_FROM
-from controlplane.metering.exports import monthly_summary_rows, per_image_rows
+from controlplane.metering.exports import IMAGE_COLUMNS, monthly_summary_rows, per_image_rows
 from controlplane.metering.records import ImageLine, UsageRecord
 from controlplane.metering.rollups import rollup_daily
 from controlplane.metering.services import usage_record
@@ -76,7 +76,8 @@ def test_the_monthly_summary_and_the_per_image_report_name_each_currency(world, 
     assert totals == {currency: sum(e.cost for e in events if e.tier.price_plan.currency == currency)
                       for currency in ("USD", "EUR")}
     report = list(per_image_rows(since=now - dt.timedelta(hours=1), until=now + dt.timedelta(hours=1), tenants=tenants))
-    assert sorted(row[-1] for row in report) == ["EUR", "EUR", "USD", "USD"]
+    currency = IMAGE_COLUMNS.index("currency")
+    assert sorted(row[currency] for row in report) == ["EUR", "EUR", "USD", "USD"]
 
 
 def test_the_statement_page_shows_a_total_per_currency(client, world, euro_tier):

@@ -92,3 +92,19 @@ def test_money_is_written_with_six_decimals_whatever_the_database_summed():
 
     lines = b"".join(csv_lines(["cost"], iter([[Decimal("0.00136700000000000012")], [Decimal("2")]])))
     assert lines.decode().split() == ["cost", "0.001367", "2.000000"]
+
+
+def test_the_per_image_report_says_how_each_request_was_routed(client, world):
+    picture = normalise(image_bytes(1920, 1080), Policy())
+    now = timezone.now()
+    for request_id, fields in (("req-first", {"escalation": "low_confidence", "confidence": 0.42}),
+                               ("req-second", {"cascade_of": "req-first"})):
+        usage_record(record=UsageRecord(
+            request_id=request_id, tenant_id=world.alice.pk, api_key_id=None, tier_id=world.vision.pk,
+            images=[(picture, 100, False)], image_tokens=100, text_tokens=5, output_tokens=5, created_at=now,
+            routed_by="rule 1, default", **fields))
+    client.force_login(world.finance)
+    rows = _rows(client.get("/exports/images.csv"))
+    assert [(r["request_id"], r["routed_by"], r["cascade_of"], r["escalation"], r["confidence"]) for r in rows] == [
+        ("req-first", "rule 1, default", "", "low_confidence", "0.42"),
+        ("req-second", "rule 1, default", "req-first", "", "")]
