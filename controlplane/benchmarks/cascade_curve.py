@@ -62,3 +62,25 @@ def cheapest_within(points: Sequence[Point], accuracy: float) -> Point | None:
     """The cheapest point whose accuracy is at least `accuracy`."""
     meeting = [p for p in points if p.accuracy >= accuracy]
     return min(meeting, key=lambda p: (p.cost_per_1000, -p.accuracy)) if meeting else None
+
+
+def run_items(results: dict, cheap_cap: int, strong_cap: int) -> list[Item]:
+    """The items of a resolution sweep's run asked at both caps, each with what it got and cost
+    at each; those without a probability or a cost at either are left out."""
+    answers = {(row[0], row[1]): row for cap in results.get("caps") or [] for row in cap.get("answers") or []
+               if len(row) >= 8}
+    found = []
+    for (cap, key), cheap in answers.items():
+        strong = answers.get((strong_cap, key))
+        if cap != cheap_cap or strong is None or None in (cheap[6], cheap[7], strong[7]):
+            continue
+        found.append(Item(confidence=cheap[6], cheap_score=cheap[4], cheap_cost=Decimal(cheap[7]),
+                          strong_score=strong[4], strong_cost=Decimal(strong[7])))
+    return found
+
+
+def weighed_caps(results: dict) -> list[int]:
+    """The caps of a run whose answers carry a probability and a cost, smallest first."""
+    return sorted({cap["cap"] for cap in results.get("caps") or []
+                   if any(len(row) >= 8 and row[6] is not None and row[7] is not None
+                          for row in cap.get("answers") or [])})

@@ -127,3 +127,23 @@ def resolution_chart(results: dict, div_id: str = "resolution-chart") -> str:
                          yaxis2={"title": "ms", "overlaying": "y", "side": "right"},
                          margin={"l": 60, "r": 60, "t": 50, "b": 50}, height=380)
     return _html(figure, div_id)
+
+
+def cascade_chart(points: list, *, cheap_cap: int, strong_cap: int, div_id: str = "cascade-chart") -> str:
+    """A cascade's threshold trade-off: accuracy against cost per 1,000 requests, one point per
+    threshold (cascade_curve.Point), from cheap-only (0) to always escalating (1)."""
+    figure = go.Figure()
+    ordered = sorted(points, key=lambda p: p.threshold)
+    figure.add_scatter(name="cascade", x=[float(p.cost_per_1000) for p in ordered], y=[p.accuracy for p in ordered],
+                       text=[f"below {p.threshold:.3f}: {p.escalated:.0%} escalated" for p in ordered],
+                       mode="lines+markers", hovertemplate="%{text}<br>accuracy %{y:.1%}, %{x:.4f} per 1,000")
+    ends = [ordered[0], ordered[-1]] if ordered else []
+    names = [f"cheap only ({cheap_cap:,} px)", f"both, always ({strong_cap:,} px answers)"]
+    for name, end in zip(names, ends, strict=False):
+        figure.add_scatter(name=name, x=[float(end.cost_per_1000)], y=[end.accuracy], mode="markers",
+                           marker={"size": 11})
+    figure.update_layout(title="A cascade's threshold: accuracy against cost per 1,000 requests",
+                         xaxis_title="cost per 1,000 requests", yaxis_title="accuracy on the set",
+                         yaxis={"range": [0, 1.05], "tickformat": ".0%"},
+                         margin={"l": 60, "r": 20, "t": 50, "b": 50}, height=400)
+    return _html(figure, div_id)

@@ -1,6 +1,7 @@
 """A resolution run's quality–cost curve for operators: the advisor on it (a target in, the
 smallest cap meeting it out, applied to the tier's policy in one step), the curve beside other
-runs on the same set, and the curve and its answers as CSV files."""
+runs on the same set, any two of its caps weighed as a cascade's attempts (the threshold's
+trade-off), and the curve and its answers as CSV files."""
 
 from __future__ import annotations
 
@@ -15,9 +16,9 @@ from django.shortcuts import get_object_or_404, redirect
 from django.urls import reverse
 from django.views.decorators.http import require_GET, require_POST
 
-from controlplane.benchmarks import charts, curves, selectors
+from controlplane.benchmarks import cascade_curve, charts, curves, selectors
 from controlplane.benchmarks.advisor import WITHIN
-from controlplane.benchmarks.forms import AdviceForm
+from controlplane.benchmarks.forms import AdviceForm, CascadeCapsForm
 from controlplane.benchmarks.models import BenchmarkProfile, BenchmarkRun, GateCheck
 from controlplane.benchmarks.policy_advice import (
     AdviceError,
@@ -83,6 +84,33 @@ def run_curve_context(request, run: BenchmarkRun) -> dict:
         except AdviceError as exc:
             context["advice_error"] = str(exc)
     return context
+
+
+CASCADE_THRESHOLDS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0)
+
+
+def run_cascade_context(request, run: BenchmarkRun) -> dict:
+    """Two caps of the run as a cascade's cheap and strong attempts: what each threshold on the
+    cheap answer's token probability would give, accuracy against cost, and the cheapest
+    threshold within a point and within two of always escalating."""
+    results = run.results or {}
+    caps = cascade_curve.weighed_caps(results)
+    if len(caps) < 2:
+        return {}
+    form = CascadeCapsForm(request.GET if "cheap_cap" in request.GET else None, caps=caps)
+    cheap, strong = (form.cleaned_data["cheap_cap"], form.cleaned_data["strong_cap"]) if form.is_valid() \
+        else (caps[0], caps[-1])
+    items = cascade_curve.run_items(results, cheap, strong)
+    if not items:
+        return {"cascade_form": form}
+    points = cascade_curve.curve(items)
+    always = cascade_curve.point(items, 1.0)
+    picks = [(f"within {gap} point{'s' if gap > 1 else ''} of always escalating",
+              cascade_curve.cheapest_within(points, always.accuracy - gap / 100)) for gap in (1, 2)]
+    return {"cascade_form": form, "cascade_items": len(items),
+            "cascade_chart": charts.cascade_chart(points, cheap_cap=cheap, strong_cap=strong),
+            "cascade_rows": [cascade_curve.point(items, t) for t in CASCADE_THRESHOLDS],
+            "cascade_picks": [(name, pick) for name, pick in picks if pick is not None]}
 
 
 @login_required

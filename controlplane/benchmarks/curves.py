@@ -14,7 +14,7 @@ from controlplane.benchmarks import scoring
 
 CURVE_COLUMNS = ["cap", "task", "metric", "value", "low", "high", "items", "image_tokens", "cost_per_image",
                  "cost_per_right_answer", "ttft_p50_ms", "e2e_p50_ms"]
-ANSWER_COLUMNS = ["cap", "item", "task", "answer", "score", "read_as"]
+ANSWER_COLUMNS = ["cap", "item", "task", "answer", "score", "read_as", "confidence", "cost"]
 SET = "all"  # the task column of the whole set's row
 
 
@@ -40,4 +40,4 @@ def curve_rows(results: dict) -> Iterator[list]:
 def answer_rows(results: dict) -> Iterator[list]:
     for cap in results.get("caps") or []:
         for answer in cap.get("answers") or []:
-            yield list(answer)
+            yield [*answer, *[None] * (len(ANSWER_COLUMNS) - len(answer))]  # older runs kept fewer

@@ -217,3 +217,21 @@ class ObservedProfileForm(forms.Form):
     @property
     def seconds(self) -> int:
         return self.WINDOWS[self.cleaned_data["window"]][0]
+
+
+class CascadeCapsForm(forms.Form):
+    """Which two caps of a sweep are weighed as a cascade's cheap and strong attempts."""
+
+    cheap_cap = forms.TypedChoiceField(coerce=int, label="Cheap attempt at")
+    strong_cap = forms.TypedChoiceField(coerce=int, label="Strong attempt at")
+
+    def __init__(self, *args, caps: list[int], **kwargs):
+        super().__init__(*args, **kwargs)
+        choices = [(cap, f"{cap:,} px") for cap in caps]
+        self.fields["cheap_cap"].choices = self.fields["strong_cap"].choices = choices
+
+    def clean(self):
+        data = super().clean()
+        if data.get("cheap_cap") and data.get("cheap_cap") == data.get("strong_cap"):
+            raise forms.ValidationError("two different caps")
+        return data

@@ -69,6 +69,7 @@ class Sample:
     image_tokens: int = 0
     images: int = 0
     text: str = ""  # the answer, for scoring against an expected one
+    logprobs: list[float] = field(default_factory=list)  # its tokens', when they were asked for
 
     @property
     def tpot(self) -> float | None:
@@ -111,6 +112,9 @@ class StreamTiming:
             sample.error = str(event["error"].get("message") or "error in stream")[:300]
             return
         for choice in event.get("choices") or ():
+            for token in ((choice.get("logprobs") or {}).get("content")) or ():
+                if isinstance(token, dict) and isinstance(token.get("logprob"), int | float):
+                    sample.logprobs.append(float(token["logprob"]))
             if content := (choice.get("delta") or {}).get("content"):
                 self.chunks_with_content += 1
                 sample.text += content

@@ -10,6 +10,7 @@ against an engine alike.
 from __future__ import annotations
 
 import io
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from decimal import Decimal
@@ -96,8 +97,10 @@ def variant_specs(items: list[Item], variants: list[Variant], *, max_tokens: int
             specs.append(RequestSpec(
                 index=index, klass=IMAGE, images=len(images), image_pixels=sum(w * h for w, h in sizes),
                 image_tokens=sum(estimate_tokens(w, h) for w, h in sizes), sizes=sizes,
+                # Its tokens' log-probabilities too: any two caps of a sweep are then weighed as
+                # a cascade's attempts (cascade_curve.py).
                 body={"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
-                      "temperature": 0},
+                      "temperature": 0, "logprobs": True},
                 meta={"item": item.key, "task_type": item.task_type, "answers": list(item.answers)}))
             index += 1
         stages.append(specs)
@@ -123,7 +126,8 @@ def cap_summary(samples: list[Sample], specs: dict[int, RequestSpec], *, cap: in
             result = scoring.unanswered(meta["answers"], task)
         by_task.setdefault(task, []).append(result)
         answers.append([cap, meta["item"], task, sample.text[:300], round(result["score"], 4),
-                        result.get("answered", "")])
+                        result.get("answered", ""), _confidence(sample),
+                        str(stats.request_cost(sample, rates)) if rates is not None and sample.ok else None])
     right = sum(r["score"] for results in by_task.values() for r in results)
     cost_per_right = None
     if rates is not None and by_task and right > 0:
@@ -144,6 +148,13 @@ def cap_summary(samples: list[Sample], specs: dict[int, RequestSpec], *, cap: in
         if by_task else None,
         "answers": answers,
     }
+
+
+def _confidence(sample: Sample) -> float | None:
+    """The answer's mean token probability (a geometric mean), when its logprobs came back."""
+    if not sample.ok or not sample.logprobs:
+        return None
+    return round(math.exp(sum(sample.logprobs) / len(sample.logprobs)), 4)
 
 
 def task_line(task: str, figures: dict) -> str:

@@ -4,6 +4,7 @@ evaluation sets (generated, imported, browsed, deleted)."""
 from __future__ import annotations
 
 import io
+import itertools
 
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
@@ -15,7 +16,15 @@ from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_GET, require_POST
 from PIL import Image
 
-from controlplane.benchmarks import charts, curve_views, evalsets, observed, selectors, services
+from controlplane.benchmarks import (
+    charts,
+    curve_views,
+    curves,
+    evalsets,
+    observed,
+    selectors,
+    services,
+)
 from controlplane.benchmarks.forms import (
     CompareForm,
     EvalImportForm,
@@ -141,7 +150,7 @@ def run_detail(request, pk: int):
     return render(request, "benchmarks/run.html", {
         "run": run,
         "caps": selectors.cap_task_rows(caps),
-        "answers": [a for cap in caps for a in cap.get("answers", [])][:200],
+        "answers": list(itertools.islice(curves.answer_rows(results), 200)),
         "quality_chart": charts.quality_cost_chart([(str(run), results)]) if any(c["tasks"] for c in caps)
         else None,
         "resolution_chart": charts.resolution_chart(results) if caps else None,
@@ -152,6 +161,7 @@ def run_detail(request, pk: int):
         "throughput_chart": charts.throughput_chart([(str(run), results)]) if has_stages else None,
         "others": BenchmarkRun.objects.filter(profile=run.profile).exclude(pk=run.pk)[:20],
         **curve_views.run_curve_context(request, run),
+        **curve_views.run_cascade_context(request, run),
     })
 
 

@@ -56,7 +56,7 @@ def test_answers_download_and_text_a_spreadsheet_would_run_stays_text(client, wo
     response = client.get(f"/benchmarks/runs/{run.pk}/answers.csv")
     assert response["Content-Disposition"] == f'attachment; filename="run-{run.pk}-answers.csv"'
     rows = _rows(response)
-    assert list(rows[0]) == ["cap", "item", "task", "answer", "score", "read_as"]
+    assert list(rows[0]) == ["cap", "item", "task", "answer", "score", "read_as", "confidence", "cost"]
     assert rows[0]["answer"] == '\'=HYPERLINK("http://evil","42")'
     assert (rows[1]["answer"], rows[1]["read_as"]) == ("'-2+3", "'@sum")
     assert [r["answer"] for r in rows[2:]] == ["42", "42"]  # the other caps' answers as they were

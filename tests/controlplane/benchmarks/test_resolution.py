@@ -67,5 +67,8 @@ def test_a_resolution_sweep_reports_tokens_cost_and_each_tasks_headline_per_cap(
     assert float(low["cost_per_image"]) < float(high["cost_per_image"])
     assert high["cost_per_right_answer"] is not None and low["cost_per_right_answer"] is not None
     assert "read ANLS 1.00 [" in run.log
+    # Each answer keeps its token probability (surer at the larger cap) and what it cost.
+    (low_read, *_), (high_read, *_) = low["answers"], high["answers"]
+    assert 0 < low_read[6] < high_read[6] < 1 and 0 < float(low_read[7]) < float(high_read[7])
     config = profile_config(profile)  # what a run records of its settings
     assert config["eval_set"] == "sizes" and config["eval_items"] == 2
