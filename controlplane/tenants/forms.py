@@ -1,11 +1,12 @@
 """The forms of the tenants pages: logging in, tenants and their quota, API keys (an
-operator's and a tenant admin's own), users and their roles."""
+operator's and a tenant admin's own), users and their roles, routing rules and their dry run."""
 
 from __future__ import annotations
 
 from decimal import Decimal
 
 from django import forms
+from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.contrib.auth.forms import AuthenticationForm
 from django.core.exceptions import ValidationError
@@ -15,7 +16,14 @@ from django.utils import timezone
 from controlplane.catalog.models import ModelTier
 from controlplane.currencies import CURRENCIES
 from controlplane.tenants import roles
-from controlplane.tenants.models import Quota, QuotaDefault, QuotaLimits, Tenant
+from controlplane.tenants.models import (
+    ApiKey,
+    Quota,
+    QuotaDefault,
+    QuotaLimits,
+    RoutingRule,
+    Tenant,
+)
 from controlplane.tenants.users import TENANT_ADMIN, Role
 from controlplane.web.fields import UtcDateTimeField
 
@@ -244,3 +252,110 @@ class UserInviteForm(forms.Form):
 class UserChangeForm(forms.Form):
     role = RoleField()
     active = forms.BooleanField(required=False, label="Active (may log in)")
+
+
+class RoutingRuleForm(forms.ModelForm):
+    """A routing rule, checked by the model (its ranges, caps within its tiers' policies, a
+    cascade's threshold, the tiers its tenant or key may use). Its scope is the instance's,
+    set by the page before the form is bound."""
+
+    CONDITIONS = ("tasks", "min_images", "max_images", "min_source_pixels", "max_source_pixels", "min_image_tokens",
+                  "max_image_tokens", "min_prompt_tokens", "max_prompt_tokens", "min_max_tokens", "max_max_tokens",
+                  "detail", "tools")
+    ACTION = ("tier", "send_detail", "pixel_cap")
+    CASCADE = ("escalate_to", "escalate_detail", "escalate_pixel_cap", "confidence", "threshold",
+               "escalate_on_length", "escalate_on_refusal", "cascade_streams")
+
+    class Meta:
+        model = RoutingRule
+        fields = ["position", "name", "enabled", "tasks", "min_images", "max_images", "min_source_pixels",
+                  "max_source_pixels", "min_image_tokens", "max_image_tokens", "min_prompt_tokens",
+                  "max_prompt_tokens", "min_max_tokens", "max_max_tokens", "detail", "tools", "tier", "send_detail",
+                  "pixel_cap", "escalate_to", "escalate_detail", "escalate_pixel_cap", "confidence", "threshold",
+                  "escalate_on_length", "escalate_on_refusal", "cascade_streams"]
+        labels = {"enabled": "Enabled (read by the gateway)", "tasks": "Tasks",
+                  "min_images": "Images, at least", "max_images": "Images, at most",
+                  "min_source_pixels": "Largest image's pixels, at least", "max_source_pixels": "Largest image's pixels, at most",
+                  "min_image_tokens": "Image tokens, at least", "max_image_tokens": "Image tokens, at most",
+                  "min_prompt_tokens": "Prompt tokens, at least", "max_prompt_tokens": "Prompt tokens, at most",
+                  "min_max_tokens": "max_tokens asked, at least", "max_max_tokens": "max_tokens asked, at most",
+                  "detail": "Detail asked", "tools": "Tools", "tier": "Send to", "send_detail": "At detail",
+                  "pixel_cap": "Pixel cap", "escalate_to": "Escalate to", "escalate_detail": "At detail",
+                  "escalate_pixel_cap": "Pixel cap", "confidence": "Confidence read",
+                  "threshold": "Escalate below", "escalate_on_length": "Escalate an answer cut short",
+                  "escalate_on_refusal": "Escalate a refusal", "cascade_streams": "Cascade streamed requests"}
+
+    def __init__(self, *args, tiers, **kwargs):
+        """`tiers`: those the reader may name (an operator, every tier: one the rule's tenant or
+        key may not use is refused by the model, saying so)."""
+        super().__init__(*args, **kwargs)
+        for name in ("tier", "escalate_to"):
+            self.fields[name].queryset = tiers
+        self.fields["escalate_to"].empty_label = "no cascade"
+        for name in ("detail", "tools", "send_detail", "escalate_detail"):
+            self.fields[name].choices = [("", "any" if name in ("detail", "tools") else "as asked"),
+                                         *self.fields[name].choices[1:]]
+
+    def sections(self) -> list[tuple[str, list]]:
+        return [("Rule", [self[name] for name in ("position", "name", "enabled")]),
+                ("When every condition holds", [self[name] for name in self.CONDITIONS]),
+                ("Send it", [self[name] for name in self.ACTION]),
+                ("Cascade", [self[name] for name in self.CASCADE])]
+
+
+class KeyChoiceField(forms.ModelChoiceField):
+    def label_from_instance(self, obj):
+        return f"{obj.name or 'unnamed'} vlm-{obj.prefix}-… ({obj.tenant.name})"
+
+
+EXAMPLE_BODY = """{
+  "model": "auto",
+  "metadata": {"task": "receipt"},
+  "max_tokens": 300,
+  "messages": [{"role": "user", "content": "What is the total?"}]
+}"""
+
+
+class RuleDryRunForm(forms.Form):
+    """A request to try the rules on, as a key (or its tenant) would send it. `tenant`: the
+    page's tenant, whose keys are offered; None: any key or any tenant (an operator's)."""
+
+    key = KeyChoiceField(queryset=ApiKey.objects.none(), required=False, label="As key")
+    body = forms.CharField(widget=forms.Textarea(attrs={"rows": 10, "spellcheck": "false"}), initial=EXAMPLE_BODY,
+                           label="Request body (JSON)", help_text="`model` left out is `auto`")
+    task = forms.CharField(max_length=200, required=False, label="X-Task header",
+                           help_text="Optional: the task, when the body's metadata names none")
+    image = forms.FileField(required=False, label="Image", help_text=(
+        "Optional: added to the last user message as a data URL, as a client would send it"))
+
+    def __init__(self, *args, tenant: Tenant | None, **kwargs):
+        super().__init__(*args, **kwargs)
+        keys = ApiKey.objects.filter(revoked_at=None).select_related("tenant").order_by("tenant__name", "name", "pk")
+        if tenant is not None:
+            self.fields["key"].queryset = keys.filter(tenant=tenant)
+            self.fields["key"].empty_label = f"none: {tenant.name}'s rules, then the defaults"
+        else:
+            self.fields["key"].queryset = keys
+            self.fields["key"].empty_label = "none: the tenant's rules, then the defaults"
+            self.fields["tenant"] = forms.ModelChoiceField(
+                queryset=Tenant.objects.order_by("name"), required=False, label="Or as tenant",
+                help_text="Its rules and the defaults, for a key of its with none of its own")
+            self.order_fields(["key", "tenant"])
+        self.tenant = tenant
+
+    def clean_image(self):
+        image = self.cleaned_data["image"]
+        if image is not None and image.size > settings.GATEWAY_MAX_BODY_BYTES:
+            raise forms.ValidationError(f"larger than a request may be ({settings.GATEWAY_MAX_BODY_BYTES:,} bytes)")
+        return image
+
+    def clean(self):
+        data = super().clean()
+        key = data.get("key")
+        if key is not None:
+            data["tenant"] = key.tenant
+        elif self.tenant is not None:
+            data["tenant"] = self.tenant
+        elif not data.get("tenant") and not self.has_error("tenant") and not self.has_error("key"):
+            self.add_error("key", "choose a key or a tenant")
+        return data

@@ -16,6 +16,7 @@ from controlplane.tenants.models import (
     Quota,
     QuotaDefault,
     QuotaLimits,
+    RoutingRule,
     Tenant,
 )
 
@@ -244,3 +245,38 @@ def quota_default_set(*, values: dict, actor: str):
     audit_record(actor=actor, action=AuditEntry.Action.CHANGED if was else AuditEntry.Action.CREATED, obj=row,
                  before=was, after=field_values(row, QUOTA_AUDITED))
     return row
+
+
+RULE_AUDITED = ("position", "name", "enabled", "tasks", "min_images", "max_images", "min_source_pixels",
+                "max_source_pixels", "min_image_tokens", "max_image_tokens", "min_prompt_tokens",
+                "max_prompt_tokens", "min_max_tokens", "max_max_tokens", "detail", "tools", "send_detail",
+                "pixel_cap", "escalate_detail", "escalate_pixel_cap", "confidence", "threshold",
+                "escalate_on_length", "escalate_on_refusal", "cascade_streams")
+
+
+def _rule_fields(rule: RoutingRule) -> dict:
+    """What an audit entry records of a routing rule: its scope, tiers by name, and the rest."""
+    return {"scope": rule.scope, "tier": rule.tier.name,
+            "escalate_to": rule.escalate_to.name if rule.escalate_to_id else None,
+            **field_values(rule, RULE_AUDITED)}
+
+
+@transaction.atomic
+def routing_rule_save(*, rule: RoutingRule, actor: str) -> RoutingRule:
+    """Save a routing rule (checked by its form), recording the change with who made it. The
+    gateway reads it within GATEWAY_KEY_CACHE_SECONDS."""
+    created = rule.pk is None
+    saved = None if created else RoutingRule.objects.select_related(
+        "tenant", "api_key", "tier", "escalate_to").filter(pk=rule.pk).first()
+    before = {} if saved is None else _rule_fields(saved)
+    rule.save()
+    audit_record(actor=actor, action=AuditEntry.Action.CREATED if created else AuditEntry.Action.CHANGED,
+                 obj=rule, before=before, after=_rule_fields(rule))
+    return rule
+
+
+@transaction.atomic
+def routing_rule_delete(*, rule: RoutingRule, actor: str) -> None:
+    before = _rule_fields(rule)
+    audit_record(actor=actor, action=AuditEntry.Action.DELETED, obj=rule, before=before)
+    rule.delete()

@@ -40,7 +40,7 @@ from controlplane.metering.models import UsageEvent, UsageImage
 from controlplane.metering.records import ImageLine, UsageRecord
 from controlplane.metering.rollups import rollup_daily, rollup_hourly
 from controlplane.metering.services import usage_record_many
-from controlplane.tenants.models import Quota
+from controlplane.tenants.models import Quota, RoutingRule
 from controlplane.tenants.services import api_key_create
 from tests.factories import (
     PricePlanFactory,
@@ -154,6 +154,17 @@ def own_keys(world, numbers):
     for n in numbers:
         api_key_create(tenant=world.alice, name=f"key-{n}", tiers=[world.vision])
     _requests(world, numbers)
+
+
+def routing_rules(world, numbers):
+    """Default rules, and rules of alice, of her key and of tenants of their own, some cascading."""
+    key = world.alice.api_keys.order_by("pk").first()
+    for n in numbers:
+        escalate = {"escalate_to": world.vision, "threshold": 0.5, "send_detail": "low"} if n % 2 else {}
+        RoutingRule.objects.create(position=n, tier=world.vision, tasks=f"task-{n}", **escalate)
+        RoutingRule.objects.create(tenant=world.alice, position=n, tier=world.vision, min_images=n)
+        RoutingRule.objects.create(tenant=world.alice, api_key=key, position=n, tier=world.text, **escalate)
+        RoutingRule.objects.create(tenant=TenantFactory(name=f"tenant-{n}"), tier=world.vision)
 
 
 def users(world, numbers):
@@ -313,6 +324,9 @@ PAGES = [
     Page("keys", "/keys/", "operator", keys, 11),
     Page("account", "/account/", "alice_admin", own_keys, 14),
     Page("users", "/users/", "operator", users, 9),
+    Page("routing rules", "/rules/", "operator", routing_rules, 9),  # the defaults, tenants with rules, the dry run
+    Page("tenant routing rules", "/tenants/alice/rules/", "operator", routing_rules, 10),
+    Page("account routing rules", "/account/rules/", "alice_admin", routing_rules, 8),
     Page("fleet", "/fleet/", "operator", engines, 14),
     Page("fleet engine", "/fleet/{pk}/", "operator", engine_history, 8, _pk(EngineInstance, port=9000)),
     Page("operations", "/operations/", "operator", engines, 16),  # latency by class: per tier, per engine

@@ -124,7 +124,8 @@ class Visitor:
 @pytest.fixture
 def fuzz_world(world):
     """The world, with one of each thing a page shows: a request, an engine, a rule, a webhook,
-    a benchmark profile with its run, an evaluation set with its item and an import."""
+    routing rules (a default one and alice's), a benchmark profile with its run, an evaluation
+    set with its item and an import."""
     from controlplane.alerts.models import AlertRule, Webhook
     from controlplane.benchmarks.models import BenchmarkProfile, BenchmarkRun
     from controlplane.fleet.models import EngineInstance, Node
@@ -138,6 +139,11 @@ def fuzz_world(world):
     EngineInstance.objects.create(tier=world.vision, node=node, port=8100)
     AlertRule.objects.create(name="quota", kind="quota_use", threshold=80)
     Webhook.objects.create(name="hook", url="http://127.0.0.1:9/hooks/none")
+    from controlplane.tenants.models import RoutingRule
+
+    RoutingRule.objects.create(tier=world.vision, tasks="receipt", escalate_to=world.vision, escalate_detail="high",
+                               threshold=0.5)
+    RoutingRule.objects.create(tenant=world.alice, tier=world.vision, min_images=1, pixel_cap=500_000)
     profile = BenchmarkProfile.objects.create(name="smoke", tier=world.vision, sweep=[2],
                                               image_buckets=[{"width": 640, "height": 480, "weight": 1}])
     BenchmarkRun.objects.create(profile=profile)

@@ -73,7 +73,8 @@ def account_key_edit(request, pk: int):
     tenant = _tenant(request)
     api_key = get_object_or_404(ApiKey.objects.select_related("tenant", "tenant__quota"), pk=pk, tenant=tenant)
     return key_page(request, api_key, back=reverse("dashboard:account"),
-                    rotate=reverse("dashboard:account-key-rotate", args=[pk]))
+                    rotate=reverse("dashboard:account-key-rotate", args=[pk]),
+                    rules=f"{reverse('dashboard:account-rules')}?key={api_key.prefix}")
 
 
 @login_required

@@ -69,9 +69,10 @@ def key_revoke(request, pk: int):
     return redirect("dashboard:keys")
 
 
-def key_page(request, api_key: ApiKey, *, back: str, rotate: str):
+def key_page(request, api_key: ApiKey, *, back: str, rotate: str, rules: str):
     """A key's own page: edit its name, models, limits, budget and expiry; rotate its secret.
-    `back`: the keys list it belongs to (the operator's or the tenant admin's)."""
+    `back`: the keys list it belongs to (the operator's or the tenant admin's); `rules`: the
+    routing rules its requests read."""
     form = OwnKeyForm(request.POST or None, tenant=api_key.tenant, capture=roles.is_operator(request.user), initial={
         "name": api_key.name, "tiers": list(api_key.allowed_tiers.all()), "expires_at": api_key.expires_at,
         "requests_per_minute": api_key.requests_per_minute, "spend_limit": api_key.spend_limit,
@@ -87,7 +88,7 @@ def key_page(request, api_key: ApiKey, *, back: str, rotate: str):
             return redirect(back)
     spend = keys_spend([api_key])
     return render(request, "tenants/key_form.html", {
-        "form": form, "key": api_key, "back": back, "rotate": rotate, "spend": spend.get(api_key.pk, 0),
+        "form": form, "key": api_key, "back": back, "rotate": rotate, "rules": rules, "spend": spend.get(api_key.pk, 0),
         "currency": budget_terms(api_key.tenant)[1]})
 
 
@@ -108,7 +109,8 @@ def key_rotated(request, api_key: ApiKey, *, back: str):
 def key_edit(request, pk: int):
     operators_only(request)
     api_key = get_object_or_404(ApiKey.objects.select_related("tenant", "tenant__quota"), pk=pk)
-    return key_page(request, api_key, back=reverse("dashboard:keys"), rotate=reverse("dashboard:key-rotate", args=[pk]))
+    return key_page(request, api_key, back=reverse("dashboard:keys"), rotate=reverse("dashboard:key-rotate", args=[pk]),
+                    rules=f"{reverse('dashboard:tenant-rules', args=[api_key.tenant.name])}?key={api_key.prefix}")
 
 
 @login_required
