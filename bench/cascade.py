@@ -7,10 +7,13 @@ each, in one run, on a mixed set of easy and hard items.
 
 The cheap attempt is the model at a low pixel cap (a rule sending to the tier at 12,544 px, a
 quarter of its canvas: 18 image tokens); the strong one at its full canvas (50,176 px, 66
-tokens). The set mixes held-out questions of three tasks (controlplane/imaging/synthetic.py):
-counting and presence, which the model answers at a quarter of the pixels, and reading, which
-loses most there (docs/quality.md). Prices are the bench world's: 1.00 a million tokens of each
-kind, so cost is tokens; costs are what the metering billed, every attempt of a cascade.
+tokens), tiling a long picture past 4:1 as the tier's policy does. Easy items: held-out
+questions of three tasks (reading, counting, presence: controlplane/imaging/synthetic.py) on
+pictures of the canvas, which the model answers about as well at a quarter of the pixels. Hard
+items: held-out banners, 1:6 to 1:15 (workers/engines/cpu/seeing_long.py), read only when
+tiled at the full canvas (docs/quality.md). Prices are the bench world's: 1.00 a million
+tokens of each kind, so cost is tokens; costs are what the metering billed, every attempt of
+a cascade.
 
 1. Calibration: the cheap and the strong rule answer a calibration set (another seed); the
    cheap one asked for logprobs, so each answer's mean token probability is known. From
@@ -20,7 +23,8 @@ kind, so cost is tokens; costs are what the metering billed, every attempt of a 
    (a rule with the cheap tier escalating to the strong), each through the gateway as a
    client sends them; the curve predicted from the first two is printed beside the cascade's
    measured point. Target: the cascade within 2 points of the strong at no more than 70 % of
-   its cost.
+   its cost. Also the cascade behind a rule that sends large pictures (the banners) to the
+   strong tier at once, as an operator who knows them would route.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from bench.quality import TASKS, items
 CHEAP_CAP, STRONG_CAP = 12_544, 224 * 224
 CALIBRATION_SEED, EVALUATION_SEED = 1_000_000_009, 1_000_000_007  # both held out from training
 MAX_TOKENS = 8
+LARGE = 100_000  # pixels: the banners are 300,000 and more, the other pictures 50,176
 
 
 @dataclass
@@ -56,26 +61,36 @@ class Answer:
     escalated: bool = False
 
 
-def _rule(key_secret: str, *, cascade: bool = False, **action) -> None:
+def banners(count: int, seed: int) -> list:
+    """Held-out banners, 1:6 to 1:15 (workers/engines/cpu/seeing_long.py): read only when tiled
+    at the full canvas, past 4:1 (docs/quality.md)."""
+    from controlplane.benchmarks.resolution import Item
+    from controlplane.imaging import synthetic
+    from workers.engines.cpu import seeing_model
+
+    drawn = synthetic.generate("long", count, seed, style=seeing_model.STYLE, strip="banner", height=224,
+                               ratio=(6, 15))
+    return [Item(key=f"banner-{n}", data=s.image, width=s.width, height=s.height, content_type="image/png",
+                 question=s.question, task_type="read", answers=s.answers) for n, s in enumerate(drawn)]
+
+
+def _key(name: str, *rules: dict) -> str:
+    """A key of the bench tenant whose requests for `auto` follow `rules` (in order): each a
+    RoutingRule's fields, its tier the bench's one vision tier (`cascade`: escalating to it)."""
     from controlplane.catalog.models import ModelTier
-    from controlplane.tenants.models import RoutingRule
-    from controlplane.tenants.services import api_key_lookup
-
-    tier = ModelTier.objects.get(name="vlm")
-    rule = RoutingRule(api_key=api_key_lookup(key_secret), tier=tier, **action)
-    if cascade:  # to the same tier at a higher cap
-        rule.escalate_to = tier
-    rule.full_clean()
-    rule.save()
-
-
-def _key(name: str, **action) -> str:
-    from controlplane.tenants.models import Tenant
+    from controlplane.tenants.models import RoutingRule, Tenant
     from controlplane.tenants.services import api_key_create
 
-    secret = api_key_create(tenant=Tenant.objects.get(name="bench"), name=name).secret
-    _rule(secret, **action)
-    return secret
+    created = api_key_create(tenant=Tenant.objects.get(name="bench"), name=name)
+    tier = ModelTier.objects.get(name="vlm")
+    for position, fields in enumerate(rules, 1):
+        fields = dict(fields)
+        cascade = fields.pop("cascade", False)
+        rule = RoutingRule(api_key=created.api_key, tier=tier, position=position, escalate_to=tier if cascade else None,
+                           **fields)
+        rule.full_clean()
+        rule.save()
+    return created.secret
 
 
 def _billed(ids: list[str]) -> dict[str, Decimal]:
@@ -158,7 +173,8 @@ def _line(name: str, figures: dict, strong: dict | None = None) -> str:
             f" {figures['cost_per_1000']:10.4f}{share} {100 * figures['escalated']:9.1f} %")
 
 
-def run(per_task: int, json_path: Path | None, cheap_cap: int = CHEAP_CAP, strong_cap: int = STRONG_CAP) -> dict:
+def run(per_task: int, json_path: Path | None, cheap_cap: int = CHEAP_CAP, strong_cap: int = STRONG_CAP,
+        hard: int = 20) -> dict:
     from controlplane.benchmarks import cascade_curve
     from workers.engines.cpu import install, seeing_model
 
@@ -172,13 +188,13 @@ def run(per_task: int, json_path: Path | None, cheap_cap: int = CHEAP_CAP, stron
         engine = engine_start(engine_port, folder)
         engine_wait(engine, engine_port)
         url = f"http://127.0.0.1:{gateway.port}/v1/chat/completions"
-        cheap_key = _key("cheap", pixel_cap=cheap_cap)
-        strong_key = _key("strong", pixel_cap=strong_cap)
+        cheap_key = _key("cheap", {"pixel_cap": cheap_cap})
+        strong_key = _key("strong", {"pixel_cap": strong_cap})
         tasks = list(TASKS)
-        calibration = items(tasks, per_task, CALIBRATION_SEED)
-        evaluation = items(tasks, per_task, EVALUATION_SEED)
-        print(f"{len(calibration)} calibration and {len(evaluation)} evaluation questions "
-              f"({per_task} a task: {', '.join(tasks)}); cheap at {cheap_cap:,} px, strong at {strong_cap:,} px",
+        calibration = items(tasks, per_task, CALIBRATION_SEED) + banners(hard, CALIBRATION_SEED)
+        evaluation = items(tasks, per_task, EVALUATION_SEED) + banners(hard, EVALUATION_SEED)
+        print(f"{len(calibration)} calibration and {len(evaluation)} evaluation questions: {per_task} a task "
+              f"({', '.join(tasks)}) and {hard} banners; cheap at {cheap_cap:,} px, strong at {strong_cap:,} px",
               flush=True)
 
         # 1. Calibration: the threshold from the curve.
@@ -192,13 +208,18 @@ def run(per_task: int, json_path: Path | None, cheap_cap: int = CHEAP_CAP, stron
               f"{threshold:.4f}", flush=True)
 
         # 2. Evaluation: the three, and the curve predicted from cheap and strong.
-        cascade_key = _key("cascade", pixel_cap=cheap_cap, cascade=True, escalate_pixel_cap=strong_cap,
-                           threshold=threshold)
+        cascade = {"pixel_cap": cheap_cap, "cascade": True, "escalate_pixel_cap": strong_cap, "threshold": threshold}
+        cascade_key = _key("cascade", cascade)
+        # What an operator who knows large pictures need the strong tier would add: a rule
+        # before the cascade sending pictures past LARGE pixels (the banners) there at once.
+        sized_key = _key("sized, then cascade", {"min_source_pixels": LARGE, "pixel_cap": strong_cap}, cascade)
         cheap_eval = run_rule(url, cheap_key, evaluation, logprobs=True)
         strong_eval = run_rule(url, strong_key, evaluation)
         cascaded = run_rule(url, cascade_key, evaluation)
+        sized = run_rule(url, sized_key, evaluation)
         figures = {"cheap only": _summary(cheap_eval), "strong only": _summary(strong_eval),
-                   f"cascade at {threshold:.3f}": _summary(cascaded)}
+                   f"cascade at {threshold:.3f}": _summary(cascaded),
+                   "sized rule, then cascade": _summary(sized)}
         strong_figures = figures["strong only"]
         print(f"\n{'':24} {'accuracy':>18} {'cost/1k req':>10} {'of strong':>7} {'escalated':>10}")
         for name, row in figures.items():
@@ -208,6 +229,11 @@ def run(per_task: int, json_path: Path | None, cheap_cap: int = CHEAP_CAP, stron
         share = 100 * cascade_figures["cost_per_1000"] / strong_figures["cost_per_1000"]
         print(f"\nthe cascade: {gap:.1f} points below the strong tier at {share:.1f} % of its cost "
               f"(target: within 2 points at no more than 70 %): {'met' if gap <= 2 and share <= 70 else 'missed'}")
+        sized_figures = figures["sized rule, then cascade"]
+        sized_gap = 100 * (strong_figures["accuracy"] - sized_figures["accuracy"])
+        sized_share = 100 * sized_figures["cost_per_1000"] / strong_figures["cost_per_1000"]
+        print(f"a rule for large pictures, then the cascade: {sized_gap:.1f} points below at {sized_share:.1f} % "
+              f"of its cost: {'met' if sized_gap <= 2 and sized_share <= 70 else 'missed'}")
         predicted = cascade_curve.curve(_curve_items(cheap_eval, strong_eval),
                                         [0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, threshold, 1.0])
         print("\nthe threshold's trade-off on the evaluation set, predicted from cheap and strong:")
@@ -216,7 +242,8 @@ def run(per_task: int, json_path: Path | None, cheap_cap: int = CHEAP_CAP, stron
             print(f"{p.threshold:9.3f} {100 * p.accuracy:7.1f}% {p.cost_per_1000:8.4f} {100 * p.escalated:8.1f}%")
         result = {"per_task": per_task, "tasks": tasks, "threshold": threshold,
                   "figures": {name: {**row, "cost_per_1000": str(row["cost_per_1000"])} for name, row in figures.items()},
-                  "gap_points": gap, "cost_share": share,
+                  "gap_points": gap, "cost_share": share, "sized_gap_points": sized_gap,
+                  "sized_cost_share": sized_share,
                   "curve": [{"threshold": p.threshold, "accuracy": p.accuracy, "cost_per_1000": str(p.cost_per_1000),
                              "escalated": p.escalated} for p in predicted]}
         if json_path is not None:
@@ -231,11 +258,12 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--items", type=int, default=40, help="questions per task in each set (default 40)")
     parser.add_argument("--json", type=Path, help="also write the figures to this file")
+    parser.add_argument("--hard", type=int, default=20, help="banners in each set (default 20)")
     parser.add_argument("--cheap-cap", type=int, default=CHEAP_CAP, help=f"pixels (default {CHEAP_CAP:,})")
     parser.add_argument("--strong-cap", type=int, default=STRONG_CAP, help=f"pixels (default {STRONG_CAP:,})")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds through run's cleanup
-    run(args.items, args.json, args.cheap_cap, args.strong_cap)
+    run(args.items, args.json, args.cheap_cap, args.strong_cap, args.hard)
 
 
 if __name__ == "__main__":

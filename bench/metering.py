@@ -594,7 +594,8 @@ def _naive(since, until, tenants) -> tuple[int, int]:
                                                                     event.rate.as_rates()))
         writer.writerow([event.tenant.name, event.request_id, event.created_at.isoformat(), event.tier.name,
                          image.source_width, image.source_height, image.width, image.height, image.tokens,
-                         image.cached_tokens, cost, event.tier.price_plan.currency])
+                         image.cached_tokens, cost, event.tier.price_plan.currency, event.routed_by,
+                         event.cascade_of, event.escalation, "" if event.confidence is None else event.confidence])
     body = buffer.getvalue().encode()
     return len(images), len(body)
 

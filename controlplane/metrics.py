@@ -65,6 +65,11 @@ def render() -> str:
             "# TYPE vlmcp_gateway_shared_pictures_total counter"]
     out += [_line("vlmcp_gateway_shared_pictures_total", {"outcome": outcome}, n)
             for outcome, n in sorted(current_process().counters.shared_snapshot().items())]
+    out += ["# HELP vlmcp_gateway_cascades_total A routing rule's cascades this process ran, by how the first "
+            "answer went: kept, or escalated for low_confidence, length, refusal or no_answer.",
+            "# TYPE vlmcp_gateway_cascades_total counter"]
+    out += [_line("vlmcp_gateway_cascades_total", {"rule": rule, "outcome": outcome}, n)
+            for (rule, outcome), n in sorted(current_process().counters.cascade_snapshot().items())]
     out += ["# HELP vlmcp_usage_image_tokens_today Image tokens metered today (UTC), from the rollups.",
             "# TYPE vlmcp_usage_image_tokens_today gauge"]
     today = DailyUsage.objects.filter(day=timezone.now().date()).values("tier__name").annotate(

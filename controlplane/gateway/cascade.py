@@ -23,6 +23,7 @@ import orjson
 
 from controlplane.gateway import state
 from controlplane.gateway.admission import worst_ask
+from controlplane.gateway.apps import current_process
 from controlplane.gateway.http import Response, json_response
 from controlplane.gateway.ledger import Ask
 from controlplane.gateway.prepare import Prepared
@@ -89,6 +90,7 @@ async def cascade(serve: Serve, request_id: str, key: state.KeyInfo, choice: Cho
     if answer is None or first.status != 200:  # refused or failed before an answer: as it was
         return first
     reason = judged["reason"]
+    current_process().counters.cascade(rule=rule.label, outcome=reason or "kept")
     if not reason:
         return _sent(answer, first, client_stream=client_stream, client_logprobs=client_logprobs,
                      include_usage=include_usage, note="kept")

@@ -18,6 +18,8 @@ class Counters:
         # What the store of pictures replicas share did when asked or given one: "hit", "miss",
         # "failed" (unreachable, slow, refused), "dropped" (too many waiting to be written).
         self.shared_pictures: Counter = Counter()
+        # A cascade's first answers: (its rule, "kept" or why it was escalated).
+        self.cascades: Counter = Counter()
 
     def count(self, *, tier: str, status: str, images: int = 0, disagree: bool = False) -> None:
         with self._lock:
@@ -35,6 +37,14 @@ class Counters:
     def shared_picture(self, outcome: str) -> None:
         with self._lock:
             self.shared_pictures[outcome] += 1
+
+    def cascade(self, *, rule: str, outcome: str) -> None:
+        with self._lock:
+            self.cascades[(rule, outcome)] += 1
+
+    def cascade_snapshot(self) -> dict:
+        with self._lock:
+            return dict(self.cascades)
 
     def shared_snapshot(self) -> dict:
         with self._lock:

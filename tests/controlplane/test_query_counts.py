@@ -347,7 +347,7 @@ PAGES = [
     Page("eval set", "/benchmarks/sets/{pk}/", "operator", items, 10, _pk(EvalSet, name="watched")),
     Page("quality gates", "/benchmarks/gates/", "operator", gates, 9),
     # The gateway's and the REST API's.
-    Page("api models", "/v1/models", "alice_key", tiers, 6, cold=True),
+    Page("api models", "/v1/models", "alice_key", tiers, 7, cold=True),
     Page("api usage requests", "/api/v1/usage/requests/", "alice_key", requests, 4),
     Page("api usage hourly", "/api/v1/usage/hourly/", "alice_key", requests_rolled_up, 3),
     Page("api usage daily", "/api/v1/usage/daily/", "alice_key", requests_rolled_up, 3),

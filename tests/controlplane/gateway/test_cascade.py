@@ -176,3 +176,25 @@ def test_a_budget_holds_room_for_both_attempts(client, routed, ledger_mode):
     rule.save()
     state.clear_caches()
     assert post(client, routed.alice_key, _ask()).status_code == 200
+
+
+def _cascade_counts(client) -> dict[tuple[str, str], float]:
+    from controlplane.fleet.engine_metrics import parse
+
+    series = parse(client.get("/metrics").content.decode())
+    return {(labels["rule"], labels["outcome"]): value for labels, value in series.get("vlmcp_gateway_cascades_total", [])}
+
+
+def test_metrics_count_each_rules_cascades_by_how_the_first_answer_went(client, routed, ledger_mode, settings):
+    settings.DEBUG = True  # /metrics without a token
+    rule = _cascade(routed)
+    label = "rule 1 (read cheaply), default"
+    before = _cascade_counts(client)
+    post(client, routed.alice_key, _ask())
+    RoutingRule.objects.filter(pk=rule.pk).update(threshold=0.01)
+    state.clear_caches()
+    post(client, routed.alice_key, _ask())
+    post(client, routed.alice_key, _ask(max_tokens=1))
+    after = _cascade_counts(client)
+    assert {outcome: after.get((label, outcome), 0) - before.get((label, outcome), 0)
+            for outcome in ("kept", "low_confidence", "length")} == {"kept": 1, "low_confidence": 1, "length": 1}
