@@ -8,11 +8,14 @@ for both attempts and gets the strong answer. Cost is what was billed per reques
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from decimal import Decimal
 
 from controlplane import intervals
+
+ALWAYS = math.inf  # a threshold no answer meets, however sure: every request escalated
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,10 @@ class Point:
     cost_per_1000: Decimal
     escalated: float  # the share of requests that paid for both attempts
 
+    @property
+    def always(self) -> bool:
+        return self.threshold == ALWAYS
+
 
 def point(items: Sequence[Item], threshold: float, *, on_length: bool = True) -> Point:
     scores, cost, escalated = [], Decimal(0), 0
@@ -52,9 +59,9 @@ def point(items: Sequence[Item], threshold: float, *, on_length: bool = True) ->
 
 def curve(items: Sequence[Item], thresholds: Sequence[float] | None = None, *, on_length: bool = True) -> list[Point]:
     """A point per threshold: by default 0 (never escalate on probability), each item's own
-    probability (where the curve changes) and 1 (always escalate)."""
+    probability (where the curve changes) and ALWAYS (every request escalated, however sure)."""
     if thresholds is None:
-        thresholds = sorted({0.0, 1.0, *(round(i.confidence, 4) for i in items if i.confidence is not None)})
+        thresholds = sorted({0.0, ALWAYS, *(i.confidence for i in items if i.confidence is not None)})
     return [point(items, t, on_length=on_length) for t in thresholds]
 
 

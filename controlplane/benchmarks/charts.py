@@ -135,7 +135,8 @@ def cascade_chart(points: list, *, cheap_cap: int, strong_cap: int, div_id: str 
     figure = go.Figure()
     ordered = sorted(points, key=lambda p: p.threshold)
     figure.add_scatter(name="cascade", x=[float(p.cost_per_1000) for p in ordered], y=[p.accuracy for p in ordered],
-                       text=[f"below {p.threshold:.3f}: {p.escalated:.0%} escalated" for p in ordered],
+                       text=["always escalated" if p.always else f"below {p.threshold:.3f}: {p.escalated:.0%} escalated"
+                             for p in ordered],
                        mode="lines+markers", hovertemplate="%{text}<br>accuracy %{y:.1%}, %{x:.4f} per 1,000")
     ends = [ordered[0], ordered[-1]] if ordered else []
     names = [f"cheap only ({cheap_cap:,} px)", f"both, always ({strong_cap:,} px answers)"]

@@ -86,7 +86,7 @@ def run_curve_context(request, run: BenchmarkRun) -> dict:
     return context
 
 
-CASCADE_THRESHOLDS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0)
+CASCADE_THRESHOLDS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, cascade_curve.ALWAYS)
 
 
 def run_cascade_context(request, run: BenchmarkRun) -> dict:
@@ -104,7 +104,7 @@ def run_cascade_context(request, run: BenchmarkRun) -> dict:
     if not items:
         return {"cascade_form": form}
     points = cascade_curve.curve(items)
-    always = cascade_curve.point(items, 1.0)
+    always = cascade_curve.point(items, cascade_curve.ALWAYS)
     picks = [(f"within {gap} point{'s' if gap > 1 else ''} of always escalating",
               cascade_curve.cheapest_within(points, always.accuracy - gap / 100)) for gap in (1, 2)]
     return {"cascade_form": form, "cascade_items": len(items),

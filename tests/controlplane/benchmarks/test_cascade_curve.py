@@ -7,7 +7,14 @@ from decimal import Decimal
 
 import pytest
 
-from controlplane.benchmarks.cascade_curve import Item, cheapest_within, curve, point, run_items
+from controlplane.benchmarks.cascade_curve import (
+    ALWAYS,
+    Item,
+    cheapest_within,
+    curve,
+    point,
+    run_items,
+)
 from tests.controlplane.benchmarks.runs import make_profile, sweep
 from tests.controlplane.benchmarks.test_curves import _chart_traces
 
@@ -21,7 +28,7 @@ def _items() -> list[Item]:
 
 
 def test_a_threshold_keeps_the_sure_cheap_answers_and_pays_twice_for_the_rest():
-    never, low, always = point(_items(), 0.0), point(_items(), 0.4), point(_items(), 1.0)
+    never, low, always = point(_items(), 0.0), point(_items(), 0.4), point(_items(), ALWAYS)
     assert (never.accuracy, never.cost_per_1000, never.escalated) == (0.75, Decimal("1"), 0)
     assert (low.accuracy, low.cost_per_1000, low.escalated) == (1.0, Decimal("2"), 0.25)
     assert (always.accuracy, always.cost_per_1000, always.escalated) == (0.75, Decimal("5"), 1)
@@ -29,9 +36,14 @@ def test_a_threshold_keeps_the_sure_cheap_answers_and_pays_twice_for_the_rest():
 
 def test_the_curve_changes_at_each_items_probability_and_the_cheapest_meeting_a_target_is_found():
     points = curve(_items())
-    assert [p.threshold for p in points] == [0.0, 0.3, 0.5, 0.9, 0.95, 1.0]
+    assert [p.threshold for p in points] == [0.0, 0.3, 0.5, 0.9, 0.95, ALWAYS]
     assert cheapest_within(points, 1.0).threshold == 0.5  # escalates only the item at 0.3
     assert cheapest_within(points, 1.01) is None
+
+
+def test_always_escalating_escalates_an_answer_sure_to_the_last_digit():
+    assert point([Item(1.0, 1.0, CHEAP, 0.0, STRONG)], ALWAYS).escalated == 1.0
+    assert point([Item(1.0, 1.0, CHEAP, 0.0, STRONG)], 1.0).escalated == 0.0
 
 
 def test_an_unknown_probability_or_an_answer_cut_short_is_escalated():
