@@ -14,7 +14,7 @@ from django.db.models import ProtectedError
 from django.utils import timezone
 
 from controlplane.catalog.models import PricePlan, PriceRate, RateInUse
-from controlplane.metering.exports import per_image_rows
+from controlplane.metering.exports import IMAGE_COLUMNS, per_image_rows
 from controlplane.metering.models import ImageCostHistogram, UsageEvent
 from controlplane.metering.records import ImageLine, UsageRecord
 from controlplane.metering.rollups import rollup_daily
@@ -33,7 +33,9 @@ def _bill(world, request_id, when, tokens=1232):
 
 
 def _report(world, since, until):
-    return [row[-2:] for row in per_image_rows(since=since, until=until, tenants=Tenant.objects.filter(pk=world.alice.pk))]
+    cost, currency = IMAGE_COLUMNS.index("cost"), IMAGE_COLUMNS.index("currency")
+    return [[row[cost], row[currency]]
+            for row in per_image_rows(since=since, until=until, tenants=Tenant.objects.filter(pk=world.alice.pk))]
 
 
 def test_each_event_names_the_rate_that_priced_it(world):
