@@ -15,6 +15,7 @@ from django.utils import timezone
 from controlplane.fleet.models import EngineInstance
 from controlplane.gateway.apps import current_process
 from controlplane.metering.models import DailyUsage
+from controlplane.metering.records import ESCALATIONS
 
 
 def _label(value) -> str:
@@ -66,7 +67,8 @@ def render() -> str:
     out += [_line("vlmcp_gateway_shared_pictures_total", {"outcome": outcome}, n)
             for outcome, n in sorted(current_process().counters.shared_snapshot().items())]
     out += ["# HELP vlmcp_gateway_cascades_total A routing rule's cascades this process ran, by how the first "
-            "answer went: kept, or escalated for low_confidence, length, refusal or no_answer.",
+            f"answer went: kept, escalated (for {', '.join(ESCALATIONS)}), or not_escalated (the second attempt "
+            "was not answered: the first answer was sent).",
             "# TYPE vlmcp_gateway_cascades_total counter"]
     out += [_line("vlmcp_gateway_cascades_total", {"rule": rule, "outcome": outcome}, n)
             for (rule, outcome), n in sorted(current_process().counters.cascade_snapshot().items())]

@@ -86,6 +86,14 @@ def text_bomb_png(*, before_pixels: bool) -> bytes:
     return base[:-12] + bomb + base[-12:]
 
 
+def chunky_png(chunks: int = 400_000) -> bytes:
+    """An 8 x 8 PNG with `chunks` empty private chunks before its pixels: its header takes
+    Pillow a second or more to walk."""
+    base = _save(Image.new("RGB", (8, 8)), "PNG")
+    header_end = 8 + 25  # signature + IHDR chunk
+    return base[:header_end] + _chunk(b"prVt", b"") * chunks + base[header_end:]
+
+
 def corpus() -> dict[str, tuple[bytes, object]]:
     jpeg = _save(Image.new("RGB", (640, 480), (200, 100, 50)), "JPEG", quality=90)
     png = _save(Image.new("RGB", (640, 480), (200, 100, 50)), "PNG")

@@ -10,7 +10,6 @@ against an engine alike.
 from __future__ import annotations
 
 import io
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from decimal import Decimal
@@ -21,6 +20,7 @@ from controlplane import intervals
 from controlplane.benchmarks import scoring, stats
 from controlplane.benchmarks.loadgen import Sample
 from controlplane.benchmarks.workload import IMAGE, RequestSpec, data_url
+from controlplane.gateway.rules import token_probability
 from controlplane.imaging.policy import Policy, fit_within, normalise_tiles
 from controlplane.metering.rating import Rates
 
@@ -151,10 +151,9 @@ def cap_summary(samples: list[Sample], specs: dict[int, RequestSpec], *, cap: in
 
 
 def _confidence(sample: Sample) -> float | None:
-    """The answer's mean token probability (a geometric mean), when its logprobs came back."""
-    if not sample.ok or not sample.logprobs:
-        return None
-    return round(math.exp(sum(sample.logprobs) / len(sample.logprobs)), 4)
+    """The answer's mean token probability (as a cascade judges it), when its logprobs came back."""
+    found = token_probability(sample.logprobs) if sample.ok else None
+    return None if found is None else round(found, 6)
 
 
 def task_line(task: str, figures: dict) -> str:

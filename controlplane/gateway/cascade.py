@@ -8,12 +8,13 @@ for the second attempt's worst case too, and settles to what it used before the 
 admitted. Each attempt is a request of its own in the usage, billed as what it was: the
 second names the first (`cascade_of`), the first says why it was escalated and how sure it
 was. A streamed request gets the first answer as a stream once it is kept, or the second's
-stream. Should the second not be admitted (its quota taken meanwhile), the first answer is
-sent, marked so.
+stream. Should the second not be answered (its quota taken meanwhile, a limit of the second
+tier's own, a failure), the first answer, which is whole, is sent, marked so.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -27,7 +28,7 @@ from controlplane.gateway.apps import current_process
 from controlplane.gateway.http import Response, json_response
 from controlplane.gateway.ledger import Ask
 from controlplane.gateway.prepare import Prepared
-from controlplane.gateway.rules import Facts, escalation
+from controlplane.gateway.rules import Facts, escalation, worst_image_tokens
 from controlplane.gateway.tier_choice import Choice
 
 
@@ -57,7 +58,7 @@ def _copied(body: dict) -> dict:
     return {**body, "messages": [dict(message) for message in body["messages"]]}
 
 
-Serve = Callable[[str, object, dict, Attempt], Awaitable[Response]]
+Serve = Callable[..., Awaitable[Response]]  # (request id, tier, body, Attempt, started=...)
 
 
 async def cascade(serve: Serve, request_id: str, key: state.KeyInfo, choice: Choice, body: dict,
@@ -76,12 +77,10 @@ async def cascade(serve: Serve, request_id: str, key: state.KeyInfo, choice: Cho
         judged.update(answer=answer, reason=record.escalation)
 
     def reserve_second(prepared: Prepared) -> Ask | None:
-        # Its pictures as the second tier would count them (from their headers); those it
-        # cannot size before fetching, as the first counted them.
-        counted = facts.image_tokens(second_tier)
-        image_tokens = [counted] if counted is not None else [p.tokens for p in prepared.images]
+        # Its pictures as the second tier would count them: from their headers, or (given by
+        # URL, not yet fetched) each as large as its policy allows.
         asked = body.get("max_completion_tokens") or body.get("max_tokens") or second_tier.max_output_tokens
-        return worst_ask(key, second_tier, image_tokens, prepared.text_tokens,
+        return worst_ask(key, second_tier, [worst_image_tokens(facts, second_tier)], prepared.text_tokens,
                          min(asked, second_tier.max_output_tokens))
 
     first = await serve(request_id, choice.tier, first_body,
@@ -90,15 +89,20 @@ async def cascade(serve: Serve, request_id: str, key: state.KeyInfo, choice: Cho
     if answer is None or first.status != 200:  # refused or failed before an answer: as it was
         return first
     reason = judged["reason"]
-    current_process().counters.cascade(rule=rule.label, outcome=reason or "kept")
+    sent = functools.partial(_sent, answer, first, client_stream=client_stream, client_logprobs=client_logprobs,
+                             include_usage=include_usage)
     if not reason:
-        return _sent(answer, first, client_stream=client_stream, client_logprobs=client_logprobs,
-                     include_usage=include_usage, note="kept")
+        current_process().counters.cascade(rule=rule.label, outcome="kept")
+        return sent(note="kept")
     second_id = f"req_{uuid.uuid4().hex}"
-    second = await serve(second_id, second_tier, second_body, Attempt(routed_by=rule.label, cascade_of=request_id))
-    if second.status == 429:  # its room was taken between the two: the first answer, marked so
-        return _sent(answer, first, client_stream=client_stream, client_logprobs=client_logprobs,
-                     include_usage=include_usage, note=f"not escalated ({reason}): {_code(second)}")
+    second = await serve(second_id, second_tier, second_body, Attempt(routed_by=rule.label, cascade_of=request_id),
+                         started=time.monotonic())
+    if second.status != 200:
+        # Not admitted (its room taken between the two), refused by the second tier (a limit
+        # of its own), or failed: the first answer, which is whole, marked so.
+        current_process().counters.cascade(rule=rule.label, outcome="not_escalated")
+        return sent(note=f"not escalated ({reason}): {_code(second)}")
+    current_process().counters.cascade(rule=rule.label, outcome=reason)
     second.headers.update({"x-cascade": f"escalated: {reason}", "x-cascade-first-request-id": request_id})
     return second
 
@@ -133,7 +137,9 @@ async def _as_stream(answer: dict, include_usage: bool):
         index = choice.get("index", 0)
         yield _event({**base, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
                                            "logprobs": None, "finish_reason": None}]})
-        delta = {key: message[key] for key in ("content", "tool_calls", "refusal") if message.get(key)}
+        delta = {key: message[key] for key in ("content", "reasoning_content", "refusal") if message.get(key)}
+        if message.get("tool_calls"):  # a stream's tool calls say which they are
+            delta["tool_calls"] = [{"index": n, **call} for n, call in enumerate(message["tool_calls"])]
         if delta:
             yield _event({**base, "choices": [{"index": index, "delta": delta, "logprobs": choice.get("logprobs"),
                                                "finish_reason": None}]})

@@ -6,6 +6,7 @@ forward and relay, record. A cascade (gateway/cascade.py) serves a request twice
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import time
@@ -28,7 +29,14 @@ from controlplane.gateway.recording import drain, hand_over_usage, in_background
 from controlplane.gateway.routing import route_request
 from controlplane.gateway.rules import Facts
 from controlplane.gateway.state import read_or_unavailable
-from controlplane.gateway.tier_choice import AUTO, allowed_tiers, auto_tier, tier_asked
+from controlplane.gateway.tier_choice import (
+    AUTO,
+    allowed_tiers,
+    auto_tier,
+    needs_sizes,
+    sizing_limits,
+    tier_asked,
+)
 from controlplane.gateway.validation import RequestInvalid, image_parts, validate_body
 from controlplane.imaging.budget import MB, DecodeBudget, DecodeLimits, DecodersBusy
 from controlplane.metering.records import UsageRecord
@@ -122,9 +130,13 @@ async def _chat_completions(request: Request, request_id: str, meters: list):
         if has_images:  # and before its pictures are opened
             await intake.check(meter)
         facts = Facts(body, request.headers, max_image_bytes=settings.GATEWAY_MAX_BODY_BYTES)
+        if needs_sizes(body["model"], key, facts):  # read from their headers, counted as the key's intake
+            meter.cpu_s += await asyncio.to_thread(facts.size_pictures, sizing_limits())
         choice = tier_asked(body["model"], key, await read_or_unavailable("the models", state.tiers()), has_images,
                             facts)
-        for tier in filter(None, (choice.tier, choice.escalate_to)):
+        for tier in (choice.tier, choice.escalate_to if cascades(choice, body) else None):
+            if tier is None:
+                continue
             if not tier.priced:
                 # Serving it would bill nothing, or bill later at a price nobody agreed to.
                 log.error("tier %s has no price in effect; refusing its requests", tier.name)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -21,7 +22,13 @@ from controlplane.gateway.prepare import TierSpec
 from controlplane.gateway.validation import image_parts, image_url_place
 from controlplane.imaging.errors import ImageError
 from controlplane.imaging.intake import image_source_bytes
-from controlplane.imaging.policy import DecodedDataURL, PolicyViolation, picture_size, sent_sizes
+from controlplane.imaging.policy import (
+    DecodedDataURL,
+    Policy,
+    PolicyViolation,
+    picture_size,
+    sent_sizes,
+)
 from controlplane.imaging.tokens import count_image_tokens
 from controlplane.textcount import prompt_text_tokens
 
@@ -87,23 +94,37 @@ class Rule:
             to=Sending(row.escalate_to_id, row.escalate_detail, row.escalate_pixel_cap), confidence=row.confidence,
             threshold=row.threshold, on_length=row.escalate_on_length, on_refusal=row.escalate_on_refusal,
             streams=row.cascade_streams)
-        return cls(id=row.pk, label=f"{row}, {scope}", send=Sending(row.tier_id, row.send_detail, row.pixel_cap),
+        return cls(id=row.pk, label=f"{row}, {scope}, #{row.pk}", send=Sending(row.tier_id, row.send_detail, row.pixel_cap),
                    tasks=frozenset(filter(None, row.tasks.split(","))),
                    ranges={name: bounds for name, bounds in ranges.items() if bounds != (None, None)},
                    detail=row.detail, tools=row.tools, cascade=cascade)
 
     @property
     def looks_at_pictures(self) -> bool:
-        return "source_pixels" in self.ranges or "image_tokens" in self.ranges
+        """Whether deciding it, or reserving for its cascade's second attempt, needs the sizes
+        of the request's pictures."""
+        return "source_pixels" in self.ranges or "image_tokens" in self.ranges or self.cascade is not None
+
+
+@dataclass(frozen=True)
+class SizingLimits:
+    """What reading a request's picture headers may cost (the gateway's decode settings)."""
+
+    cpu_seconds: float = 0.5  # all of its pictures'
+    max_scans: int = 100
+    max_input_pixels: int = Policy().max_input_pixels
 
 
 class Facts:
-    """What the rules read of one request, each found once and only when a rule asks."""
+    """What the rules read of one request. Its pictures' sizes are read only when asked
+    (`size_pictures`, off the event loop, bounded), and only when a rule needs them."""
 
     def __init__(self, body: dict, headers: dict[str, str] | None = None, *, max_image_bytes: int):
         metadata = body.get("metadata") if isinstance(body.get("metadata"), dict) else {}
-        task = metadata.get("task") or (headers or {}).get(TASK_HEADER) or ""
-        self.task = str(task).strip()
+        task = metadata.get("task")
+        if not isinstance(task, str):  # validated as a string when given (validation.py)
+            task = (headers or {}).get(TASK_HEADER) or ""
+        self.task = task.strip().lower()  # rules keep theirs in lower case
         self.parts = image_parts(body["messages"])
         self.images = len(self.parts)
         self.details = frozenset(_detail_asked(part) for part in self.parts)
@@ -112,7 +133,6 @@ class Facts:
         self._body, self._max_bytes = body, max_image_bytes
         self._prompt_tokens: int | None = None
         self._sizes: list | None = None
-        self._sized = False
 
     @property
     def prompt_tokens(self) -> int:
@@ -120,30 +140,41 @@ class Facts:
             self._prompt_tokens = prompt_text_tokens(self._body["messages"])
         return self._prompt_tokens
 
-    def source_sizes(self, tier: TierSpec | None) -> list[tuple[int, int]] | None:
-        """Each picture's upright size, from its header; None when one has none to read (given
-        by URL, or refused as it will be when it is prepared)."""
-        if not self._sized:
-            self._sized = True
-            self._sizes = self._read_sizes(tier)
+    def source_sizes(self) -> list[tuple[int, int]] | None:
+        """Each picture's upright size, once read (`size_pictures`); None before, or when one
+        has none to read (given by URL, or refused as it will be when it is prepared)."""
         return self._sizes
 
-    def _read_sizes(self, tier: TierSpec | None) -> list[tuple[int, int]] | None:
-        sizes = []
+    def size_pictures(self, limits: SizingLimits) -> float:
+        """Read each picture's size from its header, within `limits`; the CPU seconds it took
+        (the caller counts them against the key's intake). Run off the event loop."""
+        started = time.thread_time()
+        try:
+            self._sizes = self._read_sizes(limits)
+        finally:
+            spent = time.thread_time() - started
+        return spent
+
+    def _read_sizes(self, limits: SizingLimits) -> list[tuple[int, int]] | None:
+        sizes, deadline = [], time.thread_time() + limits.cpu_seconds
+        policy = Policy(max_input_pixels=limits.max_input_pixels)
         for part in self.parts:
             holder, name = image_url_place(part)
             url = None if holder is None else holder.get(name)
             if not (isinstance(url, DecodedDataURL) or (isinstance(url, str) and url.startswith("data:"))):
                 return None
+            left = deadline - time.thread_time()
+            if left <= 0:
+                return None
             try:
                 data = image_source_bytes(url, max_bytes=self._max_bytes, fetch=None)
-                sizes.append(picture_size(data, policy=tier.policy if tier is not None else None))
+                sizes.append(picture_size(data, policy=policy, max_scans=limits.max_scans, cpu_seconds=left))
             except (ImageError, ValueError):
                 return None
         return sizes
 
-    def largest_pixels(self, tier: TierSpec | None) -> int | None:
-        sizes = self.source_sizes(tier)
+    def largest_pixels(self) -> int | None:
+        sizes = self.source_sizes()
         if sizes is None:
             return None
         return max((width * height for width, height in sizes), default=0)
@@ -152,7 +183,7 @@ class Facts:
         """All the images' tokens as `tier` (a spec as a rule sends to it) would count them."""
         if not self.parts:
             return 0
-        sizes = self.source_sizes(tier)
+        sizes = self.source_sizes()
         if sizes is None or tier.policy is None:
             return None
         total = 0
@@ -163,6 +194,18 @@ class Facts:
         except (ImageError, PolicyViolation, ValueError):
             return None
         return total
+
+
+def worst_image_tokens(facts: Facts, tier: TierSpec) -> int:
+    """The most `tier` can count for the request's images: exactly, from their sizes when they
+    were read; else each image as large as the tier's policy lets it be."""
+    counted = facts.image_tokens(tier)
+    if counted is not None or tier.policy is None:
+        return counted or 0
+    side = math.isqrt(tier.policy.max_pixels)
+    largest = sum(count_image_tokens(tier.family, width, height, **tier.processor_options)
+                  for width, height in sent_sizes(side, side, tier.policy))
+    return largest * facts.images
 
 
 def _detail_asked(part: dict) -> str:
@@ -196,7 +239,7 @@ def holds(rule: Rule, facts: Facts, tier: TierSpec) -> bool:
         if name == "images":
             value = facts.images
         elif name == "source_pixels":
-            value = facts.largest_pixels(tier) if facts.parts else None
+            value = facts.largest_pixels() if facts.parts else None
         elif name == "image_tokens":
             value = facts.image_tokens(tier)
         elif name == "prompt_tokens":
@@ -240,15 +283,20 @@ _REFUSAL = re.compile(r"^\s*(i'?m sorry|i am sorry|sorry, i can|i can(?:'|no)t (
                       r"i'?m (?:not able|unable) to|i am (?:not able|unable) to)", re.IGNORECASE)
 
 
+def token_probability(logprobs: list[float], how: str = "mean") -> float | None:
+    """An answer's token probability from its tokens' log-probabilities: their mean's (a
+    geometric mean of the probabilities), or the least of them; None for none."""
+    if not logprobs:
+        return None
+    return math.exp(min(logprobs) if how == "min" else sum(logprobs) / len(logprobs))
+
+
 def confidence(choice: dict, how: str) -> float | None:
-    """The answer's token probability, the mean of its tokens' log-probabilities (a geometric
-    mean) or the least of them; None when the engine gave none."""
+    """The token probability of an engine's answer (`choice`), or None when it gave none."""
     content = ((choice.get("logprobs") or {}).get("content")) or []
     values = [item.get("logprob") for item in content if isinstance(item, dict)]
-    values = [v for v in values if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)]
-    if not values:
-        return None
-    return math.exp(min(values) if how == "min" else sum(values) / len(values))
+    return token_probability([v for v in values if isinstance(v, int | float) and not isinstance(v, bool)
+                              and math.isfinite(v)], how)
 
 
 def escalation(answer: dict, cascade: Cascade) -> tuple[str, float | None]:
@@ -264,6 +312,8 @@ def escalation(answer: dict, cascade: Cascade) -> tuple[str, float | None]:
         return "refusal", sure
     if cascade.on_length and choice.get("finish_reason") == "length":
         return "length", sure
-    if sure is None or sure < cascade.threshold:
+    if sure is None:
+        return "no_confidence", None  # the engine gave no log-probabilities
+    if sure < cascade.threshold:
         return "low_confidence", sure
     return "", sure

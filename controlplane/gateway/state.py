@@ -98,12 +98,17 @@ def _load_key(secret: str) -> KeyInfo | None:
     api_key = api_key_lookup(secret)
     if api_key is None:
         return None
-    tenant = api_key.tenant
-    allowed = usable_tier_ids(api_key)
     # Mark use at most once a minute per key: a write per request would put the DB on the hot path.
     now = timezone.now()
     if api_key.last_used_at is None or (now - api_key.last_used_at).total_seconds() > 60:
         type(api_key).objects.filter(pk=api_key.pk).update(last_used_at=now)
+    return key_info_of(api_key)
+
+
+def key_info_of(api_key) -> KeyInfo:
+    """What the gateway knows of a usable `api_key` (the console's dry run asks it too)."""
+    tenant = api_key.tenant
+    allowed = usable_tier_ids(api_key)
     quota = getattr(tenant, "quota", None)
     limits = Limits(key_spend=micros(api_key.spend_limit))
     if quota is not None:

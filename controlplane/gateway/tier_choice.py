@@ -5,11 +5,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from django.conf import settings
+
 from controlplane.catalog.routing import resolve_auto
 from controlplane.gateway import state
 from controlplane.gateway.errors import GatewayError
 from controlplane.gateway.prepare import TierSpec
-from controlplane.gateway.rules import Facts, Rule, decide
+from controlplane.gateway.rules import Facts, Rule, SizingLimits, decide
 
 AUTO = "auto"
 
@@ -22,6 +24,17 @@ class Choice:
     tier: TierSpec
     rule: Rule | None = None
     escalate_to: TierSpec | None = None
+
+
+def needs_sizes(model: str, key: state.KeyInfo, facts: Facts) -> bool:
+    """Whether choosing the tier (or reserving for a cascade) reads the pictures' sizes."""
+    return model == AUTO and bool(facts.parts) and any(rule.looks_at_pictures for rule in key.rules)
+
+
+def sizing_limits() -> SizingLimits:
+    """What reading a request's picture headers may cost, as the decode settings say."""
+    return SizingLimits(cpu_seconds=settings.GATEWAY_REQUEST_IMAGE_CPU_MS / 1000,
+                        max_scans=settings.GATEWAY_IMAGE_MAX_SCANS)
 
 
 def allowed_tiers(key: state.KeyInfo, tiers: dict[str, TierSpec]) -> list[TierSpec]:

@@ -76,7 +76,10 @@ PARAMETER_TYPES = {
     "top_k": (_integer(-1, 1_000_000), "an integer (-1: no limit)"),
     "min_p": (_number(0, 1), "a number from 0 to 1"),
     "repetition_penalty": (_number(0.01, 100), "a positive number"),
-    "metadata": (lambda v: isinstance(v, dict) and len(v) <= 16, "an object of at most 16 entries"),
+    "metadata": (lambda v: isinstance(v, dict) and len(v) <= 16
+                 and all(len(k) <= 64 and isinstance(x, str) and len(x) <= 512 for k, x in v.items()),
+                 "an object of at most 16 entries, each a string of at most 512 characters under a key of at "
+                 "most 64"),
     "store": (lambda v: isinstance(v, bool), "a boolean"),
 }
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})

@@ -246,13 +246,15 @@ def sent_sizes(width: int, height: int, policy: Policy, detail: str | None = Non
     return [(right - left, bottom - top) for left, top, right, bottom in plan.boxes]
 
 
-def picture_size(data: bytes, *, policy: Policy | None = None, max_scans: int = DEFAULT_MAX_SCANS) -> tuple[int, int]:
+def picture_size(data: bytes, *, policy: Policy | None = None, max_scans: int = DEFAULT_MAX_SCANS,
+                 cpu_seconds: float | None = None) -> tuple[int, int]:
     """The upright size of the picture `data`, read from its header alone (refused as its
-    header would be refused under `policy`, the default policy when None)."""
+    header would be refused under `policy`, the default policy when None; ImageTooComplex past
+    `cpu_seconds` of reading it)."""
     policy = policy or Policy()
     sniff_problem(data, documents=False)
     image = open_image(data, allowed_formats=policy.allowed_formats, max_input_pixels=policy.max_input_pixels,
-                       max_scans=max_scans, sniffed=True)
+                       max_scans=max_scans, cpu_seconds=cpu_seconds, sniffed=True)
     width, height = image.size
     if orientation(image) in (5, 6, 7, 8):
         width, height = height, width

@@ -93,6 +93,11 @@ class UsageRecord:
         return self
 
 
+# Why a cascade's first answer was escalated (UsageRecord.escalation), and what it means.
+ESCALATIONS = {"low_confidence": "unsure: its token probability below the rule's threshold",
+               "no_confidence": "unsure: the engine gave no token probabilities",
+               "length": "cut short by max_tokens", "refusal": "a refusal", "no_answer": "no answer"}
+
 _SCALARS = ("request_id", "tenant_id", "api_key_id", "tier_id", "stream", "image_tokens", "text_tokens",
             "output_tokens", "cached_tokens", "cached_image_tokens", "instance_id", "status", "http_status",
             "latency_ms", "engine_image_tokens", "image_tokens_disagree", "counted_prompt_tokens", "prompt_estimated",

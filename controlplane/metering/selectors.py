@@ -117,9 +117,9 @@ def usage_event_detail(*, request_id: str, tenant_ids: tuple[int, ...] | None) -
 
 def cascade_attempts(event: UsageEvent) -> tuple[UsageEvent, UsageEvent | None] | None:
     """A cascade's two attempts, (first, escalation), when `event` is either of them: the
-    escalation None when the first answer was kept, or was not escalated after all (the second
-    attempt not admitted); the first None when it is no longer kept. None when `event` is no
-    cascade's."""
+    escalation None when the first answer was kept (one that did not succeed means the first
+    answer was sent after all); the first None when it is no longer kept. None when `event` is
+    no cascade's."""
     related = UsageEvent.objects.select_related("tier").filter(tenant_id=event.tenant_id)
     if event.cascade_of:
         return related.filter(request_id=event.cascade_of).first(), event

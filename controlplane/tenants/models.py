@@ -205,7 +205,8 @@ class RoutingRule(models.Model):
     enabled = models.BooleanField(default=True)
     # Conditions: each one empty holds for every request.
     tasks = models.CharField(max_length=200, blank=True, help_text=(
-        "Task names, comma-separated, one of which the request names (metadata.task, or the X-Task header)"))
+        "Task names, comma-separated, one of which the request names (metadata.task, or the X-Task header), "
+        "in any case"))
     min_images = models.PositiveIntegerField(null=True, blank=True)
     max_images = models.PositiveIntegerField(null=True, blank=True)
     min_source_pixels = models.PositiveIntegerField(null=True, blank=True, help_text="Of its largest image, as sent")
@@ -241,6 +242,9 @@ class RoutingRule(models.Model):
 
     class Meta:
         ordering = ["position", "id"]
+        constraints = [models.CheckConstraint(
+            condition=models.Q(escalate_to__isnull=True) | models.Q(threshold__gt=0, threshold__lt=1),
+            name="cascade_has_threshold")]
 
     def __str__(self):
         return f"rule {self.position}" + (f" ({self.name})" if self.name else "")
@@ -261,7 +265,7 @@ class RoutingRule(models.Model):
             if None not in (getattr(self, low), getattr(self, high)) and getattr(self, low) > getattr(self, high):
                 errors[high] = "below its least"
         if self.tasks:
-            self.tasks = ",".join(sorted({task.strip() for task in self.tasks.split(",") if task.strip()}))
+            self.tasks = ",".join(sorted({task.strip().lower() for task in self.tasks.split(",") if task.strip()}))
         for field, cap, tier in (("pixel_cap", self.pixel_cap, self.tier if self.tier_id else None),
                                  ("escalate_pixel_cap", self.escalate_pixel_cap,
                                   self.escalate_to if self.escalate_to_id else None)):

@@ -13,6 +13,7 @@ from django.shortcuts import render
 
 from controlplane.metering.forms import LogFilterForm
 from controlplane.metering.models import RequestCapture, UsageEvent
+from controlplane.metering.records import ESCALATIONS
 from controlplane.metering.selectors import (
     LogCursor,
     cascade_attempts,
@@ -23,10 +24,6 @@ from controlplane.tenants import roles
 
 PAGE_SIZE = 50
 # Why a cascade's first answer was not the one sent.
-ESCALATIONS = {"low_confidence": "unsure: its token probability below the rule's threshold",
-               "length": "cut short by max_tokens", "refusal": "a refusal", "no_answer": "no answer"}
-
-
 def _visible(user) -> list:
     if not roles.can_see_usage(user):
         raise PermissionDenied

@@ -14,9 +14,9 @@ from controlplane.gateway.body import read_body
 from controlplane.gateway.cascade import cascades
 from controlplane.gateway.errors import GatewayError
 from controlplane.gateway.rules import TASK_HEADER, Facts
-from controlplane.gateway.tier_choice import AUTO, tier_asked
+from controlplane.gateway.tier_choice import AUTO, needs_sizes, sizing_limits, tier_asked
 from controlplane.gateway.validation import RequestInvalid, image_parts, validate_body
-from controlplane.tenants.models import ApiKey, Tenant, usable_tier_ids
+from controlplane.tenants.models import ApiKey, Tenant
 
 
 class BodyInvalid(ValueError):
@@ -78,11 +78,10 @@ def key_info(*, api_key: ApiKey | None, tenant: Tenant) -> state.KeyInfo:
     """What the gateway knows of `api_key` when it chooses a tier; with no key, of a key of
     `tenant`'s with no rules or scope of its own."""
     if api_key is not None:
-        allowed = usable_tier_ids(api_key)
-    else:
-        allowed = frozenset(tenant.allowed_tiers.values_list("id", flat=True))
-        # Saved-looking but no key's: no key's rules are read for it, only its tenant's and the defaults.
-        api_key = ApiKey(pk=0, tenant=tenant, prefix="")
+        return state.key_info_of(api_key)
+    allowed = frozenset(tenant.allowed_tiers.values_list("id", flat=True))
+    # Saved-looking but no key's: no key's rules are read for it, only its tenant's and the defaults.
+    api_key = ApiKey(pk=0, tenant=tenant, prefix="")
     return state.KeyInfo(key_id=api_key.pk, tenant_id=tenant.pk, tenant_name=tenant.name, cache_salt=None,
                          allowed_tier_ids=allowed or None, default_text_tier_id=tenant.default_text_tier_id,
                          default_image_tier_id=tenant.default_image_tier_id, rules=state._rules(api_key))
@@ -92,6 +91,8 @@ def dry_run(body: dict, *, task: str, api_key: ApiKey | None, tenant: Tenant) ->
     """Where the gateway would send `body` from `api_key` (or a key of `tenant`'s)."""
     key = key_info(api_key=api_key, tenant=tenant)
     facts = Facts(body, {TASK_HEADER: task} if task else {}, max_image_bytes=settings.GATEWAY_MAX_BODY_BYTES)
+    if needs_sizes(body["model"], key, facts):
+        facts.size_pictures(sizing_limits())
     try:
         choice = tier_asked(body["model"], key, state._load_tiers(), bool(image_parts(body["messages"])), facts)
     except GatewayError as exc:

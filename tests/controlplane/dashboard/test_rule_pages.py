@@ -136,11 +136,11 @@ def test_a_tenant_admin_cannot_see_or_edit_another_tenants_rules_nor_the_default
 
 
 def test_the_dry_run_names_the_rule_and_tier_that_hold_or_where_auto_goes_as_before(client, world, flagship):
-    _rule(flagship, tenant=world.alice, name="receipts", tasks="receipt", send_detail="low")
+    rule = _rule(flagship, tenant=world.alice, name="receipts", tasks="receipt", send_detail="low")
     client.force_login(world.operator)
     matched = client.post("/tenants/alice/rules/", {"body": _ask(metadata={"task": "receipt"})})
-    assert ("would go to <strong>vlm-flagship, detail low</strong>, by <strong>rule 1 (receipts), tenant alice"
-            "</strong>") in _answer(matched)
+    assert ("would go to <strong>vlm-flagship, detail low</strong>, by <strong>rule 1 (receipts), tenant alice, "
+            f"#{rule.pk}</strong>") in _answer(matched)
     by_header = client.post("/tenants/alice/rules/", {"body": _ask(), "task": "receipt"})
     assert "by <strong>rule 1 (receipts), tenant alice" in _answer(by_header)
     fallback = client.post("/tenants/alice/rules/", {"body": _ask(metadata={"task": "portrait"})})
@@ -156,13 +156,13 @@ def test_the_dry_run_names_the_rule_and_tier_that_hold_or_where_auto_goes_as_bef
 
 def test_the_dry_run_reads_an_uploaded_image_and_a_keys_rules_and_says_when_it_cascades(client, world, flagship):
     key = api_key_create(tenant=world.alice, name="web").api_key
-    _rule(world.vision, api_key=key, name="big photos", min_source_pixels=1_000_000, escalate_to=flagship,
-          threshold=0.6)
+    rule = _rule(world.vision, api_key=key, name="big photos", min_source_pixels=1_000_000, escalate_to=flagship,
+                 threshold=0.6)
     client.force_login(world.alice_admin)
     photo = SimpleUploadedFile("photo.png", image_bytes(1600, 1000, fmt="PNG"), content_type="image/png")
     response = client.post("/account/rules/", {"key": key.pk, "body": _ask(), "image": photo})
     answer = _answer(response)
-    assert f"by <strong>rule 1 (big photos), key {key.prefix}…</strong>" in answer
+    assert f"by <strong>rule 1 (big photos), key {key.prefix}…, #{rule.pk}</strong>" in answer
     assert "first to <strong>vlm-lite</strong>, escalated to <strong>vlm-flagship</strong> below probability 0.6" \
         in answer
     small = SimpleUploadedFile("small.png", image_bytes(640, 480, fmt="PNG"), content_type="image/png")

@@ -44,7 +44,7 @@ def _events() -> list[UsageEvent]:
 
 
 def test_an_unsure_cheap_answer_is_escalated_and_both_attempts_are_billed(client, routed, ledger_mode):
-    _cascade(routed)
+    rule = _cascade(routed)
     answer = post(client, routed.alice_key, _ask())
     assert answer.status_code == 200, answer.content
     assert answer["x-cascade"] == "escalated: low_confidence"
@@ -54,7 +54,7 @@ def test_an_unsure_cheap_answer_is_escalated_and_both_attempts_are_billed(client
     assert (first.image_tokens, second.image_tokens) == (18, 1227)
     assert first.escalation == "low_confidence" and first.confidence < 0.1
     assert second.cascade_of == first.request_id and not second.escalation
-    assert first.routed_by == second.routed_by == "rule 1 (read cheaply), default"
+    assert first.routed_by == second.routed_by == f"rule 1 (read cheaply), default, #{rule.pk}"
     assert first.status == second.status == "ok" and first.cost > 0 and second.cost > first.cost
 
 
@@ -132,7 +132,7 @@ def test_admission_reserves_for_both_attempts(client, routed, ledger_mode):
     refused = post(client, routed.alice_key, _ask())
     assert refused.status_code == 429 and error_of(refused)["code"] == "insufficient_quota"
     (event,) = _events()
-    assert event.http_status == 429 and event.cost == 0 and event.routed_by == "rule 1 (read cheaply), default"
+    assert event.http_status == 429 and event.cost == 0 and event.routed_by == f"rule 1 (read cheaply), default, #{rule.pk}"
     rule.escalate_to, rule.threshold = None, None  # no cascade: the cheap attempt alone fits
     rule.save()
     state.clear_caches()
@@ -188,7 +188,7 @@ def _cascade_counts(client) -> dict[tuple[str, str], float]:
 def test_metrics_count_each_rules_cascades_by_how_the_first_answer_went(client, routed, ledger_mode, settings):
     settings.DEBUG = True  # /metrics without a token
     rule = _cascade(routed)
-    label = "rule 1 (read cheaply), default"
+    label = f"rule 1 (read cheaply), default, #{rule.pk}"
     before = _cascade_counts(client)
     post(client, routed.alice_key, _ask())
     RoutingRule.objects.filter(pk=rule.pk).update(threshold=0.01)
@@ -198,3 +198,72 @@ def test_metrics_count_each_rules_cascades_by_how_the_first_answer_went(client, 
     after = _cascade_counts(client)
     assert {outcome: after.get((label, outcome), 0) - before.get((label, outcome), 0)
             for outcome in ("kept", "low_confidence", "length")} == {"kept": 1, "low_confidence": 1, "length": 1}
+
+
+@pytest.fixture
+def flagship(routed, engines):
+    """A second vision tier on the same simulator (serving it as vlm-lite), generating at most 32 tokens."""
+    from django.utils import timezone
+
+    from controlplane.fleet.models import EngineInstance, Node
+    from tests.factories import PricePlanFactory, VisionTierFactory
+
+    tier = VisionTierFactory(name="vlm-flagship", price_plan=PricePlanFactory(name="flagship"), engine_settings={"max_model_len": 32768, "max_num_seqs": 16,
+                                                                    "max_output_tokens": 32})
+    EngineInstance.objects.create(tier=tier, node=Node.objects.get(name="local"), port=engines["vlm-lite"],
+                                  served_model_name="vlm-lite", actual_state="running", healthy=True,
+                                  last_health_at=timezone.now())
+    return tier
+
+
+def test_an_escalation_the_second_tier_refuses_sends_the_first_answer(client, routed, flagship, ledger_mode):
+    """The client asks for 64 tokens, more than the second tier generates: its attempt is refused
+    with a 400, and the first answer, whole, is the one sent."""
+    rule = RoutingRule(tier=routed.vision, pixel_cap=12_544, escalate_to=flagship, threshold=0.5)
+    rule.full_clean()
+    rule.save()
+    state.clear_caches()
+    answer = post(client, routed.alice_key, _ask())
+    assert answer.status_code == 200, answer.content
+    assert answer["x-cascade"] == "not escalated (low_confidence): invalid_request"
+    assert answer.json()["model"] == "vlm-lite" and answer.json()["choices"][0]["message"]["content"]
+    first, second = _events()
+    assert (first.escalation, first.status, second.http_status) == ("low_confidence", "ok", 400)
+    assert second.cascade_of == first.request_id and second.tier == flagship and second.cost == 0
+    client.force_login(routed.operator)
+    page = client.get(f"/requests/{first.request_id}/").content.decode()
+    assert "not sent on: the second attempt was not answered, so this answer was sent" in page
+
+
+def test_an_unpriced_escalation_tier_does_not_hold_up_requests_that_do_not_cascade(routed, flagship, ledger_mode):
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from controlplane.catalog.models import PriceRate
+
+    rule = _cascade(routed, cascade_streams=False)
+    RoutingRule.objects.filter(pk=rule.pk).update(escalate_to=flagship)
+    PriceRate.objects.filter(plan=flagship.price_plan).update(effective_from=timezone.now() + timedelta(days=1))
+    state.clear_caches()
+    chunks, response = _stream(routed.alice_key, _ask())
+    assert response.status_code == 200 and "x-cascade" not in response
+
+
+def test_a_kept_answers_tool_calls_are_streamed_with_their_index():
+    from asgiref.sync import async_to_sync
+
+    from controlplane.gateway.cascade import _as_stream
+
+    calls = [{"id": "call_1", "type": "function", "function": {"name": "total", "arguments": "{}"}}]
+    answer = {"id": "chatcmpl-1", "created": 1, "model": "vlm-lite", "choices": [{
+        "index": 0, "finish_reason": "tool_calls", "logprobs": None,
+        "message": {"role": "assistant", "content": None, "tool_calls": calls, "reasoning_content": "sum it"}}]}
+
+    async def read():
+        return [chunk async for chunk in _as_stream(answer, include_usage=False)]
+
+    events = [orjson.loads(e[6:]) for e in async_to_sync(read)() if e != b"data: [DONE]\n\n"]
+    delta = events[1]["choices"][0]["delta"]
+    assert delta["tool_calls"] == [{"index": 0, **calls[0]}] and delta["reasoning_content"] == "sum it"
+    assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"

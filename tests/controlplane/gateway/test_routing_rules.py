@@ -9,7 +9,7 @@ from django.core.exceptions import ValidationError
 
 from controlplane.gateway import state
 from controlplane.gateway.rules import Cascade, Facts, decide, escalation
-from controlplane.gateway.tier_choice import tier_asked
+from controlplane.gateway.tier_choice import needs_sizes, sizing_limits, tier_asked
 from controlplane.tenants.models import RoutingRule
 from controlplane.tenants.services import api_key_create, api_key_lookup
 from tests.controlplane.gateway.calls import image_message
@@ -48,7 +48,10 @@ def _chosen(key_secret: str, body: dict, headers: dict | None = None):
     state.clear_caches()
     key = async_to_sync(state.key_info)(key_secret)
     tiers = async_to_sync(state.tiers)()
-    return tier_asked(body["model"], key, tiers, True, Facts(body, headers, max_image_bytes=20 << 20))
+    facts = Facts(body, headers, max_image_bytes=20 << 20)
+    if needs_sizes(body["model"], key, facts):
+        facts.size_pictures(sizing_limits())
+    return tier_asked(body["model"], key, tiers, True, facts)
 
 
 def test_a_request_no_rule_holds_for_goes_where_auto_went_before(world, flagship):
@@ -62,6 +65,7 @@ def test_the_task_is_read_from_the_metadata_or_the_header(world, flagship):
     assert _chosen(world.alice_key, _ask(task="invoice")).tier.name == "vlm-flagship"
     assert _chosen(world.alice_key, _ask(), {"x-task": "receipt"}).tier.name == "vlm-flagship"
     assert _chosen(world.alice_key, _ask(task="receipts")).tier.name == "vlm-lite"
+    assert _chosen(world.alice_key, _ask(task=" Invoice ")).tier.name == "vlm-flagship"  # in any case
 
 
 def test_the_number_of_images_bounds_both_ways(world, flagship):
@@ -137,11 +141,11 @@ def test_the_presence_of_tools(world, flagship):
 
 def test_a_keys_rules_come_before_its_tenants_before_the_defaults(world, flagship):
     lite = world.vision
-    _rule(flagship, tasks="ocr", name="everyone")
-    _rule(lite, tasks="ocr", tenant=world.alice, name="alice's")
+    everyone = _rule(flagship, tasks="ocr", name="everyone")
+    alices = _rule(lite, tasks="ocr", tenant=world.alice, name="alice's")
     key = api_key_lookup(world.alice_key)
-    assert _chosen(world.alice_key, _ask(task="ocr")).rule.label == "rule 1 (alice's), tenant alice"
-    assert _chosen(world.bob_key, _ask(task="ocr")).rule.label == "rule 1 (everyone), default"
+    assert _chosen(world.alice_key, _ask(task="ocr")).rule.label == f"rule 1 (alice's), tenant alice, #{alices.pk}"
+    assert _chosen(world.bob_key, _ask(task="ocr")).rule.label == f"rule 1 (everyone), default, #{everyone.pk}"
     _rule(flagship, tasks="ocr", api_key=key, position=9)
     assert _chosen(world.alice_key, _ask(task="ocr")).tier.name == "vlm-flagship"
     other = api_key_create(tenant=world.alice).secret
@@ -215,7 +219,7 @@ def test_an_answer_is_escalated_when_its_token_probability_is_below_the_threshol
     # The least token: one unsure token is enough.
     assert escalation(_answer(logprobs=(-0.01, -0.01, -0.3)), Cascade(to=None, threshold=0.8, confidence="min"))[0] \
         == "low_confidence"
-    assert escalation(_answer(logprobs=None), sure)[0] == "low_confidence"  # the engine gave none
+    assert escalation(_answer(logprobs=None), sure) == ("no_confidence", None)  # the engine gave none
 
 
 def test_an_answer_cut_short_or_refusing_is_escalated_when_the_rule_says_so():
@@ -237,3 +241,26 @@ def test_decide_passes_over_a_text_tier_for_a_request_with_images(world):
     assert decide(key.rules, Facts(_ask(), max_image_bytes=1 << 20), tiers) is None
     text_only = {"model": "auto", "messages": [{"role": "user", "content": "hello"}]}
     assert decide(key.rules, Facts(text_only, max_image_bytes=1 << 20), tiers).tier.name == "text"
+
+
+def test_a_picture_whose_header_is_costly_to_read_is_given_up_on_within_its_cpu_time(world, flagship, settings):
+    from controlplane.gateway.rules import SizingLimits
+    from tests.imaging_corpus import chunky_png
+
+    body = {"model": "auto", "messages": image_message(data_url(chunky_png(), "image/png"))}
+    facts = Facts(body, max_image_bytes=64 << 20)
+    spent = facts.size_pictures(SizingLimits(cpu_seconds=0.05))
+    assert facts.source_sizes() is None and spent < 0.5  # a size condition then does not hold
+    _rule(flagship, max_source_pixels=10_000_000)
+    settings.GATEWAY_REQUEST_IMAGE_CPU_MS = 50
+    assert _chosen(world.alice_key, body).tier.name == "vlm-lite"
+
+
+def test_a_picture_given_by_url_is_reserved_for_as_large_as_the_tiers_policy_lets_it_be(world):
+    from controlplane.gateway.rules import worst_image_tokens
+
+    tier = async_to_sync(state.tiers)()["vlm-lite"]
+    by_url = Facts({"model": "auto", "messages": image_message("https://example.com/cat.jpg")}, max_image_bytes=1)
+    sized = Facts(_ask(images=[(640, 480)]), max_image_bytes=1 << 20)
+    sized.size_pictures(sizing_limits())
+    assert worst_image_tokens(by_url, tier) == 1227 > worst_image_tokens(sized, tier)  # a 1 MP square

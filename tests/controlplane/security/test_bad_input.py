@@ -40,6 +40,7 @@ def test_an_estimate_out_of_any_range_is_a_400(client, world, fields):
     ("temperature", "hot"), ("temperature", 9), ("top_p", -1), ("seed", "x"), ("stop", [1, 2]),
     ("stop", ["a"] * 17), ("logprobs", "yes"), ("top_logprobs", 99), ("logit_bias", {"1": "x"}),
     ("user", {"id": 1}), ("tools", "all"), ("presence_penalty", True), ("metadata", [1]),
+    ("metadata", {"task": [[["deep"]]]}), ("metadata", {"task": "x" * 513}), ("metadata", {"k" * 65: "v"}),
 ])
 def test_an_openai_parameter_of_the_wrong_type_is_a_400_naming_it(client, world, field, value):
     from tests.controlplane.gateway.calls import post
