@@ -179,8 +179,10 @@ _IMAGES = {"small": data_url(image_bytes(64, 48)), "megabytes": data_url(noise_b
 @pytest.mark.parametrize("size", _IMAGES)
 def test_an_integer_past_64_bits_is_forwarded_whatever_the_bodys_size(client, routed, size):
     assert size == "small" or len(_IMAGES[size]) > 2**20
-    response = post(client, routed.alice_key, {"model": "vlm-lite", "max_tokens": 4, "metadata": {"n": 2**70},
-                                               "messages": image_message(_IMAGES[size])})
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "maximum": 2**70}}}
+    response = post(client, routed.alice_key, {
+        "model": "vlm-lite", "max_tokens": 4, "messages": image_message(_IMAGES[size]), "tool_choice": "none",
+        "tools": [{"type": "function", "function": {"name": "count", "parameters": schema}}]})
     assert response.status_code == 200, response.content
     assert UsageEvent.objects.get(request_id=response["x-request-id"]).image_count == 1
 
