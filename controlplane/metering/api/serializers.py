@@ -20,7 +20,8 @@ class UsageEventSerializer(serializers.ModelSerializer):
         model = UsageEvent
         fields = ["request_id", "created_at", "tenant", "key_prefix", "tier", "status", "http_status", "stream",
                   "latency_ms", "image_count", "image_tokens", "cached_tokens", "cached_image_tokens",
-                  "text_tokens", "output_tokens", "cost", "cache_savings", "images"]
+                  "text_tokens", "output_tokens", "cost", "cache_savings", "routed_by", "cascade_of", "escalation",
+                  "confidence", "images"]
 
 
 class DailyUsageSerializer(serializers.ModelSerializer):

@@ -155,6 +155,23 @@ def test_each_request_shows_its_usage_and_what_the_cache_saved(client, world):
     assert rows["a1"]["key_prefix"] == main.prefix and len(rows["a1"]["images"]) == 2
 
 
+def test_a_cascades_two_attempts_say_how_they_were_routed_and_why_the_second_ran(client, world):
+    label = "rule 1 (receipts), tenant alice, #7"
+    for record in (UsageRecord(request_id="first", tenant_id=world.alice.pk, api_key_id=None, tier_id=world.vision.pk,
+                               text_tokens=40, output_tokens=3, routed_by=label, escalation="low_confidence",
+                               confidence=0.42),
+                   UsageRecord(request_id="second", tenant_id=world.alice.pk, api_key_id=None,
+                               tier_id=world.vision.pk, text_tokens=40, output_tokens=5, routed_by=label,
+                               cascade_of="first")):
+        usage_record(record=record)
+    rows = {r["request_id"]: r for r in _walk(client, "/api/v1/usage/requests/", world.alice_key)}
+    first, second = rows["first"], rows["second"]
+    assert (first["routed_by"], first["escalation"], first["confidence"], first["cascade_of"]) == (
+        label, "low_confidence", 0.42, "")
+    assert (second["cascade_of"], second["escalation"], second["confidence"]) == ("first", "", None)
+    assert Decimal(first["cost"]) > 0 and Decimal(second["cost"]) > 0  # both billed
+
+
 # --- filters -------------------------------------------------------------------------------
 
 
