@@ -14,6 +14,7 @@ django_application = get_asgi_application()
 from django.conf import settings  # noqa: E402 - needs Django set up
 
 from controlplane.client_slots import ClientSlots, client_address  # noqa: E402
+from controlplane.gateway.apps import current_process  # noqa: E402
 from controlplane.gateway.asgi import (  # noqa: E402
     BUSY_RETRY_AFTER_S,
     SMALL_BODY,  # noqa: E402
@@ -31,6 +32,8 @@ class Application:
     async def __call__(self, scope, receive, send):
         if scope["type"] == "lifespan":
             return await lifespan(receive, send)
+        if scope["type"] == "http" and scope["path"] == READINESS:
+            return await _readiness(send)
         if scope["type"] == "http" and (scope["path"] == "/v1" or scope["path"].startswith("/v1/")):
             return await gateway_application(scope, receive, send, body_reads=self.body_reads)
         if scope["type"] == "http":
@@ -71,6 +74,19 @@ class Application:
 application = Application()
 _BUSY = {"client": (429, "too many request bodies from this address at once; retry shortly"),
          "overall": (503, "too many request bodies at once; retry shortly")}
+
+
+READINESS = "/readyz"
+
+
+async def _readiness(send) -> None:
+    """For load balancers: 200 while this process takes new work; 503 from the moment it is told
+    to stop (it still serves what comes meanwhile: gateway/stopping.py). Nothing else is
+    checked: a database or Redis that is down is answered per request, by every replica alike."""
+    ready = current_process().stopping.ready
+    await send({"type": "http.response.start", "status": 200 if ready else 503,
+                "headers": [(b"content-type", b"text/plain"), (b"cache-control", b"no-store")]})
+    await send({"type": "http.response.body", "body": b"ready\n" if ready else b"stopping\n"})
 
 
 async def _refuse(send, status: int, message: str, headers: tuple = ()) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import resource
 
 import uvicorn
@@ -221,8 +222,10 @@ def serve(app, *, host: str, port: int, workers: int = 1, log_level: str = "info
     """Serve `app` (an import string, or with one worker the application itself) as the
     control plane is served."""
     allow_open_files()
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")  # as the application sets it
     uvicorn.run(app, host=host, port=port, workers=workers, log_level=log_level, proxy_headers=proxy_headers,
-                access_log=access_log, http=BoundedHttpProtocol, loop="auto")
+                access_log=access_log, http=BoundedHttpProtocol, loop="auto",
+                timeout_graceful_shutdown=settings.SHUTDOWN_GRACE_S)  # gateway/stopping.py
 
 
 def allow_open_files() -> None:

@@ -365,6 +365,12 @@ GATEWAY_PUBLIC_URL = env_str("GATEWAY_PUBLIC_URL", f"http://127.0.0.1:{PORT}",
     help=("The address of this control plane's gateway: what a benchmark profile without a gateway "
           "URL of its own load-tests (set it on workers in production, e.g. the load balancer's "
           "address). Default: where `runlocal` serves, else `http://127.0.0.1:$PORT`."))
+SHUTDOWN_DELAY_S = env_int("SHUTDOWN_DELAY_S", 5, minimum=0,
+    help=("Told to stop (SIGTERM), a web process answers `/readyz` with 503 at once and goes on serving "
+          "for this long, for load balancers to stop sending it work, before it stops accepting."))
+SHUTDOWN_GRACE_S = env_int("SHUTDOWN_GRACE_S", 30, minimum=1,
+    help=("Then how long its requests and streams have to finish; a stream still open a second before "
+          "the end gets an error event (`server_restarting`) and is billed for what was relayed."))
 GATEWAY_MAX_BODY_BYTES = env_int("GATEWAY_MAX_BODY_BYTES", 64 * 1024 * 1024, minimum=1024,
     help=("The largest `/v1` request body (`413` past it); the key and a declared `Content-Length` "
           "are checked before any of the body is read."))

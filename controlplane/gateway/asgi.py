@@ -161,7 +161,9 @@ async def lifespan(receive, send) -> None:
     while True:
         message = await receive()
         if message["type"] == "lifespan.startup":
-            current_process()  # built before the first request, not by it
+            # Built before the first request, not by it; told to stop, it stops as stopping.py says.
+            current_process().stopping.install(asyncio.get_running_loop(), delay_s=settings.SHUTDOWN_DELAY_S,
+                                               grace_s=settings.SHUTDOWN_GRACE_S)
             await send({"type": "lifespan.startup.complete"})
         elif message["type"] == "lifespan.shutdown":
             await handlers.drain()

@@ -21,6 +21,7 @@ from controlplane.gateway.prepare import Seen
 from controlplane.gateway.repeats import Repeats, Shared
 from controlplane.gateway.routing import EngineLoads, SharedLoads
 from controlplane.gateway.state import Caches
+from controlplane.gateway.stopping import Stopping
 from controlplane.gateway.upstream import Connections
 from controlplane.imaging.budget import MB, DecodeMemory
 from controlplane.imaging.fingerprint import FingerprintIndex
@@ -47,6 +48,7 @@ class GatewayProcess:
     seen: Seen = field(default_factory=lambda: Seen(FingerprintIndex(), Threads("checks", CORES)))
     connections: Connections = field(default_factory=Connections)  # pooled, to engines and other services
     connections_checked_at: float = 0.0  # when the database connection was last checked (monotonic)
+    stopping: Stopping = field(default_factory=Stopping)  # told to stop: unready, streams ending (stopping.py)
 
     @classmethod
     def from_settings(cls) -> GatewayProcess:

@@ -151,6 +151,14 @@ def relay_stream(request_id, tier, flight, prepared, response, instance, started
                         if record.ttft_ms is None:
                             record.ttft_ms = ms_since(started)
                 yield b"data: " + orjson.dumps(chunk) + b"\n\n"
+                if current_process().stopping.streams_ending and not progress["finished"]:
+                    # Its process stops before the stream would end: ended cleanly, billed as relayed.
+                    message = "the gateway is restarting; retry the request"
+                    record.failed("relay", 503, code="server_restarting", status="aborted", message=message)
+                    error = {"error": {"message": message, "type": "server_error", "param": None,
+                                       "code": "server_restarting"}}
+                    yield b"data: " + orjson.dumps(error) + b"\n\n"
+                    return
         except (upstream.Broken, EngineFailing) as exc:
             # The engine dropped the stream, or hung: tell the client in the stream's own terms.
             log.warning("engine %s broke the stream of %s: %s", instance.id, request_id, exc)
