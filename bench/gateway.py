@@ -122,7 +122,7 @@ class Gateway:
                     # the cap on one client's bodies read at once (16) would refuse its c=32 image
                     # rounds, and one key's share of bodies and intake CPU a minute its 12 MP ones.
                     "HTTP_MAX_BODY_READS_PER_CLIENT": "0", "GATEWAY_KEY_INTAKE_MB": "0",
-                    "GATEWAY_KEY_INTAKE_CPU_S": "0", **(env or {})}
+                    "GATEWAY_KEY_INTAKE_CPU_S": "0", "SHUTDOWN_DELAY_S": "0", **(env or {})}
         self.upstream = f"http://127.0.0.1:{upstream_port}"
         self.process = self.untuned = None
         self.others: list[subprocess.Popen] = []
