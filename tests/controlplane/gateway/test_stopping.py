@@ -5,11 +5,13 @@ for what was relayed, and exits."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -99,3 +101,129 @@ def test_readiness_is_answered_by_the_asgi_front(serve):
 
     port = serve(Application())
     assert httpx.get(f"http://127.0.0.1:{port}/readyz").text == "ready\n"
+
+
+class ReadyBalancer:
+    """A load balancer as deployments put in front of replicas: each request goes to the next
+    backend whose /readyz answered 200 at its last check (every 0.2 s), and fails (502) when it
+    cannot connect to it, retrying nothing (many balancers do not); responses are streamed
+    through."""
+
+    def __init__(self, backends: list[str]):
+        self.backends, self.ready, self.turn = backends, set(backends), 0
+        self.client: httpx.AsyncClient | None = None
+        self.done = threading.Event()
+        threading.Thread(target=self._check, daemon=True).start()
+
+    def _check(self) -> None:
+        while not self.done.wait(0.2):
+            self.ready = {b for b in self.backends if _status(f"{b}/readyz") == 200}
+
+    def _next(self) -> str | None:
+        ready = [b for b in self.backends if b in self.ready]
+        self.turn += 1
+        return ready[self.turn % len(ready)] if ready else None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return
+        self.client = self.client or httpx.AsyncClient(timeout=60)
+        body, more = b"", True
+        while more:
+            message = await receive()
+            body, more = body + message.get("body", b""), message.get("more_body", False)
+        headers = [(k, v) for k, v in scope["headers"] if k not in (b"host", b"connection")]
+        backend = self._next()
+        if backend is not None:
+            try:
+                response = await self.client.send(self.client.build_request(
+                    scope["method"], backend + scope["path"], headers=headers, content=body), stream=True)
+            except httpx.ConnectError:
+                self.ready.discard(backend)
+                return await _bad_gateway(send, f"{backend} refused the connection")
+            await send({"type": "http.response.start", "status": response.status_code,
+                        "headers": [(k, v) for k, v in response.headers.raw if k.lower() not in (b"content-length",
+                                                                                                     b"transfer-encoding")]})
+            async for chunk in response.aiter_raw():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await response.aclose()
+            await send({"type": "http.response.body", "body": b""})
+            return
+        await _bad_gateway(send, "no backend ready")
+
+
+async def _bad_gateway(send, why: str) -> None:
+    await send({"type": "http.response.start", "status": 502, "headers": []})
+    await send({"type": "http.response.body", "body": why.encode()})
+
+
+def _server(env: dict, port: int) -> subprocess.Popen:
+    process = subprocess.Popen([sys.executable, "-m", "controlplane.serving", "--port", str(port), "--log-level",
+                                "warning"], cwd=ROOT, env=env)
+    wait_for(lambda: _status(f"http://127.0.0.1:{port}/readyz") == 200, timeout=30, what="a replica to be ready")
+    return process
+
+
+def test_rolling_two_replicas_under_16_streaming_clients_fails_no_request(world, settings, tmp_path, serve):
+    if connection.vendor != "postgresql":
+        pytest.skip("the replicas share the test database through PostgreSQL")
+    with simulator(family="qwen2", name="text", images=None) as engine:
+        node = Node.objects.create(name="local", address="127.0.0.1", queue="node.local", last_seen_at=timezone.now())
+        EngineInstance.objects.create(tier=world.text, node=node, port=engine, actual_state="running", healthy=True,
+                                      last_health_at=timezone.now())
+        env = {**os.environ, "DJANGO_SETTINGS_MODULE": "controlplane.settings", "DEBUG": "false",
+               "DATABASE_URL": f"postgres://postgres@127.0.0.1:5432/{connection.settings_dict['NAME']}",
+               "REDIS_URL": settings.REDIS_URL, "USAGE_OUTBOX": "database", "SECRET_KEY": settings.SECRET_KEY,
+               "ALLOWED_HOSTS": "127.0.0.1", "VAR_DIR": str(tmp_path), "SHUTDOWN_DELAY_S": "1",
+               "SHUTDOWN_GRACE_S": "10"}
+        ports = [free_port(), free_port()]
+        replicas = [_server(env, port) for port in ports]
+        balancer = ReadyBalancer([f"http://127.0.0.1:{port}" for port in ports])
+        front = f"http://127.0.0.1:{serve(balancer)}/v1/chat/completions"
+        rolled, answers, failures = threading.Event(), {}, []
+
+        def roll() -> None:  # one replica at a time: stopped, started again, ready
+            try:
+                for n, port in enumerate(ports):
+                    time.sleep(1.5)
+                    replicas[n].send_signal(signal.SIGTERM)
+                    replicas[n].wait(timeout=30)
+                    replicas[n] = _server(env, port)
+                time.sleep(1.5)
+            finally:
+                rolled.set()
+
+        async def client(n: int) -> None:
+            async with httpx.AsyncClient(timeout=30, headers={"authorization": f"Bearer {world.alice_key}"}) as http:
+                while not rolled.is_set():
+                    body = _chat(16, stream=True, stream_options={"include_usage": True})
+                    try:
+                        async with http.stream("POST", front, json=body) as response:
+                            lines = [line[6:] async for line in response.aiter_lines() if line.startswith("data: ")]
+                    except httpx.HTTPError as exc:
+                        failures.append(repr(exc))
+                        continue
+                    if response.status_code != 200 or not lines or lines[-1] != "[DONE]" or \
+                            any('"error"' in line for line in lines):
+                        failures.append(f"{response.status_code}: {lines[-2:]}")
+                        continue
+                    answers[response.headers["x-request-id"]] = json.loads(lines[-2])["usage"]["completion_tokens"]
+
+        async def clients() -> None:
+            await asyncio.gather(*(client(n) for n in range(16)))
+
+        rolling = threading.Thread(target=roll)
+        rolling.start()
+        try:
+            asyncio.run(clients())
+        finally:
+            rolling.join()
+            balancer.done.set()
+            for replica in replicas:
+                replica.send_signal(signal.SIGTERM)
+            for replica in replicas:
+                replica.wait(timeout=30)
+    assert failures == [] and len(answers) > 100
+    metered = dict(UsageEvent.objects.filter(request_id__in=answers).values_list("request_id", "output_tokens"))
+    assert metered == answers  # every answer metered, as its client counted it
+    assert not UsageEvent.objects.exclude(status="ok").exists()
