@@ -15,6 +15,7 @@ import pytest
 from workers.engines.cpu import seeing_model
 
 HELD_OUT_PER_TASK = 40
+pytestmark = pytest.mark.xdist_group("seeing-model")  # one worker: the first stage is trained once
 
 
 def _run(python, *args, timeout=600):
@@ -31,11 +32,20 @@ def measured(vllm_cpu_python):
                 "--count", str(HELD_OUT_PER_TASK), "--json")
 
 
-def test_a_short_training_run_lowers_the_loss(vllm_cpu_python, tmp_path):
-    record = _run(vllm_cpu_python, "train", str(tmp_path), "--steps", "30", "--eval-count", "0")
+@pytest.fixture(scope="module")
+def first_stage(vllm_cpu_python, tmp_path_factory):
+    """A short first stage, trained once for the tests that carry on from it (leave it as it is:
+    copy it to train on)."""
+    folder = tmp_path_factory.mktemp("first-stage")
+    record = _run(vllm_cpu_python, "train", str(folder), "--steps", "30", "--eval-count", "0", "--threads", "1")
+    return folder, record
+
+
+def test_a_short_training_run_lowers_the_loss(first_stage):
+    folder, record = first_stage
     assert record["final_loss"] < record["first_loss"] / 3
-    assert json.loads((tmp_path / "TRAINING.json").read_text())["steps"] == 30
-    assert (tmp_path / "model.safetensors").exists() and (tmp_path / "tokenizer.json").exists()
+    assert json.loads((folder / "TRAINING.json").read_text())["steps"] == 30
+    assert (folder / "model.safetensors").exists() and (folder / "tokenizer.json").exists()
 
 
 def test_training_gives_the_same_weights_for_a_seed_and_thread_count(vllm_cpu_python, tmp_path):
@@ -46,21 +56,21 @@ def test_training_gives_the_same_weights_for_a_seed_and_thread_count(vllm_cpu_py
         (tmp_path / "b" / "model.safetensors").read_bytes()
 
 
-def test_a_second_stage_carries_on_from_the_first_stages_weights(vllm_cpu_python, tmp_path):
-    first = _run(vllm_cpu_python, "train", str(tmp_path), "--steps", "30", "--eval-count", "0",
-                 "--threads", "1")
-    second = _run(vllm_cpu_python, "train", str(tmp_path), "--from", str(tmp_path), "--steps", "3",
-                  "--eval-count", "0", "--threads", "1", "--text-aux", "1", "--lr", "1e-4")
+def test_a_second_stage_carries_on_from_the_first_stages_weights(vllm_cpu_python, first_stage, tmp_path):
+    start, first = first_stage
+    shutil.copytree(start, tmp_path / "model")
+    second = _run(vllm_cpu_python, "train", str(tmp_path / "model"), "--from", str(tmp_path / "model"),
+                  "--steps", "3", "--eval-count", "0", "--threads", "1", "--text-aux", "1", "--lr", "1e-4")
     assert second["first_loss"] < first["first_loss"] / 3  # not starting over
-    recorded = json.loads((tmp_path / "TRAINING.json").read_text())["stages"]
+    recorded = json.loads((tmp_path / "model" / "TRAINING.json").read_text())["stages"]
     assert [stage["steps"] for stage in recorded] == [30, 3]
-    assert recorded[1]["from"] == str(tmp_path) and recorded[1]["text_aux"] == 1
+    assert recorded[1]["from"] == str(tmp_path / "model") and recorded[1]["text_aux"] == 1
 
 
-def test_a_second_stage_gives_the_same_weights_in_place_or_beside_its_start(vllm_cpu_python, tmp_path):
-    _run(vllm_cpu_python, "train", str(tmp_path / "a"), "--steps", "3", "--eval-count", "0",
-         "--threads", "1")
-    shutil.copytree(tmp_path / "a", tmp_path / "b")
+def test_a_second_stage_gives_the_same_weights_in_place_or_beside_its_start(vllm_cpu_python, first_stage,
+                                                                            tmp_path):
+    for name in ("a", "b"):
+        shutil.copytree(first_stage[0], tmp_path / name)
     for start, out in (("a", "a"), ("b", "c")):
         _run(vllm_cpu_python, "train", str(tmp_path / out), "--from", str(tmp_path / start),
              "--steps", "3", "--eval-count", "0", "--threads", "1", "--text-aux", "1")
