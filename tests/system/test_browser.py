@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import re
 import shutil
 
@@ -12,6 +13,7 @@ from playwright.sync_api import TimeoutError as PlaywrightTimeoutError
 from playwright.sync_api import expect, sync_playwright
 
 from tests.images import data_url, image_bytes
+from tests.system.harness import wait_for
 
 # One started system serves every test of the group, on one xdist worker.
 pytestmark = [pytest.mark.system, pytest.mark.xdist_group("system")]
@@ -309,6 +311,38 @@ def test_a_tenant_admin_makes_a_key_for_one_model_that_the_gateway_holds_to_it(s
     with pytest.raises(openai.PermissionDeniedError):
         client.chat.completions.create(model="text", max_tokens=2, messages=[{"role": "user", "content": "hi"}])
     expect(page.locator("#keys tr", has_text="vision only")).to_contain_text("vlm-lite")
+
+
+def test_a_tenant_admin_routes_receipts_to_the_flagship_tries_it_and_the_gateway_follows(system, page):
+    _login(page, system.base_url, "demo-admin", "demo-admin")
+    _go(page, "tenants", "Routing rules")
+    page.locator("#new-rule").click()
+    page.get_by_label("Name:", exact=True).fill("receipts")
+    page.get_by_label("Tasks").fill("receipt")
+    page.get_by_label("Send to").select_option(label="vlm-flagship")
+    page.get_by_role("button", name="Create rule").click()
+    expect(page.locator("table.rules", has_text="receipts")).to_be_visible()
+
+    page.get_by_label("Request body (JSON)").fill(json.dumps({"model": "auto", "metadata": {"task": "Receipt"},
+                                                              "messages": [{"role": "user", "content": "total?"}]}))
+    page.get_by_role("button", name="Where would it go?").click()
+    expect(page.locator("#dry-run-answer")).to_contain_text("would go to vlm-flagship, by rule 1 (receipts)")
+
+    client = openai.OpenAI(base_url=f"{system.base_url}/v1", api_key=system.api_key, max_retries=0)
+
+    def routed():  # the gateway reads a key's rules again within GATEWAY_KEY_CACHE_SECONDS
+        return client.chat.completions.create(model="auto", max_tokens=2, metadata={"task": "receipt"},
+                                              messages=[{"role": "user", "content": "total?"}]).model
+    try:
+        wait_for(lambda: routed() == "vlm-flagship", timeout=15, what="the gateway to follow the rule")
+        plain = client.chat.completions.create(model="auto", max_tokens=2,
+                                               messages=[{"role": "user", "content": "hi"}])
+        assert plain.model != "vlm-flagship"  # no task named: where auto went before
+    finally:  # the rule goes, asked first, leaving the demo tenant's routing as it was
+        page.locator("table.rules").get_by_role("link", name="receipts").click()
+        page.on("dialog", lambda dialog: dialog.accept())
+        page.get_by_role("button", name="Delete rule").click()
+    expect(page.locator("table.rules", has_text="receipts")).to_have_count(0)
 
 
 def test_an_operator_chats_with_two_models_over_an_image_metered_to_the_services_own_tenant(system, page,
