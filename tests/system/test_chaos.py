@@ -277,6 +277,46 @@ def _engine_pid(system, tier: str) -> int:
     return row[0]
 
 
+def _engine_processes(system) -> dict[int, int]:
+    """The engine processes of the system's node (pid -> port), whoever knows of them or not."""
+    base = int(system.env["ENGINE_PORT_BASE"])
+    found = {}
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            words = cmdline.read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if "workers.engines.simulator" in words and "--port" in words:
+            port = int(words[words.index("--port") + 1])
+            if base <= port < base + 100:
+                found[int(cmdline.parent.name)] = port
+    return found
+
+
+def test_the_node_agent_deployed_under_load_adopts_its_engines_and_restarts_none(chaos):
+    """A deploy stops the node agent with SIGTERM (a warm shutdown: its running tasks finish)
+    and starts it again: the engines keep serving through it, none is restarted, none is left
+    without its instance."""
+    before = _engine_processes(chaos)
+    served = {_engine_pid(chaos, "text")}
+    assert served <= set(before)
+    with Load(chaos) as load:
+        time.sleep(3)
+        worker = _children(chaos)["worker"]
+        os.kill(worker, signal.SIGTERM)
+        wait_for(lambda: _children(chaos).get("worker") not in (None, worker), timeout=60, interval=0.5,
+                 what="the node agent started again")
+        time.sleep(8)  # its supervision runs again with the engines it adopted
+    assert _engine_processes(chaos) == before  # the same processes: none restarted, none added
+    assert _engine_pid(chaos, "text") in served
+    with psycopg.connect(**chaos.database.connection) as conn:
+        known = {row[0] for row in conn.execute(
+            "SELECT pid FROM fleet_engineinstance WHERE actual_state = 'running' AND pid IS NOT NULL")}
+    assert set(before) <= known  # none orphaned
+    assert all(answer.status == 200 and not answer.error for answer in load.answers)
+    _metered_as_answered(chaos, load.answers)
+
+
 def test_redis_killed_and_restarted_empty_loses_no_usage_and_no_quota(chaos):
     with Load(chaos) as load:
         time.sleep(3)
