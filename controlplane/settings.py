@@ -244,7 +244,10 @@ CELERY_TASK_SOFT_TIME_LIMIT = 120
 CELERY_TASK_TIME_LIMIT = 180
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
-CELERY_BEAT_SCHEDULER = "django_celery_beat.schedulers:DatabaseScheduler"
+CELERY_BEAT_SCHEDULER = "controlplane.beat:LeasedScheduler"  # one beat sends, however many run
+BEAT_LEASE_S = env_int("BEAT_LEASE_S", 30, minimum=1,
+    help=("Only the beat holding a lease in Redis sends scheduled tasks; another takes it over this "
+          "long after its holder stops (a deploy that overlaps two beats sends nothing twice)."))
 FLEET_RECONCILE_SECONDS = env_int("FLEET_RECONCILE_SECONDS", 5, minimum=1,
     help=("How often beat reconciles the fleet: the engines each tier should have against those that "
           "run."))

@@ -1,0 +1,77 @@
+"""Beat sends each scheduled task once however many beats run (a deploy that overlaps the old
+beat and the new): only the holder of the beat lease sends, and another takes it over once its
+holder stops."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+import redis
+from django.db import connection
+from django_celery_beat.models import IntervalSchedule, PeriodicTask
+
+from controlplane.beat import BeatLease
+from tests.conftest import skip_without_redis
+from tests.system.harness import ROOT, wait_for
+
+BROKER = "redis://127.0.0.1:6379/9"  # the beats' own broker and lease, emptied before and after
+PROBE = "beat-probe"  # the queue the probe task is sent to (nothing consumes it)
+
+
+def test_a_lease_is_held_by_one_owner_renewed_by_it_and_taken_over_once_it_lapses(settings):
+    skip_without_redis()
+    client, key = redis.Redis.from_url(settings.REDIS_URL), f"tests-beat-{uuid.uuid4().hex}"
+    first, second = (BeatLease(client, owner=owner, seconds=0.5, key=key) for owner in ("first", "second"))
+    try:
+        assert first.held() and not second.held() and first.held()  # renewed by its holder
+        time.sleep(0.7)  # the holder stopped renewing it
+        assert second.held() and not first.held()
+        second.release()
+        assert first.held()
+    finally:
+        client.delete(key)
+
+
+def _sent(client) -> int:
+    return client.llen(PROBE)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_two_beats_at_once_send_a_task_due_every_second_once_a_second(settings, tmp_path):
+    skip_without_redis()
+    if connection.vendor != "postgresql":
+        pytest.skip("the beats share the test database through PostgreSQL")
+    every_second = IntervalSchedule.objects.create(every=1, period=IntervalSchedule.SECONDS)
+    PeriodicTask.objects.create(name="probe", task="controlplane.probe", interval=every_second, queue=PROBE)
+    client = redis.Redis.from_url(BROKER)
+    client.flushdb()
+    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "controlplane.settings", "DEBUG": "false",
+           "DATABASE_URL": f"postgres://postgres@127.0.0.1:5432/{connection.settings_dict['NAME']}",
+           "REDIS_URL": BROKER, "SECRET_KEY": settings.SECRET_KEY, "VAR_DIR": str(tmp_path), "BEAT_LEASE_S": "2"}
+    beats = [subprocess.Popen([sys.executable, "-m", "celery", "-A", "controlplane", "beat", "--loglevel", "WARNING",
+                               "--pidfile", ""], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL) for _ in range(2)]
+    try:
+        wait_for(lambda: _sent(client) >= 1, timeout=30, what="a beat to send the probe")
+        start, started = _sent(client), time.monotonic()
+        time.sleep(6)
+        per_second = (_sent(client) - start) / (time.monotonic() - started)
+        assert 0.5 < per_second < 1.5  # once a second, not twice
+        beats[0].kill()  # whichever held it: the other sends on, within a lease
+        time.sleep(3)
+        start, started = _sent(client), time.monotonic()
+        time.sleep(4)
+        assert (_sent(client) - start) / (time.monotonic() - started) > 0.5
+    finally:
+        for beat in beats:
+            if beat.poll() is None:
+                beat.send_signal(signal.SIGTERM)
+        for beat in beats:
+            beat.wait(timeout=20)
+        client.flushdb()
