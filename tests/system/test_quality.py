@@ -135,7 +135,9 @@ def _gate_on_reading(system_db) -> ModelTier:
 
 def _measured(check: GateCheck, system_db, timeout: float) -> GateCheck:
     # As the policy and tier pages do on save: the system's worker measures it.
-    Celery(broker=f"redis://127.0.0.1:6379/{SYSTEM_REDIS_DB}").send_task(
+    # A client of the system's broker only: not this process's current app, which the tests
+    # after this one on the same worker send their tasks with.
+    Celery(broker=f"redis://127.0.0.1:6379/{SYSTEM_REDIS_DB}", set_as_current=False).send_task(
         "benchmarks.gate_check", args=[check.pk], queue="default")
 
     def measured():
