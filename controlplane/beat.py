@@ -4,12 +4,15 @@ task twice (twice the rollups, a scheduled benchmark run twice).
 
 Only the beat holding the lease sends. The lease is a Redis key naming its holder, taken when
 free and renewed by its holder every tick, and lost BEAT_LEASE_S after its holder stops
-renewing it (stopped, or cut off): then another beat takes it within a tick. Without Redis
+renewing it (stopped, or cut off): then another beat takes it within a tick, reads the
+schedule afresh from the database (the holder writes each send there as it makes it) and
+sends what is due from there, nothing twice. Without Redis
 (embedded mode, one host, one beat) there is nothing to share and no lease.
 """
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 import socket
@@ -31,6 +34,13 @@ if holder == false or holder == ARGV[1] then
 end
 return holder
 """
+# Given up by its holder only.
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+"""
 
 
 class BeatLease:
@@ -38,7 +48,7 @@ class BeatLease:
 
     def __init__(self, client, *, owner: str, seconds: float, key: str):
         self.client, self.owner, self.ms, self.key = client, owner, int(seconds * 1000), key
-        self._take = client.register_script(_TAKE)
+        self._take, self._release = client.register_script(_TAKE), client.register_script(_RELEASE)
 
     def held(self) -> bool:
         """Take or renew the lease; whether this owner holds it."""
@@ -46,8 +56,7 @@ class BeatLease:
         return (holder.decode() if isinstance(holder, bytes) else holder) == self.owner
 
     def release(self) -> None:
-        if self.client.get(self.key) in (self.owner, self.owner.encode()):
-            self.client.delete(self.key)
+        self._release(keys=[self.key], args=[self.owner])
 
 
 class LeasedScheduler(DatabaseScheduler):
@@ -71,6 +80,10 @@ class LeasedScheduler(DatabaseScheduler):
                 holding = False
             if holding != self._holding:
                 log.warning("this beat %s the lease", "holds" if holding else "does not hold")
+                if holding:
+                    # What the beat before it sent is in the database (written after each send):
+                    # read the schedule afresh, or this beat would send it again.
+                    self._last_full_sync = datetime.datetime.now() - datetime.timedelta(days=1)
                 self._holding = holding
             if not holding:
                 return settings.BEAT_LEASE_S / 3
@@ -80,7 +93,8 @@ class LeasedScheduler(DatabaseScheduler):
 
     def close(self):
         try:
-            if self.lease is not None and self._holding:
-                self.lease.release()  # the next beat need not wait the lease out
+            super().close()  # what it sent, written first
         finally:
-            super().close()
+            if self.lease is not None and self._holding:
+                self._holding = False
+                self.lease.release()  # the next beat need not wait the lease out

@@ -245,7 +245,8 @@ CELERY_TASK_TIME_LIMIT = 180
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_BEAT_SCHEDULER = "controlplane.beat:LeasedScheduler"  # one beat sends, however many run
-BEAT_LEASE_S = env_int("BEAT_LEASE_S", 30, minimum=1,
+CELERY_BEAT_SYNC_EVERY = 1  # each send written at once: a beat taking over reads what was sent
+BEAT_LEASE_S = env_int("BEAT_LEASE_S", 30, minimum=2,
     help=("Only the beat holding a lease in Redis sends scheduled tasks; another takes it over this "
           "long after its holder stops (a deploy that overlaps two beats sends nothing twice)."))
 FLEET_RECONCILE_SECONDS = env_int("FLEET_RECONCILE_SECONDS", 5, minimum=1,

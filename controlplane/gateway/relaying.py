@@ -151,7 +151,9 @@ def relay_stream(request_id, tier, flight, prepared, response, instance, started
                         if record.ttft_ms is None:
                             record.ttft_ms = ms_since(started)
                 yield b"data: " + orjson.dumps(chunk) + b"\n\n"
-                if current_process().stopping.streams_ending and not progress["finished"]:
+                if any(choice.get("finish_reason") for choice in chunk.get("choices") or ()):
+                    progress["finishing"] = True  # its end is on its way: let it come
+                if current_process().stopping.streams_ending and not progress.get("finishing"):
                     # Its process stops before the stream would end: ended cleanly, billed as relayed.
                     message = "the gateway is restarting; retry the request"
                     record.failed("relay", 503, code="server_restarting", status="aborted", message=message)

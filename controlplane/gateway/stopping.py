@@ -5,7 +5,8 @@ new work, while it goes on serving whatever still comes for SHUTDOWN_DELAY_S (th
 health checks take that long to notice). Then the server stops accepting, lets the requests
 and streams it has finish within SHUTDOWN_GRACE_S, records their usage and exits. A stream
 still open a second before the grace ends is ended with a clean error event and billed for
-what was relayed, rather than cut. A second SIGTERM skips the delay.
+what was relayed, rather than cut. A second SIGTERM (seconds later: one sent to a whole process
+group arrives twice at once) or a SIGINT skips the delay.
 
 The server's own handler (uvicorn's) is kept and called once the delay is over: whatever
 serves the process, one worker or several, stops as it always did, later.
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 log = logging.getLogger(__name__)
 
 STREAMS_MARGIN_S = 1.0  # before the grace ends: time for the streams' last events and their usage
+REPEATED_S = 2.0  # a second SIGTERM within this of the first is the same one (sent to a process group)
 
 
 @dataclass(eq=False)
@@ -39,27 +41,36 @@ class Stopping:
         """Defer the server's SIGTERM handler by `delay_s`, turning unready at once; whether it
         could (only the main thread of a process a server runs handles signals)."""
         try:
-            previous = signal.getsignal(signal.SIGTERM)
+            previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
         except ValueError:
             return False
-        if not callable(previous):
-            return False  # no server's handler to defer: the default one stops the process
+        if not all(callable(handler) for handler in previous.values()):
+            return False  # no server's handlers to defer: the defaults stop the process
+        timers: list[asyncio.TimerHandle] = []
+
+        def stop(sig, after_s: float) -> None:
+            """The server's own stop, `after_s` from now; open streams ended a second before
+            the grace it then gives them runs out."""
+            for timer in timers:
+                timer.cancel()
+            timers[:] = [loop.call_later(after_s, previous[sig], sig, None),
+                         loop.call_later(after_s + max(0.0, grace_s - STREAMS_MARGIN_S), self.end_streams)]
 
         def told(sig, frame) -> None:
-            if self.asked_at is not None:  # told again: stop now
-                previous(sig, frame)
-                return
-            self.asked_at = time.monotonic()
-            loop.call_soon_threadsafe(begin, sig)
-
-        def begin(sig) -> None:
-            log.warning("told to stop: unready now, stopping in %s s, streams ended after %s s more",
-                        delay_s, max(0.0, grace_s - STREAMS_MARGIN_S))
-            loop.call_later(delay_s, previous, sig, None)
-            loop.call_later(delay_s + max(0.0, grace_s - STREAMS_MARGIN_S), self.end_streams)
+            now = time.monotonic()
+            if sig == signal.SIGTERM and self.asked_at is None:
+                self.asked_at = now
+                log.warning("told to stop: unready now, stopping in %s s", delay_s)
+                loop.call_soon_threadsafe(stop, sig, delay_s)
+            elif sig == signal.SIGTERM and now - self.asked_at <= REPEATED_S:
+                pass  # sent to a whole process group, it reaches a worker from its parent too: the same
+            else:  # asked again, or interrupted: stop now
+                self.asked_at = self.asked_at or now
+                loop.call_soon_threadsafe(stop, sig, 0)
 
         try:
-            signal.signal(signal.SIGTERM, told)
+            for sig in previous:
+                signal.signal(sig, told)
         except ValueError:  # not the main thread (a server run by a test, say)
             return False
         return True

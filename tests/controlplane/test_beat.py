@@ -42,13 +42,10 @@ def _sent(client) -> int:
     return client.llen(PROBE)
 
 
-@pytest.mark.django_db(transaction=True)
-def test_two_beats_at_once_send_a_task_due_every_second_once_a_second(settings, tmp_path):
-    skip_without_redis()
-    if connection.vendor != "postgresql":
-        pytest.skip("the beats share the test database through PostgreSQL")
-    every_second = IntervalSchedule.objects.create(every=1, period=IntervalSchedule.SECONDS)
-    PeriodicTask.objects.create(name="probe", task="controlplane.probe", interval=every_second, queue=PROBE)
+def _beats(settings, tmp_path, every_s: int) -> tuple[list[subprocess.Popen], redis.Redis]:
+    """Two beats against the test database, a probe task due every `every_s` seconds."""
+    every = IntervalSchedule.objects.create(every=every_s, period=IntervalSchedule.SECONDS)
+    PeriodicTask.objects.create(name="probe", task="controlplane.probe", interval=every, queue=PROBE)
     client = redis.Redis.from_url(BROKER)
     client.flushdb()
     env = {**os.environ, "DJANGO_SETTINGS_MODULE": "controlplane.settings", "DEBUG": "false",
@@ -57,21 +54,64 @@ def test_two_beats_at_once_send_a_task_due_every_second_once_a_second(settings, 
     beats = [subprocess.Popen([sys.executable, "-m", "celery", "-A", "controlplane", "beat", "--loglevel", "WARNING",
                                "--pidfile", ""], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL) for _ in range(2)]
+    return beats, client
+
+
+def _stopped(beats, client) -> None:
+    for beat in beats:
+        if beat.poll() is None:
+            beat.send_signal(signal.SIGTERM)
+    for beat in beats:
+        try:
+            beat.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            beat.kill()
+            beat.wait()
+    client.flushdb()
+
+
+def _holder(client, beats) -> subprocess.Popen:
+    held = next(key for key in client.scan_iter("*beat:lease"))
+    pid = int(client.get(held).decode().split(":")[1])
+    return next(beat for beat in beats if beat.pid == pid)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_two_beats_at_once_send_a_task_due_every_second_once_a_second(settings, tmp_path):
+    skip_without_redis()
+    if connection.vendor != "postgresql":
+        pytest.skip("the beats share the test database through PostgreSQL")
+    beats, client = _beats(settings, tmp_path, 1)
     try:
         wait_for(lambda: _sent(client) >= 1, timeout=30, what="a beat to send the probe")
         start, started = _sent(client), time.monotonic()
         time.sleep(6)
         per_second = (_sent(client) - start) / (time.monotonic() - started)
         assert 0.5 < per_second < 1.5  # once a second, not twice
-        beats[0].kill()  # whichever held it: the other sends on, within a lease
+        _holder(client, beats).kill()  # the other sends on, within a lease
         time.sleep(3)
         start, started = _sent(client), time.monotonic()
         time.sleep(4)
         assert (_sent(client) - start) / (time.monotonic() - started) > 0.5
     finally:
-        for beat in beats:
-            if beat.poll() is None:
-                beat.send_signal(signal.SIGTERM)
-        for beat in beats:
-            beat.wait(timeout=20)
-        client.flushdb()
+        _stopped(beats, client)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_beat_taking_over_does_not_send_again_what_its_holder_sent(settings, tmp_path):
+    skip_without_redis()
+    if connection.vendor != "postgresql":
+        pytest.skip("the beats share the test database through PostgreSQL")
+    beats, client = _beats(settings, tmp_path, 20)
+    try:
+        wait_for(lambda: _sent(client) >= 1, timeout=30, what="a beat to send the probe")
+        first_sent = time.monotonic()
+        holder = _holder(client, beats)
+        holder.send_signal(signal.SIGTERM)  # a deploy: the new beat takes over
+        holder.wait(timeout=20)
+        wait_for(lambda: _holder(client, beats) is not holder, timeout=10, what="the other beat to take the lease")
+        time.sleep(max(0.0, 15 - (time.monotonic() - first_sent)))
+        assert _sent(client) == 1  # not sent again on the takeover: due again only 20 s after
+        wait_for(lambda: _sent(client) == 2, timeout=20, what="the new holder to send it when due")
+    finally:
+        _stopped(beats, client)

@@ -306,7 +306,16 @@ def test_the_node_agent_deployed_under_load_adopts_its_engines_and_restarts_none
         os.kill(worker, signal.SIGTERM)
         wait_for(lambda: _children(chaos).get("worker") not in (None, worker), timeout=60, interval=0.5,
                  what="the node agent started again")
-        time.sleep(8)  # its supervision runs again with the engines it adopted
+        restarted = dt.datetime.now(dt.UTC)
+
+        def supervised() -> bool:  # the new agent has been through its engines
+            with psycopg.connect(**chaos.database.connection) as conn:
+                seen = conn.execute("SELECT last_seen_at FROM fleet_node WHERE name = %s",
+                                    (chaos.env["NODE_NAME"],)).fetchone()[0]
+            return seen is not None and seen > restarted
+
+        wait_for(supervised, timeout=60, interval=0.5, what="the new node agent's supervision")
+        time.sleep(3)
     assert _engine_processes(chaos) == before  # the same processes: none restarted, none added
     assert _engine_pid(chaos, "text") in served
     with psycopg.connect(**chaos.database.connection) as conn:

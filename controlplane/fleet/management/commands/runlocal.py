@@ -67,8 +67,10 @@ class Command(BaseCommand):
         # What benchmark profiles without a URL of their own load-test: this very server.
         reachable = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
         os.environ["GATEWAY_PUBLIC_URL"] = f"http://{reachable}:{port}"
-        # No load balancer to tell: a web process told to stop stops accepting at once.
+        # No load balancer to tell: a web process told to stop stops accepting at once, and its
+        # streams end within the time this runner gives its children to stop.
         os.environ.setdefault("SHUTDOWN_DELAY_S", "0")
+        os.environ.setdefault("SHUTDOWN_GRACE_S", "10")
         commands = {
             "web": [python, "-m", "controlplane.serving", "--host", host, "--port", str(port),
                     "--log-level", "warning"],
