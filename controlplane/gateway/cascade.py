@@ -79,9 +79,8 @@ async def cascade(serve: Serve, request_id: str, key: state.KeyInfo, choice: Cho
     def reserve_second(prepared: Prepared) -> Ask | None:
         # Its pictures as the second tier would count them: from their headers, or (given by
         # URL, not yet fetched) each as large as its policy allows.
-        asked = body.get("max_completion_tokens") or body.get("max_tokens") or second_tier.max_output_tokens
-        return worst_ask(key, second_tier, [worst_image_tokens(facts, second_tier)], prepared.text_tokens,
-                         min(asked, second_tier.max_output_tokens))
+        asked = min(facts.max_tokens or second_tier.max_output_tokens, second_tier.max_output_tokens)
+        return worst_ask(key, second_tier, [worst_image_tokens(facts, second_tier)], prepared.text_tokens, asked)
 
     first = await serve(request_id, choice.tier, first_body,
                         Attempt(routed_by=rule.label, reserve_also=reserve_second, judge=judge))

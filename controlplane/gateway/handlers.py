@@ -129,8 +129,10 @@ async def _chat_completions(request: Request, request_id: str, meters: list):
         has_images = bool(image_parts(body["messages"]))
         if has_images:  # and before its pictures are opened
             await intake.check(meter)
-        facts = Facts(body, request.headers, max_image_bytes=settings.GATEWAY_MAX_BODY_BYTES)
-        if needs_sizes(body["model"], key, facts):  # read from their headers, counted as the key's intake
+        # What `auto`'s rules read of the request, only where there are rules to read.
+        facts = Facts(body, request.headers, max_image_bytes=settings.GATEWAY_MAX_BODY_BYTES) \
+            if body["model"] == AUTO and key.rules else None
+        if facts is not None and needs_sizes(body["model"], key, facts):  # read from their headers, counted as the key's intake
             meter.cpu_s += await asyncio.to_thread(facts.size_pictures, sizing_limits())
         choice = tier_asked(body["model"], key, await read_or_unavailable("the models", state.tiers()), has_images,
                             facts)

@@ -12,7 +12,12 @@ from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 
 from controlplane.gateway.repeats import Key, Picture, Repeats, digest
-from controlplane.gateway.validation import RequestInvalid, image_parts, image_url_place
+from controlplane.gateway.validation import (
+    RequestInvalid,
+    image_detail,
+    image_parts,
+    image_url_place,
+)
 from controlplane.imaging.budget import DecodeBudget
 from controlplane.imaging.errors import ImageError
 from controlplane.imaging.fetch import FetchPolicy
@@ -268,7 +273,7 @@ async def _prepare_images(prepared: Prepared, parts: list[dict], tier: TierSpec,
     for index, part in enumerate(parts):
         holder, field = image_url_place(part)
         url = None if holder is None else holder.get(field)
-        detail = holder.get("detail") if holder is not None and holder is not part else None
+        detail = image_detail(part)
         if not isinstance(url, str | DecodedDataURL) or not url:
             raise RequestInvalid(f"image {index + 1} has no url", param="messages")
         try:

@@ -144,6 +144,8 @@ def relay_stream(request_id, tier, flight, prepared, response, instance, started
                     if not client_wants_usage:
                         chunk.pop("usage")
                 for choice in chunk.get("choices") or ():
+                    if choice.get("finish_reason"):
+                        progress["finishing"] = True  # its end is on its way: let it come
                     if (choice.get("delta") or {}).get("content"):
                         flight.produced += 1  # also what the journal bills if this gateway dies
                         if record.capture is not None:
@@ -151,8 +153,6 @@ def relay_stream(request_id, tier, flight, prepared, response, instance, started
                         if record.ttft_ms is None:
                             record.ttft_ms = ms_since(started)
                 yield b"data: " + orjson.dumps(chunk) + b"\n\n"
-                if any(choice.get("finish_reason") for choice in chunk.get("choices") or ()):
-                    progress["finishing"] = True  # its end is on its way: let it come
                 if current_process().stopping.streams_ending and not progress.get("finishing"):
                     # Its process stops before the stream would end: ended cleanly, billed as relayed.
                     message = "the gateway is restarting; retry the request"

@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from controlplane.gateway.prepare import TierSpec
-from controlplane.gateway.validation import image_parts, image_url_place
+from controlplane.gateway.validation import image_detail, image_parts, image_url_place
 from controlplane.imaging.errors import ImageError
 from controlplane.imaging.intake import image_source_bytes
 from controlplane.imaging.policy import (
@@ -209,14 +209,13 @@ def worst_image_tokens(facts: Facts, tier: TierSpec) -> int:
 
 
 def _detail_asked(part: dict) -> str:
-    holder, _ = image_url_place(part)
-    detail = holder.get("detail") if isinstance(holder, dict) and holder is not part else None
+    detail = image_detail(part)
     return detail if detail in ("low", "high") else "auto"
 
 
 def _detail_sent(part: dict) -> str | None:
-    detail = _detail_asked(part)
-    return None if detail == "auto" else detail
+    detail = image_detail(part)
+    return detail if detail in ("low", "high") else None
 
 
 def _within(value: int | None, bounds: tuple[int | None, int | None]) -> bool:

@@ -107,6 +107,12 @@ def image_url_place(part: dict) -> tuple[dict | None, str]:
     return (spec, "url") if isinstance(spec, dict) else (None, key)
 
 
+def image_detail(part: dict):
+    """The `detail` an image part asks for (None: none), beside its URL."""
+    holder, _ = image_url_place(part)
+    return holder.get("detail") if holder is not None and holder is not part else None
+
+
 def _validate_content(index: int, content) -> None:
     if content is None or isinstance(content, str):
         return

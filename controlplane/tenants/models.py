@@ -85,10 +85,15 @@ class ApiKey(models.Model):
         return self.expires_at is None or self.expires_at > now
 
 
+def tenant_tier_ids(tenant: Tenant) -> frozenset[int] | None:
+    """The tiers `tenant` may use (None: every enabled tier)."""
+    return frozenset(tenant.allowed_tiers.values_list("id", flat=True)) or None
+
+
 def usable_tier_ids(api_key: ApiKey) -> frozenset[int] | None:
     """The tiers `api_key` may use: its tenant's (None: every enabled tier), narrowed to the
     key's own scope when it has one."""
-    allowed = frozenset(api_key.tenant.allowed_tiers.values_list("id", flat=True))
+    allowed = tenant_tier_ids(api_key.tenant) or frozenset()
     scoped = frozenset(api_key.allowed_tiers.values_list("id", flat=True))
     if scoped:
         allowed = (allowed & scoped) if allowed else scoped
@@ -294,7 +299,7 @@ class RoutingRule(models.Model):
         if self.api_key_id:
             usable, whose = usable_tier_ids(self.api_key), "this key"
         elif self.tenant_id:
-            usable, whose = frozenset(self.tenant.allowed_tiers.values_list("id", flat=True)) or None, "this tenant"
+            usable, whose = tenant_tier_ids(self.tenant), "this tenant"
         else:
             return {}
         errors = {}

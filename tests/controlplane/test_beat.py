@@ -44,6 +44,9 @@ def _sent(client) -> int:
 
 def _beats(settings, tmp_path, every_s: int) -> tuple[list[subprocess.Popen], redis.Redis]:
     """Two beats against the test database, a probe task due every `every_s` seconds."""
+    skip_without_redis()
+    if connection.vendor != "postgresql":
+        pytest.skip("the beats share the test database through PostgreSQL")
     every = IntervalSchedule.objects.create(every=every_s, period=IntervalSchedule.SECONDS)
     PeriodicTask.objects.create(name="probe", task="controlplane.probe", interval=every, queue=PROBE)
     client = redis.Redis.from_url(BROKER)
@@ -78,9 +81,6 @@ def _holder(client, beats) -> subprocess.Popen:
 
 @pytest.mark.django_db(transaction=True)
 def test_two_beats_at_once_send_a_task_due_every_second_once_a_second(settings, tmp_path):
-    skip_without_redis()
-    if connection.vendor != "postgresql":
-        pytest.skip("the beats share the test database through PostgreSQL")
     beats, client = _beats(settings, tmp_path, 1)
     try:
         wait_for(lambda: _sent(client) >= 1, timeout=30, what="a beat to send the probe")
@@ -99,9 +99,6 @@ def test_two_beats_at_once_send_a_task_due_every_second_once_a_second(settings, 
 
 @pytest.mark.django_db(transaction=True)
 def test_a_beat_taking_over_does_not_send_again_what_its_holder_sent(settings, tmp_path):
-    skip_without_redis()
-    if connection.vendor != "postgresql":
-        pytest.skip("the beats share the test database through PostgreSQL")
     beats, client = _beats(settings, tmp_path, 20)
     try:
         wait_for(lambda: _sent(client) >= 1, timeout=30, what="a beat to send the probe")

@@ -16,7 +16,7 @@ from controlplane.gateway.errors import GatewayError
 from controlplane.gateway.rules import TASK_HEADER, Facts
 from controlplane.gateway.tier_choice import AUTO, needs_sizes, sizing_limits, tier_asked
 from controlplane.gateway.validation import RequestInvalid, image_parts, validate_body
-from controlplane.tenants.models import ApiKey, Tenant
+from controlplane.tenants.models import ApiKey, Tenant, tenant_tier_ids
 
 
 class BodyInvalid(ValueError):
@@ -79,11 +79,10 @@ def key_info(*, api_key: ApiKey | None, tenant: Tenant) -> state.KeyInfo:
     `tenant`'s with no rules or scope of its own."""
     if api_key is not None:
         return state.key_info_of(api_key)
-    allowed = frozenset(tenant.allowed_tiers.values_list("id", flat=True))
     # Saved-looking but no key's: no key's rules are read for it, only its tenant's and the defaults.
     api_key = ApiKey(pk=0, tenant=tenant, prefix="")
     return state.KeyInfo(key_id=api_key.pk, tenant_id=tenant.pk, tenant_name=tenant.name, cache_salt=None,
-                         allowed_tier_ids=allowed or None, default_text_tier_id=tenant.default_text_tier_id,
+                         allowed_tier_ids=tenant_tier_ids(tenant), default_text_tier_id=tenant.default_text_tier_id,
                          default_image_tier_id=tenant.default_image_tier_id, rules=state._rules(api_key))
 
 
