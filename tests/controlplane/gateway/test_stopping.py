@@ -36,6 +36,35 @@ def _status(url: str) -> int | None:
         return None
 
 
+def _text_on(world, engine_port: int) -> None:
+    """The text tier served by the simulator on `engine_port`."""
+    node = Node.objects.create(name="local", address="127.0.0.1", queue="node.local", last_seen_at=timezone.now())
+    EngineInstance.objects.create(tier=world.text, node=node, port=engine_port, actual_state="running", healthy=True,
+                                  last_health_at=timezone.now())
+
+
+def _env(settings, tmp_path, *, delay_s: int, grace_s: int) -> dict:
+    """A server process's environment: the test database, stopping after `delay_s` with `grace_s`."""
+    return {**os.environ, "DJANGO_SETTINGS_MODULE": "controlplane.settings", "DEBUG": "false",
+            "DATABASE_URL": f"postgres://postgres@127.0.0.1:5432/{connection.settings_dict['NAME']}",
+            "REDIS_URL": settings.REDIS_URL, "USAGE_OUTBOX": "database", "SECRET_KEY": settings.SECRET_KEY,
+            "ALLOWED_HOSTS": "127.0.0.1", "VAR_DIR": str(tmp_path), "SHUTDOWN_DELAY_S": str(delay_s),
+            "SHUTDOWN_GRACE_S": str(grace_s)}
+
+
+def _server(env: dict, port: int) -> subprocess.Popen:
+    """The server as production runs it, on `port`, once it is ready."""
+    process = subprocess.Popen([sys.executable, "-m", "controlplane.serving", "--port", str(port), "--log-level",
+                                "warning"], cwd=ROOT, env=env)
+    try:
+        wait_for(lambda: _status(f"http://127.0.0.1:{port}/readyz") == 200, timeout=30, what="the server to be ready")
+    except BaseException:
+        process.kill()
+        process.wait()
+        raise
+    return process
+
+
 @pytest.fixture
 def served(world, settings, tmp_path):
     """The control plane served on a port of its own, its text tier on a simulator generating a
@@ -43,20 +72,10 @@ def served(world, settings, tmp_path):
     if connection.vendor != "postgresql":
         pytest.skip("a second process shares the test database through PostgreSQL")
     with simulator(family="qwen2", name="text", images=None, extra=("--sim-decode-ms-per-token", "20")) as engine:
-        node = Node.objects.create(name="local", address="127.0.0.1", queue="node.local", last_seen_at=timezone.now())
-        EngineInstance.objects.create(tier=world.text, node=node, port=engine, actual_state="running", healthy=True,
-                                      last_health_at=timezone.now())
+        _text_on(world, engine)
         port = free_port()
-        env = {**os.environ, "DJANGO_SETTINGS_MODULE": "controlplane.settings", "DEBUG": "false",
-               "DATABASE_URL": f"postgres://postgres@127.0.0.1:5432/{connection.settings_dict['NAME']}",
-               "REDIS_URL": settings.REDIS_URL, "USAGE_OUTBOX": "database", "SECRET_KEY": settings.SECRET_KEY,
-               "ALLOWED_HOSTS": "127.0.0.1", "VAR_DIR": str(tmp_path), "SHUTDOWN_DELAY_S": str(DELAY_S),
-               "SHUTDOWN_GRACE_S": str(GRACE_S)}
-        process = subprocess.Popen([sys.executable, "-m", "controlplane.serving", "--port", str(port),
-                                    "--log-level", "warning"], cwd=ROOT, env=env)
+        process = _server(_env(settings, tmp_path, delay_s=DELAY_S, grace_s=GRACE_S), port)
         try:
-            wait_for(lambda: _status(f"http://127.0.0.1:{port}/readyz") == 200, timeout=30,
-                     what="the server to be ready")
             yield process, f"http://127.0.0.1:{port}"
         finally:
             if process.poll() is None:
@@ -161,25 +180,12 @@ async def _bad_gateway(send, why: str) -> None:
     await send({"type": "http.response.body", "body": why.encode()})
 
 
-def _server(env: dict, port: int) -> subprocess.Popen:
-    process = subprocess.Popen([sys.executable, "-m", "controlplane.serving", "--port", str(port), "--log-level",
-                                "warning"], cwd=ROOT, env=env)
-    wait_for(lambda: _status(f"http://127.0.0.1:{port}/readyz") == 200, timeout=30, what="a replica to be ready")
-    return process
-
-
 def test_rolling_two_replicas_under_16_streaming_clients_fails_no_request(world, settings, tmp_path, serve):
     if connection.vendor != "postgresql":
         pytest.skip("the replicas share the test database through PostgreSQL")
     with simulator(family="qwen2", name="text", images=None) as engine:
-        node = Node.objects.create(name="local", address="127.0.0.1", queue="node.local", last_seen_at=timezone.now())
-        EngineInstance.objects.create(tier=world.text, node=node, port=engine, actual_state="running", healthy=True,
-                                      last_health_at=timezone.now())
-        env = {**os.environ, "DJANGO_SETTINGS_MODULE": "controlplane.settings", "DEBUG": "false",
-               "DATABASE_URL": f"postgres://postgres@127.0.0.1:5432/{connection.settings_dict['NAME']}",
-               "REDIS_URL": settings.REDIS_URL, "USAGE_OUTBOX": "database", "SECRET_KEY": settings.SECRET_KEY,
-               "ALLOWED_HOSTS": "127.0.0.1", "VAR_DIR": str(tmp_path), "SHUTDOWN_DELAY_S": "3",
-               "SHUTDOWN_GRACE_S": "10"}
+        _text_on(world, engine)
+        env = _env(settings, tmp_path, delay_s=3, grace_s=10)
         ports = [free_port(), free_port()]
         replicas = [_server(env, port) for port in ports]
         balancer = ReadyBalancer([f"http://127.0.0.1:{port}" for port in ports])
@@ -231,3 +237,19 @@ def test_rolling_two_replicas_under_16_streaming_clients_fails_no_request(world,
     metered = dict(UsageEvent.objects.filter(request_id__in=answers).values_list("request_id", "output_tokens"))
     assert metered == answers  # every answer metered, as its client counted it
     assert not UsageEvent.objects.exclude(status="ok").exists()
+
+
+def test_a_stop_sent_to_a_process_group_reaches_it_twice_and_still_waits_its_delay(served, world):
+    """A SIGTERM to the whole group reaches a worker from the group and again from its parent:
+    the same stop, not a second one that skips the delay."""
+    process, base = served
+    told = time.monotonic()
+    process.send_signal(signal.SIGTERM)
+    wait_for(lambda: _status(f"{base}/readyz") == 503, timeout=3, interval=0.05, what="it to turn unready")
+    process.send_signal(signal.SIGTERM)  # the parent's, just after (two at once would arrive as one)
+    time.sleep(0.3)
+    late = httpx.post(f"{base}/v1/chat/completions", json=_chat(4), timeout=30,
+                      headers={"authorization": f"Bearer {world.alice_key}"})
+    assert late.status_code == 200 and time.monotonic() - told < DELAY_S
+    process.wait(timeout=DELAY_S + GRACE_S + 10)
+    assert time.monotonic() - told >= DELAY_S - 0.5
