@@ -5,12 +5,12 @@ from __future__ import annotations
 import logging
 
 from celery import shared_task
-from celery.signals import worker_ready
+from celery.signals import worker_ready, worker_shutdown
 from django.conf import settings
 
 from controlplane.fleet.models import Node
 from controlplane.fleet.services import instances_place, samples_prune, tier_replicas_sync
-from workers.supervision import external_reconcile, this_node
+from workers.supervision import SupervisionClock, external_reconcile, this_node
 from workers.supervision import node_reconcile as reconcile
 
 log = logging.getLogger(__name__)
@@ -38,7 +38,8 @@ def node_reconcile(node_name: str) -> int:
 
 @worker_ready.connect
 def _register_node(sender=None, **_kwargs):
-    """A worker that consumes this node's queue is the node agent: register, then reconcile."""
+    """A worker that consumes this node's queue is the node agent: register, reconcile, and keep
+    supervising on its own clock when the broker's passes stop coming (see SupervisionClock)."""
     queues = {q.name for q in sender.task_consumer.queues} if sender is not None else set()
     if Node.queue_for(settings.NODE_NAME) not in queues:
         return
@@ -47,3 +48,6 @@ def _register_node(sender=None, **_kwargs):
     tier_replicas_sync()
     instances_place()
     reconcile(settings.NODE_NAME)
+    clock = SupervisionClock(settings.NODE_NAME, settings.FLEET_RECONCILE_SECONDS)
+    clock.start()
+    worker_shutdown.connect(lambda **_: clock.stop(timeout=10), weak=False)

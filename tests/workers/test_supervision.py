@@ -8,11 +8,12 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 from django.utils import timezone
 
-from controlplane.fleet.models import EngineEvent, EngineInstance
+from controlplane.fleet.models import EngineEvent, EngineInstance, Node
 from tests.system.harness import ROOT, wait_for
 from workers import supervision
 from workers.engines import process
@@ -121,6 +122,39 @@ def test_a_restarted_agent_adopts_the_engines_still_running(agent):
     _reconcile_until(agent, _running, "this agent to adopt the engine")
     assert agent.pid == launched  # adopted, not relaunched
     assert EngineEvent.objects.filter(instance=agent, to_state="starting").count() == 1
+
+
+def test_with_no_pass_asked_for_the_agent_supervises_on_its_own_clock(agent):
+    """A host cut off from the broker gets no passes from the control plane: its agent launches,
+    watches and keeps fresh the health of its engines by itself."""
+    clock = supervision.SupervisionClock(agent.node.name, interval_s=0.2)
+    clock.start()
+    try:
+        first = wait_for(lambda: _refreshed(agent) if _running(_refreshed(agent)) else None, timeout=20,
+                         what="the engine launched and found healthy on the node's own clock")
+        checked = first.last_health_at
+        wait_for(lambda: _refreshed(agent).last_health_at > checked, timeout=5, what="its health checked again")
+    finally:
+        clock.stop(timeout=10)
+    assert not clock._thread.is_alive()
+
+
+def test_while_passes_are_asked_for_the_agents_clock_runs_none(agent):
+    clock = supervision.SupervisionClock(agent.node.name, interval_s=0.2)
+    clock.start()
+    try:
+        until = time.monotonic() + 1.5
+        while time.monotonic() < until:  # a pass asked for just now, as the broker's come
+            Node.objects.filter(pk=agent.node_id).update(last_seen_at=timezone.now())
+            time.sleep(0.05)
+    finally:
+        clock.stop(timeout=10)
+    assert _refreshed(agent).actual_state == "pending" and agent.pid is None  # nothing launched
+
+
+def _refreshed(instance):
+    instance.refresh_from_db()
+    return instance
 
 
 def test_setting_desired_stopped_terminates_the_engine(agent):

@@ -13,6 +13,7 @@ from workers.supervision.engine import (
 )
 from workers.supervision.external import external_check, external_reconcile
 from workers.supervision.node import (
+    SupervisionClock,
     detect_engine_packages,
     detect_gpus,
     node_reconcile,
@@ -22,7 +23,7 @@ from workers.supervision.node import (
 )
 
 __all__ = [
-    "deployment_id", "detect_gpus", "detect_engine_packages", "engine_check", "engine_launch", "engine_marker",
+    "SupervisionClock", "deployment_id", "detect_gpus", "detect_engine_packages", "engine_check", "engine_launch", "engine_marker",
     "engine_stop", "external_check", "external_reconcile", "launch_spec", "node_reconcile", "node_stop_all",
     "restart_delay", "stop_orphans", "this_node",
 ]

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import fcntl
 import json
 import logging
 import os
 import shutil
 import subprocess
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -133,6 +135,45 @@ def node_reconcile(node_name: str | None = None) -> int:
                 list(pool.map(lambda i: _check(i, now, own_thread=True), instances))
         stop_orphans(node)
         return len(instances)
+
+
+class SupervisionClock:
+    """The node agent's own time: a supervision pass whenever none has run for a while.
+
+    Passes are asked for by the control plane through the broker (`fleet.reconcile`, every
+    FLEET_RECONCILE_SECONDS). A host cut off from the broker still reaches the database, and
+    its engines still serve: this clock goes on supervising them, so their health stays fresh
+    and the gateways keep routing to them, and the node stays live, so its engines are not
+    placed again elsewhere. While the broker's passes come, it only reads one row a tick.
+    """
+
+    def __init__(self, node_name: str, interval_s: float):
+        self.node_name, self.interval_s = node_name, interval_s
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="supervision-clock", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float | None = None) -> None:
+        self._stopped.set()
+        self._thread.join(timeout)
+
+    def due(self) -> bool:
+        """No pass, asked for or its own, for one and a half intervals."""
+        seen = Node.objects.filter(name=self.node_name).values_list("last_seen_at", flat=True).first()
+        return seen is None or timezone.now() - seen > dt.timedelta(seconds=1.5 * self.interval_s)
+
+    def _run(self) -> None:
+        while not self._stopped.wait(self.interval_s):
+            try:
+                if self.due():
+                    log.info("no supervision pass asked for lately; running one on the node's own clock")
+                    node_reconcile(self.node_name)
+            except Exception:
+                log.exception("a supervision pass on the node's own clock failed")
+            finally:
+                connection.close()  # the database may be the thing that failed: start afresh
 
 
 def stop_orphans(node: Node) -> int:
