@@ -60,19 +60,21 @@ def wait_for(check, *, timeout: float, interval: float = 0.2, what: str = "condi
 class RedisServer:
     """A redis-server process of the test's own, with no persistence."""
 
-    def __init__(self, *, password: str | None = None, unix_socket: str | None = None):
+    def __init__(self, *, password: str | None = None, unix_socket: str | None = None, host: str = "127.0.0.1"):
         self.port, self.process = free_port(), None
-        self.password, self.unix_socket = password, unix_socket
+        self.password, self.unix_socket, self.host = password, unix_socket, host
 
     @property
     def url(self) -> str:
-        return f"redis://{f':{self.password}@' if self.password else ''}127.0.0.1:{self.port}/0"
+        return f"redis://{f':{self.password}@' if self.password else ''}{self.host}:{self.port}/0"
 
     def start(self) -> None:
         options = [*(["--requirepass", self.password] if self.password else []),
+                   # other hosts (network namespaces of a test) connect to a host other than loopback
+                   *(["--protected-mode", "no"] if self.host != "127.0.0.1" else []),
                    *(["--unixsocket", self.unix_socket] if self.unix_socket else [])]
         self.process = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+            ["redis-server", "--port", str(self.port), "--bind", *{"127.0.0.1", self.host}, "--save", "", "--appendonly", "no",
              *options], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         wait_for(lambda: redis.Redis.from_url(self.url).ping(), timeout=10, what="the test's Redis")
 
