@@ -144,6 +144,11 @@ _db = parse_database_url(DATABASE_URL)
 DATABASE_CONN_MAX_AGE = env_int("DATABASE_CONN_MAX_AGE", 0, minimum=0,
     help=("Seconds a PostgreSQL connection is kept open for the next request (Django's CONN_MAX_AGE; "
           "checked before reuse); 0 closes it after each request."))
+DATABASE_TIMEOUT_S = env_int("DATABASE_TIMEOUT_S", 5, minimum=1,
+    help=("A PostgreSQL connection not made within this many seconds, or whose sent data is not "
+          "acknowledged within them, fails (libpq's `connect_timeout` and `tcp_user_timeout`; "
+          "the URL's own take precedence): a database cut off by the network fails fast, as one that "
+          "refuses does, instead of holding its caller for minutes of TCP retries."))
 if _db.engine.endswith("sqlite3"):
     if _db.name != ":memory:":
         restrict_to_owner(Path(_db.name))
@@ -171,7 +176,8 @@ else:
             "PORT": _db.port,
             "CONN_MAX_AGE": DATABASE_CONN_MAX_AGE,
             "CONN_HEALTH_CHECKS": True,
-            "OPTIONS": dict(_db.options or {}),
+            "OPTIONS": {"connect_timeout": DATABASE_TIMEOUT_S, "tcp_user_timeout": DATABASE_TIMEOUT_S * 1000,
+                        **(_db.options or {})},
         }
     }
 EMBEDDED_DATABASE = _db.engine.endswith("sqlite3")
@@ -386,6 +392,10 @@ GATEWAY_STALE_MAX_S = env_int("GATEWAY_STALE_MAX_S", 600, minimum=0,
     help=("While the database does not answer, the gateway serves the keys, models and engines it had"
           " read for at most this long (a key revoked meanwhile works until the database is back); a "
           "key it never saw gets `503 service_unavailable`."))
+GATEWAY_DATABASE_WAIT_MS = env_int("GATEWAY_DATABASE_WAIT_MS", 1000, minimum=0,
+    help=("A request that finds a cached key, model or engine expired waits this long for the database to"
+          " read it again, then goes on with what was known (within GATEWAY_STALE_MAX_S) while the read "
+          "goes on: a database slow or cut off by the network costs each request at most this."))
 # See controlplane/gateway/memory.py.
 GATEWAY_HEAP_KEEP_MB = env_int("GATEWAY_HEAP_KEEP_MB", 256, minimum=0,
     help=("Free heap a gateway process keeps for the next image's buffers instead of returning it to "

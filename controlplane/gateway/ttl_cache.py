@@ -34,8 +34,9 @@ class TTLCache:
     second, as with long image requests, one in two had waited for the engines' entry: several
     milliseconds of ORM each). A reload ahead that fails is tried again after RETRY_S, and the
     entry still ends when its life does. An expired entry stays behind: when the database
-    cannot refresh it, it is served stale (for at most GATEWAY_STALE_MAX_S), and the refresh
-    is tried again after RETRY_S rather than on every request."""
+    cannot refresh it, or does not within GATEWAY_DATABASE_WAIT_MS, it is served stale (for at
+    most GATEWAY_STALE_MAX_S), and the refresh is tried again after RETRY_S rather than on every
+    request."""
 
     RETRY_S = 1.0
     RELOAD_AFTER_S = 0.05
@@ -76,10 +77,14 @@ class TTLCache:
                 self._reload_ahead(key, load, item)
             return item[1]
         loading = self._load(key, load)
+        fallback = item is not None and now - item[0] <= settings.GATEWAY_STALE_MAX_S
         try:
-            value = await asyncio.shield(loading)
+            # With something to go on with, wait for the database only so long: cut off by the
+            # network, it answers nothing rather than refusing. The read goes on regardless.
+            async with asyncio.timeout(settings.GATEWAY_DATABASE_WAIT_MS / 1000 if fallback else None):
+                value = await asyncio.shield(loading)
         except Exception:
-            if item is None or now - item[0] > settings.GATEWAY_STALE_MAX_S:
+            if not fallback:
                 raise
             item[2] = now + self.RETRY_S
             log.warning("the database does not answer; serving what was known %.0fs ago", now - item[0] + self.seconds)

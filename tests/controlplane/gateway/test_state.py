@@ -107,6 +107,36 @@ def test_an_entry_past_its_life_is_waited_for_as_before():
     assert asyncio.run(requests()) == ("load 1", "load 2")
 
 
+def test_an_expired_entry_the_database_does_not_reload_in_time_is_served_as_known(settings):
+    """A database cut off by the network answers nothing (no refusal to fail on): a request
+    that finds its key expired goes on with what was known after GATEWAY_DATABASE_WAIT_MS, and
+    the read, still under way, is shared rather than begun again."""
+    settings.GATEWAY_DATABASE_WAIT_MS = 100
+    cache, loads, release = TTLCache(seconds=0.05), [], threading.Event()
+
+    def load():
+        loads.append(1)
+        if len(loads) > 1:
+            release.wait(10)  # no answer
+        return f"load {len(loads)}"
+
+    async def requests():
+        first = await cache.fetch("key", load)
+        await asyncio.sleep(0.1)  # expired
+        started = asyncio.get_running_loop().time()
+        second = await asyncio.wait_for(cache.fetch("key", load), timeout=2)
+        waited = asyncio.get_running_loop().time() - started
+        await asyncio.sleep(TTLCache.RETRY_S)
+        third = await asyncio.wait_for(cache.fetch("key", load), timeout=2)
+        release.set()
+        return first, second, third, waited
+
+    first, second, third, waited = asyncio.run(requests())
+    assert (first, second, third) == ("load 1", "load 1", "load 1")
+    assert 0.1 <= waited < 0.5
+    assert len(loads) == 2
+
+
 def test_a_reload_ahead_that_fails_leaves_the_entry_and_is_not_tried_on_every_request(clock):
     cache, loads = TTLCache(seconds=1.0), []
 
