@@ -433,7 +433,8 @@ def generate_events(world: World, first: int, count: int, *, start, end, recorde
     columns = ("request_id, created_at, recorded_at, tenant_id, api_key_id, tier_id, instance_id, status, "
                "http_status, stream, latency_ms, image_count, image_tokens, cached_tokens, cached_image_tokens, "
                "text_tokens, output_tokens, cost, cache_savings, rated, image_tokens_disagree, prompt_estimated, "
-               "prepare_ms, queue_ms, ttft_ms, rate_id")
+               "prepare_ms, queue_ms, ttft_ms, rate_id, error_code, error_message, error_param, error_stage, "
+               "cascade_of, escalation, routed_by")
     with connection.cursor() as cursor:
         cursor.execute(f"""
             INSERT INTO {tables['event']} ({columns})
@@ -446,7 +447,10 @@ def generate_events(world: World, first: int, count: int, *, start, end, recorde
                    true, false, false, images * 12 + mod(i, 5), mod(i, 7),
                    CASE WHEN mod(i, 3) = 0 THEN 120 + mod(i, 400) END,
                    CASE WHEN status <> 'ok' THEN NULL WHEN at < %(change)s::timestamptz THEN (%(before)s::int[])[tier_at]
-                        ELSE (%(after)s::int[])[tier_at] END
+                        ELSE (%(after)s::int[])[tier_at] END,
+                   CASE status WHEN 'error' THEN 'engine_error' ELSE '' END,
+                   CASE status WHEN 'error' THEN 'the engine failed' ELSE '' END, '',
+                   CASE status WHEN 'error' THEN 'engine' ELSE '' END, '', '', ''
             FROM (
                 SELECT i, at, tenant, key, tier, tier_at, status, images, images * (256 + (mod(i, 5)) * 243) AS image_tokens,
                        CASE WHEN images > 0 AND mod(i, 4) = 0 THEN 256 + (mod(i, 5)) * 243 ELSE 0 END AS cached_image,
