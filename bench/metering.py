@@ -476,9 +476,10 @@ def generate_events(world: World, first: int, count: int, *, start, end, recorde
               "tenants": world.tenants, "keys": world.keys, "tiers": world.tiers, "change": world.change,
               "before": [before for before, _ in world.rates], "after": [after for _, after in world.rates]})
         cursor.execute(f"""
-            INSERT INTO {tables['image']} (event_id, position, source_format, source_width, source_height, width,
-                                           height, tokens, fingerprint, cached, cached_tokens, tile, tiles)
-            SELECT id, position, (ARRAY['JPEG', 'PNG', 'WEBP'])[1 + mod(id + position, 3)],
+            INSERT INTO {tables['image']} (event_id, created_at, position, source_format, source_width,
+                                           source_height, width, height, tokens, fingerprint, cached, cached_tokens,
+                                           tile, tiles)
+            SELECT id, created_at, position, (ARRAY['JPEG', 'PNG', 'WEBP'])[1 + mod(id + position, 3)],
                    4000 - mod(id, 7) * 320, 3000 - mod(id, 5) * 240, 1148, 868, image_tokens / image_count,
                    left(md5(id || '-' || position), 16), position = 0 AND cached_image_tokens > 0,
                    CASE WHEN position = 0 THEN cached_image_tokens ELSE 0 END, 0, 1

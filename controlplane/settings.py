@@ -260,6 +260,9 @@ FLEET_RECONCILE_SECONDS = env_int("FLEET_RECONCILE_SECONDS", 5, minimum=1,
           "run."))
 ROLLUP_SECONDS = env_int("ROLLUP_SECONDS", 60, minimum=1,
     help="How often beat rolls usage into the hourly and daily totals per tenant, key and tier.")
+USAGE_PARTITION_MONTHS_AHEAD = env_int("USAGE_PARTITION_MONTHS_AHEAD", 2, minimum=1,
+    help=("On PostgreSQL, usage events and their pictures are partitioned by month; beat makes this "
+          "many months' partitions ahead of the current one, so that none is made under load."))
 CAPTURE_RETENTION_HOURS = env_int("CAPTURE_RETENTION_HOURS", 72, minimum=1,
     help=("How long the request and response bodies captured for debugging (a tenant's or key's "
           "`capture bodies`, off by default) are kept before they are deleted."))
@@ -296,6 +299,11 @@ CELERY_BEAT_SCHEDULE = {
         "task": "metering.rollup_daily",
         "schedule": timedelta(seconds=ROLLUP_SECONDS),
         "options": {"expire_seconds": max(1, int(ROLLUP_SECONDS * 0.9))},
+    },
+    "metering-partitions-ensure": {
+        "task": "metering.partitions_ensure",
+        "schedule": timedelta(hours=6),
+        "options": {"expire_seconds": 3600},
     },
     "metering-captures-prune": {
         "task": "metering.captures_prune",

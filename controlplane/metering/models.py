@@ -87,7 +87,10 @@ class UsageEvent(models.Model):
         # The request log reads newest first, a page at a time from a (created_at, id) key,
         # over everything or one tenant or tier, or only the requests that did not succeed:
         # each of those walks one of these indexes and stops after a page.
-        constraints = [models.UniqueConstraint(fields=["request_id"], name="one_event_per_request")]
+        # With the time it was made: on PostgreSQL the table is partitioned by it, and a unique
+        # key must hold the partition's key (metering/partitions.py). Every copy of a request's
+        # record carries the time it was made, so the pair is as unique as the id.
+        constraints = [models.UniqueConstraint(fields=["request_id", "created_at"], name="one_event_per_request")]
         indexes = [
             models.Index(fields=["created_at", "id"], name="usage_log"),
             models.Index(fields=["tenant", "created_at", "id"], name="usage_log_tenant"),
@@ -117,7 +120,10 @@ def is_server_error(status: str, http_status: int) -> bool:
 
 
 class UsageImage(models.Model):
-    event = models.ForeignKey(UsageEvent, on_delete=models.CASCADE, related_name="images")
+    # No constraint in the database: PostgreSQL cannot point one at a partitioned table's id
+    # alone. Both rows are written in one transaction, and the ORM cascades deletes.
+    event = models.ForeignKey(UsageEvent, on_delete=models.CASCADE, related_name="images", db_constraint=False)
+    created_at = models.DateTimeField(help_text="Its event's: the picture lives in its event's month")
     position = models.PositiveSmallIntegerField()
     source_format = models.CharField(max_length=8)
     source_width = models.PositiveIntegerField()

@@ -223,6 +223,7 @@ def _usage_values(record: UsageRecord, tier: ModelTier, book: RateBook) -> tuple
         cached_image += cached
         kept.append((image, tokens, cached))
         images.append({
+            "created_at": record.created_at,
             "position": position,
             "source_format": image.source_format,
             "source_width": image.source_width,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from celery import shared_task
 
 from controlplane.metering.captures import captures_prune
+from controlplane.metering.partitions import partitions_ensure
 from controlplane.metering.rollups import rollup_daily
 
 
@@ -16,3 +17,8 @@ def metering_rollup_daily() -> int:
 @shared_task(name="metering.captures_prune", soft_time_limit=120, time_limit=180)
 def metering_captures_prune() -> int:
     return captures_prune()
+
+
+@shared_task(name="metering.partitions_ensure", soft_time_limit=600, time_limit=660)
+def metering_partitions_ensure() -> list[str]:
+    return partitions_ensure()

@@ -225,7 +225,7 @@ def images(world, numbers):
     """The images of one request."""
     _requests(world, [0], prefix="pictured")
     event = UsageEvent.objects.get(request_id="pictured-0")
-    UsageImage.objects.bulk_create(UsageImage(event=event, position=n + 1, source_format="png", source_width=800,
+    UsageImage.objects.bulk_create(UsageImage(event=event, created_at=event.created_at, position=n + 1, source_format="png", source_width=800,
                                               source_height=600, width=784, height=588, tokens=500,
                                               fingerprint=f"{n:016x}") for n in numbers)
 

@@ -34,7 +34,7 @@ def _traffic(tenant, tier, *, requests: int, hours: float, seed: int = 1, prefix
     for event in UsageEvent.objects.filter(request_id__startswith=f"{prefix}-", image_count__gt=0):
         for position in range(event.image_count):
             width, height = rng.choices(list(SIZES), weights=list(SIZES.values()))[0]
-            images.append(UsageImage(event=event, position=position, source_format="jpeg", source_width=width,
+            images.append(UsageImage(event=event, created_at=event.created_at, position=position, source_format="jpeg", source_width=width,
                                      source_height=height, width=width, height=height, tokens=300,
                                      fingerprint=f"{event.pk}-{position}"))
     UsageImage.objects.bulk_create(images)

@@ -245,7 +245,7 @@ def _bulk_usage(tenants, tiers, *, days: int, per_day: int, start: int = 0):
     ]
     UsageEvent.objects.bulk_create(events)
     UsageImage.objects.bulk_create(
-        UsageImage(event=event, position=p, source_format="JPEG", source_width=64, source_height=64, width=64,
+        UsageImage(event=event, created_at=event.created_at, position=p, source_format="JPEG", source_width=64, source_height=64, width=64,
                    height=64, tokens=(event.image_tokens if p == 0 else 0), fingerprint=f"{event.pk}-{p}",
                    cached=p == 1)
         for event in events for p in (0, 1))

@@ -277,7 +277,7 @@ def _many_images(world, count: int):
         UsageEvent(request_id=f"bulk-{n}", created_at=when, tenant=world.alice, tier=world.vision, status="ok",
                    image_count=1, image_tokens=300) for n in range(count))
     UsageImage.objects.bulk_create(
-        UsageImage(event=event, position=0, source_format="jpeg", source_width=800, source_height=600, width=800,
+        UsageImage(event=event, created_at=event.created_at, position=0, source_format="jpeg", source_width=800, source_height=600, width=800,
                    height=600, tokens=300, fingerprint="b" * 32) for event in events)
 
 
