@@ -10,6 +10,7 @@ from django.conf import settings
 
 from controlplane.gateway import state
 from controlplane.gateway.apps import current_process
+from controlplane.gateway.stopping import STREAMS_ENDING
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +87,8 @@ _END = object()
 
 async def watched_lines(response, tier_id: int, instance_id: int):
     """The lines of a streamed answer, read by a task of their own, ending in EngineFailing
-    if the engine is found hung or dead meanwhile."""
+    if the engine is found hung or dead meanwhile; STREAMS_ENDING among them as soon as this
+    process ends its open streams, however long the engine has been silent."""
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump():
@@ -99,6 +101,7 @@ async def watched_lines(response, tier_id: int, instance_id: int):
 
     pumping = asyncio.ensure_future(pump())
     token = _loop_watch().add(tier_id, instance_id, lambda: queue.put_nowait(EngineFailing(instance_id)))
+    forget_stream = current_process().stopping.when_streams_end(lambda: queue.put_nowait(STREAMS_ENDING))
     try:
         while True:
             item = await queue.get()
@@ -109,4 +112,5 @@ async def watched_lines(response, tier_id: int, instance_id: int):
             yield item
     finally:
         _loop_watch().remove(token)
+        forget_stream()
         pumping.cancel()

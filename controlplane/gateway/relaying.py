@@ -14,6 +14,7 @@ from controlplane.gateway.errors import error_response
 from controlplane.gateway.http import Response, json_response
 from controlplane.gateway.prepare import Prepared
 from controlplane.gateway.recording import hand_over_usage, ms_since
+from controlplane.gateway.stopping import STREAMS_ENDING
 from controlplane.imaging.tokens import engine_image_tokens
 from controlplane.metering.records import UsageRecord
 
@@ -94,6 +95,14 @@ async def relay_answer(request_id, tier, record, prepared, status, content, star
     return json_response(data, headers={"x-request-id": request_id})
 
 
+def restarting(record: UsageRecord) -> bytes:
+    """The event that ends a stream its process stops before its end; the record says so."""
+    message = "the gateway is restarting; retry the request"
+    record.failed("relay", 503, code="server_restarting", status="aborted", message=message)
+    error = {"error": {"message": message, "type": "server_error", "param": None, "code": "server_restarting"}}
+    return b"data: " + orjson.dumps(error) + b"\n\n"
+
+
 def relay_stream(request_id, tier, flight, prepared, response, instance, started, slot=None):
     record = flight.record
     client_wants_usage = bool((prepared.body.get("stream_options") or {}).get("include_usage"))
@@ -121,6 +130,12 @@ def relay_stream(request_id, tier, flight, prepared, response, instance, started
         lines = watched_lines(response, tier.id, instance.id)
         try:
             async for line in lines:
+                if line is STREAMS_ENDING:
+                    if progress.get("finishing"):
+                        continue  # its end is on its way: let it come
+                    # Its process stops before the stream would end: ended cleanly, billed as relayed.
+                    yield restarting(record)
+                    return
                 if not line.startswith("data:"):
                     continue
                 if slot is not None and slot.held:
@@ -153,14 +168,6 @@ def relay_stream(request_id, tier, flight, prepared, response, instance, started
                         if record.ttft_ms is None:
                             record.ttft_ms = ms_since(started)
                 yield b"data: " + orjson.dumps(chunk) + b"\n\n"
-                if current_process().stopping.streams_ending and not progress.get("finishing"):
-                    # Its process stops before the stream would end: ended cleanly, billed as relayed.
-                    message = "the gateway is restarting; retry the request"
-                    record.failed("relay", 503, code="server_restarting", status="aborted", message=message)
-                    error = {"error": {"message": message, "type": "server_error", "param": None,
-                                       "code": "server_restarting"}}
-                    yield b"data: " + orjson.dumps(error) + b"\n\n"
-                    return
         except (upstream.Broken, EngineFailing) as exc:
             # The engine dropped the stream, or hung: tell the client in the stream's own terms.
             log.warning("engine %s broke the stream of %s: %s", instance.id, request_id, exc)

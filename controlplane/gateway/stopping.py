@@ -15,15 +15,18 @@ serves the process, one worker or several, stops as it always did, later.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import signal
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 log = logging.getLogger(__name__)
 
 STREAMS_MARGIN_S = 1.0  # before the grace ends: time for the streams' last events and their usage
 REPEATED_S = 2.0  # a second SIGTERM within this of the first is the same one (sent to a process group)
+STREAMS_ENDING = object()  # among a stream's lines (engine_watch.watched_lines): its process ends it now
 
 
 @dataclass(eq=False)
@@ -31,7 +34,10 @@ class Stopping:
     """Where this process is in stopping (its GatewayProcess holds it)."""
 
     asked_at: float | None = None  # monotonic: when it was told to stop
-    streams_ending: bool = False  # open streams end at their next event
+    streams_ending: bool = False  # open streams end now
+    # What tells each open stream, on its own event loop: one whose engine is silent (its request
+    # queued, in a long prefill) has no event of its own to end on before the grace runs out.
+    _ending: dict[object, Callable[[], None]] = field(default_factory=dict, repr=False)
 
     @property
     def ready(self) -> bool:
@@ -75,5 +81,18 @@ class Stopping:
             return False
         return True
 
+    def when_streams_end(self, callback: Callable[[], None]) -> Callable[[], None]:
+        """`callback` called on the caller's event loop once open streams are to end (soon, if
+        they already are); what it returns forgets it, when the stream has ended."""
+        call = functools.partial(asyncio.get_running_loop().call_soon_threadsafe, callback)
+        if self.streams_ending:
+            call()
+            return lambda: None
+        token = object()
+        self._ending[token] = call
+        return functools.partial(self._ending.pop, token, None)
+
     def end_streams(self) -> None:
         self.streams_ending = True
+        for call in list(self._ending.values()):
+            call()

@@ -68,7 +68,7 @@ def _server(env: dict, port: int) -> subprocess.Popen:
 @pytest.fixture
 def served(world, settings, tmp_path):
     """The control plane served on a port of its own, its text tier on a simulator generating a
-    token every 20 ms (a thousand take 20 s: past the grace)."""
+    token every 20 ms (a thousand take 20 s: past the grace): the server, its URL, the engine's port."""
     if connection.vendor != "postgresql":
         pytest.skip("a second process shares the test database through PostgreSQL")
     with simulator(family="qwen2", name="text", images=None, extra=("--sim-decode-ms-per-token", "20")) as engine:
@@ -76,7 +76,7 @@ def served(world, settings, tmp_path):
         port = free_port()
         process = _server(_env(settings, tmp_path, delay_s=DELAY_S, grace_s=GRACE_S), port)
         try:
-            yield process, f"http://127.0.0.1:{port}"
+            yield process, f"http://127.0.0.1:{port}", engine
         finally:
             if process.poll() is None:
                 process.kill()
@@ -88,7 +88,7 @@ def _chat(max_tokens: int, **extra) -> dict:
 
 
 def test_a_process_told_to_stop_turns_unready_serves_on_and_ends_a_long_stream_cleanly(served, world):
-    process, base = served
+    process, base, _ = served
     auth = {"authorization": f"Bearer {world.alice_key}"}
     with httpx.Client(base_url=base, headers=auth, timeout=30) as client, \
             client.stream("POST", "/v1/chat/completions", json=_chat(1000, stream=True, ignore_eos=True)) as stream:
@@ -113,6 +113,32 @@ def test_a_process_told_to_stop_turns_unready_serves_on_and_ends_a_long_stream_c
     assert (event.status, event.http_status, event.error_code) == ("aborted", 503, "server_restarting")
     assert event.output_tokens == relayed > 100 and event.cost > 0  # billed for what was relayed
     assert UsageEvent.objects.get(request_id=late.headers["x-request-id"]).status == "ok"
+
+
+def test_a_stream_its_engine_has_gone_silent_on_is_ended_cleanly_too(served, world):
+    """An engine can be silent on a stream for long (the request queued, in a long prefill, or the
+    engine stalled): with no event to end it on, it is ended all the same before the grace runs
+    out, not cut when it does, and billed for what was relayed."""
+    process, base, engine = served
+    auth = {"authorization": f"Bearer {world.alice_key}"}
+    with httpx.Client(base_url=base, headers=auth, timeout=30) as client, \
+            client.stream("POST", "/v1/chat/completions", json=_chat(1000, stream=True, ignore_eos=True)) as stream:
+        lines = (line[6:] for line in stream.iter_lines() if line.startswith("data: "))
+        received = [json.loads(next(lines)) for _ in range(3)]
+        assert httpx.post(f"http://127.0.0.1:{engine}/sim/fault", json={"mode": "hang"}).status_code == 200
+        told = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        received += [json.loads(data) for data in lines if data != "[DONE]"]
+        request_id = stream.headers["x-request-id"]
+    ended = time.monotonic() - told
+    assert DELAY_S + GRACE_S - 2.5 < ended < DELAY_S + GRACE_S  # ended a second before the grace, not cut
+    *chunks, last = received
+    assert last["error"]["code"] == "server_restarting"
+    relayed = sum(1 for chunk in chunks for choice in chunk.get("choices") or () if choice["delta"].get("content"))
+    process.wait(timeout=10)
+    event = UsageEvent.objects.get(request_id=request_id)
+    assert (event.status, event.http_status, event.error_code) == ("aborted", 503, "server_restarting")
+    assert event.output_tokens == relayed > 0  # billed for what was relayed
 
 
 def test_readiness_is_answered_by_the_asgi_front(serve):
@@ -242,7 +268,7 @@ def test_rolling_two_replicas_under_16_streaming_clients_fails_no_request(world,
 def test_a_stop_sent_to_a_process_group_reaches_it_twice_and_still_waits_its_delay(served, world):
     """A SIGTERM to the whole group reaches a worker from the group and again from its parent:
     the same stop, not a second one that skips the delay."""
-    process, base = served
+    process, base, _ = served
     told = time.monotonic()
     process.send_signal(signal.SIGTERM)
     wait_for(lambda: _status(f"{base}/readyz") == 503, timeout=3, interval=0.05, what="it to turn unready")
