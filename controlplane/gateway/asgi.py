@@ -19,6 +19,7 @@ from controlplane.gateway.body import ShapeCount, TooComplex
 from controlplane.gateway.errors import error_response
 from controlplane.gateway.http import Request, Response
 from controlplane.gateway.memory import keep_freed_buffers
+from controlplane.gateway.recording import answering, settle
 
 log = logging.getLogger(__name__)
 keep_freed_buffers(settings.GATEWAY_HEAP_KEEP_MB)
@@ -166,6 +167,7 @@ async def lifespan(receive, send) -> None:
                                                grace_s=settings.SHUTDOWN_GRACE_S)
             await send({"type": "lifespan.startup.complete"})
         elif message["type"] == "lifespan.shutdown":
+            await settle()  # the requests cut when the grace ran out hand their usage over
             await handlers.drain()
             await current_process().connections.close()
             await send({"type": "lifespan.shutdown.complete"})
@@ -203,7 +205,7 @@ async def app(scope, receive, send, *, body_reads: ClientSlots | None = None) ->
             pass
 
     # A client that leaves cancels the work done for it (the handlers record it as aborted).
-    work, watch = asyncio.ensure_future(respond()), asyncio.ensure_future(client_left())
+    work, watch = answering(respond()), asyncio.ensure_future(client_left())
     try:
         done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
         if work in done:
@@ -211,6 +213,11 @@ async def app(scope, receive, send, *, body_reads: ClientSlots | None = None) ->
         else:
             work.cancel()
             await asyncio.gather(work, return_exceptions=True)
+    except asyncio.CancelledError:
+        # The server cut the request, its grace over: the work for it ends too, handing its usage
+        # over on its way out (before the process exits: lifespan), not left running unseen.
+        work.cancel()
+        raise
     except Exception:
         log.exception("gateway failure on %s", path)
         try:

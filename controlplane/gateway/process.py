@@ -39,6 +39,7 @@ class GatewayProcess:
     counters: Counters
     prefill: PrefillSlots  # image requests' turns on the engines, shared by every replica
     hand_overs: set[asyncio.Task] = field(default_factory=set)  # usage on its way to the ledger
+    answering: set[asyncio.Task] = field(default_factory=set)  # requests being answered (recording.settle)
     tier_names: dict[int, str] = field(default_factory=dict)  # for the counters
     engine_watches: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)  # loop -> watch
     ledger_book: LedgerBook = field(default_factory=LedgerBook)  # its requests in the ledger, its stores

@@ -1,6 +1,7 @@
 """Every request ends in its usage handed over to the ledger: answered, refused, failed or left
 by its client. The hand-over runs in a task of its own, which a client leaving cannot
-interrupt halfway; `drain` waits for those left when the process stops."""
+interrupt halfway; `drain` waits for those left when the process stops, once the requests cut
+then have handed theirs over (`settle`)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from controlplane.metering.records import UsageRecord
 from controlplane.redis_clients import until_written
 
 log = logging.getLogger(__name__)
+SETTLE_S = 2.0  # at most, for the requests cut when the grace runs out to hand their usage over
 
 
 def ms_since(started: float) -> int:
@@ -51,6 +53,25 @@ async def drain() -> None:
     hand_overs = current_process().hand_overs
     while hand_overs:
         await asyncio.gather(*hand_overs, return_exceptions=True)
+
+
+async def settle(within_s: float = SETTLE_S) -> None:
+    """Wait, `within_s` at most, for requests still being answered. The server cancels those
+    left when its grace runs out and goes straight on to stopping; each hands its usage over
+    (what `drain` waits for) only once it has run its way out of its cancellation."""
+    loop = asyncio.get_running_loop()
+    left = [task for task in current_process().answering if task.get_loop() is loop]
+    if left:
+        await asyncio.wait(left, timeout=within_s)
+
+
+def answering(coroutine) -> asyncio.Task:
+    """The work of answering a request, in a task of its own, known until it ends (`settle`)."""
+    task = asyncio.ensure_future(coroutine)
+    tasks = current_process().answering
+    tasks.add(task)
+    task.add_done_callback(tasks.discard)
+    return task
 
 
 def in_background(coroutine) -> asyncio.Task:

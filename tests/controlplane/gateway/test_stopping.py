@@ -83,6 +83,13 @@ def served(world, settings, tmp_path):
                 process.wait()
 
 
+def _running(engine_port: int) -> int:
+    """How many requests the simulator on `engine_port` is generating for."""
+    metrics = httpx.get(f"http://127.0.0.1:{engine_port}/metrics", timeout=1).text
+    return int(float(next(line.split()[-1] for line in metrics.splitlines()
+                          if line.startswith("vllm:num_requests_running"))))
+
+
 def _chat(max_tokens: int, **extra) -> dict:
     return {"model": "text", "max_tokens": max_tokens, "messages": [{"role": "user", "content": "count"}], **extra}
 
@@ -139,6 +146,31 @@ def test_a_stream_its_engine_has_gone_silent_on_is_ended_cleanly_too(served, wor
     event = UsageEvent.objects.get(request_id=request_id)
     assert (event.status, event.http_status, event.error_code) == ("aborted", 503, "server_restarting")
     assert event.output_tokens == relayed > 0  # billed for what was relayed
+
+
+def test_an_answer_still_being_generated_when_the_grace_runs_out_is_metered(served, world):
+    """A request not streamed has no event to end it on: the server cuts it when the grace runs
+    out and stops straight away, and its usage is recorded all the same before the process exits."""
+    process, base, engine = served
+    auth = {"authorization": f"Bearer {world.alice_key}"}
+    answers = []
+
+    def ask() -> None:  # a thousand tokens: 20 s, past the grace
+        try:
+            answers.append(httpx.post(f"{base}/v1/chat/completions", json=_chat(1000, ignore_eos=True),
+                                      headers=auth, timeout=60).status_code)
+        except httpx.HTTPError as exc:
+            answers.append(exc)
+
+    asking = threading.Thread(target=ask)
+    asking.start()
+    wait_for(lambda: _running(engine), timeout=10, interval=0.05, what="the engine to be generating")
+    process.send_signal(signal.SIGTERM)
+    process.wait(timeout=DELAY_S + GRACE_S + 10)
+    asking.join(timeout=10)
+    assert answers and answers[0] != 200  # cut
+    event = UsageEvent.objects.get(tenant=world.alice)
+    assert event.status == "aborted"
 
 
 def test_readiness_is_answered_by_the_asgi_front(serve):
