@@ -14,6 +14,10 @@ keys of the gateway's db; of PostgreSQL: the connections to the bench's database
 warm-up (the first fifth of the run) each series gets a least-squares slope, per hour: one
 that grows past a tolerance over the run is flagged. The floor to compare with is each
 series' own value after warm-up: a process that holds what it needs stays flat.
+
+The soak's own work failing (a sample, an ingest, a client's loop) is logged, counted and
+carried on from; a run with any such failure says so under its figures and exits with 1:
+its figures have gaps (and usage left uningested grows Redis like a leak would).
 """
 
 from __future__ import annotations
@@ -29,6 +33,9 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,6 +47,29 @@ from bench.gateway import ROOT, Gateway, free_port, jpeg, messages, stamped, wai
 # share of its median (a few file descriptors come and go with connections).
 TOLERANCE = {"rss_mb": (8.0, 0.05), "fds": (8, 0.10), "threads": (4, 0.10), "redis_mb": (4.0, 0.10),
              "redis_keys": (50, 0.10), "db_connections": (3, 0.25)}
+
+
+@dataclass
+class Failures:
+    """What failed of the soak's own work, counted by where; the first failure of each kind is
+    logged with its traceback (a failure that repeats would flood the log), the rest counted."""
+    counts: Counter = field(default_factory=Counter)
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def note(self, where: str, exc: Exception) -> None:
+        with self.lock:
+            self.counts[where] += 1
+            first = self.counts[where] == 1
+        if first:
+            print(f"soak: {where} failed (counted, carrying on): "
+                  f"{''.join(traceback.format_exception(exc)).rstrip()}", file=sys.stderr, flush=True)
+
+    def attempt(self, where: str, work: Callable[[], object]) -> None:
+        """`work` done, or its failure noted: the thread doing it goes on."""
+        try:
+            work()
+        except Exception as exc:  # noqa: BLE001 - noted, and reported with the run's figures
+            self.note(where, exc)
 
 
 @dataclass
@@ -101,7 +131,7 @@ class Sampler:
         connection.close()
 
 
-async def _client(url: str, key: str, until: float, seed: int, outcomes: dict) -> None:
+async def _client(url: str, key: str, until: float, seed: int, outcomes: dict, failures: Failures) -> None:
     rng = random.Random(seed)
     picture = jpeg(800, 600)
     async with httpx.AsyncClient(timeout=120, headers={"authorization": f"Bearer {key}"}) as client:
@@ -118,8 +148,11 @@ async def _client(url: str, key: str, until: float, seed: int, outcomes: dict) -
                         answer = await _ask(client, url, "vlm", history, outcomes)
                         history = [*history, {"role": "assistant", "content": answer or "ok"},
                                    {"role": "user", "content": "And then?"}]
-            except httpx.HTTPError as exc:
+            except httpx.HTTPError as exc:  # the gateway's answer: part of what the soak measures
                 outcomes[type(exc).__name__] = outcomes.get(type(exc).__name__, 0) + 1
+            except Exception as exc:  # noqa: BLE001 - the client's own: noted, and the client goes on
+                failures.note("a client", exc)
+                await asyncio.sleep(1)  # one that fails every time does not spin
 
 
 async def _ask(client, url, model, chat, outcomes) -> str:
@@ -130,16 +163,21 @@ async def _ask(client, url, model, chat, outcomes) -> str:
     return response.json()["choices"][0]["message"]["content"]
 
 
-def _ingest_every(seconds: float, stop: threading.Event) -> None:
+def _ingest_every(seconds: float, stop: threading.Event, failures: Failures) -> None:
     """As beat runs metering.usage_ingest: the usage stream moved into the database."""
     from django.db import connection
 
     from controlplane.metering.outbox import usage_ingest
 
+    def ingest() -> None:
+        try:
+            while usage_ingest():
+                pass
+        finally:
+            connection.close()  # a broken connection is not reused by the next round
+
     while not stop.wait(seconds):
-        while usage_ingest():
-            pass
-        connection.close()
+        failures.attempt("ingesting usage", ingest)
 
 
 def run(minutes: float, clients: int, sample_s: float, json_path: Path | None) -> dict:
@@ -149,14 +187,14 @@ def run(minutes: float, clients: int, sample_s: float, json_path: Path | None) -
                                "--limit-mm-per-prompt", '{"image": 8}'], cwd=ROOT,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     gateway = Gateway(engine_port)
-    stop = threading.Event()
+    stop, failures = threading.Event(), Failures()
     try:
         wait_http(f"http://127.0.0.1:{engine_port}/health")
         key = gateway.start()  # Django is set up from here on
         from controlplane.fleet.models import EngineInstance
 
         EngineInstance.objects.update(served_model_name="vlm")  # one simulator serves both tiers, as vlm
-        threading.Thread(target=_ingest_every, args=(2.0, stop), daemon=True).start()
+        threading.Thread(target=_ingest_every, args=(2.0, stop, failures), daemon=True).start()
         url = f"http://127.0.0.1:{gateway.port}/v1/chat/completions"
         sampler = Sampler({"gateway": gateway.process.pid, "engine": engine.pid}, gateway.redis_url, gateway.db)
         duration = minutes * 60
@@ -165,14 +203,14 @@ def run(minutes: float, clients: int, sample_s: float, json_path: Path | None) -
 
         def sample_until() -> None:
             while time.monotonic() < until + 0.1:
-                sampler.sample()
+                failures.attempt("sampling", sampler.sample)
                 time.sleep(sample_s)
 
         sampling = threading.Thread(target=sample_until, daemon=True)
         sampling.start()
 
         async def load():
-            await asyncio.gather(*(_client(url, key, until, n, outcomes) for n in range(clients)))
+            await asyncio.gather(*(_client(url, key, until, n, outcomes, failures) for n in range(clients)))
 
         print(f"soak: {minutes:g} min, {clients} clients, a sample every {sample_s:g} s", flush=True)
         asyncio.run(load())
@@ -191,8 +229,13 @@ def run(minutes: float, clients: int, sample_s: float, json_path: Path | None) -
             rows.append({"series": name, "after_warm_up": first, "at_end": last, "slope_per_hour": slope,
                          "grown": grown, "verdict": verdict, "points": series.points})
         result = {"minutes": minutes, "clients": clients, "answers": {str(k): v for k, v in outcomes.items()},
-                  "series": rows, "flagged": [r["series"] for r in rows if r["verdict"] == "GROWS"]}
+                  "series": rows, "flagged": [r["series"] for r in rows if r["verdict"] == "GROWS"],
+                  "failures": dict(failures.counts)}
         print(f"\nflagged: {', '.join(result['flagged']) or 'none'}")
+        if failures.counts:
+            print("INCOMPLETE: the soak's own work failed (" +
+                  ", ".join(f"{where}: {n} times" for where, n in sorted(failures.counts.items())) +
+                  "); the figures above have gaps", flush=True)
         if json_path is not None:
             json_path.write_text(json.dumps(result, indent=1))
         return result
@@ -211,7 +254,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds through run's cleanup
-    run(args.minutes, args.clients, args.sample_s, args.json)
+    result = run(args.minutes, args.clients, args.sample_s, args.json)
+    sys.exit(1 if result["failures"] else 0)
 
 
 if __name__ == "__main__":
