@@ -56,6 +56,10 @@ PICTURES = "redis://127.0.0.1:6379/12"  # the store of pictures the replicas sha
 COUNTS = {("text", 1): 400, ("text", 32): 3000, ("1mp", 1): 60, ("1mp", 32): 240,
           ("12mp", 1): 60, ("12mp", 32): 64}
 TEXT_ROUNDS = 3
+# A bench's gateway is stopped once its load is over, or when the bench is interrupted, with no
+# load balancer in front of it: no readiness delay, and a short grace for what is still in flight.
+STOPPING_ENV = {"SHUTDOWN_DELAY_S": "0", "SHUTDOWN_GRACE_S": "5"}
+STOP_MARGIN_S = 10  # past the delay and grace: what is left cancelled, its usage recorded, the exit
 
 
 def free_port() -> int:
@@ -76,6 +80,22 @@ def wait_http(url: str, timeout: float = 60) -> None:
             pass
         time.sleep(0.2)
     raise TimeoutError(url)
+
+
+def stop_servers(processes: list[subprocess.Popen], env: dict) -> None:
+    """`processes`, servers started with `env`, told to stop together, then waited for as long as
+    the delay and grace `env` gives them take, and a margin; one still running then is killed, so
+    that the bench's clean-up (its database, its Redis db) runs all the same."""
+    for process in processes:
+        process.terminate()
+    deadline = time.monotonic() + int(env["SHUTDOWN_DELAY_S"]) + int(env["SHUTDOWN_GRACE_S"]) + STOP_MARGIN_S
+    for process in processes:
+        try:
+            process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            print(f"bench: server {process.pid} did not stop within its grace; killed", file=sys.stderr, flush=True)
+            process.kill()
+            process.wait()
 
 
 def jpeg(width: int, height: int) -> bytes:
@@ -122,7 +142,7 @@ class Gateway:
                     # the cap on one client's bodies read at once (16) would refuse its c=32 image
                     # rounds, and one key's share of bodies and intake CPU a minute its 12 MP ones.
                     "HTTP_MAX_BODY_READS_PER_CLIENT": "0", "GATEWAY_KEY_INTAKE_MB": "0",
-                    "GATEWAY_KEY_INTAKE_CPU_S": "0", "SHUTDOWN_DELAY_S": "0", **(env or {})}
+                    "GATEWAY_KEY_INTAKE_CPU_S": "0", **STOPPING_ENV, **(env or {})}
         self.upstream = f"http://127.0.0.1:{upstream_port}"
         self.process = self.untuned = None
         self.others: list[subprocess.Popen] = []
@@ -208,9 +228,7 @@ class Gateway:
 
     def stop(self) -> None:
         self._fresh.set()
-        for process in self.others:
-            process.terminate()
-            process.wait(timeout=20)
+        stop_servers(self.others, self.env)
         import redis
 
         redis.Redis.from_url(self.redis_url).flushdb()
