@@ -39,7 +39,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.gateway import PG, free_port, wait_http
+from bench.gateway import PG, STOPPING_ENV, free_port, stop_servers, wait_http
 from bench.proc import cpu_seconds, status_kb
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -100,7 +100,7 @@ class Gateway:
                     "PYTHONPATH": str(root), "DATABASE_URL": f"{PG}/{self.db}", "REDIS_URL": redis_url,
                     "DEBUG": "false", "SECRET_KEY": "bench-" + "b" * 50, "ALLOWED_HOSTS": "127.0.0.1",
                     "DJANGO_SETTINGS_MODULE": "controlplane.settings", "LOG_LEVEL": "CRITICAL",
-                    "VAR_DIR": tempfile.mkdtemp(prefix="bench-attacks-")}
+                    "VAR_DIR": tempfile.mkdtemp(prefix="bench-attacks-"), **STOPPING_ENV}
         self.upstream = f"http://127.0.0.1:{upstream_port}"
         self.processes: list[subprocess.Popen] = []
 
@@ -128,9 +128,7 @@ class Gateway:
         return keys
 
     def stop(self) -> None:
-        for process in self.processes:
-            process.terminate()
-            process.wait(timeout=30)
+        stop_servers(self.processes, self.env)
         import psycopg
         import redis
 
