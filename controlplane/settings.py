@@ -263,6 +263,14 @@ ROLLUP_SECONDS = env_int("ROLLUP_SECONDS", 60, minimum=1,
 USAGE_PARTITION_MONTHS_AHEAD = env_int("USAGE_PARTITION_MONTHS_AHEAD", 2, minimum=1,
     help=("On PostgreSQL, usage events and their pictures are partitioned by month; beat makes this "
           "many months' partitions ahead of the current one, so that none is made under load."))
+USAGE_EVENTS_KEEP_MONTHS = env_int("USAGE_EVENTS_KEEP_MONTHS", 0, minimum=0,
+    help=("On PostgreSQL, a month's usage events and pictures are dropped this many whole months after it "
+          "ended (0: kept for ever), once checked: rolled up days past its end, every event priced, and "
+          "its rollups equal to its events for every tenant and model. Its statements are read from the "
+          "rollups after. Set 2 or more: a request's usage may arrive days late."))
+USAGE_ARCHIVE_DIR = env_str("USAGE_ARCHIVE_DIR", "",
+    help=("Where a month's events and pictures are written (gzipped CSV, one file a table) before they are "
+          "dropped; empty: dropped without a copy."))
 CAPTURE_RETENTION_HOURS = env_int("CAPTURE_RETENTION_HOURS", 72, minimum=1,
     help=("How long the request and response bodies captured for debugging (a tenant's or key's "
           "`capture bodies`, off by default) are kept before they are deleted."))
@@ -303,6 +311,11 @@ CELERY_BEAT_SCHEDULE = {
     "metering-partitions-ensure": {
         "task": "metering.partitions_ensure",
         "schedule": timedelta(hours=6),
+        "options": {"expire_seconds": 3600},
+    },
+    "metering-partitions-retire": {
+        "task": "metering.partitions_retire",
+        "schedule": timedelta(hours=24),
         "options": {"expire_seconds": 3600},
     },
     "metering-captures-prune": {

@@ -205,6 +205,23 @@ class HourlyUsage(UsageTotals):
         return f"{self.hour:%Y-%m-%d %H}h {self.tenant_id}/{self.api_key_id}/{self.tier_id}"
 
 
+class RetiredMonth(models.Model):
+    """A month whose usage events and pictures were dropped (metering/partitions.py), after its
+    rollups were found equal to them; its statements are read from the rollups."""
+
+    month = models.DateField(unique=True)  # its first day
+    retired_at = models.DateTimeField(default=timezone.now)
+    events = models.PositiveBigIntegerField()
+    images = models.PositiveBigIntegerField()
+    archive = models.CharField(max_length=512, blank=True)  # where they were copied, if anywhere
+
+    class Meta:
+        ordering = ["month"]
+
+    def __str__(self):
+        return f"{self.month:%Y-%m} retired"
+
+
 class RollupState(models.Model):
     """How far the rollup has read, so each run only revisits days touched since."""
 

@@ -19,15 +19,25 @@ the time it was made, and the ingest's look for ids already stored, over every m
 from __future__ import annotations
 
 import datetime as dt
+import gzip
 import logging
+import re
+from pathlib import Path
 
 from django.conf import settings
 from django.db import connection, transaction
 from django.utils import timezone
 
+from controlplane.metering.models import RetiredMonth, RollupState, UsageEvent
+from controlplane.metering.statements import month_sums
+
 log = logging.getLogger(__name__)
 
 TABLES = ("metering_usageevent", "metering_usageimage")
+_MONTH = re.compile(r"_p([0-9]{4})([0-9]{2})$")
+# What a month's events and its rollups must agree on before the events go.
+_CHECKED = ("requests", "images", "image_tokens", "cached_image_tokens", "text_tokens", "output_tokens", "cost",
+            "cache_savings")
 
 
 def month_start(moment: dt.datetime) -> dt.datetime:
@@ -88,6 +98,97 @@ def partitions_ensure(*, now: dt.datetime | None = None, ahead: int | None = Non
                     made.append(partition_name(table, start))
         start = next_month(start)
     return made
+
+
+def months_held(table: str = TABLES[0]) -> list[dt.datetime]:
+    """The months `table` has a partition of, oldest first."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT c.relname FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid "
+                       "WHERE i.inhparent = %s::regclass", [table])
+        names = [name for (name,) in cursor.fetchall()]
+    return sorted(dt.datetime(int(m[1]), int(m[2]), 1, tzinfo=dt.UTC) for m in map(_MONTH.search, names) if m)
+
+
+def partitions_retire(*, now: dt.datetime | None = None, keep_months: int | None = None,
+                      archive_dir: str | None = None) -> list[str]:
+    """Drop the months of events and pictures that ended `keep_months` whole months ago or more
+    (USAGE_EVENTS_KEEP_MONTHS; 0 keeps every month), each only once checked: the rollups ran
+    past its end, every event of it is priced, and its rollups equal its events for every
+    tenant and model. Each is copied to `archive_dir` first, when one is set. A month that
+    fails a check stays, and says why. Returns the months retired ("2026-09")."""
+    keep = settings.USAGE_EVENTS_KEEP_MONTHS if keep_months is None else keep_months
+    if keep <= 0 or not all(partitioned(table) for table in TABLES):
+        return []
+    archive = settings.USAGE_ARCHIVE_DIR if archive_dir is None else archive_dir
+    cutoff = month_start(now or timezone.now())
+    for _ in range(keep):
+        cutoff = (cutoff - dt.timedelta(days=1)).replace(day=1)
+    retired = []
+    for start in months_held():
+        end = next_month(start)
+        if end > cutoff:
+            break
+        reason = _unready(start, end)
+        if reason:
+            log.error("usage of %s kept past its retention: %s", f"{start:%Y-%m}", reason)
+            continue
+        _retire(start, archive)
+        retired.append(f"{start:%Y-%m}")
+    return retired
+
+
+def _unready(start: dt.datetime, end: dt.datetime) -> str:
+    """Why the month's events may not go yet ("" when they may)."""
+    daily = RollupState.objects.filter(name="daily").values_list("watermark", flat=True).first()
+    if daily is None or daily < end:
+        return "the daily rollup has not run past its end"
+    unrated = UsageEvent.objects.filter(created_at__gte=start, created_at__lt=end, rated=False).count()
+    if unrated:
+        return f"{unrated} of its events are not priced"
+    by = ("tenant_id", "tier_id")
+    from_events, unbilled_events = month_sums(start=start, end=end, by=by, from_rollups=False)
+    from_rollups, unbilled_rollups = month_sums(start=start, end=end, by=by, from_rollups=True)
+
+    def keyed(rows):
+        return {tuple(row[f] for f in by): tuple(row[f] or 0 for f in _CHECKED) for row in rows}
+
+    events, rollups = keyed(from_events), keyed(from_rollups)
+    differ = sorted(key for key in events.keys() | rollups.keys() if events.get(key) != rollups.get(key))
+    differ += sorted(key for key in unbilled_events.keys() | unbilled_rollups.keys()
+                     if unbilled_events.get(key, 0) != unbilled_rollups.get(key, 0))
+    if differ:
+        return (f"its rollups differ from its events for (tenant, model) {differ[:5]}: "
+                f"{[(events.get(key), rollups.get(key)) for key in differ[:2]]}")
+    return ""
+
+
+def _retire(start: dt.datetime, archive: str) -> None:
+    """The month's events and pictures copied (if `archive`), detached and dropped, in one
+    transaction with the record of it."""
+    with transaction.atomic(), connection.cursor() as cursor:
+        cursor.execute("SET CONSTRAINTS ALL IMMEDIATE")  # no check of its rows left pending: it is dropped
+        counts, copies = {}, []
+        for table in TABLES:
+            name = partition_name(table, start)
+            cursor.execute(f'SELECT count(*) FROM "{name}"')
+            counts[table] = cursor.fetchone()[0]
+            if archive:
+                copies.append(_archive(cursor, name, Path(archive)))
+            cursor.execute(f'ALTER TABLE "{table}" DETACH PARTITION "{name}"')
+            cursor.execute(f'DROP TABLE "{name}"')
+        RetiredMonth.objects.create(month=start.date(), events=counts[TABLES[0]], images=counts[TABLES[1]],
+                                    archive=", ".join(copies))
+    log.warning("retired the usage of %s: %s events and %s pictures dropped%s", f"{start:%Y-%m}",
+                counts[TABLES[0]], counts[TABLES[1]], f", copied to {', '.join(copies)}" if copies else "")
+
+
+def _archive(cursor, name: str, folder: Path) -> str:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}.csv.gz"
+    with gzip.open(path, "wb") as out, cursor.cursor.copy(f'COPY "{name}" TO STDOUT (FORMAT CSV, HEADER)') as copy:
+        for data in copy:
+            out.write(data)
+    return str(path)
 
 
 def table_partition(cursor, table: str, *, months_ahead: int) -> None:

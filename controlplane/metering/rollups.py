@@ -16,6 +16,7 @@ from controlplane.metering.models import (
     DailyUsage,
     HourlyUsage,
     ImageCostHistogram,
+    RetiredMonth,
     RollupState,
     UsageEvent,
     UsageImage,
@@ -64,6 +65,7 @@ def _rollup(name, model, field, trunc, length, now, *, source, also=None) -> int
             new = UsageEvent.objects.filter(recorded_at__lte=upto, recorded_at__gt=state.watermark - ROLLUP_OVERLAP)
             periods = sorted(new.annotate(period=trunc("created_at", tzinfo=dt.UTC))
                              .values_list("period", flat=True).order_by().distinct())
+        periods = _open(periods)
         if periods:
             # The periods' rows are replaced in two statements, the new ones computed and
             # written by the database itself (INSERT ... SELECT: no row comes into Python).
@@ -77,6 +79,17 @@ def _rollup(name, model, field, trunc, length, now, *, source, also=None) -> int
         state.ran_at = now
         state.save()
     return len(periods)
+
+
+def _open(periods: list) -> list:
+    """The periods not in a retired month. Those months' events were dropped once found equal to
+    their rollups, which are now their statements' record: a period of them recomputed from
+    whatever came since would overwrite it. Usage arriving that late is left out, and said so."""
+    retired = {(day.year, day.month) for day in RetiredMonth.objects.values_list("month", flat=True)}
+    late = [period for period in periods if (period.year, period.month) in retired]
+    if late:
+        log.error("usage recorded for retired months, left out of the rollups: %s", late[:5])
+    return [period for period in periods if (period.year, period.month) not in retired]
 
 
 def _every_period(field: str, length: dt.timedelta, upto: dt.datetime) -> list:

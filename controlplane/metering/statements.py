@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from decimal import Decimal
 
-from django.db.models import Count, Sum
+from django.db.models import Count, F, Sum
 
-from controlplane.metering.models import UsageEvent
+from controlplane.metering.models import DailyUsage, RetiredMonth, UsageEvent
 from controlplane.metering.periods import month_bounds
 from controlplane.metering.services import billed
 
@@ -24,16 +24,37 @@ AMOUNTS = ("cost", "cache_savings")
 LINE_FIELDS = (*COUNTS, *AMOUNTS)
 
 
+# A month's sums, per what `values()` groups by: from its events, or from its days' rollups (equal
+# to them: a month is retired only once they were found so, metering/partitions.py).
+_FROM_EVENTS = {"requests": Count("id"), "images": Sum("image_count"), "image_tokens": Sum("image_tokens"),
+                "cached_image_tokens": Sum("cached_image_tokens"), "text_tokens": Sum("text_tokens"),
+                "output_tokens": Sum("output_tokens"), "cost": Sum("cost"), "cache_savings": Sum("cache_savings")}
+_FROM_ROLLUPS = {**{f: Sum(f) for f in _FROM_EVENTS}, "requests": Sum(F("requests") - F("unbilled_requests"))}
+
+
+def retired(year: int, month: int) -> bool:
+    """Whether the month's events were dropped: its statements are read from the rollups."""
+    return RetiredMonth.objects.filter(month=month_bounds(year, month)[0].date()).exists()
+
+
+def month_sums(*, start, end, by: tuple[str, ...], from_rollups: bool, **where):
+    """Billed usage of [start, end) summed per `by`, and the requests not billed per `by`."""
+    if from_rollups:
+        days = DailyUsage.objects.filter(day__gte=start.date(), day__lt=end.date(), **where)
+        sums = days.values(*by).order_by(*by).annotate(**_FROM_ROLLUPS)
+        unbilled = days.values(*by).order_by(*by).annotate(n=Sum("unbilled_requests"))
+        return [row for row in sums if row["requests"]], {tuple(row[f] for f in by): row["n"] or 0 for row in unbilled}
+    events = UsageEvent.objects.filter(created_at__gte=start, created_at__lt=end, **where)
+    sums = events.filter(billed()).values(*by).order_by(*by).annotate(**_FROM_EVENTS)
+    unbilled = events.exclude(billed()).values(*by).order_by(*by).annotate(n=Count("id"))
+    return list(sums), {tuple(row[f] for f in by): row["n"] for row in unbilled}
+
+
 def statement(*, tenant, year: int, month: int) -> dict:
     start, end = month_bounds(year, month)
-    month_events = UsageEvent.objects.filter(tenant=tenant, created_at__gte=start, created_at__lt=end)
-    lines = list(
-        month_events.filter(billed())
-        .values("tier__name", "tier__price_plan__currency").order_by("tier__name")
-        .annotate(requests=Count("id"), images=Sum("image_count"), image_tokens=Sum("image_tokens"),
-                  cached_image_tokens=Sum("cached_image_tokens"), text_tokens=Sum("text_tokens"),
-                  output_tokens=Sum("output_tokens"), cost=Sum("cost"), cache_savings=Sum("cache_savings"))
-    )
+    from_rollups = retired(year, month)
+    by = ("tier__name", "tier__price_plan__currency")
+    lines, unbilled = month_sums(start=start, end=end, by=by, from_rollups=from_rollups, tenant=tenant)
     rows = [{"tier": line["tier__name"], "currency": line["tier__price_plan__currency"],
              **{f: line[f] or 0 for f in COUNTS}, **{f: Decimal(line[f] or 0) for f in AMOUNTS}}
             for line in lines]
@@ -52,8 +73,11 @@ def statement(*, tenant, year: int, month: int) -> dict:
         "totals": totals,
         "total": one["total"] if one else (Decimal(0) if not totals else None),
         "cache_savings": one["cache_savings"] if one else (Decimal(0) if not totals else None),
-        "unbilled_requests": month_events.exclude(billed()).count(),
-        "unrated_requests": month_events.filter(rated=False).count(),
+        "unbilled_requests": sum(unbilled.values()),
+        # A month is retired only once every event of it was priced.
+        "unrated_requests": 0 if from_rollups else UsageEvent.objects.filter(
+            tenant=tenant, created_at__gte=start, created_at__lt=end, rated=False).count(),
+        "from_rollups": from_rollups,
     }
 
 
@@ -62,18 +86,17 @@ def month_statements(*, tenants, year: int, month: int) -> dict:
     and currency (each equal to that tenant's statement), the totals per currency of the client
     tenants, and the service's own (internal) tenants apart, in no total."""
     start, end = month_bounds(year, month)
-    events = UsageEvent.objects.filter(tenant__in=tenants, created_at__gte=start, created_at__lt=end)
+    sums, by_key = month_sums(start=start, end=end, by=("tenant__name", "tenant__internal",
+                                                         "tier__price_plan__currency"),
+                              from_rollups=retired(year, month), tenant__in=tenants)
     rows = [
         {"tenant": row["tenant__name"], "internal": row["tenant__internal"], "currency": row["tier__price_plan__currency"],
          **{f: row[f] or 0 for f in COUNTS}, **{f: Decimal(row[f] or 0) for f in AMOUNTS}}
-        for row in events.filter(billed()).values("tenant__name", "tenant__internal", "tier__price_plan__currency")
-        .order_by("tenant__name", "tier__price_plan__currency")
-        .annotate(requests=Count("id"), images=Sum("image_count"), image_tokens=Sum("image_tokens"),
-                  cached_image_tokens=Sum("cached_image_tokens"), text_tokens=Sum("text_tokens"),
-                  output_tokens=Sum("output_tokens"), cost=Sum("cost"), cache_savings=Sum("cache_savings"))
+        for row in sums
     ]
-    unbilled = dict(events.exclude(billed()).values("tenant__name").order_by().annotate(n=Count("id"))
-                    .values_list("tenant__name", "n"))
+    unbilled = {}
+    for (name, _, _), n in by_key.items():
+        unbilled[name] = unbilled.get(name, 0) + n
     totals = {}
     for row in rows:
         row["unbilled_requests"] = unbilled.get(row["tenant"], 0)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from celery import shared_task
 
 from controlplane.metering.captures import captures_prune
-from controlplane.metering.partitions import partitions_ensure
+from controlplane.metering.partitions import partitions_ensure, partitions_retire
 from controlplane.metering.rollups import rollup_daily
 
 
@@ -22,3 +22,8 @@ def metering_captures_prune() -> int:
 @shared_task(name="metering.partitions_ensure", soft_time_limit=600, time_limit=660)
 def metering_partitions_ensure() -> list[str]:
     return partitions_ensure()
+
+
+@shared_task(name="metering.partitions_retire", soft_time_limit=3600, time_limit=3700)
+def metering_partitions_retire() -> list[str]:
+    return partitions_retire()

@@ -335,7 +335,7 @@ PAGES = [
     Page("request log", "/requests/", "operator", requests, 8),
     Page("request log as a tenant admin", "/requests/", "alice_admin", requests, 8),
     Page("request", "/requests/pictured-0/", "operator", images, 9),  # one of them: its captured body
-    Page("statements", f"/statements/?tenant=alice&month={MONTH}", "finance", tiers_used, 8),
+    Page("statements", f"/statements/?tenant=alice&month={MONTH}", "finance", tiers_used, 9),  # 9: whether the month was retired (its events dropped)
     Page("exports", "/exports/", "finance", tenants, 5),
     Page("per-image export", f"/exports/images.csv?month={MONTH}", "finance", requests, 7),
     Page("monthly summary export", f"/exports/monthly-summary.csv?month={MONTH}", "finance", tenants_rolled_up, 5),
@@ -354,7 +354,7 @@ PAGES = [
     Page("api usage by tier", "/api/v1/usage/by-tier/", "alice_key", tiers_used, 3),
     Page("api quota", "/api/v1/quota/", "alice_key", requests, 2),
     Page("api cost", "/api/v1/cost/", "alice_key", tiers_used, 2),
-    Page("api statement", f"/api/v1/statements/{MONTH}/", "alice_key", tiers_used, 4),
+    Page("api statement", f"/api/v1/statements/{MONTH}/", "alice_key", tiers_used, 5),  # 5: whether the month was retired
     Page("api per-image export", f"/api/v1/exports/images.csv?month={MONTH}", "finance", requests, 7),
     Page("api monthly summary export", f"/api/v1/exports/monthly-summary.csv?month={MONTH}", "finance",
          tenants_rolled_up, 5),

@@ -1,17 +1,30 @@
 """Usage events and their pictures partitioned by month (PostgreSQL): a month's rows live in
 that month's partition, made ahead, so that a month can go with one DROP."""
 
+import csv
 import datetime as dt
+import gzip
+from decimal import Decimal
 
 import pytest
 from django.db import connection
+from django.db.models import F
 from django.utils import timezone
 
 from controlplane.imaging.policy import Policy, normalise
-from controlplane.metering.models import UsageEvent, UsageImage
-from controlplane.metering.partitions import month_start, next_month, partition_name, partitions_ensure
+from controlplane.metering.models import DailyUsage, RetiredMonth, UsageEvent, UsageImage
+from controlplane.metering.partitions import (
+    month_start,
+    months_held,
+    next_month,
+    partition_name,
+    partitions_ensure,
+    partitions_retire,
+)
 from controlplane.metering.records import UsageRecord
+from controlplane.metering.rollups import rollup_daily
 from controlplane.metering.services import usage_record, usage_record_many
+from controlplane.metering.statements import statement
 from tests.images import image_bytes
 
 pytestmark = [pytest.mark.django_db, pytest.mark.skipif("connection.vendor != 'postgresql'")]
@@ -67,3 +80,61 @@ def test_the_same_request_recorded_twice_is_stored_once_across_months(world):
     usage_record_many(records=[_record(world, "req-twice", now)])
     assert UsageEvent.objects.filter(request_id="req-twice").count() == 1
     assert UsageImage.objects.filter(event__request_id="req-twice").count() == 1
+
+
+def _past_month_with_usage(world, months_ago: int = 4) -> dt.datetime:
+    """A month `months_ago` back with three requests of alice's (one failed before an engine
+    worked on it), in its own partition, rolled up."""
+    month = month_start(timezone.now())
+    for _ in range(months_ago):
+        month = month_start(month - dt.timedelta(days=1))
+    partitions_ensure(now=month, ahead=0)
+    usage_record_many(records=[_record(world, "req-old-1", month + dt.timedelta(days=3), pictures=2),
+                               _record(world, "req-old-2", month + dt.timedelta(days=9))])
+    failed = _record(world, "req-old-failed", month + dt.timedelta(days=9))
+    failed.status, failed.http_status, failed.image_tokens, failed.images = "error", 503, 0, []
+    usage_record(record=failed)
+    rollup_daily(now=timezone.now() + dt.timedelta(seconds=2))  # past what was just recorded
+    return month
+
+
+def test_a_month_past_its_retention_goes_once_checked_and_its_statement_stays_the_same(world, tmp_path):
+    month = _past_month_with_usage(world)
+    before = statement(tenant=world.alice, year=month.year, month=month.month)
+    assert before["lines"] and before["unbilled_requests"] == 1
+
+    assert partitions_retire(keep_months=2, archive_dir=str(tmp_path)) == [f"{month:%Y-%m}"]
+
+    assert month not in months_held()
+    assert not UsageEvent.objects.filter(created_at__gte=month, created_at__lt=next_month(month)).exists()
+    after = statement(tenant=world.alice, year=month.year, month=month.month)
+    assert after["from_rollups"] and not before["from_rollups"]
+    assert {k: v for k, v in after.items() if k != "from_rollups"} == {
+        k: v for k, v in before.items() if k != "from_rollups"}
+    with gzip.open(tmp_path / f"{partition_name('metering_usageevent', month)}.csv.gz", "rt") as copy:
+        assert sorted(row["request_id"] for row in csv.DictReader(copy)) == ["req-old-1", "req-old-2", "req-old-failed"]
+    with gzip.open(tmp_path / f"{partition_name('metering_usageimage', month)}.csv.gz", "rt") as copy:
+        assert len(list(csv.DictReader(copy))) == 3
+    retired = RetiredMonth.objects.get()
+    assert (retired.events, retired.images) == (3, 3)
+
+    # Usage arriving for it afterwards is not rolled into its statement's record.
+    usage_record(record=_record(world, "req-too-late", month + dt.timedelta(days=12)))
+    rollup_daily(now=timezone.now() + dt.timedelta(seconds=4))
+    assert statement(tenant=world.alice, year=month.year, month=month.month) == after
+
+
+def test_a_month_whose_rollups_differ_from_its_events_is_kept(world):
+    month = _past_month_with_usage(world)
+    DailyUsage.objects.filter(day__gte=month.date()).update(cost=F("cost") + Decimal("0.000001"))
+
+    assert partitions_retire(keep_months=2) == []
+
+    assert month in months_held()
+    assert not RetiredMonth.objects.exists()
+
+
+def test_a_month_within_its_retention_is_kept(world):
+    month = _past_month_with_usage(world, months_ago=2)
+    assert partitions_retire(keep_months=2) == []
+    assert month in months_held()
