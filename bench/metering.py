@@ -425,6 +425,11 @@ def generate_events(world: World, first: int, count: int, *, start, end, recorde
     3 in 4 vision requests carry images (1.5 on average); 2% failed, 1% aborted."""
     from django.db import connection
 
+    from controlplane.metering.partitions import month_start, partitions_ensure
+
+    # The history's months partitioned, as beat would have made them as it went.
+    months = (end.year - start.year) * 12 + end.month - start.month
+    partitions_ensure(now=month_start(start), ahead=months)
     tables = _tables()
     with connection.cursor() as cursor:
         cursor.execute(f"SELECT COALESCE(max(id), 0) FROM {tables['event']}")
