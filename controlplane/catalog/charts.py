@@ -6,7 +6,7 @@ from __future__ import annotations
 import plotly.graph_objects as go
 
 from controlplane.catalog.models import ModelTier
-from controlplane.web.charts import MARGIN, colour_of, figure_html, series_colours
+from controlplane.web.charts import COUNT_AXIS, MARGIN, colour_of, figure_html, series_colours
 
 
 def tier_colours(tiers=None) -> dict[str, str]:
@@ -26,7 +26,7 @@ def resolution_curves_chart(curves: dict[str, list[tuple[float, int]]], *, div_i
         figure.add_scatter(name=tier, x=[mp for mp, _ in points], y=[t for _, t in points], mode="lines+markers",
                            line_color=colour_of(tier, colours))
     figure.update_layout(
-        title="Image tokens by source resolution (4:3 photo)", xaxis_title="source megapixels",
-        yaxis_title="image tokens", margin=MARGIN, height=340,
+        title="Image tokens by source resolution (4:3 photo)", xaxis={"title": "source megapixels", "rangemode": "tozero"},
+        yaxis={"title": "image tokens", **COUNT_AXIS}, margin=MARGIN, height=340,
     )
-    return figure_html(figure, div_id)
+    return figure_html(figure, div_id, empty="No vision tier to draw.")

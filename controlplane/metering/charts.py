@@ -11,12 +11,15 @@ import plotly.graph_objects as go
 from controlplane.web.charts import (
     COUNT_AXIS,
     MARGIN,
-    MONEY_AXIS,
     TIME_AXIS,
+    TOTAL_COLOUR,
     colour_of,
     figure_html,
     money,
+    money_axis,
 )
+
+NO_USAGE = "No usage in this period."
 
 
 def _unit(slots: list) -> str:
@@ -28,7 +31,8 @@ def _slot_labels(slots: list) -> list[str]:
 
 
 def _stacked_bars(slots: list, series: dict[str, list], *, title: str, axis: str, div_id: str,
-                  money_axis: bool = False, colours: Mapping[str, str] | None = None) -> str:
+                  currency: str = "", colours: Mapping[str, str] | None = None) -> str:
+    """Bars per slot, one per series stacked; in `currency` when given, else counts."""
     unit = _unit(slots)
     x = _slot_labels(slots)
     figure = go.Figure()
@@ -36,10 +40,10 @@ def _stacked_bars(slots: list, series: dict[str, list], *, title: str, axis: str
         figure.add_bar(name=name, x=x, y=[float(v) for v in values], marker_color=colour_of(name, colours))
     figure.update_layout(
         barmode="stack", title=title, xaxis_title=f"{unit} (UTC)",
-        yaxis={"title": axis, **(MONEY_AXIS if money_axis else COUNT_AXIS)},
+        yaxis=money_axis(currency) if currency else {"title": axis, **COUNT_AXIS},
         margin=MARGIN, height=420, xaxis=TIME_AXIS,
     )
-    return figure_html(figure, div_id)
+    return figure_html(figure, div_id, empty=NO_USAGE)
 
 
 def image_tokens_chart(slots: list, series: dict[str, list[int]], *, by: str = "tier",
@@ -55,7 +59,7 @@ def cost_chart(slots: list, series: dict[str, list[Decimal]], *, currency: str, 
     """Cost per hour or day, stacked per tier (each in its colour) or per tenant, in `currency`."""
     split = "" if by == "tier" else f" by {by}"
     return _stacked_bars(slots, series, title=f"Cost per {_unit(slots)} ({currency}){split}", axis=currency,
-                         div_id=f"cost{split.replace(' ', '-')}-chart", money_axis=True, colours=colours)
+                         div_id=f"cost{split.replace(' ', '-')}-chart", currency=currency, colours=colours)
 
 
 def cache_savings_chart(slots: list, savings: dict[str, list[Decimal]], cached_tokens: dict[str, list[int]],
@@ -70,16 +74,17 @@ def cache_savings_chart(slots: list, savings: dict[str, list[Decimal]], cached_t
                        marker_color=colour_of(name, colours))
     if cached_tokens:
         tokens = [sum(values) for values in zip(*cached_tokens.values(), strict=True)]
-        figure.add_scatter(name="cached image tokens", x=x, y=tokens, mode="lines+markers", yaxis="y2")
+        figure.add_scatter(name="cached image tokens", x=x, y=tokens, mode="lines+markers", yaxis="y2",
+                           line={"color": TOTAL_COLOUR})
     figure.update_layout(
         barmode="stack", title="Saved by cached images" + (f": {money(total)} {currency} in all" if total is not None
                                                            else f" ({currency})"),
-        xaxis_title=f"{unit} (UTC)", yaxis={"title": f"saved per {unit} ({currency})", **MONEY_AXIS},
+        xaxis_title=f"{unit} (UTC)", yaxis=money_axis(currency, f"saved per {unit}"),
         yaxis2={"title": "cached image tokens", "overlaying": "y", "side": "right", "showgrid": False,
                 **COUNT_AXIS},
         margin={**MARGIN, "r": 90}, height=420, xaxis=TIME_AXIS, legend={"x": 1.08},
     )
-    return figure_html(figure, "cache-savings-chart")
+    return figure_html(figure, "cache-savings-chart", empty=NO_USAGE)
 
 
 def cost_per_image_chart(distribution, *, currency: str, since: dt.date | None = None,
@@ -94,7 +99,7 @@ def cost_per_image_chart(distribution, *, currency: str, since: dt.date | None =
             name=tier, x=x, y=[bucket.images.get(tier, 0) for bucket in distribution.buckets],
             marker_color=colour_of(tier, colours),
             customdata=[float(bucket.cost.get(tier, 0)) for bucket in distribution.buckets],
-            hovertemplate="%{x}: %{y} images, %{customdata:.6f} in all",
+            hovertemplate=f"%{{x}}: %{{y}} images, %{{customdata:,.6f}} {currency} in all",
         )
     single = " " not in currency
     mean = f", {money(distribution.mean)} {currency} each on average" \
@@ -105,4 +110,4 @@ def cost_per_image_chart(distribution, *, currency: str, since: dt.date | None =
         height=380,
         xaxis={"type": "category"},
     )
-    return figure_html(figure, "cost-per-image-chart")
+    return figure_html(figure, "cost-per-image-chart", empty="No images priced in this period.")

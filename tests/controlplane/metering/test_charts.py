@@ -5,23 +5,14 @@ of "others"."""
 from __future__ import annotations
 
 import datetime as dt
-import json
 import re
 from decimal import Decimal
 
 from controlplane.metering.charts import cost_chart, image_tokens_chart
 from controlplane.web.charts import colour_of
+from tests.charts import figure_of as _figure
 
 DAYS = [dt.date(2026, 12, 1), dt.date(2026, 12, 2)]
-
-
-def _figure(html: str) -> tuple[list, dict]:
-    """The figure's traces and layout, as plotly writes them into the page."""
-    decoder = json.JSONDecoder()
-    at = re.search(r"Plotly\.newPlot\(\s*\"[^\"]+\",\s*", html).end()
-    data, at = decoder.raw_decode(html, at)
-    layout, _ = decoder.raw_decode(html, re.compile(r",\s*").match(html, at).end())
-    return data, layout
 
 
 def _layout(html: str) -> dict:

@@ -1,0 +1,128 @@
+"""Every chart of the product reads alike, whichever page draws it: each tier in its own colour
+(the same on every chart), axes of counts, measures and money that start at zero, money with
+its currency, a range slider on charts over time, and something said rather than bare axes when
+there is nothing to draw. Each chart builder is drawn here with data and without."""
+
+from __future__ import annotations
+
+import datetime as dt
+import re
+from dataclasses import dataclass, field
+from decimal import Decimal
+
+import pytest
+
+from controlplane.catalog import charts as catalog_charts
+from controlplane.metering import charts as metering_charts
+from controlplane.metering.usage import CostBucket, CostDistribution
+from controlplane.web.charts import MONEY_AXIS, PALETTE, TOTAL_COLOUR
+from tests.charts import colour_of_trace, figure_of
+
+# Colours no hash of the names would give, so a chart that ignores them is caught.
+COLOURS = {"vlm-lite": PALETTE[3], "vlm-pro": PALETTE[5]}
+DAYS = [dt.date(2026, 12, 1), dt.date(2026, 12, 2)]
+NOW = dt.datetime(2026, 12, 2, 12, tzinfo=dt.UTC)
+MINUTES = [NOW - dt.timedelta(minutes=n) for n in (2, 1, 0)]
+
+
+@dataclass
+class Case:
+    draw: object  # () -> html, with data
+    draw_empty: object  # () -> html, with nothing to draw
+    # The tier each trace is of, by its name (a tier named in it, by default); None: a sum
+    # over tiers, drawn in TOTAL_COLOUR.
+    tier_of: object = None
+    money: dict[str, str] = field(default_factory=dict)  # axis -> the currency its title names
+
+
+def _named_tier(trace: dict) -> str | None:
+    return next((tier for tier in COLOURS if tier in trace.get("name", "")), None)
+
+
+def _distribution(images: dict[str, int]) -> CostDistribution:
+    bucket = CostBucket(Decimal("0.0001"), "0.0001–0.0002", images=images,
+                        cost={tier: Decimal("0.00015") * n for tier, n in images.items()})
+    return CostDistribution(buckets=[bucket] if images else [], images=sum(images.values()),
+                            cost=sum(bucket.cost.values(), Decimal(0)), priced_images=sum(images.values()))
+
+
+def _cases() -> dict[str, Case]:
+    return {
+        "metering.image_tokens_chart": Case(
+            lambda: metering_charts.image_tokens_chart(DAYS, {"vlm-lite": [0, 3], "vlm-pro": [1, 2]},
+                                                       colours=COLOURS),
+            lambda: metering_charts.image_tokens_chart(DAYS, {}, colours=COLOURS)),
+        "metering.cost_chart": Case(
+            lambda: metering_charts.cost_chart(DAYS, {"vlm-lite": [Decimal("0.00015"), Decimal(0)]},
+                                               currency="EUR", colours=COLOURS),
+            lambda: metering_charts.cost_chart(DAYS, {}, currency="EUR", colours=COLOURS), money={"yaxis": "EUR"}),
+        "metering.cache_savings_chart": Case(
+            lambda: metering_charts.cache_savings_chart(DAYS, {"vlm-lite": [Decimal("0.1"), Decimal(0)]},
+                                                        {"vlm-lite": [10, 0]}, total=Decimal("0.1"), currency="EUR",
+                                                        colours=COLOURS),
+            lambda: metering_charts.cache_savings_chart(DAYS, {}, {}, total=None, currency="EUR", colours=COLOURS),
+            money={"yaxis": "EUR"}),
+        "metering.cost_per_image_chart": Case(
+            lambda: metering_charts.cost_per_image_chart(_distribution({"vlm-lite": 3, "vlm-pro": 1}),
+                                                         currency="EUR", colours=COLOURS),
+            lambda: metering_charts.cost_per_image_chart(_distribution({}), currency="EUR", colours=COLOURS)),
+        "catalog.resolution_curves_chart": Case(
+            lambda: catalog_charts.resolution_curves_chart({"vlm-lite": [(0.3, 256), (1.2, 1024)]}, colours=COLOURS),
+            lambda: catalog_charts.resolution_curves_chart({}, colours=COLOURS)),
+    }
+
+
+CASES = _cases()
+
+
+def _axes(layout: dict) -> dict[str, dict]:
+    return {name: axis for name, axis in layout.items() if re.fullmatch(r"[xy]axis\d*", name)}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_each_tier_is_drawn_in_its_own_colour(name):
+    case = CASES[name]
+    traces, _ = figure_of(case.draw())
+    tier_of = case.tier_of or _named_tier
+    assert traces
+    for trace in traces:
+        tier = tier_of(trace)
+        assert colour_of_trace(trace) == (COLOURS[tier] if tier else TOTAL_COLOUR), trace.get("name")
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_value_axes_start_at_zero_however_flat_the_data(name):
+    _, layout = figure_of(CASES[name].draw())
+    for axis_name, axis in _axes(layout).items():
+        if axis_name.startswith("y") or axis_name in CASES[name].money:
+            starts_at_zero = axis.get("rangemode") == "tozero" or (axis.get("range") or [None])[0] == 0
+            assert starts_at_zero, axis_name
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_money_is_printed_as_money_and_named_in_its_currency(name):
+    _, layout = figure_of(CASES[name].draw())
+    axes = _axes(layout)
+    for axis_name, currency in CASES[name].money.items():
+        assert axes[axis_name]["tickformat"] == MONEY_AXIS["tickformat"], axis_name
+        assert currency in axes[axis_name]["title"]["text"], axis_name
+    if "xaxis" in CASES[name].money:  # an amount hovered over says its currency too
+        for trace in figure_of(CASES[name].draw())[0]:
+            hover = trace.get("hovertemplate") or ""
+            assert "%{x" not in hover or CASES[name].money["xaxis"] in hover, trace.get("name")
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_charts_over_time_have_a_range_slider(name):
+    _, layout = figure_of(CASES[name].draw())
+    for axis_name, axis in _axes(layout).items():
+        if axis.get("type") == "date":
+            assert axis["rangeslider"]["visible"], axis_name
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_a_chart_with_nothing_to_draw_says_so_instead_of_drawing_bare_axes(name):
+    html = CASES[name].draw_empty()
+    assert "Plotly.newPlot" not in html and 'class="chart-empty"' in html
+    div_id = re.search(r'Plotly\.newPlot\(\s*"([^"]+)"', CASES[name].draw()).group(1)
+    assert f'id="{div_id}"' in html  # where the page links to the chart, the link still lands
