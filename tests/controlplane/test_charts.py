@@ -9,10 +9,12 @@ import datetime as dt
 import re
 from dataclasses import dataclass, field
 from decimal import Decimal
+from types import SimpleNamespace
 
 import pytest
 
 from controlplane.catalog import charts as catalog_charts
+from controlplane.fleet import charts as fleet_charts
 from controlplane.metering import charts as metering_charts
 from controlplane.metering.usage import CostBucket, CostDistribution
 from controlplane.web.charts import MONEY_AXIS, PALETTE, TOTAL_COLOUR
@@ -46,7 +48,16 @@ def _distribution(images: dict[str, int]) -> CostDistribution:
                             cost=sum(bucket.cost.values(), Decimal(0)), priced_images=sum(images.values()))
 
 
+def _sample(at: dt.datetime, waiting: float) -> SimpleNamespace:
+    return SimpleNamespace(at=at, running=1.0, waiting=waiting, kv_cache_usage=0.4, ttft=None)
+
+
+def _traffic(at: dt.datetime, latency: float) -> SimpleNamespace:
+    return SimpleNamespace(at=at, latency_p50=latency, latency_p95=2 * latency)
+
+
 def _cases() -> dict[str, Case]:
+    lite = {"tier_of": lambda trace: "vlm-lite"}
     return {
         "metering.image_tokens_chart": Case(
             lambda: metering_charts.image_tokens_chart(DAYS, {"vlm-lite": [0, 3], "vlm-pro": [1, 2]},
@@ -69,6 +80,17 @@ def _cases() -> dict[str, Case]:
         "catalog.resolution_curves_chart": Case(
             lambda: catalog_charts.resolution_curves_chart({"vlm-lite": [(0.3, 256), (1.2, 1024)]}, colours=COLOURS),
             lambda: catalog_charts.resolution_curves_chart({}, colours=COLOURS)),
+        "fleet.engine_load_chart": Case(
+            lambda: fleet_charts.engine_load_chart([_sample(at, n) for n, at in enumerate(MINUTES)], tier="vlm-lite",
+                                                   colours=COLOURS),
+            lambda: fleet_charts.engine_load_chart([], tier="vlm-lite", colours=COLOURS), **lite),
+        "fleet.operations_chart": Case(
+            lambda: fleet_charts.operations_chart(
+                "latency-chart", "Latency (ms)", "ms", {"vlm-lite": [_traffic(at, 100) for at in MINUTES],
+                                                        "vlm-pro#3 on gpu-a": [_traffic(at, 90) for at in MINUTES]},
+                lambda p: p.latency_p50, lambda p: p.latency_p95, colours=COLOURS, span=dt.timedelta(hours=1)),
+            lambda: fleet_charts.operations_chart("latency-chart", "Latency (ms)", "ms", {}, lambda p: p.latency_p50,
+                                                  colours=COLOURS, span=dt.timedelta(hours=1))),
     }
 
 

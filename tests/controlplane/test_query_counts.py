@@ -328,7 +328,8 @@ PAGES = [
     Page("tenant routing rules", "/tenants/alice/rules/", "operator", routing_rules, 10),
     Page("account routing rules", "/account/rules/", "alice_admin", routing_rules, 8),
     Page("fleet", "/fleet/", "operator", engines, 14),
-    Page("fleet engine", "/fleet/{pk}/", "operator", engine_history, 8, _pk(EngineInstance, port=9000)),
+    # one of them: every tier's colour, its load drawn in its tier's
+    Page("fleet engine", "/fleet/{pk}/", "operator", engine_history, 9, _pk(EngineInstance, port=9000)),
     Page("operations", "/operations/", "operator", engines, 16),  # latency by class: per tier, per engine
     Page("alerts", "/alerts/", "operator", alerts, 11),
     Page("audit log", "/audit/", "finance", audit_entries, 8),

@@ -16,6 +16,7 @@ from django.shortcuts import get_object_or_404, redirect, render
 from django.utils import timezone
 from django.views.decorators.http import require_POST
 
+from controlplane.catalog.charts import tier_colours
 from controlplane.catalog.models import MAX_REPLICAS, ModelTier
 from controlplane.fleet.charts import engine_load_chart
 from controlplane.fleet.kv_check import kv_check
@@ -59,7 +60,7 @@ def fleet_instance(request, pk: int):
     return render(request, "fleet/fleet_instance.html", {
         "instance": instance,
         "events": instance.events.all()[:50],
-        "chart": engine_load_chart(samples) if samples else "",
+        "chart": engine_load_chart(samples, tier=instance.tier.name, colours=tier_colours()),
         "kv": kv_check(instance),
     })
 

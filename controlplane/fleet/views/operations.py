@@ -10,18 +10,17 @@ from __future__ import annotations
 import datetime as dt
 import functools
 
-import plotly.graph_objects as go
 from django.contrib.auth.decorators import login_required
 from django.shortcuts import render
 from django.utils import timezone
 
 from controlplane.catalog.charts import tier_colours
 from controlplane.catalog.models import ModelTier
+from controlplane.fleet.charts import operations_chart
 from controlplane.fleet.models import EngineInstance
 from controlplane.fleet.selectors import engine_series, node_summaries
 from controlplane.metering.traffic import CLASSES, latency_by_class, traffic_by_tier
 from controlplane.web.access import operators_only
-from controlplane.web.charts import colour_of, figure_html
 
 # The windows an operator picks from, and the bucket each is drawn in (about 60 points).
 WINDOWS = {"1h": (dt.timedelta(hours=1), dt.timedelta(minutes=1)),
@@ -50,7 +49,7 @@ def operations(request):
     engines = {_engine_label(instances[pk]): points for pk, points in
                engine_series(since=since, until=until, bucket=bucket, tier_ids=tier_ids).items() if pk in instances}
     seconds = bucket.total_seconds()
-    line = functools.partial(_lines, colours=tier_colours(tiers))
+    line = functools.partial(_chart, colours=tier_colours(tiers), span=length)
     charts = [
         line("latency-chart", "End-to-end latency (ms)", "ms", traffic,
                lambda p: p.latency_p50, lambda p: p.latency_p95),
@@ -102,21 +101,8 @@ def _engine_label(instance: EngineInstance) -> str:
     return f"{instance.tier.name}#{instance.pk}{where}"
 
 
-def _lines(div_id: str, title: str, axis: str, series: dict[str, list], p50, p95=None, *,
-           colours: dict[str, str]) -> dict:
-    """One line per series (p50 solid, p95 dotted in the same colour: its tier's)."""
-    figure = go.Figure()
-    for name, points in sorted(series.items()):
-        colour = colour_of(name.split("#")[0], colours)
-        x = [p.at.isoformat() for p in points]
-        figure.add_scatter(name=f"{name} p50" if p95 else name, x=x, y=[p50(p) for p in points], mode="lines+markers",
-                           line={"color": colour}, marker={"size": 4}, legendgroup=name)
-        if p95:
-            figure.add_scatter(name=f"{name} p95", x=x, y=[p95(p) for p in points], mode="lines",
-                               line={"color": colour, "dash": "dot"}, legendgroup=name)
-    figure.update_layout(title=title, yaxis_title=axis, height=300, margin={"l": 60, "r": 20, "t": 50, "b": 40},
-                         xaxis={"type": "date"}, showlegend=True)
-    return {"id": div_id, "html": figure_html(figure, div_id), "empty": not series}
+def _chart(div_id: str, *args, **kwargs) -> dict:
+    return {"id": div_id, "html": operations_chart(div_id, *args, **kwargs)}
 
 
 def _totals(traffic: dict[str, list], length: dt.timedelta) -> list[dict]:

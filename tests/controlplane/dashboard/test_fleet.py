@@ -220,3 +220,11 @@ def test_registering_an_engine_for_a_tier_that_is_not_one_is_a_404(client, world
     client.force_login(world.operator)
     response = client.post("/fleet/external/", {"tier": tier, "url": "http://vllm-7b.inference.svc:8000"})
     assert response.status_code == 404
+
+
+def test_an_engine_not_scraped_yet_says_so_where_its_load_chart_will_be(client, fleet):
+    world, node, running = fleet
+    client.force_login(world.operator)
+    page = client.get(f"/fleet/{running.pk}/").content.decode()
+    assert 'id="engine-load"' in page and "No scrapes of this engine yet." in page
+    assert "Plotly.newPlot" not in page

@@ -161,3 +161,16 @@ def test_the_page_draws_every_chart_for_operators_only(client, world):
     assert client.get("/operations/?window=forever&tier=nope").status_code == 200
     client.force_login(world.finance)
     assert client.get("/operations/").status_code == 403
+
+
+def test_a_quiet_window_says_there_is_nothing_to_draw_and_busy_charts_start_at_zero(client, world):
+    from tests.charts import figure_of
+
+    instance = EngineInstance.objects.create(tier=world.vision, actual_state="running")
+    EngineMetricSample.objects.create(instance=instance, at=timezone.now() - dt.timedelta(seconds=30), waiting=3)
+    client.force_login(world.operator)
+    page = client.get("/operations/").content.decode()
+    latency = page.split('data-chart="latency-chart"')[1].split("</section>")[0]
+    assert "Nothing to draw in this window." in latency and "Plotly.newPlot" not in latency
+    _, layout = figure_of(page, "queue-chart")
+    assert layout["yaxis"]["rangemode"] == "tozero" and layout["xaxis"]["rangeslider"]["visible"]
