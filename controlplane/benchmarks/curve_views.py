@@ -42,8 +42,7 @@ def _runs():
 
 
 def curve_name(run: BenchmarkRun) -> str:
-    tier = (run.config or {}).get("tier", {}).get("name") or run.profile.tier.name
-    return f"#{run.pk} {tier}" + (f" {run.label}" if run.label else "")
+    return f"#{run.pk} {charts.Run.of(run).tier}" + (f" {run.label}" if run.label else "")
 
 
 class CurveRunsForm(forms.Form):
@@ -64,14 +63,16 @@ class CurveRunsForm(forms.Form):
         return [self.others[pk] for pk in self.cleaned_data["also"]] if self.is_valid() else []
 
 
-def run_curve_context(request, run: BenchmarkRun) -> dict:
+def run_curve_context(request, run: BenchmarkRun, *, colours: dict[str, str]) -> dict:
     """What the run page shows of the curve: the chart of the set's accuracy against cost (with
     the runs asked for beside it) and the advisor, with its advice when a target was given."""
     if not selectors.curve_points(run.results or {}):
         return {}
     curve_form = CurveRunsForm(request.GET if "also" in request.GET else None, run=run)
-    named = [(curve_name(run), run.results)] + [(curve_name(other), other.results) for other in curve_form.chosen()]
-    context = {"curve_form": curve_form, "curve_chart": charts.set_curve_chart(named)}
+    drawn = [run, *curve_form.chosen()]
+    context = {"curve_form": curve_form,
+               "curve_chart": charts.set_curve_chart([charts.Run.of(each, curve_name(each)) for each in drawn],
+                                                     currency=charts.currency_of(drawn), colours=colours)}
     if run.state != BenchmarkRun.State.SUCCEEDED:
         return context
     asked = "target_kind" in request.GET
@@ -89,7 +90,7 @@ def run_curve_context(request, run: BenchmarkRun) -> dict:
 CASCADE_THRESHOLDS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, cascade_curve.ALWAYS)
 
 
-def run_cascade_context(request, run: BenchmarkRun) -> dict:
+def run_cascade_context(request, run: BenchmarkRun, *, colours: dict[str, str]) -> dict:
     """Two caps of the run as a cascade's cheap and strong attempts: what each threshold on the
     cheap answer's token probability would give, accuracy against cost, and the cheapest
     threshold within a point and within two of always escalating."""
@@ -108,7 +109,9 @@ def run_cascade_context(request, run: BenchmarkRun) -> dict:
     picks = [(f"within {gap} point{'s' if gap > 1 else ''} of always escalating",
               cascade_curve.cheapest_within(points, always.accuracy - gap / 100)) for gap in (1, 2)]
     return {"cascade_form": form, "cascade_items": len(items),
-            "cascade_chart": charts.cascade_chart(points, cheap_cap=cheap, strong_cap=strong),
+            "cascade_chart": charts.cascade_chart(points, cheap_cap=cheap, strong_cap=strong,
+                                                  tier=charts.Run.of(run).tier, currency=charts.currency_of([run]),
+                                                  colours=colours),
             "cascade_rows": [cascade_curve.point(items, t) for t in CASCADE_THRESHOLDS],
             "cascade_picks": [(name, pick) for name, pick in picks if pick is not None]}
 

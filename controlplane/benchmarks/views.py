@@ -43,6 +43,7 @@ from controlplane.benchmarks.models import (
     EvalItem,
     EvalSet,
 )
+from controlplane.catalog.charts import tier_colours
 from controlplane.tenants import roles
 
 
@@ -147,21 +148,22 @@ def run_detail(request, pk: int):
     results = run.results or {}
     has_stages = bool(results.get("stages"))
     caps = results.get("caps") or []
+    drawn, colours = [charts.Run.of(run)], tier_colours()
     return render(request, "benchmarks/run.html", {
         "run": run,
         "caps": selectors.cap_task_rows(caps),
         "answers": list(itertools.islice(curves.answer_rows(results), 200)),
-        "quality_chart": charts.quality_cost_chart([(str(run), results)]) if any(c["tasks"] for c in caps)
-        else None,
-        "resolution_chart": charts.resolution_chart(results) if caps else None,
+        "quality_chart": charts.quality_cost_chart(drawn, currency=charts.currency_of([run]), colours=colours)
+        if any(c["tasks"] for c in caps) else None,
+        "resolution_chart": charts.resolution_chart(results, tier=drawn[0].tier, colours=colours) if caps else None,
         "rows": selectors.stage_rows(results),
-        "ttft_chart": charts.latency_chart([(str(run), results)]) if has_stages else None,
-        "tpot_chart": charts.latency_chart([(str(run), results)], metric="tpot", div_id="tpot-chart")
+        "ttft_chart": charts.latency_chart(drawn, colours=colours) if has_stages else None,
+        "tpot_chart": charts.latency_chart(drawn, metric="tpot", div_id="tpot-chart", colours=colours)
         if has_stages else None,
-        "throughput_chart": charts.throughput_chart([(str(run), results)]) if has_stages else None,
+        "throughput_chart": charts.throughput_chart(drawn, colours=colours) if has_stages else None,
         "others": BenchmarkRun.objects.filter(profile=run.profile).exclude(pk=run.pk)[:20],
-        **curve_views.run_curve_context(request, run),
-        **curve_views.run_cascade_context(request, run),
+        **curve_views.run_curve_context(request, run, colours=colours),
+        **curve_views.run_cascade_context(request, run, colours=colours),
     })
 
 
@@ -181,16 +183,19 @@ def compare(request):
     form = CompareForm(request.GET or None)
     context = {"form": form}
     if form.is_valid():
-        a = get_object_or_404(BenchmarkRun.objects.select_related("profile"), pk=form.cleaned_data["a"])
-        b = get_object_or_404(BenchmarkRun.objects.select_related("profile"), pk=form.cleaned_data["b"])
-        named = [(f"A #{a.pk}", a.results or {}), (f"B #{b.pk}", b.results or {})]
+        runs = BenchmarkRun.objects.select_related("profile__tier__price_plan")
+        a = get_object_or_404(runs, pk=form.cleaned_data["a"])
+        b = get_object_or_404(runs, pk=form.cleaned_data["b"])
+        named = [charts.Run.of(a, f"A #{a.pk}"), charts.Run.of(b, f"B #{b.pk}")]
+        colours, currency = tier_colours(), charts.currency_of([a, b])
         context.update(a=a, b=b, rows=selectors.comparison_rows(a, b), changes=selectors.config_changes(a, b),
-                       ttft_chart=charts.latency_chart(named, quantiles=("p99",)),
-                       throughput_chart=charts.throughput_chart(named))
-        if any(results.get("caps") for _, results in named):
-            context.update(quality_chart=charts.quality_cost_chart(named), caps_rows=selectors.cap_rows(a, b))
-            if any(selectors.curve_points(results) for _, results in named):
-                context["curve_chart"] = charts.set_curve_chart(named)
+                       ttft_chart=charts.latency_chart(named, quantiles=("p99",), colours=colours),
+                       throughput_chart=charts.throughput_chart(named, colours=colours))
+        if any(run.results.get("caps") for run in named):
+            context.update(quality_chart=charts.quality_cost_chart(named, currency=currency, colours=colours),
+                           caps_rows=selectors.cap_rows(a, b))
+            if any(selectors.curve_points(run.results) for run in named):
+                context["curve_chart"] = charts.set_curve_chart(named, currency=currency, colours=colours)
     return render(request, "benchmarks/compare.html", context)
 
 

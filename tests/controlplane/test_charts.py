@@ -1,18 +1,24 @@
 """Every chart of the product reads alike, whichever page draws it: each tier in its own colour
 (the same on every chart), axes of counts, measures and money that start at zero, money with
 its currency, a range slider on charts over time, and something said rather than bare axes when
-there is nothing to draw. Each chart builder is drawn here with data and without."""
+there is nothing to draw. Each chart builder is drawn here with data and without; a builder
+added without a case here fails the first test."""
 
 from __future__ import annotations
 
 import datetime as dt
+import importlib
+import inspect
 import re
 from dataclasses import dataclass, field
 from decimal import Decimal
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
+from controlplane.benchmarks import charts as benchmark_charts
+from controlplane.benchmarks.cascade_curve import Point
 from controlplane.catalog import charts as catalog_charts
 from controlplane.fleet import charts as fleet_charts
 from controlplane.metering import charts as metering_charts
@@ -56,6 +62,32 @@ def _traffic(at: dt.datetime, latency: float) -> SimpleNamespace:
     return SimpleNamespace(at=at, latency_p50=latency, latency_p95=2 * latency)
 
 
+def _load_results(p99: float) -> dict:
+    figures = {"ttft": {"p50": p99 / 2, "p99": p99}, "tpot": {"p50": 9.0, "p99": 20.0}}
+    return {"arrival": "open", "stages": [
+        {"level": level, "classes": {"text": figures, "image": figures},
+         "throughput": {"requests_per_s": level}, "goodput": {"requests_per_s": level * 0.9}}
+        for level in (1.0, 2.0)]}
+
+
+def _sweep_results(accuracy: float) -> dict:
+    return {"caps": [
+        {"cap": cap, "cost_per_image": cost, "mean_image_tokens": cap / 784, "ttft": {"p50": 40.0},
+         "e2e": {"p50": 90.0}, "tasks": {"read": {"metric": "anls", "value": accuracy, "interval": [0.6, 0.9]}},
+         "overall": {"accuracy": accuracy, "interval": [0.6, 0.9]}}
+        for cap, cost in ((200_704, "0.000039"), (1_003_520, "0.000192"))]}
+
+
+def _runs(results) -> list:
+    return [benchmark_charts.Run("vlm-lite #1", results(0.7), "vlm-lite"),
+            benchmark_charts.Run("vlm-pro #2", results(0.8), "vlm-pro")]
+
+
+def _cascade_points() -> list[Point]:
+    return [Point(threshold, 0.7 + threshold / 10, None, Decimal("0.04") + Decimal(threshold) / 10, threshold)
+            for threshold in (0.0, 0.5, 1.0)]
+
+
 def _cases() -> dict[str, Case]:
     lite = {"tier_of": lambda trace: "vlm-lite"}
     return {
@@ -91,10 +123,47 @@ def _cases() -> dict[str, Case]:
                 lambda p: p.latency_p50, lambda p: p.latency_p95, colours=COLOURS, span=dt.timedelta(hours=1)),
             lambda: fleet_charts.operations_chart("latency-chart", "Latency (ms)", "ms", {}, lambda p: p.latency_p50,
                                                   colours=COLOURS, span=dt.timedelta(hours=1))),
+        "benchmarks.latency_chart": Case(
+            lambda: benchmark_charts.latency_chart(_runs(lambda _: _load_results(300.0)), colours=COLOURS),
+            lambda: benchmark_charts.latency_chart([benchmark_charts.Run("vlm-lite #1", {}, "vlm-lite")],
+                                                   colours=COLOURS)),
+        "benchmarks.throughput_chart": Case(
+            lambda: benchmark_charts.throughput_chart(_runs(lambda _: _load_results(300.0)), colours=COLOURS),
+            lambda: benchmark_charts.throughput_chart([], colours=COLOURS)),
+        "benchmarks.quality_cost_chart": Case(
+            lambda: benchmark_charts.quality_cost_chart(_runs(_sweep_results), currency="EUR", colours=COLOURS),
+            lambda: benchmark_charts.quality_cost_chart([], currency="EUR", colours=COLOURS), money={"xaxis": "EUR"}),
+        "benchmarks.set_curve_chart": Case(
+            lambda: benchmark_charts.set_curve_chart(_runs(_sweep_results), currency="EUR", colours=COLOURS),
+            lambda: benchmark_charts.set_curve_chart([], currency="EUR", colours=COLOURS), money={"xaxis": "EUR"}),
+        "benchmarks.resolution_chart": Case(
+            lambda: benchmark_charts.resolution_chart(_sweep_results(0.7), tier="vlm-lite", colours=COLOURS),
+            lambda: benchmark_charts.resolution_chart({}, tier="vlm-lite", colours=COLOURS), **lite),
+        "benchmarks.cascade_chart": Case(
+            lambda: benchmark_charts.cascade_chart(_cascade_points(), cheap_cap=200_704, strong_cap=1_003_520,
+                                                   tier="vlm-lite", currency="EUR", colours=COLOURS),
+            lambda: benchmark_charts.cascade_chart([], cheap_cap=200_704, strong_cap=1_003_520, tier="vlm-lite",
+                                                   currency="EUR", colours=COLOURS),
+            money={"xaxis": "EUR"}, **lite),
     }
 
 
 CASES = _cases()
+
+
+def _builders() -> set[str]:
+    """Every chart builder of the product: the `*_chart` functions of its charts modules."""
+    root = Path(__file__).resolve().parents[2] / "controlplane"
+    found = set()
+    for path in root.glob("*/charts.py"):
+        module = importlib.import_module(f"controlplane.{path.parent.name}.charts")
+        found |= {f"{path.parent.name}.{name}" for name, function in inspect.getmembers(module, inspect.isfunction)
+                  if name.endswith("_chart") and function.__module__ == module.__name__}
+    return found
+
+
+def test_every_chart_builder_is_held_to_the_rules_below():
+    assert _builders() == set(CASES)
 
 
 def _axes(layout: dict) -> dict[str, dict]:

@@ -342,7 +342,7 @@ PAGES = [
     Page("monthly summary export", f"/exports/monthly-summary.csv?month={MONTH}", "finance", tenants_rolled_up, 5),
     Page("benchmarks", "/benchmarks/", "operator", profiles, 7),
     Page("benchmark profile", "/benchmarks/{pk}/", "operator", runs, 11, _pk(BenchmarkProfile, name="watched")),
-    Page("benchmark run", "/benchmarks/runs/{pk}/", "operator", runs, 7,
+    Page("benchmark run", "/benchmarks/runs/{pk}/", "operator", runs, 8,  # one of them: every tier's colour
          lambda: BenchmarkRun.objects.filter(profile__name="watched").order_by("pk").first().pk),
     Page("eval sets", "/benchmarks/sets/", "operator", eval_sets, 8),
     Page("eval set", "/benchmarks/sets/{pk}/", "operator", items, 10, _pk(EvalSet, name="watched")),

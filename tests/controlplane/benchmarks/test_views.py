@@ -226,3 +226,19 @@ def test_a_gateway_url_inside_the_network_is_a_form_error(client, world, setting
     assert not BenchmarkProfile.objects.exists()
     settings.OPERATOR_URL_TRUSTED_NETWORKS = ["10.0.0.0/8"]
     assert client.post("/benchmarks/new/", form_data(world, gateway_url="http://10.0.0.9:8000")).status_code == 302
+
+
+def test_a_runs_charts_are_in_its_tiers_colour_and_its_costs_in_its_plans_currency(client, world):
+    from controlplane.catalog.charts import tier_colours
+    from tests.charts import colour_of_trace, figure_of
+    from tests.factories import PricePlanFactory, VisionTierFactory
+
+    tier = VisionTierFactory(name="vlm-euro", price_plan=PricePlanFactory(name="euro", currency="EUR"),
+                             resolution_policy=world.vision.resolution_policy)
+    client.force_login(world.operator)
+    run = resolution_run(make_profile(tier, kind="resolution"))
+    page = client.get(f"/benchmarks/runs/{run.pk}/").content.decode()
+    traces, layout = figure_of(page, "quality-cost-chart")
+    assert {colour_of_trace(trace) for trace in traces} == {tier_colours()["vlm-euro"]}
+    assert tier_colours()["vlm-euro"] != tier_colours()[world.vision.name]
+    assert layout["xaxis"]["title"]["text"] == "cost per image (EUR)"
