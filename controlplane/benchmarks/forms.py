@@ -17,7 +17,7 @@ from controlplane.tenants.models import Tenant
 
 class ProfileForm(forms.ModelForm):
     gateway_url = forms.URLField(
-        assume_scheme="http", required=False,
+        assume_scheme="http", required=False, label="Gateway URL",
         help_text=BenchmarkProfile._meta.get_field("gateway_url").help_text)
 
     class Meta:
@@ -29,6 +29,16 @@ class ProfileForm(forms.ModelForm):
                   "tpot_slo_ms", "schedule_enabled", "schedule_cron"]
         widgets = {"description": forms.Textarea(attrs={"rows": 2}),
                    "image_buckets": forms.Textarea(attrs={"rows": 3})}
+        # In words: the columns' names read as code ("Ttft slo ms").
+        labels = {"text_share": "Share of text-only requests",
+                  "images_per_request_min": "Fewest images per request",
+                  "images_per_request_max": "Most images per request", "image_buckets": "Image sizes",
+                  "prompt_tokens_min": "Fewest prompt tokens", "prompt_tokens_max": "Most prompt tokens",
+                  "output_tokens_min": "Fewest output tokens", "output_tokens_max": "Most output tokens",
+                  "sweep": "Load levels", "stage_duration_s": "Seconds per level", "eval_set": "Evaluation set",
+                  "ttft_slo_ms": "Time to first token objective (ms)",
+                  "tpot_slo_ms": "Time per output token objective (ms)",
+                  "schedule_enabled": "Run on a schedule", "schedule_cron": "Schedule (cron)"}
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -153,7 +163,8 @@ class GateForm(forms.Form):
     eval_set = forms.ModelChoiceField(queryset=None, label="Gate set", help_text="What a change is measured on")
     tolerance_points = forms.FloatField(min_value=0, max_value=100, initial=2.0,
                                         help_text="The largest drop in accuracy, in points, a change may bring")
-    max_tokens = forms.IntegerField(min_value=1, max_value=4096, initial=16, help_text="Longest answer asked for")
+    max_tokens = forms.IntegerField(min_value=1, max_value=4096, initial=16, label="Longest answer (tokens)",
+                                    help_text="Longest answer asked for")
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
