@@ -61,9 +61,10 @@ def engine_load_chart(samples, *, tier: str, colours: Mapping[str, str] | None =
 
 
 def operations_chart(div_id: str, title: str, axis: str, series: Mapping[str, list], p50: Callable,
-                     p95: Callable | None = None, *, colours: Mapping[str, str], span: dt.timedelta) -> str:
-    """One line per series over the last `span` (p50 solid, p95 dotted in the same colour: its
-    tier's, an engine's series being named "tier#pk on node")."""
+                     p95: Callable | None = None, *, colours: Mapping[str, str], span: dt.timedelta,
+                     until: dt.datetime | None = None) -> str:
+    """One line per series over the `span` up to `until` (p50 solid, p95 dotted in the same
+    colour: its tier's, an engine's series being named "tier#pk on node")."""
     figure = go.Figure()
     for name, points in sorted(series.items()):
         colour = colour_of(name.split("#")[0], colours)
@@ -74,5 +75,5 @@ def operations_chart(div_id: str, title: str, axis: str, series: Mapping[str, li
             figure.add_scatter(name=f"{name} p95", x=x, y=[p95(p) for p in points], mode="lines",
                                line={"color": colour, "dash": "dot"}, legendgroup=name)
     figure.update_layout(title=title, yaxis={"title": axis, **MEASURE_AXIS}, height=340,
-                         margin={**MARGIN, "b": 40}, xaxis=time_axis(span), showlegend=True)
+                         margin={**MARGIN, "b": 40}, xaxis=time_axis(span, until=until), showlegend=True)
     return figure_html(figure, div_id, empty="Nothing to draw in this window.")

@@ -65,15 +65,21 @@ SPANS = (("15 minutes", 15, "minute", dt.timedelta(minutes=15)), ("1 hour", 1, "
          ("7 days", 7, "day", dt.timedelta(days=7)))
 
 
-def time_axis(span: dt.timedelta | None = None) -> dict:
+def time_axis(span: dt.timedelta | None = None, *, until: dt.datetime | None = None) -> dict:
     """The x axis of a chart over time: a range slider under it, and buttons for the last day,
     week and all of it; for a chart over a known `span`, buttons for the two longest stretches
-    shorter than it instead (a "7 days" button on an hour's chart would do nothing)."""
+    shorter than it instead (a "7 days" button on an hour's chart would do nothing). With
+    `until`, the axis shows the whole span up to it, however few points fall in it (one point
+    alone would otherwise be drawn across a millisecond)."""
     spans = [s for s in SPANS if s[3] < span][-2:] if span else [s for s in SPANS if s[2] == "day"]
     buttons = [{"count": count, "label": label, "step": step, "stepmode": "backward"}
                for label, count, step, _ in spans]
-    return {"type": "date", "rangeslider": {"visible": True, "thickness": 0.07},
+    axis = {"type": "date", "rangeslider": {"visible": True, "thickness": 0.07},
             "rangeselector": {"buttons": [*buttons, {"step": "all", "label": "all"}]}}
+    if span and until:
+        shown = [(until - span).isoformat(), until.isoformat()]
+        axis["range"], axis["rangeslider"]["range"] = shown, shown
+    return axis
 
 
 TIME_AXIS = time_axis()

@@ -49,7 +49,7 @@ def operations(request):
     engines = {_engine_label(instances[pk]): points for pk, points in
                engine_series(since=since, until=until, bucket=bucket, tier_ids=tier_ids).items() if pk in instances}
     seconds = bucket.total_seconds()
-    line = functools.partial(_chart, colours=tier_colours(tiers), span=length)
+    line = functools.partial(_chart, colours=tier_colours(tiers), span=length, until=until)
     charts = [
         line("latency-chart", "End-to-end latency (ms)", "ms", traffic,
                lambda p: p.latency_p50, lambda p: p.latency_p95),

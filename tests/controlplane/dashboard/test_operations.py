@@ -174,3 +174,15 @@ def test_a_quiet_window_says_there_is_nothing_to_draw_and_busy_charts_start_at_z
     assert "Nothing to draw in this window." in latency and "Plotly.newPlot" not in latency
     _, layout = figure_of(page, "queue-chart")
     assert layout["yaxis"]["rangemode"] == "tozero" and layout["xaxis"]["rangeslider"]["visible"]
+
+
+def test_a_chart_spans_the_whole_window_chosen_however_few_its_points(client, world):
+    from tests.charts import figure_of
+
+    instance = EngineInstance.objects.create(tier=world.vision, actual_state="running")
+    EngineMetricSample.objects.create(instance=instance, at=timezone.now() - dt.timedelta(seconds=30), waiting=3)
+    client.force_login(world.operator)
+    _, layout = figure_of(client.get("/operations/?window=6h").content.decode(), "queue-chart")
+    start, end = (dt.datetime.fromisoformat(at) for at in layout["xaxis"]["range"])
+    assert end - start == dt.timedelta(hours=6) and layout["xaxis"]["rangeslider"]["range"] == layout["xaxis"]["range"]
+    assert [b["label"] for b in layout["xaxis"]["rangeselector"]["buttons"]] == ["15 minutes", "1 hour", "all"]
