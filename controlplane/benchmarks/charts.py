@@ -185,7 +185,8 @@ def resolution_chart(results: dict, *, tier: str, div_id: str = "resolution-char
     figure.update_layout(title="Tokens and latency by pixel cap", xaxis_title="pixel cap (megapixels)",
                          yaxis={"title": "image tokens per image", **COUNT_AXIS},
                          yaxis2={"title": "ms", "overlaying": "y", "side": "right", **MEASURE_AXIS},
-                         margin={**MARGIN, "r": 60}, height=380)
+                         # room on the right for the second axis's ticks, the legend past them
+                         margin={**MARGIN, "r": 90}, legend={"x": 1.08}, height=380)
     return figure_html(figure, div_id, empty=NO_SWEEP_RESULTS)
 
 

@@ -217,3 +217,12 @@ def test_a_chart_with_nothing_to_draw_says_so_instead_of_drawing_bare_axes(name)
     assert "Plotly.newPlot" not in html and 'class="chart-empty"' in html
     div_id = re.search(r'Plotly\.newPlot\(\s*"([^"]+)"', CASES[name].draw()).group(1)
     assert f'id="{div_id}"' in html  # where the page links to the chart, the link still lands
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_an_axis_on_the_right_keeps_its_ticks_clear_of_the_legend(name):
+    _, layout = figure_of(CASES[name].draw())
+    if any(axis.get("side") == "right" for axis in _axes(layout).values()):
+        # the legend past the ticks, or the plot narrowed to leave them room inside it
+        clear = (layout.get("legend") or {}).get("x", 1.02) >= 1.08 or layout["xaxis"].get("domain", [0, 1])[1] <= 0.9
+        assert clear and layout["margin"]["r"] >= 90
