@@ -136,10 +136,14 @@ MONEY_FIELDS = ("cost", "cache_savings")
 
 
 def usage_totals(table: list[dict]) -> dict:
-    """The totals of a `usage_table`: counts summed; money summed per currency (`money`, a
-    list of {currency, cost, cache_savings}), and as `cost`, `cache_savings` and `currency`
-    when the table is in one currency (None when in several: they are never added)."""
+    """The totals of a `usage_table`: counts summed (and `billed_requests`, the requests less
+    those not billed); money summed per currency (`money`, a list of {currency, cost,
+    cache_savings}), and as `cost`, `cache_savings` and `currency` when the table is in one
+    currency (None when in several: they are never added)."""
     totals = {f: sum((row[f] for row in table), start=0) for f in TOTAL_FIELDS if f not in MONEY_FIELDS}
+    # The rollups count every request, and those not billed apart: the rest are what a
+    # statement counts.
+    totals["billed_requests"] = totals["requests"] - totals["unbilled_requests"]
     money = {}
     for row in table:
         each = money.setdefault(row["currency"], {"currency": row["currency"], "cost": Decimal(0),

@@ -321,3 +321,30 @@ def test_the_per_image_report_link_keeps_the_pages_tenant(client, world):
     page = client.get("/usage/", {"tenant": "alice"}).content.decode()
     link = page.split('id="export-images"')[0].rsplit('href="', 1)[1]
     assert "tenant=alice" in link
+
+
+def _number(page: str, element_id: str) -> int:
+    return int(page.split(f'id="{element_id}">')[1].split("<")[0].replace(",", ""))
+
+
+def test_the_usage_pages_requests_are_the_statements_billed_ones_and_those_not_billed(client, world):
+    now = timezone.now()
+    for n in range(3):
+        _request(f"ok-{n}", world.alice, world.vision, now, [(1224, False)])
+    _request("aborted", world.alice, world.vision, now, [(1224, False)], status="aborted")  # before any engine
+    for n in range(2):
+        _request(f"failed-{n}", world.alice, world.vision, now, [(1224, False)], status="error")
+    _roll_up()
+
+    usage = _page(client, world.finance, tenant="alice")
+    shown = _number(usage, "total-requests")
+    meaning = usage.split('id="requests-meaning"')[1].split("</p>")[0]
+    billed, unbilled = _number(meaning, "billed-requests"), _number(meaning, "unbilled-requests")
+    assert "Requests are billed requests" not in meaning
+
+    statement = client.get("/statements/", {"tenant": "alice", "month": f"{now:%Y-%m}"}).content.decode()
+    lines = statement.split('id="statement"')[1].split("</tbody>")[0].split("<tr data-tier=")[1:]
+    on_statement = sum(int(re.findall(r"<td[^>]*>([^<]*)</td>", line)[1].replace(",", "")) for line in lines)
+    not_billed = _number(statement, "statement-unbilled")
+    assert (shown, billed, unbilled) == (6, 3, 3)
+    assert on_statement == billed and not_billed == unbilled and shown == on_statement + not_billed
