@@ -5,6 +5,7 @@ resolution curve."""
 from __future__ import annotations
 
 import dataclasses
+from urllib.parse import urlencode
 
 from django.contrib.auth.decorators import login_required
 from django.core.exceptions import PermissionDenied
@@ -122,7 +123,23 @@ def usage(request):
         "table": table, "totals": totals, "internal": internal,
         "internal_tenants": [t for t in tenants if t.internal],
         "first_day": scope.first_day, "last_day": scope.last_day,
+        "export_query": _images_export_query(scope, tenant=tenant),
     }, status=400 if refused else 200)
+
+
+def _images_export_query(scope: UsageScope, *, tenant) -> str:
+    """The per-image report's query string for what the page shows: its days (whole UTC days,
+    as its cost-per-image chart counts them), tenant (a key's, when one key is shown), tier and
+    key."""
+    query = {"from": scope.first_day.isoformat(), "to": scope.last_day.isoformat()}
+    owner = scope.api_key.tenant if scope.api_key is not None else tenant
+    if owner is not None:
+        query["tenant"] = owner.name
+    if scope.tier is not None:
+        query["tier"] = scope.tier.name
+    if scope.api_key is not None:
+        query["key"] = scope.api_key.prefix
+    return urlencode(query)
 
 
 USAGE_FILTERS = ("period", "tenant", "tier", "key")

@@ -23,11 +23,13 @@ from django.db.models import F, QuerySet, Sum
 from django.db.models.functions import TruncMonth
 from django.http import StreamingHttpResponse
 
+from controlplane.catalog.models import ModelTier
 from controlplane.metering.models import DailyUsage, UsageImage
 from controlplane.metering.periods import month_bounds, month_of
 from controlplane.metering.ratebook import RateBook
 from controlplane.metering.rating import money_text
 from controlplane.metering.services import billed
+from controlplane.tenants.models import ApiKey
 
 # How its request was routed: the rule that chose its tier; on a cascade's escalation, the
 # request id of its first attempt; on a first attempt, why it was escalated and how sure it was.
@@ -52,13 +54,13 @@ class ExportError(ValueError):
 
 # -- the per-image cost report ------------------------------------------------------------
 
-def per_image_rows(*, since: dt.datetime, until: dt.datetime, tenants) -> Iterator[list]:
+def per_image_rows(*, since: dt.datetime, until: dt.datetime, tenants, tier=None, api_key=None) -> Iterator[list]:
     """One row per image sent to an engine: what it was, what it became, what it cost at the
     rate that priced its request (None when none did), in which currency, and how its request
-    was routed."""
+    was routed. `tier` and `api_key`, when given, narrow them to that tier's or key's."""
     book = RateBook()
     images = (UsageImage.objects.filter(billed("event__"), event__created_at__gte=since, event__created_at__lt=until,
-                                        event__tenant__in=tenants)
+                                        event__tenant__in=tenants, **_narrowed("event__", tier, api_key))
               .order_by("event__created_at", "event_id", "position")
               .values_list("event__tenant__name", "event__request_id", "event__created_at", "event__tier__name",
                            "source_width", "source_height", "width", "height", "tokens", "cached_tokens",
@@ -72,9 +74,10 @@ def per_image_rows(*, since: dt.datetime, until: dt.datetime, tenants) -> Iterat
 
 # -- the per-tenant monthly summary ---------------------------------------------------------
 
-def monthly_summary_rows(*, first: dt.date, last: dt.date, tenants) -> Iterator[list]:
+def monthly_summary_rows(*, first: dt.date, last: dt.date, tenants, tier=None, api_key=None) -> Iterator[list]:
     """Per tenant and month from `first` to `last`: a line per tier, then the tenant's total in
-    each currency its tiers bill in (amounts in two currencies are never added together).
+    each currency its tiers bill in (amounts in two currencies are never added together); only
+    `tier`'s line and only `api_key`'s requests when they are given.
 
     Read from the daily rollups. Costs and savings are sums of each request's recorded cost,
     so they equal the monthly statement's lines and totals to the micro-unit; like a statement,
@@ -82,7 +85,8 @@ def monthly_summary_rows(*, first: dt.date, last: dt.date, tenants) -> Iterator[
     """
     sums = {name: Sum(name) for name in SUMMARY_COUNTERS + SUMMARY_AMOUNTS}
     sums["requests"] = Sum(F("requests") - F("unbilled_requests"))
-    lines = (DailyUsage.objects.filter(tenant__in=tenants, day__gte=first, day__lte=last)
+    lines = (DailyUsage.objects.filter(tenant__in=tenants, day__gte=first, day__lte=last,
+                                       **_narrowed("", tier, api_key))
              .annotate(month=TruncMonth("day"))
              .values("tenant__name", "month", "tier__name", "tier__price_plan__currency")
              .annotate(**sums)
@@ -99,6 +103,12 @@ def monthly_summary_rows(*, first: dt.date, last: dt.date, tenants) -> Iterator[
             yield [tenant, period, "tier", line["tier__name"], *values, currency]
         for currency, total in sorted(totals.items()):
             yield [tenant, period, "total", None, *total, currency]
+
+
+def _narrowed(path: str, tier, api_key) -> dict:
+    """The lookups that keep one tier's and one key's rows (either may be None: every one)."""
+    return {**({f"{path}tier": tier} if tier is not None else {}),
+            **({f"{path}api_key": api_key} if api_key is not None else {})}
 
 
 # -- what was asked for ---------------------------------------------------------------------
@@ -153,10 +163,13 @@ class Export:
     period: Period
     tenants: QuerySet  # of Tenant
     tenant_name: str = ""
+    tier: ModelTier | None = None  # None: every tier
+    api_key: ApiKey | None = None  # None: every key
 
     @property
     def filename(self) -> str:
-        who = f"{self.tenant_name}-" if self.tenant_name else ""
+        names = (self.tenant_name, self.tier and self.tier.name, self.api_key and self.api_key.prefix)
+        who = "".join(f"{name}-" for name in names if name)
         if self.report == IMAGES:
             return f"image-costs-{who}{self.period.first}-{self.period.last}.{self.filetype}"
         first, last = (f"{day:%Y-%m}" for day in (self.period.first, self.period.last))
@@ -166,29 +179,61 @@ class Export:
         return IMAGE_COLUMNS if self.report == IMAGES else SUMMARY_COLUMNS
 
     def rows(self) -> Iterator[list]:
+        narrowed = {"tenants": self.tenants, "tier": self.tier, "api_key": self.api_key}
         if self.report == IMAGES:
-            return per_image_rows(since=self.period.since, until=self.period.until, tenants=self.tenants)
+            return per_image_rows(since=self.period.since, until=self.period.until, **narrowed)
         months = self.period.whole_months()
-        return monthly_summary_rows(first=months.first, last=months.last, tenants=self.tenants)
+        return monthly_summary_rows(first=months.first, last=months.last, **narrowed)
 
 
 def export_for(*, report: str, filetype: str, params: Mapping, tenants, today: dt.date) -> Export:
     """What an export request asks for, checked. `tenants` are those the caller may see; the
-    optional `tenant` parameter narrows them to one by name. Every tenant leaves out the
-    service's own traffic (internal tenants) unless `internal=1`."""
+    optional `tenant` parameter narrows them to one by name, `tier` to one tier by name, `key`
+    to one key by its prefix (and to its tenant). Every tenant leaves out the service's own
+    traffic (internal tenants) unless `internal=1` or a key of theirs is asked for."""
     if report not in SHEET_TITLES or filetype not in CONTENT_TYPES:
         raise ExportError(f"no {report} report as {filetype}")
     period = period_from(params, today=today)
-    name = params.get("tenant") or ""
+    name = _asked(params, "tenant")
+    api_key = _key_asked(_asked(params, "key"), tenants)
     if name:
-        if "\x00" in name:  # no name holds one, and the database refuses to compare with it
-            raise ExportError(f"no tenant named {name!r}")
         tenants = tenants.filter(name=name)
         if not tenants.exists():
             raise ExportError(f"no tenant named {name!r}")
-    elif params.get("internal") != "1":
+    elif api_key is None and params.get("internal") != "1":
         tenants = tenants.filter(internal=False)
-    return Export(report=report, filetype=filetype, period=period, tenants=tenants, tenant_name=name)
+    if api_key is not None:
+        if name and api_key.tenant.name != name:
+            raise ExportError(f"no key {api_key.prefix!r} of tenant {name!r}")
+        tenants = tenants.filter(pk=api_key.tenant_id)
+    return Export(report=report, filetype=filetype, period=period, tenants=tenants, tenant_name=name,
+                  tier=_tier_asked(_asked(params, "tier")), api_key=api_key)
+
+
+def _asked(params: Mapping, name: str) -> str:
+    value = params.get(name) or ""
+    if "\x00" in value:  # no name holds one, and the database refuses to compare with it
+        raise ExportError(f"no {name} named {value!r}")
+    return value
+
+
+def _tier_asked(name: str) -> ModelTier | None:
+    if not name:
+        return None
+    tier = ModelTier.objects.filter(name=name).first()
+    if tier is None:
+        raise ExportError(f"no tier named {name!r}")
+    return tier
+
+
+def _key_asked(prefix: str, tenants) -> ApiKey | None:
+    """The key of that prefix, if it is one of `tenants`' (those the caller may see)."""
+    if not prefix:
+        return None
+    api_key = ApiKey.objects.filter(prefix=prefix, tenant__in=tenants).select_related("tenant").first()
+    if api_key is None:
+        raise ExportError(f"no key {prefix!r} you can see")
+    return api_key
 
 
 def export_response(export: Export, *, asgi: bool) -> StreamingHttpResponse:

@@ -42,12 +42,15 @@ class AnyAccept(BaseContentNegotiation):
 _FILETYPE = OpenApiParameter("filetype", OpenApiTypes.STR, OpenApiParameter.PATH, enum=sorted(CONTENT_TYPES),
                              description="csv (streamed) or xlsx (numbers as numbers, times as datetimes)")
 _TENANT = OpenApiParameter("tenant", OpenApiTypes.STR, description="one tenant's name; every tenant when absent")
+_TIER = OpenApiParameter("tier", OpenApiTypes.STR, description="one tier's name; every tier when absent")
+_KEY = OpenApiParameter("key", OpenApiTypes.STR,
+                        description="one API key's prefix: only its requests (and its tenant's); every key when absent")
 _MONTH = OpenApiParameter("month", OpenApiTypes.STR, description="YYYY-MM; takes precedence over from/to")
 _FROM = OpenApiParameter("from", OpenApiTypes.DATE, description="first day (UTC); default the first of this month")
 _TO = OpenApiParameter("to", OpenApiTypes.DATE, description="last day (UTC), included; default today")
 _FILES = {(200, media_type): OpenApiResponse(OpenApiTypes.BINARY, description="the report as the path asks")
           for media_type in CONTENT_TYPES.values()}
-_ERRORS = {400: OpenApiResponse(description="a malformed period or an unknown tenant"),
+_ERRORS = {400: OpenApiResponse(description="a malformed period, or an unknown tenant, tier or key"),
            403: OpenApiResponse(description="not finance or operator staff, or a tenant API key")}
 
 
@@ -75,7 +78,7 @@ class ImageCostExport(_Export):
         description="One row per image sent to an engine: tenant, request, time, tier, resolution before and "
                     "after the policy, image tokens, cache hit, and its cost at the rate then in effect. "
                     "The period is `month`, or `from`/`to`; this month so far when neither is given.",
-        parameters=[_FILETYPE, _MONTH, _FROM, _TO, _TENANT], responses={**_FILES, **_ERRORS},
+        parameters=[_FILETYPE, _MONTH, _FROM, _TO, _TENANT, _TIER, _KEY], responses={**_FILES, **_ERRORS},
         auth=[{"cookieAuth": []}])
     def get(self, request, filetype: str):
         return super().get(request, filetype)
@@ -90,7 +93,7 @@ class MonthlySummaryExport(_Export):
                     "tokens, cached image tokens, text and output tokens, cost and cache savings, from the "
                     "daily rollups. Costs equal the monthly statements exactly. Covers whole months: `month`, "
                     "or the months `from`/`to` touch; this month when neither is given.",
-        parameters=[_FILETYPE, _MONTH, _FROM, _TO, _TENANT], responses={**_FILES, **_ERRORS},
+        parameters=[_FILETYPE, _MONTH, _FROM, _TO, _TENANT, _TIER, _KEY], responses={**_FILES, **_ERRORS},
         auth=[{"cookieAuth": []}])
     def get(self, request, filetype: str):
         return super().get(request, filetype)

@@ -47,7 +47,8 @@ def exports(request):
 
 @login_required
 def download(request, report: str, filetype: str):
-    """A report as a file. ?month=YYYY-MM, or ?from=YYYY-MM-DD&to=YYYY-MM-DD; &tenant=NAME"""
+    """A report as a file. ?month=YYYY-MM, or ?from=YYYY-MM-DD&to=YYYY-MM-DD; &tenant=NAME,
+    &tier=NAME, &key=PREFIX"""
     _require_finance_or_operator(request.user)
     try:
         export = export_for(report=report, filetype=filetype, params=request.GET,

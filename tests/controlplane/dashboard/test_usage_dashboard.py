@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import csv
 import datetime as dt
+import html
+import io
 import json
 import re
 from decimal import Decimal
@@ -18,6 +21,8 @@ from controlplane.metering.models import DailyUsage, HourlyUsage, UsageEvent, Us
 from controlplane.metering.records import UsageRecord
 from controlplane.metering.rollups import rollup_daily, rollup_hourly
 from controlplane.metering.services import usage_record
+from controlplane.tenants.models import ApiKey
+from controlplane.tenants.services import api_key_create
 from tests.factories import ResolutionPolicyFactory, TenantFactory, VisionTierFactory
 from tests.images import image_bytes
 
@@ -316,11 +321,46 @@ def test_a_filter_naming_nothing_is_refused_with_a_message_not_ignored(client, w
     assert client.get("/usage/", {"tenant": "bob"}).status_code == 400  # not a tenant an admin of alice sees
 
 
-def test_the_per_image_report_link_keeps_the_pages_tenant(client, world):
+def _keyed_request(request_id, key, tier, when):
+    picture = normalise(image_bytes(64, 64), Policy())
+    return usage_record(record=UsageRecord(
+        request_id=request_id, tenant_id=key.tenant_id, api_key_id=key.pk, tier_id=tier.pk, status="ok",
+        images=[(picture, 1224, False)], image_tokens=1224, text_tokens=20, output_tokens=5, created_at=when))
+
+
+def _exported_request_ids(client, page: str) -> list[str]:
+    link = html.unescape(page.split('id="export-images"')[0].rsplit('href="', 1)[1].split('"')[0])
+    response = client.get(link)
+    assert response.status_code == 200, response.content
+    rows = csv.DictReader(io.StringIO(b"".join(response.streaming_content).decode()))
+    return sorted(row["request_id"] for row in rows)
+
+
+def test_the_per_image_report_link_downloads_the_pages_tenant_tier_key_and_period(client, world):
+    flagship = VisionTierFactory(name="vlm-flagship")
+    main = ApiKey.objects.get(tenant=world.alice)
+    other = api_key_create(tenant=world.alice, name="other").api_key
+    bobs = ApiKey.objects.get(tenant=world.bob)
+    now = timezone.now()
+    _keyed_request("wanted", main, world.vision, now)
+    _keyed_request("wanted-yesterday", main, world.vision, now - dt.timedelta(days=1))
+    _keyed_request("other-tier", main, flagship, now)
+    _keyed_request("other-key", other, world.vision, now)
+    _keyed_request("other-tenant", bobs, world.vision, now)
+    _keyed_request("before-the-period", main, world.vision, now - dt.timedelta(days=45))
+    _roll_up()
+
     client.force_login(world.finance)
-    page = client.get("/usage/", {"tenant": "alice"}).content.decode()
-    link = page.split('id="export-images"')[0].rsplit('href="', 1)[1]
-    assert "tenant=alice" in link
+    page = client.get("/usage/", {"tenant": "alice", "tier": "vlm-lite", "key": main.prefix}).content.decode()
+    assert _exported_request_ids(client, page) == ["wanted", "wanted-yesterday"]
+    label = page.split('id="export-images">')[1].split("</a>")[0]
+    assert "alice" in label and "vlm-lite" in label and main.prefix in label and "every tier" not in label
+
+    page = client.get("/usage/", {"tenant": "alice", "period": "90d"}).content.decode()
+    assert _exported_request_ids(client, page) == ["before-the-period", "other-key", "other-tier", "wanted",
+                                                   "wanted-yesterday"]
+    page = client.get("/usage/", {"key": other.prefix}).content.decode()  # a key names its tenant
+    assert _exported_request_ids(client, page) == ["other-key"]
 
 
 def _number(page: str, element_id: str) -> int:

@@ -31,7 +31,8 @@ from controlplane.metering.records import ImageLine, UsageRecord
 from controlplane.metering.rollups import rollup_daily
 from controlplane.metering.services import usage_record
 from controlplane.metering.statements import statement
-from controlplane.tenants.models import Tenant
+from controlplane.tenants.models import ApiKey, Tenant
+from controlplane.tenants.services import api_key_create
 from tests.conftest import skip_without_postgresql
 
 pytestmark = [pytest.mark.django_db, pytest.mark.accounting]
@@ -43,11 +44,12 @@ MARCH = dt.datetime(2025, 3, 1, tzinfo=dt.UTC)
 
 
 def _record(world, tenant, request_id, when, *, tier=None, images=(), text=50, output=20, status="ok",
-            instance=None):
+            instance=None, api_key=None):
     """A request as the gateway records it; `images` are (tokens, served from cache) pairs."""
     cached = sum(tokens for tokens, hit in images if hit)
     return usage_record(record=UsageRecord(
-        request_id=request_id, tenant_id=tenant.pk, api_key_id=None, tier_id=(tier or world.vision).pk,
+        request_id=request_id, tenant_id=tenant.pk, api_key_id=api_key.pk if api_key else None,
+        tier_id=(tier or world.vision).pk,
         images=[(PICTURE, tokens, hit) for tokens, hit in images], image_tokens=sum(t for t, _ in images),
         cached_tokens=cached, cached_image_tokens=cached, text_tokens=text, output_tokens=output,
         status=status, instance_id=instance.pk if instance else None, created_at=when))
@@ -175,6 +177,25 @@ def test_a_range_of_days_selects_the_whole_months_it_touches(client, world):
     assert {r["tenant"] for r in only_bob} == {"bob"}
 
 
+def test_a_report_of_one_tier_and_one_key_holds_only_their_requests(client, world):
+    main, other = ApiKey.objects.get(tenant=world.alice), api_key_create(tenant=world.alice, name="other").api_key
+    _record(world, world.alice, "main-vision", MARCH, images=[(1224, False)], api_key=main)
+    _record(world, world.alice, "main-text", MARCH, tier=world.text, text=1000, api_key=main)
+    _record(world, world.alice, "other-vision", MARCH, images=[(300, False)], api_key=other)
+    _rollup()
+    client.force_login(world.finance)
+    asked = {"month": "2025-03", "tier": world.vision.name, "key": main.prefix}
+    summary = _csv(client.get("/api/v1/exports/monthly-summary.csv", asked))
+    assert [(r["tenant"], r["line"], r["tier"], r["requests"], r["image_tokens"]) for r in summary] == [
+        ("alice", "tier", world.vision.name, "1", "1224"), ("alice", "total", "", "1", "1224")]
+    response = client.get("/exports/images.csv", asked)
+    assert response["Content-Disposition"] == (
+        f'attachment; filename="image-costs-{world.vision.name}-{main.prefix}-2025-03-01-2025-03-31.csv"')
+    assert [r["request_id"] for r in _csv(response)] == ["main-vision"]
+    assert [r["request_id"] for r in _csv(client.get("/exports/images.csv", {"month": "2025-03",
+                                                                             "key": other.prefix}))] == ["other-vision"]
+
+
 def test_the_image_report_as_csv_and_xlsx_agree_with_numbers_and_datetimes(client, world):
     _march(world)
     client.force_login(world.finance)
@@ -228,10 +249,15 @@ def test_only_finance_and_operators_may_export(client, world, path):
     assert client.get(f"/exports/{path}")["Location"].startswith("/login/")
 
 
+def _prefix(tenant) -> str:
+    return ApiKey.objects.get(tenant=tenant).prefix
+
+
 def test_malformed_requests_are_refused_with_the_reason(client, world):
     client.force_login(world.finance)
     for params, reason in (({"month": "2025-13"}, "YYYY-MM"), ({"from": "2025-03-05", "to": "2025-03-01"}, "after"),
-                           ({"tenant": "nobody"}, "no tenant")):
+                           ({"tenant": "nobody"}, "no tenant"), ({"tier": "nothing"}, "no tier"),
+                           ({"key": "nokey"}, "no key"), ({"tenant": "bob", "key": _prefix(world.alice)}, "no key")):
         api = client.get("/api/v1/exports/images.csv", params)
         assert api.status_code == 400 and reason in api.json()["detail"]
         page = client.get("/exports/monthly-summary.xlsx", params)
