@@ -63,7 +63,7 @@ def usage(request):
     staff = roles.is_operator(request.user) or roles.is_finance(request.user)
     visible = roles.visible_tenants(request.user)
     tenants = list(visible.order_by("name")) if staff else []
-    tiers = list(ModelTier.objects.order_by("name"))
+    tiers = list(ModelTier.objects.select_related("price_plan").order_by("name"))
     tenant = next((t for t in tenants if t.name == request.GET.get("tenant")), None)
     tier = next((t for t in tiers if t.name == request.GET.get("tier")), None)
     period = PERIODS.get(request.GET.get("period"), PERIODS[DEFAULT_PERIOD])
@@ -124,6 +124,8 @@ def usage(request):
         "internal_tenants": [t for t in tenants if t.internal],
         "first_day": scope.first_day, "last_day": scope.last_day,
         "export_query": _images_export_query(scope, tenant=tenant),
+        # What nothing spent is counted in: the currencies the tiers shown bill in.
+        "plan_currencies": sorted({t.price_plan.currency for t in ([tier] if tier else tiers)}),
     }, status=400 if refused else 200)
 
 

@@ -15,9 +15,9 @@ from controlplane.web.charts import (
     TOTAL_COLOUR,
     colour_of,
     figure_html,
-    money,
     money_axis,
 )
+from controlplane.web.money import format_money
 
 NO_USAGE = "No usage in this period."
 
@@ -77,7 +77,7 @@ def cache_savings_chart(slots: list, savings: dict[str, list[Decimal]], cached_t
         figure.add_scatter(name="cached image tokens", x=x, y=tokens, mode="lines+markers", yaxis="y2",
                            line={"color": TOTAL_COLOUR})
     figure.update_layout(
-        barmode="stack", title="Saved by cached images" + (f": {money(total)} {currency} in all" if total is not None
+        barmode="stack", title="Saved by cached images" + (f": {format_money(total, currency)} in all" if total is not None
                                                            else f" ({currency})"),
         xaxis_title=f"{unit} (UTC)", yaxis=money_axis(currency, f"saved per {unit}"),
         yaxis2={"title": "cached image tokens", "overlaying": "y", "side": "right", "showgrid": False,
@@ -99,10 +99,10 @@ def cost_per_image_chart(distribution, *, currency: str, since: dt.date | None =
             name=tier, x=x, y=[bucket.images.get(tier, 0) for bucket in distribution.buckets],
             marker_color=colour_of(tier, colours),
             customdata=[float(bucket.cost.get(tier, 0)) for bucket in distribution.buckets],
-            hovertemplate=f"%{{x}}: %{{y}} images, %{{customdata:,.6f}} {currency} in all",
+            hovertemplate=f"%{{x}}: %{{y}} images, %{{customdata:,.2f}} {currency} in all",
         )
     single = " " not in currency
-    mean = f", {money(distribution.mean)} {currency} each on average" \
+    mean = f", {format_money(distribution.mean, currency, each=True)} each on average" \
         if distribution.mean is not None and single else ""
     figure.update_layout(
         barmode="stack", title=f"Cost per image{f' since {since}' if since else ''}: {distribution.images} images{mean}",

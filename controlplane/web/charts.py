@@ -1,14 +1,13 @@
 """What every chart of the product pages shares, so that every chart reads alike: a tier's
 colour, axes of counts, measures and money that start at zero (money with its currency), a range
 slider on charts over time, the margins, what a chart with nothing to draw shows, how a figure
-becomes a page's HTML, and how an amount is printed."""
+becomes a page's HTML (amounts are written by controlplane.web.money)."""
 
 from __future__ import annotations
 
 import datetime as dt
 import zlib
 from collections.abc import Iterable, Mapping
-from decimal import Decimal
 
 import plotly.graph_objects as go
 import plotly.io as pio
@@ -100,8 +99,3 @@ def figure_html(figure: go.Figure, div_id: str, *, empty: str = NOTHING_TO_DRAW)
                            div_id, title, empty)
     return pio.to_html(figure, include_plotlyjs=False, full_html=False, div_id=div_id,
                        config={"displaylogo": False})
-
-
-def money(amount) -> str:
-    """An amount as every report prints it: to the micro-unit, six places, thousands apart."""
-    return f"{Decimal(amount).quantize(Decimal('0.000001')):,f}"

@@ -4,6 +4,7 @@ the backticks they are written with."""
 from __future__ import annotations
 
 import datetime as dt
+from decimal import Decimal
 
 import pytest
 from django.template import Context, Template
@@ -28,3 +29,11 @@ def test_a_date_on_any_page_is_written_in_iso_with_its_time_zone():
     moment = dt.datetime(2026, 12, 6, 10, 11, tzinfo=dt.UTC)
     shown = Template("{{ moment }} | {{ moment.date }} | {{ moment|date }}").render(Context({"moment": moment}))
     assert shown == "2026-12-06 10:11 UTC | 2026-12-06 | 2026-12-06"  # not "Dec. 6, 2026, 10:11 a.m."
+
+
+def test_money_is_written_with_its_currency_to_the_cent_or_for_one_request_to_the_micro_unit():
+    shown = Template("{% load console %}{{ total|money:'USD' }} | {{ cost|money_each:'EUR' }} | {{ none|money:'USD' }}"
+                     " | {{ tiny|money:'USD' }}").render(Context({
+                         "total": Decimal("1234.5"), "cost": Decimal("0.001367"), "none": None,
+                         "tiny": Decimal("-0.000001")}))
+    assert shown == "1,234.50 USD | 0.001367 EUR | — | 0.00 USD"

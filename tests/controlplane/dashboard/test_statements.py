@@ -3,6 +3,7 @@ tenant, reachable from the usage page; a tenant admin sees its own tenant's only
 
 from __future__ import annotations
 
+import re
 from decimal import Decimal
 
 import pytest
@@ -35,11 +36,11 @@ def test_finance_sees_the_same_statement_as_the_api(client, world):
     client.force_login(world.finance)
     assert 'id="to-statements"' in client.get("/").content.decode()  # reachable from the usage page
     page = client.get(f"/statements/?tenant=alice&month={month}").content.decode()
-    assert Decimal(_total(page)) == Decimal(api["total"]) and Decimal(api["total"]) > 0
+    assert _total(page) == f"{Decimal(api['total']):,.2f} USD" and Decimal(api["total"]) > 0  # to the cent
     table = page.split('id="statement"')[1].split("</tbody>")[0]
     for line in api["lines"]:
         row = table.split(f"<td>{line['tier']}</td>")[1].split("</tr>")[0]
-        assert f"{line['requests']:,}" in row and f"{Decimal(line['cost']):.6f}" in row
+        assert f"{line['requests']:,}" in row and f"{Decimal(line['cost']):,.2f} USD" in row
     assert f"tenant=alice&amp;from={month}-01" in page  # its per-image rows, to reconcile
 
 
@@ -51,7 +52,7 @@ def test_a_tenant_admin_sees_only_its_own_tenants_statement(client, world):
     assert "Statement of alice" in mine and "Statement of alice" in bobs  # ?tenant= is not theirs to choose
     assert _total(mine) == _total(bobs)
     client.force_login(world.charlie_admin)
-    assert Decimal(_total(client.get(f"/statements/?month={month}").content.decode())) == 0
+    assert _total(client.get(f"/statements/?month={month}").content.decode()) == "nothing billed"
 
 
 def test_a_month_that_is_not_one_is_refused_with_a_message_not_an_error(client, world):
@@ -76,9 +77,9 @@ def test_every_tenants_month_is_one_page_whose_rows_are_their_statements_and_who
     bills = {tenant.name: statement(tenant=tenant, year=year, month=number) for tenant in (world.alice, world.bob)}
     for name, bill in bills.items():
         row = table.split(f'data-tenant="{name}"')[1].split("</tr>")[0]
-        assert f"{bill['total']:.6f}" in row and f"/statements/{name}/{month}.pdf" in row
+        assert f"{bill['total']:,.2f} USD" in row and f"/statements/{name}/{month}.pdf" in row
     total = table.split('class="statement-total"')[1].split("</tr>")[0]
-    assert f"{sum(bill['total'] for bill in bills.values()):.6f}" in total and "Total of 2 tenants" in total
+    assert f"{sum(bill['total'] for bill in bills.values()):,.2f} USD" in total and "Total of 2 tenants" in total
     assert 'data-tenant="internal"' not in table  # the service's own traffic is apart, in no total
     assert "internal</a>, 1 requests" in page.split('id="every-internal"')[1]
     assert "charlie" in page.split("No billed requests: ")[1]
@@ -110,3 +111,15 @@ def test_a_tenants_month_is_a_pdf_invoice_with_its_statements_lines_and_total(cl
     assert client.get("/statements/alice/2026-13.pdf").status_code == 404
     client.force_login(world.finance)
     assert client.get(f"/statements/bob/{month}.pdf").status_code == 200
+
+
+def test_a_statements_amounts_are_to_the_cent_each_with_its_currency(client, world):
+    month = _spend(world)
+    client.force_login(world.finance)
+    page = client.get(f"/statements/?tenant=alice&month={month}").content.decode()
+    table = page.split('id="statement"')[1].split("</table>")[0]
+    amounts = re.findall(r'<t[dh] class="num"[^>]*>([^<]*\.[^<]*)</t[dh]>', table)
+    assert amounts and all(re.fullmatch(r"[\d,]+\.\d\d USD", amount) for amount in amounts), amounts
+    every = client.get(f"/statements/?month={month}").content.decode().split('id="every-statement"')[1]
+    amounts = re.findall(r'<t[dh] class="num"[^>]*>([^<]*\.[^<]*)</t[dh]>', every.split("</table>")[0])
+    assert amounts and all(re.fullmatch(r"[\d,]+\.\d\d USD", amount) for amount in amounts), amounts

@@ -138,18 +138,18 @@ def test_a_tenant_admin_sees_only_their_own_tenant_whatever_they_ask(client, wor
         assert "image-tokens-by-tenant-chart" not in figures
         assert "777001" not in page and "alice" not in page
         assert 'name="tenant"' not in page
-        assert "0.330000 USD in all" in _title(figures["cache-savings-chart"])
+        assert "0.33 USD in all" in _title(figures["cache-savings-chart"])
 
 
 def test_savings_from_cached_images_are_drawn_over_time_with_their_total(client, world):
-    _daily(world.alice, world.vision, image_tokens=4000, cached_image_tokens=2448, cache_savings=Decimal("0.000367"))
+    _daily(world.alice, world.vision, image_tokens=4000, cached_image_tokens=2448, cache_savings=Decimal("0.367"))
     _daily(world.bob, world.vision, days_ago=3, image_tokens=4000, cached_image_tokens=1224,
-           cache_savings=Decimal("0.000184"))
+           cache_savings=Decimal("0.184"))
 
     figure = _figures(_page(client, world.operator))["cache-savings-chart"]
 
-    assert _title(figure) == "Saved by cached images: 0.000551 USD in all"
-    assert _traces(figure) == {"vlm-lite saved": _zeros_but(30, last=0.000367, back_3=0.000184),
+    assert _title(figure) == "Saved by cached images: 0.55 USD in all"  # a total: to the cent
+    assert _traces(figure) == {"vlm-lite saved": _zeros_but(30, last=0.367, back_3=0.184),
                                "cached image tokens": _zeros_but(30, last=2448, back_3=1224)}
 
 
@@ -214,9 +214,9 @@ def test_each_vision_tiers_resolution_curve_is_drawn_for_everyone(client, world)
 
 def test_the_totals_table_has_a_line_per_tenant_and_tier_and_their_sum(client, world):
     _daily(world.alice, world.vision, images=2, image_tokens=2448, cached_image_tokens=1224,
-           cost=Decimal("0.002551"), cache_savings=Decimal("0.000184"))
-    _daily(world.alice, world.vision, days_ago=4, images=1, image_tokens=1224, cost=Decimal("0.001367"))
-    _daily(world.bob, world.text, text_tokens=500, output_tokens=50, cost=Decimal("0.00013"))
+           cost=Decimal("2.551"), cache_savings=Decimal("0.184"))
+    _daily(world.alice, world.vision, days_ago=4, images=1, image_tokens=1224, cost=Decimal("1.367"))
+    _daily(world.bob, world.text, text_tokens=500, output_tokens=50, cost=Decimal("0.13"))
     _daily(world.bob, world.text, days_ago=2, requests=2, unbilled_requests=2)  # not billed: counted, nothing more
     _daily(world.bob, world.text, days_ago=40, text_tokens=99_999, cost=Decimal("5"))  # before the period
 
@@ -226,11 +226,11 @@ def test_the_totals_table_has_a_line_per_tenant_and_tier_and_their_sum(client, w
         return re.findall(r"<t[dh][^>]*>([^<]*)</t[dh]>", html)
 
     alice = page.split('data-tenant="alice" data-tier="vlm-lite">')[1].split("</tr>")[0]
-    assert cells(alice) == ["alice", "vlm-lite", "2", "0", "3", "3672", "1224", "0", "0", "0.003918", "0.000184", "USD"]
+    assert cells(alice) == ["alice", "vlm-lite", "2", "0", "3", "3672", "1224", "0", "0", "3.92 USD", "0.18 USD"]
     bob = page.split('data-tenant="bob" data-tier="text">')[1].split("</tr>")[0]
-    assert cells(bob) == ["bob", "text", "3", "2", "0", "0", "0", "500", "50", "0.000130", "0.000000", "USD"]
+    assert cells(bob) == ["bob", "text", "3", "2", "0", "0", "0", "500", "50", "0.13 USD", "0.00 USD"]
     total = page.split('id="usage-table-total">')[1].split("</tr>")[0]
-    assert cells(total) == ["Total", "5", "2", "3", "3672", "1224", "500", "50", "0.004048", "0.000184", "USD"]
+    assert cells(total) == ["Total", "5", "2", "3", "3672", "1224", "500", "50", "4.05 USD", "0.18 USD"]
 
 
 def test_an_empty_period_says_so(client, world):
@@ -294,12 +294,12 @@ def test_a_page_of_tiers_in_two_currencies_never_adds_them(client, world):
     PriceRate.objects.create(plan=euros, effective_from=timezone.now() - dt.timedelta(days=90),
                              image_per_mtok=Decimal("1"))
     euro_tier = VisionTierFactory(name="vlm-euro", price_plan=euros)
-    _daily(world.alice, world.vision, images=1, image_tokens=1224, cost=Decimal("0.001367"))
-    _daily(world.alice, euro_tier, images=1, image_tokens=1000, cost=Decimal("0.001000"))
+    _daily(world.alice, world.vision, images=1, image_tokens=1224, cost=Decimal("1.37"))
+    _daily(world.alice, euro_tier, images=1, image_tokens=1000, cost=Decimal("1.00"))
     page = _page(client, world.operator)
     cards = page.split('id="usage-totals"')[1].split("</section>")[0]
-    assert "<span>0.001367</span>cost (USD)" in cards and "<span>0.001000</span>cost (EUR)" in cards
-    assert "0.002367" not in page  # dollars and euros are never summed
+    assert "<span>1.37 USD</span>cost" in cards and "<span>1.00 EUR</span>cost" in cards
+    assert "2.37" not in page  # dollars and euros are never summed
     assert 'data-currency="EUR"' in page.split('id="usage-table"')[1]
     figures = _figures(page)
     assert "each tier's currency" in _title(figures["cost-chart"])
@@ -388,3 +388,8 @@ def test_the_usage_pages_requests_are_the_statements_billed_ones_and_those_not_b
     not_billed = _number(statement, "statement-unbilled")
     assert (shown, billed, unbilled) == (6, 3, 3)
     assert on_statement == billed and not_billed == unbilled and shown == on_statement + not_billed
+
+
+def test_nothing_spent_reads_as_zero_in_the_currency_its_tiers_bill_in(client, world):
+    cards = _page(client, world.finance).split('id="usage-totals"')[1].split("</div>\n</div>")[0]
+    assert "<span>0.00 USD</span>cost" in cards and "<span>0.00 USD</span>saved by cached images" in cards

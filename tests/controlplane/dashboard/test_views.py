@@ -130,7 +130,7 @@ def test_the_services_own_traffic_is_shown_apart_from_every_tenants_usage(client
     totals = page.split('id="usage-totals"')[1].split("</div>\n</div>")[0]
     assert "90,000" not in totals and "1,000" in totals  # every client tenant, not the service's own
     note = page.split('id="internal-usage"')[1].split("</p>")[0]
-    assert f">{internal.name}</a>: 40 requests, 2.500000 USD" in note
+    assert f">{internal.name}</a>: 40 requests, 2.50 USD" in note
     alone = client.get("/usage/", {"tenant": internal.name}).content.decode()
     assert "90,000" in alone.split('id="usage-totals"')[1].split("</div>\n</div>")[0]
     spenders = client.get("/").content.decode().split('id="top-spenders"')[1].split("</section>")[0]

@@ -227,11 +227,11 @@ def test_a_closed_month_reconciles_to_the_micro_dollar_across_every_report(clien
         assert Decimal(cost["cost"]) == bill["total"]
         assert cost["requests"] == sum(line["requests"] for line in bill["lines"])
         assert cost["images"] == len(per_image)
-        # the usage page, filtered to the tenant, over a period holding the whole month
+        # the usage page, filtered to the tenant, over a period holding the whole month: to the cent
         page = client.get("/", {"tenant": tenant.name, "period": "90d"}).content.decode()
         cards = page.split('id="usage-totals"')[1].split("</div>\n</div>")[0]
-        assert f"<span>{bill['total']:.6f}</span>cost (USD)" in cards
-        assert f"<span>{bill['cache_savings']:.6f}</span>saved by cached images (USD)" in cards
+        assert f"<span>{bill['total']:,.2f} USD</span>cost" in cards
+        assert f"<span>{bill['cache_savings']:,.2f} USD</span>saved by cached images" in cards
     # the cost-per-image histogram holds the per-image report's images and cost
     histogram = ImageCostHistogram.objects.filter(day__gte=month.start.date(), day__lt=month.end.date())
     assert sum(row.cost for row in histogram) == images_total
