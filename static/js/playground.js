@@ -17,7 +17,9 @@
   const imageNames = new Map(); // data URL -> the file's name, for the code view
 
   const show = (id, text) => { $(id).textContent = text; };
-  const money = (value, currency) => `${Number(value).toFixed(6)} ${currency || ""}`.trim();
+  // One request's amount, as the pages write it (the `money_each` filter): to the micro-unit,
+  // thousands apart, followed by its currency.
+  const money = (value, currency) => `${Number(value).toLocaleString("en-US", {minimumFractionDigits: 6, maximumFractionDigits: 6})} ${currency}`;
   const auth = () => ({Authorization: `Bearer ${key}`});
   const chosen = () => [model.value, compare.value].filter(Boolean);
 
@@ -289,7 +291,7 @@
     view.append(line, cost);
     const event = requestId ? await recordedCost(requestId) : null;
     if (!event) { cost.textContent = "The cost is not recorded yet: see the request log in a moment."; return; }
-    cost.textContent = `Cost recorded: ${money(event.cost, "")}${Number(event.cache_savings) ? ` (the cache saved ${money(event.cache_savings, "")})` : ""}. `;
+    cost.textContent = `Cost recorded: ${money(event.cost, event.currency)}${Number(event.cache_savings) ? ` (the cache saved ${money(event.cache_savings, event.currency)})` : ""}. `;
     const link = document.createElement("a");
     link.href = `${script.requests}${encodeURIComponent(requestId)}/`;
     link.textContent = `Request ${requestId}`;

@@ -14,13 +14,15 @@ class UsageEventSerializer(serializers.ModelSerializer):
     tenant = serializers.CharField(source="tenant.name")
     key_prefix = serializers.CharField(source="api_key.prefix", default=None)
     tier = serializers.CharField(source="tier.name")
+    currency = serializers.CharField(source="tier.price_plan.currency",
+                                     help_text="What cost and cache_savings are in: the tier's plan's currency")
     images = UsageImageSerializer(many=True)
 
     class Meta:
         model = UsageEvent
         fields = ["request_id", "created_at", "tenant", "key_prefix", "tier", "status", "http_status", "stream",
                   "latency_ms", "image_count", "image_tokens", "cached_tokens", "cached_image_tokens",
-                  "text_tokens", "output_tokens", "cost", "cache_savings", "routed_by", "cascade_of", "escalation",
+                  "text_tokens", "output_tokens", "cost", "cache_savings", "currency", "routed_by", "cascade_of", "escalation",
                   "confidence", "images"]
 
 

@@ -62,7 +62,7 @@ class UsageRequestList(_UsageList):
     period = "created_at"
 
     def rows(self):
-        return (UsageEvent.objects.select_related("tenant", "api_key", "tier").prefetch_related("images")
+        return (UsageEvent.objects.select_related("tenant", "api_key", "tier__price_plan").prefetch_related("images")
                 .order_by("-created_at", "-id"))
 
 

@@ -151,6 +151,7 @@ def test_each_request_shows_its_usage_and_what_the_cache_saved(client, world):
         assert row["cached_image_tokens"] == event.cached_image_tokens
         assert Decimal(row["cache_savings"]) == event.cache_savings
         assert row["tenant"] == "alice" and row["key_prefix"] == event.api_key.prefix
+        assert row["currency"] == event.tier.price_plan.currency  # what its cost is in
     assert rows["a5"]["cached_image_tokens"] == 2000 and Decimal(rows["a5"]["cache_savings"]) > 0
     assert rows["a1"]["key_prefix"] == main.prefix and len(rows["a1"]["images"]) == 2
 
