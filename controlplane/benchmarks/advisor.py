@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from decimal import Decimal
 
+from controlplane.web.money import format_money
+
 WITHIN = "within"      # within N points of the best cap
 AT_LEAST = "at_least"  # at least X % on the set
 TARGET_KINDS = {WITHIN: "within N points of the best cap", AT_LEAST: "at least X % on the set"}
@@ -66,7 +68,8 @@ class Advice:
     def changes_policy(self) -> bool:
         return self.chosen is not None and (self.current is None or self.chosen.cap != self.current.cap)
 
-    def summary(self) -> str:
+    def summary(self, currency: str) -> str:
+        """The advice in a sentence, its saving in `currency` (the tier's prices')."""
         if self.chosen is None:
             return (f"No cap meets {self.target}: the best, {self.best.cap:,} px, scores "
                     f"{self.best.accuracy:.1%}.")
@@ -74,7 +77,8 @@ class Advice:
                 f"({self.chosen.low:.1%}–{self.chosen.high:.1%}) against {self.best.accuracy:.1%} at "
                 f"{self.best.cap:,} px")
         if self.saving_per_1000 is not None and self.current is not None:
-            line += f"; it saves {self.saving_per_1000:.4f} per 1,000 images against {self.current.cap:,} px now"
+            saving = format_money(self.saving_per_1000, currency, each=True)
+            line += f"; it saves {saving} per 1,000 images against {self.current.cap:,} px now"
         return line + "."
 
 

@@ -47,11 +47,6 @@ class Run:
         return cls(name or str(run), run.results or {}, tier)
 
 
-def currency_of(runs) -> str:
-    """What the costs of BenchmarkRuns are in: their tiers' currencies (their price plans')."""
-    return ", ".join(sorted({run.profile.tier.price_plan.currency for run in runs}))
-
-
 def _axis(results: dict) -> str:
     return "concurrency" if results.get("arrival") == "closed" else "offered load (requests/s)"
 

@@ -72,7 +72,7 @@ def run_curve_context(request, run: BenchmarkRun, *, colours: dict[str, str]) ->
     drawn = [run, *curve_form.chosen()]
     context = {"curve_form": curve_form,
                "curve_chart": charts.set_curve_chart([charts.Run.of(each, curve_name(each)) for each in drawn],
-                                                     currency=charts.currency_of(drawn), colours=colours)}
+                                                     currency=selectors.runs_currency(drawn), colours=colours)}
     if run.state != BenchmarkRun.State.SUCCEEDED:
         return context
     asked = "target_kind" in request.GET
@@ -110,7 +110,7 @@ def run_cascade_context(request, run: BenchmarkRun, *, colours: dict[str, str]) 
               cascade_curve.cheapest_within(points, always.accuracy - gap / 100)) for gap in (1, 2)]
     return {"cascade_form": form, "cascade_items": len(items),
             "cascade_chart": charts.cascade_chart(points, cheap_cap=cheap, strong_cap=strong,
-                                                  tier=charts.Run.of(run).tier, currency=charts.currency_of([run]),
+                                                  tier=charts.Run.of(run).tier, currency=selectors.run_currency(run),
                                                   colours=colours),
             "cascade_rows": [cascade_curve.point(items, t) for t in CASCADE_THRESHOLDS],
             "cascade_picks": [(name, pick) for name, pick in picks if pick is not None]}

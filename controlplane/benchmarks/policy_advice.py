@@ -18,6 +18,7 @@ from controlplane.audit.services import audit_record
 from controlplane.benchmarks import advisor, gates, selectors
 from controlplane.benchmarks.models import BenchmarkProfile, BenchmarkRun, GateCheck
 from controlplane.catalog.models import ModelTier, ResolutionPolicy
+from controlplane.web.money import format_money
 
 
 class AdviceError(Exception):
@@ -35,6 +36,10 @@ class RunAdvice:
     gated: list[str]         # the tiers whose quality gate measures a change first
     currency: str
     refusal: str             # why the chosen cap cannot be applied; empty when it can
+
+    @property
+    def summary(self) -> str:
+        return self.advice.summary(self.currency)
 
     @property
     def note(self) -> str:
@@ -116,7 +121,8 @@ def advice_apply(*, run: BenchmarkRun, target: advisor.Target, stamp: str, user)
 
 
 def _figure(point: advisor.Point, currency: str) -> str:
-    cost = f", {point.cost_per_image} {currency} per image" if point.cost_per_image is not None else ""
+    cost = f", {format_money(point.cost_per_image, currency, each=True)} per image" \
+        if point.cost_per_image is not None else ""
     return f"{point.cap:,} px: {point.accuracy:.1%} ({point.low:.1%}–{point.high:.1%}) on {point.items} items{cost}"
 
 
@@ -143,8 +149,8 @@ def advice_lines(found: RunAdvice) -> list[tuple[str, str]]:
                   else f"{now}, a cap this run did not measure"))
     if advice.saving_per_1000 is not None:
         saving = advice.saving_per_1000
-        lines.append(("Per 1,000 images", f"saves {saving:.4f} {currency}" if saving >= 0
-                      else f"costs {-saving:.4f} {currency} more"))
+        lines.append(("Per 1,000 images", f"saves {format_money(saving, currency, each=True)}" if saving >= 0
+                      else f"costs {format_money(-saving, currency, each=True)} more"))
     elif chosen is not None:
         lines.append(("Per 1,000 images", "no figure: the cap in force or the chosen one has no measured cost"))
     return lines

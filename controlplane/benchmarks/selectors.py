@@ -126,3 +126,14 @@ def curve_points(results: dict) -> list:
                             cost_per_image=None if cost is None else Decimal(str(cost)),
                             image_tokens=cap.get("mean_image_tokens")))
     return points
+
+
+def run_currency(run: BenchmarkRun) -> str:
+    """What a run's costs are in: those of its tier's price plan."""
+    return run.profile.tier.price_plan.currency
+
+
+def runs_currency(runs: list[BenchmarkRun]) -> str:
+    """What a chart of several runs' costs is in: their one currency, or each run's own."""
+    currencies = sorted({run_currency(run) for run in runs})
+    return currencies[0] if len(currencies) == 1 else "each run's: " + ", ".join(currencies)

@@ -148,12 +148,12 @@ def run_detail(request, pk: int):
     results = run.results or {}
     has_stages = bool(results.get("stages"))
     caps = results.get("caps") or []
-    drawn, colours = [charts.Run.of(run)], tier_colours()
+    drawn, colours, currency = [charts.Run.of(run)], tier_colours(), selectors.run_currency(run)
     return render(request, "benchmarks/run.html", {
-        "run": run,
+        "run": run, "currency": currency,
         "caps": selectors.cap_task_rows(caps),
         "answers": list(itertools.islice(curves.answer_rows(results), 200)),
-        "quality_chart": charts.quality_cost_chart(drawn, currency=charts.currency_of([run]), colours=colours)
+        "quality_chart": charts.quality_cost_chart(drawn, currency=currency, colours=colours)
         if any(c["tasks"] for c in caps) else None,
         "resolution_chart": charts.resolution_chart(results, tier=drawn[0].tier, colours=colours) if caps else None,
         "rows": selectors.stage_rows(results),
@@ -187,8 +187,8 @@ def compare(request):
         a = get_object_or_404(runs, pk=form.cleaned_data["a"])
         b = get_object_or_404(runs, pk=form.cleaned_data["b"])
         named = [charts.Run.of(a, f"A #{a.pk}"), charts.Run.of(b, f"B #{b.pk}")]
-        colours, currency = tier_colours(), charts.currency_of([a, b])
-        context.update(a=a, b=b, rows=selectors.comparison_rows(a, b), changes=selectors.config_changes(a, b),
+        colours, currency = tier_colours(), selectors.runs_currency([a, b])
+        context.update(a=a, b=b, currency_a=selectors.run_currency(a), currency_b=selectors.run_currency(b), rows=selectors.comparison_rows(a, b), changes=selectors.config_changes(a, b),
                        ttft_chart=charts.latency_chart(named, quantiles=("p99",), colours=colours),
                        throughput_chart=charts.throughput_chart(named, colours=colours))
         if any(run.results.get("caps") for run in named):

@@ -21,7 +21,7 @@ def test_within_points_of_the_best_picks_the_smallest_cap_close_enough():
     assert advice.chosen.cap == 401_408
     assert advice.saving_per_1000 == Decimal("0.150000")
     assert not advice.distinguishable_from_best  # 93 % against 94 %: the set cannot tell them apart
-    assert "401,408 px" in advice.summary() and "0.1500 per 1,000 images" in advice.summary()
+    assert "401,408 px" in advice.summary("USD") and "0.150000 USD per 1,000 images" in advice.summary("USD")
 
 
 def test_a_looser_target_accepts_a_loss_the_set_can_measure():
@@ -39,7 +39,7 @@ def test_a_floor_on_the_set_picks_the_smallest_cap_above_it():
 def test_a_floor_no_cap_reaches_is_said_plainly():
     advice = advise(curve(), Target(AT_LEAST, 99), current_cap=1_003_520)
     assert not advice.met and advice.saving_per_1000 is None
-    assert advice.summary().startswith("No cap meets at least 99 % on the set")
+    assert advice.summary("USD").startswith("No cap meets at least 99 % on the set")
 
 
 def test_the_current_cap_already_smallest_changes_nothing():

@@ -16,7 +16,7 @@ from controlplane.benchmarks.cascade_curve import (
     run_items,
 )
 from tests.controlplane.benchmarks.runs import make_profile, sweep
-from tests.controlplane.benchmarks.test_curves import _chart_traces
+from tests.controlplane.benchmarks.test_curves import _chart_traces, _layout
 
 CHEAP, STRONG = Decimal("0.001"), Decimal("0.004")
 
@@ -86,6 +86,15 @@ def test_the_run_page_weighs_two_caps_as_a_cascade(client, world, run):
     assert "Cheapest within 1 point of always escalating: escalate below <strong>0.500</strong>" in page
     other = client.get(f"/benchmarks/runs/{run.pk}/", {"cheap_cap": 200_704, "strong_cap": 200_704}).content.decode()
     assert "two different caps" in other
+
+
+@pytest.mark.django_db
+def test_a_cascades_costs_name_their_currency(client, world, run):
+    client.force_login(world.operator)
+    page = client.get(f"/benchmarks/runs/{run.pk}/").content.decode()
+    assert _layout(page, "cascade-chart")["xaxis"]["title"]["text"] == "cost per 1,000 requests (USD)"
+    thresholds = page.split('id="cascade-thresholds"')[1].split("</table>")[0]
+    assert "<td>1.000000 USD</td>" in thresholds and "per 1,000 requests" in page.split('id="cascade-picks"')[1]
 
 
 @pytest.mark.django_db

@@ -112,3 +112,28 @@ def test_the_compare_page_draws_both_sweeps_on_one_curve(client, world, run):
     traces = _chart_traces(page, "set-curve-chart")
     assert [t["name"] for t in traces] == [f"A #{run.pk}", f"B #{other.pk}"]
     assert traces[1]["y"] == [0.5]
+
+
+def _layout(page: str, div_id: str) -> dict:
+    start = re.search(rf'Plotly\.newPlot\(\s*"{div_id}",\s*', page).end()
+    decoder = json.JSONDecoder()
+    _, end = decoder.raw_decode(page, start)
+    return decoder.raw_decode(page, re.compile(r",\s*").match(page, end).end())[0]
+
+
+def test_every_cost_of_a_sweep_names_its_currency_on_the_page_and_its_charts(client, world, run):
+    client.force_login(world.operator)
+    page = client.get(f"/benchmarks/runs/{run.pk}/").content.decode()
+    for chart in ("set-curve-chart", "quality-cost-chart"):
+        assert _layout(page, chart)["xaxis"]["title"]["text"].endswith("(USD)"), chart
+    caps = page.split('id="caps"')[1].split("</table>")[0]
+    assert "0.000039 USD" in caps and "0.000192 USD" in caps
+    page = client.get(f"/benchmarks/compare/?a={run.pk}&b={run.pk}").content.decode()
+    assert _layout(page, "set-curve-chart")["xaxis"]["title"]["text"].endswith("(USD)")
+    assert "0.000039 USD / 0.000039 USD" in page.split('id="cap-comparison"')[1]
+
+
+def test_a_load_runs_cost_per_image_names_its_currency(client, world):
+    client.force_login(world.operator)
+    run = finished_run(make_profile(world.vision), "before", 240.0)
+    assert "0.000321 USD per image" in client.get(f"/benchmarks/runs/{run.pk}/").content.decode()

@@ -42,10 +42,10 @@ def test_it_names_the_smallest_cap_within_the_target_and_what_it_saves(client, w
     client.force_login(world.operator)
     page = _advise(client, run, "within", "3")
     assert ("401,408 px is the smallest cap within 3 points of the best cap: 86.0% (78.0%–91.0%) against 88.0% "
-            "at 1,003,520 px; it saves 0.1120 per 1,000 images against 1,003,520 px now.") in page
+            "at 1,003,520 px; it saves 0.112000 USD per 1,000 images against 1,003,520 px now.") in page
     advice = page.split('id="advice"')[1].split("</table>")[0]
     assert "2.0 points, within the set&#x27;s noise: the two intervals overlap" in advice
-    assert "saves 0.1120 USD" in advice
+    assert "saves 0.112000 USD" in advice
     assert "standard caps images at 1,003,520 px; measured 1,003,520 px: 88.0%" in advice
     assert "Apply 401408 px to standard" in page
 

@@ -102,7 +102,7 @@ def test_a_run_page_shows_progress_results_per_class_and_latency_charts(client, 
     assert 'id="run-state">succeeded' in page and "100%" in page
     text_row = page.split('data-stage="1" data-class="text"')[1].split("</tr>")[0]
     assert "120.0 / 216.0 / 240.0" in text_row
-    assert "0.000321 per image" in page
+    assert "0.000321 USD per image" in page
     assert 'id="latency-chart"' in page and 'id="throughput-chart"' in page and "Plotly.newPlot" in page
     assert 'http-equiv="refresh"' not in page  # a finished run stops reloading
 
@@ -183,7 +183,7 @@ def test_two_resolution_sweeps_compare_cap_by_cap(client, world):
     page = client.get(f"/benchmarks/compare/?a={a.pk}&b={b.pk}").content.decode()
     row = page.split('data-cap="1003520"')[1].split("</tr>")[0]
     assert "1282 / 1282" in row and "read 0.75 / 1.00 ([0.38, 1.00] / [0.50, 1.00])" in row
-    assert "0.000256 / 0.000256" in row  # the cost of a right answer
+    assert "0.000256 USD / 0.000256 USD" in row  # the cost of a right answer
     assert 'id="quality-cost-chart"' in page
 
 
