@@ -109,7 +109,8 @@ def tier_enable(request, name, enabled: bool):
 
 def _glance(tier: ModelTier, now) -> dict:
     """The tier at work (its engines, those serving, its last hour) and what it billed this month."""
-    month = DailyUsage.objects.filter(tier=tier, day__gte=now.date().replace(day=1)).aggregate(
-        cost=Sum("cost"), requests=Sum("requests"))
+    # Billed as the month's statements bill it: the service's own traffic is billed to no one.
+    month = DailyUsage.objects.filter(tier=tier, day__gte=now.date().replace(day=1), tenant__internal=False).aggregate(
+        cost=Sum("cost"))
     return {"health": tiers_health([tier], now=now)[0], "month_cost": month["cost"] or 0,
-            "month_requests": month["requests"] or 0, "currency": tier.price_plan.currency}
+            "currency": tier.price_plan.currency}

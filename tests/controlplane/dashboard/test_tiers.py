@@ -235,3 +235,27 @@ def test_a_tiers_page_shows_its_engines_traffic_errors_and_what_it_billed(client
     glance = client.get(f"/tiers/{world.vision.name}/").content.decode().split('id="tier-glance"')[1].split("</div>\n</div>")[0]
     assert "1 crashloop" in glance and "25.0 %" in glance and "2.50 USD" in glance
     assert 'Serving now<span class="error">0</span>' in glance and "Requests, last hour<span>4</span>" in glance
+
+
+def test_what_a_tier_billed_this_month_is_what_the_statements_bill_for_it(client, world):
+    import datetime as dt
+
+    from django.utils import timezone
+
+    from controlplane.metering.records import UsageRecord
+    from controlplane.metering.rollups import rollup_daily
+    from controlplane.metering.services import usage_record
+    from controlplane.tenants.services import internal_tenant
+
+    now = timezone.now()
+    for request_id, tenant, millions in (("a", world.alice, 1), ("b", world.bob, 2), ("own", internal_tenant(), 5)):
+        usage_record(record=UsageRecord(request_id=request_id, tenant_id=tenant.pk, api_key_id=None,
+                                        tier_id=world.vision.pk, output_tokens=millions * 1_000_000, created_at=now))
+    rollup_daily(now=timezone.now() + dt.timedelta(seconds=5))
+    client.force_login(world.finance)
+    statements = client.get("/statements/", {"month": f"{now:%Y-%m}"}).content.decode()
+    billed = statements.split('class="statement-total"')[1].split("</tr>")[0]
+    client.force_login(world.operator)
+    glance = client.get(f"/tiers/{world.vision.name}/").content.decode().split('id="tier-glance"')[1]
+    shown = glance.split("Billed to tenants this month<span>")[1].split("</span>")[0]
+    assert shown == "1.80 USD" and f">{shown}</th>" in billed  # the service's own traffic is billed to no one
