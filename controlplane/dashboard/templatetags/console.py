@@ -3,6 +3,8 @@
 import re
 
 from django import template
+from django.contrib.humanize.templatetags.humanize import naturaltime
+from django.template.defaultfilters import date
 from django.utils.html import conditional_escape
 from django.utils.safestring import mark_safe
 
@@ -40,3 +42,17 @@ def money(amount, currency) -> str:
 def money_each(amount, currency) -> str:
     """`money` for one request's or image's amount, or a price per unit: to the micro-unit."""
     return format_money(amount, currency, each=True)
+
+
+# A moment to the second, as the pages write it where seconds matter (ISO, with its zone).
+MOMENT_TO_THE_SECOND = "Y-m-d H:i:s T"
+
+
+@register.filter
+def with_age(moment) -> str:
+    """A moment as every page writes one, ISO with its zone, followed by how long ago it was:
+    "2026-12-06 10:11:05 UTC (3 minutes ago)". An age alone changes meaning while the page is
+    left open, and cannot be matched with a log line or another page; "never" for no moment."""
+    if moment is None:
+        return "never"
+    return f"{date(moment, MOMENT_TO_THE_SECOND)} ({naturaltime(moment)})"
