@@ -1,15 +1,15 @@
 """The operator's home page: the service's health at a glance, read in a few bounded queries.
 
 Engines by state per tier, nodes and their GPUs, the alerts firing, each tier's last hour of
-traffic (requests, error rate, first token), the tenants spending most today and the tenants
-near a quota."""
+traffic (requests, error rate, first token), the tenants spending most today, and the tenants
+near a quota or budget and the keys near a budget of their own."""
 
 from __future__ import annotations
 
 import datetime as dt
 from dataclasses import dataclass
 
-from django.db.models import Count, Sum
+from django.db.models import Count, Q, Sum
 
 from controlplane.alerts.models import Alert
 from controlplane.catalog.models import ModelTier
@@ -17,8 +17,8 @@ from controlplane.fleet.glance import TierHealth, tiers_health
 from controlplane.fleet.models import Node
 from controlplane.fleet.selectors import HEALTH_FRESH_SECONDS
 from controlplane.metering.models import DailyUsage
-from controlplane.metering.selectors import quota_shares
-from controlplane.tenants.models import Tenant
+from controlplane.metering.selectors import keys_budget, quota_shares
+from controlplane.tenants.models import ApiKey, Tenant
 
 TOP_SPENDERS = 5
 NEAR_QUOTA_PERCENT = 80
@@ -97,9 +97,34 @@ def _top_spenders(day: dt.date) -> list[dict]:
 
 
 def _near_quota(now: dt.datetime) -> list[dict]:
+    """Per tenant, its limits and its keys' budgets used to NEAR_QUOTA_PERCENT or more, most
+    used first; the tenant nearest a limit first."""
+    near: dict[str, list[dict]] = {}
+    for name, row in [*_tenant_limits_near(now), *_key_budgets_near(now)]:
+        near.setdefault(name, []).append(row)
+    rows = {name: sorted(limits, key=lambda row: -row["pct"]) for name, limits in near.items()}
+    return [{"tenant": name, "limits": limits} for name, limits in sorted(rows.items(), key=lambda item: -item[1][0]["pct"])]
+
+
+def _tenant_limits_near(now: dt.datetime) -> list[tuple[str, dict]]:
     tenants = [tenant for tenant in Tenant.objects.filter(active=True).select_related("quota").order_by("name")
                if getattr(tenant, "quota", None) is not None and not tenant.quota.unlimited]
     shares = quota_shares(tenants, now=now)
-    near = {tenant.name: rows for tenant in tenants
-            if (rows := [row for row in shares[tenant.pk] if row["pct"] >= NEAR_QUOTA_PERCENT])}
-    return [{"tenant": name, "limits": rows} for name, rows in sorted(near.items(), key=lambda item: -item[1][0]["pct"])]
+    return [(tenant.name, row) for tenant in tenants for row in shares[tenant.pk] if row["pct"] >= NEAR_QUOTA_PERCENT]
+
+
+def _key_budgets_near(now: dt.datetime) -> list[tuple[str, dict]]:
+    """Keys of active tenants near a budget of their own, as rows like a tenant's limits: a
+    key refused once its budget is spent stops its client as surely as its tenant's quota."""
+    usable = Q(expires_at__isnull=True) | Q(expires_at__gt=now)
+    keys = list(ApiKey.objects.filter(usable, spend_limit__isnull=False, revoked_at__isnull=True, tenant__active=True)
+                .select_related("tenant", "tenant__quota"))
+    budgets = keys_budget(keys, now=now)
+    return [(key.tenant.name, _key_row(key, budget)) for key in keys
+            if (budget := budgets[key.pk]).pct >= NEAR_QUOTA_PERCENT]
+
+
+def _key_row(key: ApiKey, budget) -> dict:
+    return {"label": f"Budget of key {key.name or 'unnamed'} (vlm-{key.prefix}-…)", "key": key, "money": True,
+            "used": budget.spent, "limit": budget.limit, "currency": budget.currency, "pct": budget.pct,
+            "share": round(budget.pct)}

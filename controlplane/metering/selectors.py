@@ -192,13 +192,48 @@ def keys_spend(keys, *, now: dt.datetime | None = None) -> dict[int, Decimal]:
             for key_id, (period, currency) in terms.items()}
 
 
+@dataclass(frozen=True)
+class KeyBudget:
+    """What a key has spent this budget period (budget_terms) against a budget of its own."""
+
+    spent: Decimal
+    limit: Decimal | None  # None: no budget of its own
+    currency: str
+
+    @property
+    def left(self) -> Decimal | None:
+        return _left(self.limit, self.spent)
+
+    @property
+    def pct(self) -> Decimal | None:
+        """The share of its budget spent, a percent to two places."""
+        return _pct(self.spent, self.limit) if self.limit else None
+
+
+def keys_budget(keys, *, now: dt.datetime | None = None) -> dict[int, KeyBudget]:
+    """Each of `keys`' (each with its tenant and the tenant's quota read) budget, by key id, in
+    one query: what the key pages show and the home page's keys near a budget read."""
+    spend = keys_spend(keys, now=now)
+    return {key.pk: KeyBudget(spent=spend.get(key.pk, Decimal(0)), limit=key.spend_limit,
+                              currency=budget_terms(key.tenant)[1]) for key in keys}
+
+
+def _left(limit, used):
+    """What is left of a limit: never below nothing, and nothing to say without a limit."""
+    return max(0, limit - used) if limit and used is not None else None
+
+
+def _pct(used, limit) -> Decimal:
+    return Decimal(100 * used / limit).quantize(Decimal("0.01"))
+
+
 def quota_shares(tenants, *, now: dt.datetime | None = None) -> dict[int, list[dict]]:
     """The limits of each of `tenants` that are set and counted, as quotas_use reads them,
     each with `pct`, the share used (a Decimal percent, two places), most used first; by
     tenant id. What a quota alert and the home page's tenants near a quota both read."""
     shares = {}
     for tenant_id, rows in quotas_use(tenants, now=now).items():
-        rows = [dict(row, pct=Decimal(100 * row["used"] / row["limit"]).quantize(Decimal("0.01")))
+        rows = [dict(row, pct=_pct(row["used"], row["limit"]))
                 for row in rows if row["limit"] and row["used"] is not None]
         shares[tenant_id] = sorted(rows, key=lambda row: -row["pct"])
     return shares
@@ -214,5 +249,5 @@ def _quota_rows(quota, used: dict) -> list[dict]:
                      "limit": limit, "used": value, "money": money,
                      "currency": quota.spend_currency if money else "", "hard": quota.spend_hard if money else True,
                      "share": round(100 * value / limit) if limit and value is not None else None,
-                     "left": max(0, limit - value) if limit and value is not None else None})
+                     "left": _left(limit, value)})
     return rows

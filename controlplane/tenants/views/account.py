@@ -12,7 +12,7 @@ from django.utils import timezone
 from django.views.decorators.http import require_POST
 
 from controlplane.catalog.routing import tenant_auto
-from controlplane.metering.selectors import budget_terms, keys_spend, quota_use
+from controlplane.metering.selectors import budget_terms, keys_budget, quota_use
 from controlplane.tenants import roles
 from controlplane.tenants.forms import OwnKeyForm
 from controlplane.tenants.models import ApiKey, Quota
@@ -46,15 +46,15 @@ def account(request):
     now = timezone.now()
     keys = list(ApiKey.objects.filter(tenant=tenant).select_related("tenant", "tenant__quota")
                 .prefetch_related("allowed_tiers").order_by("-created_at"))
-    spend = keys_spend(keys, now=now)
+    budgets = keys_budget(keys, now=now)
     for key in keys:
-        key.spend = spend.get(key.pk, 0)
+        key.budget = budgets[key.pk]
     quota = Quota.objects.filter(tenant=tenant).first()
-    period, currency = budget_terms(tenant)
+    period, _ = budget_terms(tenant)
     return render(request, "tenants/account.html", {
         "tenant": tenant, "form": form, "keys": keys, "issued": request.session.pop("issued_key", None),
         "quota": quota, "use": quota_use(tenant=tenant, quota=quota, now=now), "auto": tenant_auto(tenant),
-        "budget_period": "today" if period == "day" else f"{now:%Y-%m}", "currency": currency, "now": now,
+        "budget_period": "today" if period == "day" else f"{now:%Y-%m}", "now": now,
     })
 
 

@@ -11,7 +11,7 @@ from django.views.decorators.http import require_POST
 
 from controlplane.catalog.models import ModelTier
 from controlplane.catalog.routing import tenant_auto
-from controlplane.metering.selectors import budget_terms, keys_spend
+from controlplane.metering.selectors import keys_budget
 from controlplane.tenants import roles
 from controlplane.tenants.forms import ApiKeyForm, OwnKeyForm
 from controlplane.tenants.models import ApiKey
@@ -47,13 +47,13 @@ def keys(request):
 
     keys = list(ApiKey.objects.select_related("tenant", "tenant__quota").prefetch_related("tenant__allowed_tiers")
                 .order_by("tenant__name", "-created_at"))
-    spend = keys_spend(keys)
+    budgets = keys_budget(keys)
     enabled, routes = list(ModelTier.objects.filter(enabled=True)), {}
     for key in keys:
         if key.tenant_id not in routes:
             routes[key.tenant_id] = tenant_auto(key.tenant, enabled_tiers=enabled)
         key.auto = routes[key.tenant_id]
-        key.spend, (_, key.currency) = spend.get(key.pk, 0), budget_terms(key.tenant)
+        key.budget = budgets[key.pk]
     return render(request, "tenants/keys.html", {
         "form": form, "issued": request.session.pop("issued_key", None), "keys": keys,
     })
@@ -86,10 +86,9 @@ def key_page(request, api_key: ApiKey, *, back: str, rotate: str, rules: str):
         else:
             messages.success(request, f"Key {api_key.prefix}… saved: the gateway applies it within seconds.")
             return redirect(back)
-    spend = keys_spend([api_key])
     return render(request, "tenants/key_form.html", {
-        "form": form, "key": api_key, "back": back, "rotate": rotate, "rules": rules, "spend": spend.get(api_key.pk, 0),
-        "currency": budget_terms(api_key.tenant)[1]})
+        "form": form, "key": api_key, "back": back, "rotate": rotate, "rules": rules,
+        "budget": keys_budget([api_key])[api_key.pk]})
 
 
 def key_rotated(request, api_key: ApiKey, *, back: str):

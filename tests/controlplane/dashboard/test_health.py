@@ -81,3 +81,23 @@ def test_finance_and_tenant_admins_land_on_their_usage(client, world):
         assert 'id="usage-filters"' in page and 'id="tiers-health"' not in page
     client.force_login(world.operator)
     assert 'id="usage-filters"' in client.get("/usage/").content.decode()
+
+
+def test_the_home_lists_keys_near_their_own_budget_beside_tenants_near_a_quota(client, world):
+    from decimal import Decimal
+
+    from controlplane.metering.records import UsageRecord
+    from controlplane.metering.services import usage_record
+    from controlplane.tenants.services import api_key_create
+
+    near = api_key_create(tenant=world.bob, name="nightly", spend_limit=Decimal("1.00")).api_key
+    far = api_key_create(tenant=world.bob, name="web", spend_limit=Decimal("100")).api_key
+    for key in (near, far):  # 0.90 USD each: 90 % of one budget, 0.9 % of the other
+        usage_record(record=UsageRecord(request_id=f"spend-{key.name}", tenant_id=world.bob.pk, api_key_id=key.pk,
+                                        tier_id=world.vision.pk, output_tokens=1_500_000))
+    client.force_login(world.operator)
+    section = _section(client.get("/").content.decode(), "near-quota")
+    assert "Near a quota or budget" in section and "bob" in section
+    row = _row(section, f'href="/keys/{near.pk}/"')
+    assert "nightly" in row and "90 % (0.90 USD of 1.00 USD)" in row
+    assert f"/keys/{far.pk}/" not in section

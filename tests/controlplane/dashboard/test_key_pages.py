@@ -84,3 +84,26 @@ def test_the_usage_page_shows_one_keys_usage_and_refuses_a_key_the_reader_cannot
     client.force_login(world.operator)
     page = client.get("/usage/", {"key": bobs.prefix}).content.decode()
     assert "3,333" in page.split('id="usage-totals"')[1].split("</div>\n</div>")[0]
+
+
+def _spend_on(world, key, millions: int):
+    """Output tokens billed to `key` at the vision tier's 0.60 per million."""
+    from controlplane.metering.records import UsageRecord
+    from controlplane.metering.services import usage_record
+
+    usage_record(record=UsageRecord(request_id=f"spend-{key.pk}-{millions}", tenant_id=key.tenant_id,
+                                    api_key_id=key.pk, tier_id=world.vision.pk, output_tokens=millions * 1_000_000))
+
+
+def test_every_page_of_a_key_with_a_budget_says_what_is_left_of_it(client, world):
+    key = api_key_create(tenant=world.alice, name="batch", spend_limit=Decimal("2.50")).api_key
+    _spend_on(world, key, 1)  # 0.60 USD of 2.50: 1.90 left
+    client.force_login(world.operator)
+    row = client.get("/keys/").content.decode().split(f"vlm-{key.prefix}-")[1].split("</tr>")[0]
+    assert "0.60 USD" in row and "1.90 USD" in row
+    glance = client.get(f"/keys/{key.pk}/").content.decode().split('id="key-glance"')[1].split("</div>\n</div>")[0]
+    assert "Left of its budget<span>1.90 USD</span>" in glance
+    client.force_login(world.alice_admin)
+    row = client.get("/account/").content.decode().split(f'data-key="{key.prefix}"')[1].split("</tr>")[0]
+    assert "1.90 USD" in row
+    assert "Left of its budget<span>1.90 USD</span>" in client.get(f"/account/keys/{key.pk}/").content.decode()

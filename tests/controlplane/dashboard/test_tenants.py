@@ -138,6 +138,6 @@ def test_a_tenants_budget_is_set_on_its_form_and_its_spend_shown_beside_it(clien
                                     tier_id=world.vision.pk, output_tokens=1_000_000))  # 0.60 USD
     page = client.get("/tenants/acme/").content.decode()
     row = page.split('data-limit="spend_limit"')[1].split("</tr>")[0]
-    assert "0.60 USD of 2.50 USD (24%), soft" in row
+    assert "0.60 USD of 2.50 USD (24%), soft; 1.90 USD left" in row
     refused = client.post("/tenants/acme/", _new(world, spend_limit="-1")).content.decode()
     assert "Ensure this value is greater than or equal to 0.01." in field_errors(refused)
