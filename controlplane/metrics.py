@@ -74,7 +74,7 @@ def render() -> str:
             for (rule, outcome), n in sorted(current_process().counters.cascade_snapshot().items())]
     out += ["# HELP vlmcp_usage_image_tokens_today Image tokens metered today (UTC), from the rollups.",
             "# TYPE vlmcp_usage_image_tokens_today gauge"]
-    today = DailyUsage.objects.filter(day=timezone.now().date()).values("tier__name").annotate(
+    today = DailyUsage.objects.filter(day=timezone.now().date(), tier__isnull=False).values("tier__name").annotate(
         tokens=Sum("image_tokens")).order_by("tier__name")
     out += [_line("vlmcp_usage_image_tokens_today", {"tier": r["tier__name"]}, r["tokens"]) for r in today]
     return "\n".join(out) + "\n"

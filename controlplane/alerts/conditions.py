@@ -165,9 +165,13 @@ def _error_rate(rule: AlertRule, now: dt.datetime) -> list[Reading]:
     for row in rows:
         pct = _pct(100 * row["errors"] / row["total"])
         enough = row["total"] >= rule.min_requests
+        # No tier: requests refused before their model was known; a gateway that cannot read
+        # its models fails every one of them with a 503, which an error rate must see.
+        tier = row["tier__name"]
+        where = tier or "no model (refused before one was known)"
         found.append(Reading(
-            subject=f"tier:{row['tier__name']}", value=pct, breached=enough and pct >= rule.threshold,
-            message=(f"{pct:.1f} % of requests{_scope(rule)} on {row['tier__name']} failed in the last "
+            subject=f"tier:{tier or '-'}", value=pct, breached=enough and pct >= rule.threshold,
+            message=(f"{pct:.1f} % of requests{_scope(rule)} on {where} failed in the last "
                      f"{rule.window_minutes} min ({row['errors']} of {row['total']} answered 5xx)"
                      + ("" if enough else f"; too few to judge (fewer than {rule.min_requests})"))))
     return found

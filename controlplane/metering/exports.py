@@ -85,7 +85,8 @@ def monthly_summary_rows(*, first: dt.date, last: dt.date, tenants, tier=None, a
     """
     sums = {name: Sum(name) for name in SUMMARY_COUNTERS + SUMMARY_AMOUNTS}
     sums["requests"] = Sum(F("requests") - F("unbilled_requests"))
-    lines = (DailyUsage.objects.filter(tenant__in=tenants, day__gte=first, day__lte=last,
+    # Requests refused before their model was known bill nothing, and have no tier to be a line of.
+    lines = (DailyUsage.objects.filter(tenant__in=tenants, day__gte=first, day__lte=last, tier__isnull=False,
                                        **_narrowed("", tier, api_key))
              .annotate(month=TruncMonth("day"))
              .values("tenant__name", "month", "tier__name", "tier__price_plan__currency")

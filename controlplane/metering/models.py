@@ -30,8 +30,9 @@ class UsageEvent(models.Model):
     api_key = models.ForeignKey(
         "tenants.ApiKey", null=True, on_delete=models.SET_NULL, related_name="usage_events"
     )
-    tier = models.ForeignKey("catalog.ModelTier", on_delete=models.PROTECT, related_name="usage_events",
-                             db_index=False)
+    # None: refused before its model was known (at authentication, or reading its body).
+    tier = models.ForeignKey("catalog.ModelTier", null=True, blank=True, on_delete=models.PROTECT,
+                             related_name="usage_events", db_index=False)
     instance = models.ForeignKey(
         "fleet.EngineInstance", null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
     )
@@ -176,7 +177,9 @@ class DailyUsage(UsageTotals):
     tenant = models.ForeignKey("tenants.Tenant", on_delete=models.CASCADE, related_name="daily_usage")
     api_key = models.ForeignKey("tenants.ApiKey", null=True, blank=True, on_delete=models.SET_NULL,
                                 related_name="daily_usage")
-    tier = models.ForeignKey("catalog.ModelTier", on_delete=models.CASCADE, related_name="daily_usage")
+    # None: the requests refused before their model was known (counted, never billed).
+    tier = models.ForeignKey("catalog.ModelTier", null=True, blank=True, on_delete=models.CASCADE,
+                             related_name="daily_usage")
 
     class Meta:
         ordering = ["day", "tenant", "tier"]
@@ -193,7 +196,9 @@ class HourlyUsage(UsageTotals):
     tenant = models.ForeignKey("tenants.Tenant", on_delete=models.CASCADE, related_name="hourly_usage")
     api_key = models.ForeignKey("tenants.ApiKey", null=True, blank=True, on_delete=models.SET_NULL,
                                 related_name="hourly_usage")
-    tier = models.ForeignKey("catalog.ModelTier", on_delete=models.CASCADE, related_name="hourly_usage")
+    # None: the requests refused before their model was known (counted, never billed).
+    tier = models.ForeignKey("catalog.ModelTier", null=True, blank=True, on_delete=models.CASCADE,
+                             related_name="hourly_usage")
 
     class Meta:
         ordering = ["hour", "tenant", "tier"]

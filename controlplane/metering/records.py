@@ -13,9 +13,11 @@ from django.utils import timezone
 from controlplane.metering.rating import Rates, price_parts
 
 CUT_SHORT = ("aborted", "interrupted")  # billed only if an engine worked on them
-# Where a request that failed stopped: its body and images read, an engine chosen, its quota
-# admitted, the engine's work, the answer relayed to the client.
+# Where a request that failed stopped: its key checked, its body and images read, an engine
+# chosen, its quota admitted, the engine's work, the answer relayed to the client. A request
+# refused at authentication, or at intake before its model was known, has no tier.
 STAGES = {
+    "authentication": "checking its API key",
     "intake": "reading the request and its images",
     "routing": "choosing an engine",
     "admission": "admission against quotas",
@@ -30,7 +32,7 @@ class UsageRecord:
     request_id: str
     tenant_id: int
     api_key_id: int | None
-    tier_id: int
+    tier_id: int | None  # None: refused before its model was known (never billed)
     stream: bool = False
     images: list = field(default_factory=list)  # (NormalisedImage, tokens, of which from the prefix cache)
     image_tokens: int = 0
@@ -161,7 +163,10 @@ def image_lines(images: list) -> list:
 def is_billable(record: UsageRecord) -> bool:
     """Completed work is billed, and so is work an engine did for a client that left; a request
     refused or failed before an engine worked on it is not. Work interrupted by a gateway crash
-    is billed as far as its journal knew."""
+    is billed as far as its journal knew. A request refused before its model was known has no
+    tier to price it by, and no engine worked on it."""
+    if record.tier_id is None:
+        return False
     return record.status == "ok" or (record.status in CUT_SHORT and record.instance_id is not None)
 
 

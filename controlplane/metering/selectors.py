@@ -147,7 +147,8 @@ def _use(quotas: dict, now: dt.datetime) -> dict[int, list[dict]]:
     and total tokens and spend in its budget's currency this period, requests this minute."""
     minute = now - dt.timedelta(minutes=1)
     starts = {period: period_start(period, now) for period in {quota.period for quota in quotas.values()}}
-    sums = {"requests_per_minute": Count("id", filter=Q(created_at__gte=minute))}
+    # Refusals at authentication are not among a quota's requests (admission never counted them).
+    sums = {"requests_per_minute": Count("id", filter=Q(created_at__gte=minute) & ~Q(error_stage="authentication"))}
     for period, since in starts.items():
         sums |= {f"{period}_{name}": total
                  for name, total in metered_sums(filter=billed() & Q(created_at__gte=since)).items()}

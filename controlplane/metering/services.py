@@ -32,7 +32,8 @@ MICROS = 1_000_000  # micro-units in a unit of a currency
 
 def billed(path: str = "") -> Q:
     """is_billable as a filter on usage events; `path` reaches them from another model
-    ("event__" from their images)."""
+    ("event__" from their images). (An event without a tier is never completed nor worked on
+    by an engine: the tier needs no test of its own here.)"""
     return Q(**{f"{path}status": "ok"}) | Q(**{f"{path}status__in": CUT_SHORT, f"{path}instance__isnull": False})
 
 
@@ -100,7 +101,7 @@ def usage_record(*, record: UsageRecord) -> UsageEvent:
     existing = UsageEvent.objects.filter(request_id=record.request_id).first()
     if existing is not None:
         return existing
-    tier = ModelTier.objects.get(pk=record.tier_id)
+    tier = None if record.tier_id is None else ModelTier.objects.get(pk=record.tier_id)
     event, images = _usage_rows(record, tier, RateBook())
     try:
         with transaction.atomic():
@@ -133,12 +134,12 @@ def usage_rows(records: list[UsageRecord]) -> list[tuple[dict, list[dict]]]:
     fresh = [record for request_id, record in batch.items() if request_id not in stored]
     if not fresh:
         return []
-    tiers = ModelTier.objects.in_bulk({record.tier_id for record in fresh})
+    tiers = ModelTier.objects.in_bulk({record.tier_id for record in fresh} - {None})
     book = RateBook().load({tier.price_plan_id for tier in tiers.values()})
     rows = []
     for record in fresh:
         tier = tiers.get(record.tier_id)
-        if tier is None:
+        if tier is None and record.tier_id is not None:
             raise ModelTier.DoesNotExist(f"no tier {record.tier_id} for {record.request_id}")
         rows.append(_usage_values(record, tier, book))
     return rows
@@ -203,16 +204,17 @@ def _copy_rows(rows: list[tuple[dict, list[dict]]]) -> None:
                         copy.write_row((pk, *line.values()))
 
 
-def _usage_rows(record: UsageRecord, tier: ModelTier, book: RateBook) -> tuple[UsageEvent, list[UsageImage]]:
+def _usage_rows(record: UsageRecord, tier: ModelTier | None, book: RateBook) -> tuple[UsageEvent, list[UsageImage]]:
     """The unsaved event and image rows for a record, priced at the rate in effect when it was made."""
     event_values, image_values = _usage_values(record, tier, book)
     event = UsageEvent(**event_values)
     return event, [UsageImage(event=event, **values) for values in image_values]
 
 
-def _usage_values(record: UsageRecord, tier: ModelTier, book: RateBook) -> tuple[dict, list[dict]]:
+def _usage_values(record: UsageRecord, tier: ModelTier | None, book: RateBook) -> tuple[dict, list[dict]]:
     """The columns of a record's event and of each of its images, priced at the rate in effect
     when it was made: what either way of storing them (one by one, or copied in bulk) writes.
+    A record without a tier (refused before its model was known) is never billed.
     The ingest makes these thousands of times a second: dict displays, and each line walked
     once."""
     record.images = image_lines(record.images)

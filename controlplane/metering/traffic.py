@@ -1,7 +1,8 @@
 """The gateway's traffic over time, per tier: requests and tokens per second, error rate, and
 end-to-end latency and time to first token at p50 and p95, in fixed buckets.
 
-Read from the usage events (what every client saw, failures included), as one grouped query
+Read from the usage events (what every client saw, failures included; not the requests refused
+before their model was known, which no tier served), as one grouped query
 on PostgreSQL (percentile_cont over date_bin buckets) and, in embedded mode, summarised in
 Python (SQLite has no percentiles; its volumes are small). Both give the same figures."""
 
@@ -44,7 +45,7 @@ def traffic_by_tier(*, since: dt.datetime, until: dt.datetime, bucket: dt.timede
 
 def _on_postgresql(since, until, bucket, tier_ids) -> dict[int, list[TrafficPoint]]:
     table = UsageEvent._meta.db_table
-    only_tiers = "AND tier_id = ANY(%(tiers)s)" if tier_ids is not None else ""
+    only_tiers = "AND tier_id = ANY(%(tiers)s)" if tier_ids is not None else "AND tier_id IS NOT NULL"
     sql = f"""
         SELECT tier_id, date_bin(%(bucket)s, created_at, %(origin)s) AS at, count(*),
                count(*) FILTER (WHERE status = 'error' AND http_status >= 500),  -- SERVER_ERROR
@@ -67,7 +68,7 @@ def _on_postgresql(since, until, bucket, tier_ids) -> dict[int, list[TrafficPoin
 
 
 def traffic_in_python(*, since, until, bucket, tier_ids=None) -> dict[int, list[TrafficPoint]]:
-    events = UsageEvent.objects.filter(created_at__gte=since, created_at__lt=until)
+    events = UsageEvent.objects.filter(created_at__gte=since, created_at__lt=until, tier__isnull=False)
     if tier_ids is not None:
         events = events.filter(tier_id__in=tier_ids)
     groups: dict[tuple[int, int], list] = defaultdict(list)
@@ -144,7 +145,8 @@ def _classes_on_postgresql(since, until, by, tier_ids) -> dict[tuple[int, str], 
 
 
 def latency_by_class_in_python(*, since, until, by="tier", tier_ids=None) -> dict[tuple[int, str], ClassLatency]:
-    events = UsageEvent.objects.filter(created_at__gte=since, created_at__lt=until)
+    # As the join with the tiers does on PostgreSQL: no event without a tier.
+    events = UsageEvent.objects.filter(created_at__gte=since, created_at__lt=until, tier__isnull=False)
     if tier_ids is not None:
         events = events.filter(tier_id__in=tier_ids)
     if by == "engine":

@@ -109,6 +109,7 @@ def usage_over_time(*, scope: UsageScope, by: str) -> TimeSeries:
     """Image tokens, cost, cached image tokens and their savings per hour or day, per tier
     (`by="tier"`) or per tenant (`by="tenant"`); periods without usage count zero."""
     rows, at = scope.rollups()
+    rows = rows.filter(tier__isnull=False)  # requests refused before a model was known: nothing charted
     key = f"{by}__name"
     position = {slot: n for n, slot in enumerate(scope.slots)}
     values: dict[str, dict[str, list]] = {}
@@ -123,7 +124,9 @@ def usage_over_time(*, scope: UsageScope, by: str) -> TimeSeries:
 
 
 def usage_table(*, scope: UsageScope) -> list[dict]:
-    """The period's totals per tenant and tier, each in its tier's currency."""
+    """The period's totals per tenant and tier, each in its tier's currency. Requests refused
+    before their model was known are a tenant's row without a tier or currency: counted, all of
+    them unbilled, nothing else."""
     rows, _ = scope.rollups()
     return [
         {**row, "currency": row["tier__price_plan__currency"], **{f: row[f] or 0 for f in TOTAL_FIELDS}}
@@ -146,6 +149,8 @@ def usage_totals(table: list[dict]) -> dict:
     totals["billed_requests"] = totals["requests"] - totals["unbilled_requests"]
     money = {}
     for row in table:
+        if row["currency"] is None:  # no tier, so nothing billed
+            continue
         each = money.setdefault(row["currency"], {"currency": row["currency"], "cost": Decimal(0),
                                                   "cache_savings": Decimal(0)})
         for f in MONEY_FIELDS:

@@ -2,6 +2,8 @@ from rest_framework import serializers
 
 from controlplane.metering.models import TOTALS, DailyUsage, HourlyUsage, UsageEvent, UsageImage
 
+NO_TIER = "The model's name; null for requests refused before their model was known"
+
 
 class UsageImageSerializer(serializers.ModelSerializer):
     class Meta:
@@ -13,8 +15,8 @@ class UsageImageSerializer(serializers.ModelSerializer):
 class UsageEventSerializer(serializers.ModelSerializer):
     tenant = serializers.CharField(source="tenant.name")
     key_prefix = serializers.CharField(source="api_key.prefix", default=None)
-    tier = serializers.CharField(source="tier.name")
-    currency = serializers.CharField(source="tier.price_plan.currency",
+    tier = serializers.CharField(source="tier.name", default=None, help_text=NO_TIER)
+    currency = serializers.CharField(source="tier.price_plan.currency", default=None,
                                      help_text="What cost and cache_savings are in: the tier's plan's currency")
     images = UsageImageSerializer(many=True)
 
@@ -28,7 +30,7 @@ class UsageEventSerializer(serializers.ModelSerializer):
 
 class DailyUsageSerializer(serializers.ModelSerializer):
     tenant = serializers.CharField(source="tenant.name")
-    tier = serializers.CharField(source="tier.name")
+    tier = serializers.CharField(source="tier.name", default=None, help_text=NO_TIER)
     key_prefix = serializers.CharField(source="api_key.prefix", default=None)
 
     class Meta:
@@ -38,7 +40,7 @@ class DailyUsageSerializer(serializers.ModelSerializer):
 
 class HourlyUsageSerializer(serializers.ModelSerializer):
     tenant = serializers.CharField(source="tenant.name")
-    tier = serializers.CharField(source="tier.name")
+    tier = serializers.CharField(source="tier.name", default=None, help_text=NO_TIER)
     key_prefix = serializers.CharField(source="api_key.prefix", default=None)
 
     class Meta:
@@ -49,7 +51,7 @@ class HourlyUsageSerializer(serializers.ModelSerializer):
 class TierUsageSerializer(serializers.Serializer):
     """Totals of one tier over the range asked for (rows of sums named sum_<total>)."""
 
-    tier = serializers.CharField(source="tier__name")
+    tier = serializers.CharField(source="tier__name", allow_null=True, help_text=NO_TIER)
     requests = serializers.IntegerField(source="sum_requests")
     unbilled_requests = serializers.IntegerField(
         source="sum_unbilled_requests",

@@ -171,6 +171,17 @@ def test_it_fires_for_a_tiers_server_errors_not_for_client_errors_or_too_few_req
     assert alerts_evaluate(now=later(now, seconds=60)).fired == 1
 
 
+def test_it_fires_when_requests_fail_before_their_model_is_known(world, only_rule, now):
+    only_rule(kind="error_rate", threshold=5, window_minutes=15, min_requests=20)
+    usage(tenant=world.alice, tier=world.vision, n=20, at=now)
+    # The gateway could not read its models: refused with a 503 before any tier was chosen.
+    usage(tenant=world.alice, tier=None, n=20, status="error", http_status=503, error_stage="intake", at=now)
+    assert alerts_evaluate(now=now).fired == 1
+    (alert,) = firing()
+    assert alert.subject == "tier:-" and alert.value == Decimal("100.00")
+    assert "of requests on no model (refused before one was known) failed" in alert.message
+
+
 def test_an_error_rate_needs_the_minimum_number_of_requests(world, only_rule, now):
     only_rule(kind="error_rate", threshold=5, window_minutes=15, min_requests=20)
     usage(tenant=world.alice, tier=world.vision, n=10, status="error", http_status=500, at=now)

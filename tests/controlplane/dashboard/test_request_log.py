@@ -139,6 +139,23 @@ def test_a_request_refused_before_any_engine_says_so(client, world):
     assert client.get("/requests/req_nothing/").status_code == 404
 
 
+def test_a_request_refused_at_its_key_is_listed_with_the_stage_and_code_and_opens(client, world):
+    key = world.alice.api_keys.get()
+    usage_record(record=UsageRecord(request_id="req_revoked", tenant_id=world.alice.pk, api_key_id=key.pk,
+                                    tier_id=None, created_at=NOW).failed(
+        "authentication", 401, code="invalid_api_key", message="this API key was revoked"))
+    client.force_login(world.alice_admin)
+    row = client.get("/requests/").content.decode().split('data-request="req_revoked"')[1].split("</tr>")[0]
+    assert "alice-main" in row and "error 401" in row and "invalid_api_key · checking its API key" in row
+    page = client.get("/requests/req_revoked/")
+    assert page.status_code == 200
+    text = page.content.decode()
+    why = text.split('id="failure"')[1].split("</tr>")[0]
+    assert "Failed at <strong>checking its API key</strong>" in why and "this API key was revoked" in why
+    assert "refused before its model was known" in text.split('id="model"')[1].split("</td>")[0]
+    assert "nothing" in text.split('id="cost"')[1].split("</td>")[0]
+
+
 @pytest.mark.parametrize("moment", ["9999-12-31T23:59:59-12:00", "0001-01-01T00:00:00+12:00"])
 @pytest.mark.parametrize("bound", ["since", "until"])
 def test_a_filter_moment_that_cannot_be_written_in_utc_is_explained(client, world, bound, moment):
