@@ -123,13 +123,14 @@ def _declares_body(headers: dict[str, str]) -> bool:
 
 async def _checked_before_body(path: str, method: str, headers: dict[str, str]) -> Response | state.KeyInfo:
     """What is answered before any of the body is read (an unknown path, a wrong method, a
-    body declared too large, a missing or unknown key: the response); otherwise the caller's key."""
+    missing, unknown or unusable key, a body declared too large: the response); otherwise the
+    caller's key."""
     route = ROUTES.get(path)
     if route is None:
         return await handlers.not_found(Request(method=method, headers=headers, body=b""), path.removeprefix("/v1/"))
     if method != route[0]:
         return error_response(405, f"{method} is not allowed on {path}", headers={"Allow": route[0]})
-    return await handlers.check_before_body(headers)
+    return await handlers.check_before_body(headers, chat=route[1] is handlers.chat_completions)
 
 
 async def _send(send, response: Response, *, close: bool = False) -> None:

@@ -1,45 +1,85 @@
 """Who is asking: the API key of a request, read through the gateway's caches, and what is
-refused before a request's body is read (a body declared too large, a missing or unknown key,
-a large body of a key past its intake's limits)."""
+refused before a request's body is read (a missing, unknown or unusable key, a body declared
+too large, a large body of a key past its intake's limits)."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from django.conf import settings
 
 from controlplane.gateway import intake, state
 from controlplane.gateway.body import LARGE_BODY
-from controlplane.gateway.errors import GatewayError, error_response
-from controlplane.gateway.http import Request, Response
+from controlplane.gateway.errors import GatewayError
+from controlplane.gateway.http import Request
 from controlplane.gateway.state import read_or_unavailable
 
 
+class NotAuthenticated(GatewayError):
+    """A 401, and why: `reason` is "missing" (no key sent), "unknown" (no key of ours), or a
+    known key's ApiKey.refusal(), that key then being `key`."""
+
+    def __init__(self, status: int, message: str, *, code: str, reason: str, key: state.RefusedKey | None = None):
+        super().__init__(status, message, code=code, stage="authentication")
+        self.reason, self.key = reason, key
+
+
+@dataclass(frozen=True)
+class Refused:
+    """A request refused before its body was read, and the key that sent it when the gateway
+    knows it (a usable KeyInfo, or a RefusedKey): its tenant's usage keeps the refusal."""
+
+    error: GatewayError
+    key: state.KeyInfo | state.RefusedKey | None
+
+
 async def authenticate(request: Request) -> state.KeyInfo:
+    """The request's usable key; NotAuthenticated when it has none."""
     header = request.headers.get("authorization", "")
     if not header.lower().startswith("bearer ") or not header[7:].strip():
-        raise GatewayError(401, "missing API key: send 'Authorization: Bearer <key>'",
-                           code="invalid_api_key")
+        raise NotAuthenticated(401, "missing API key: send 'Authorization: Bearer <key>'",
+                               code="invalid_api_key", reason="missing")
     if request.key is not None:
         return request.key
     info = await read_or_unavailable("API keys", state.key_info(header[7:].strip()))
     if info is None:
-        raise GatewayError(401, "incorrect, expired or revoked API key", code="invalid_api_key")
+        raise NotAuthenticated(401, "incorrect API key", code="invalid_api_key", reason="unknown")
+    if isinstance(info, state.RefusedKey):
+        raise _refusal(info)
     return info
 
 
-async def check_before_body(headers: dict[str, str]) -> Response | state.KeyInfo:
-    """What is checked before the body is read: a body declared past the limit, a missing or
-    unknown key, and a large body of a key past its intake's limits are refused (the response);
-    otherwise the caller's key, to read the body for."""
-    declared = headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > settings.GATEWAY_MAX_BODY_BYTES:
-        return error_response(413, f"request body exceeds {settings.GATEWAY_MAX_BODY_BYTES} bytes",
-                              code="request_too_large")
+def _refusal(key: state.RefusedKey) -> NotAuthenticated:
+    """A key of ours that cannot be used: whoever holds its secret is told why (it tells them
+    nothing they could not learn from the key's owner, and saves the owner a support call)."""
+    if key.reason == "revoked":
+        return NotAuthenticated(401, "this API key was revoked", code="invalid_api_key", reason="revoked", key=key)
+    if key.reason == "expired":
+        return NotAuthenticated(401, "this API key has expired", code="invalid_api_key", reason="expired", key=key)
+    return NotAuthenticated(401, "this API key's organization is deactivated", code="invalid_api_key",
+                            reason=key.reason, key=key)
+
+
+async def check_before_body(headers: dict[str, str]) -> Refused | state.KeyInfo:
+    """What is checked before the body is read: a missing, unknown or unusable key, a body
+    declared past the limit, and a large body of a key past its intake's limits are refused;
+    otherwise the caller's key, to read the body for. The key is read first: a refusal of a key
+    of ours is its tenant's to see, whatever else is wrong with the request."""
     try:
         key = await authenticate(Request(method="POST", headers=headers, body=b""))
+    except NotAuthenticated as exc:
+        return Refused(exc, exc.key)
+    except GatewayError as exc:  # the keys cannot be read
+        return Refused(exc, None)
+    declared = headers.get("content-length", "")
+    try:
+        if declared.isdigit() and int(declared) > settings.GATEWAY_MAX_BODY_BYTES:
+            raise GatewayError(413, f"request body exceeds {settings.GATEWAY_MAX_BODY_BYTES} bytes",
+                               code="request_too_large")
         if declares_large_body(headers):
             await intake.check(intake.IntakeMeter(key), take_bytes=int(headers["content-length"]))
     except GatewayError as exc:
-        return exc.response()
+        return Refused(exc, key)
     return key
 
 

@@ -2,7 +2,9 @@
 web framework (see controlplane/gateway/asgi.py and views.py for the two ways in). A chat
 request's path reads top to bottom in `_chat_completions` and `_serve`: authenticate, read,
 choose the tier (by name, or by `auto`'s routing rules), prepare the images, route, admit,
-forward and relay, record. A cascade (gateway/cascade.py) serves a request twice at most."""
+forward and relay, record. A cascade (gateway/cascade.py) serves a request twice at most. A
+request refused before a tier was chosen is recorded too, when its key is one of ours
+(`refused`: gateway/refusals.py)."""
 
 from __future__ import annotations
 
@@ -14,10 +16,15 @@ import uuid
 
 from django.conf import settings
 
-from controlplane.gateway import intake, moderation, state
+from controlplane.gateway import authentication, intake, moderation, state
 from controlplane.gateway.admission import admit
 from controlplane.gateway.apps import current_process
-from controlplane.gateway.authentication import authenticate, check_before_body, declares_large_body
+from controlplane.gateway.authentication import (
+    NotAuthenticated,
+    Refused,
+    authenticate,
+    declares_large_body,
+)
 from controlplane.gateway.beside import image_refusal
 from controlplane.gateway.body import LARGE_BODY, TooComplex, read_body
 from controlplane.gateway.cascade import Attempt, cascade, cascades
@@ -72,8 +79,42 @@ async def models(request: Request) -> Response:
     return json_response({"object": "list", "data": data})
 
 
+def new_request_id() -> str:
+    return f"req_{uuid.uuid4().hex}"
+
+
+async def check_before_body(headers: dict[str, str], *, chat: bool) -> Response | state.KeyInfo:
+    """What is refused before a body is read (authentication.check_before_body), answered; a
+    chat request's refusal recorded as `refused` says. Otherwise the caller's key."""
+    arrived = time.monotonic()
+    checked = await authentication.check_before_body(headers)
+    if not isinstance(checked, Refused):
+        return checked
+    return await refused(new_request_id(), checked.error, checked.key if chat else None, arrived)
+
+
+async def refused(request_id: str, error: GatewayError, key: state.KeyInfo | state.RefusedKey | None,
+                  arrived: float, *, body: object = None, tier_id: int | None = None) -> Response:
+    """The answer to a request refused before a tier served it (at authentication, or at its
+    intake), recorded in its tenant's usage at no cost when its key is one of ours; a key that
+    can no longer be used, up to refusals.RECORDED_PER_KEY_MINUTE a minute."""
+    if _keeps_refusal(key):
+        record = UsageRecord(request_id=request_id, tenant_id=key.tenant_id, api_key_id=key.key_id, tier_id=tier_id,
+                             stream=isinstance(body, dict) and bool(body.get("stream")))
+        await hand_over_usage(error.recorded_on(record, "intake"), arrived)
+    return error.response(request_id)
+
+
+def _keeps_refusal(key: state.KeyInfo | state.RefusedKey | None) -> bool:
+    if key is None:  # no key of ours: no tenant to keep it for
+        return False
+    if isinstance(key, state.RefusedKey):  # no throttle of its own: a bound instead
+        return current_process().recorded_refusals.take(key.key_id)
+    return True  # a usable key's intake throttles its refusals with its requests
+
+
 async def chat_completions(request: Request) -> Response:
-    request_id = f"req_{uuid.uuid4().hex}"
+    request_id = new_request_id()
     meters: list[intake.IntakeMeter] = []  # the request's, once its key is known
     status = 500
     try:
@@ -96,6 +137,7 @@ async def _chat_completions(request: Request, request_id: str, meters: list):
     if request.method != "POST":
         return error_response(405, f"{request.method} is not allowed on /v1/chat/completions",
                               request_id=request_id)
+    arrived = time.monotonic()
     try:
         key = await authenticate(request)
         meter = intake.IntakeMeter(key)
@@ -144,6 +186,8 @@ async def _chat_completions(request: Request, request_id: str, meters: list):
                 log.error("tier %s has no price in effect; refusing its requests", tier.name)
                 raise GatewayError(503, f"the model '{tier.name}' has no price in effect yet; retry later",
                                    code="model_not_priced", headers={"Retry-After": "60"})
+    except NotAuthenticated as exc:
+        return await refused(request_id, exc, exc.key, arrived)
     except GatewayError as exc:
         return exc.response(request_id)
     started = time.monotonic()

@@ -1,9 +1,9 @@
 """What one gateway process holds while it serves, in one object: the prepared-image cache,
 the memory its decodes may hold, its caches of the database, its engines' loads and turns,
-what its admissions taught it, its counters, its requests in the ledger, and the usage
-hand-overs still running. Built once a process (`apps.current_process`); a test builds a
-fresh one instead of resetting module state. Nothing here is shared between replicas: what
-must be is in Redis."""
+what its admissions taught it, its counters, its requests in the ledger, the usage
+hand-overs still running, and the refusals of unusable keys it kept this minute. Built once a
+process (`apps.current_process`); a test builds a fresh one instead of resetting module state.
+Nothing here is shared between replicas: what must be is in Redis."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from controlplane.gateway.counters import Counters
 from controlplane.gateway.ledger import LedgerBook
 from controlplane.gateway.prefill import PrefillSlots
 from controlplane.gateway.prepare import Seen
+from controlplane.gateway.refusals import RecordedRefusals
 from controlplane.gateway.repeats import Repeats, Shared
 from controlplane.gateway.routing import EngineLoads, SharedLoads
 from controlplane.gateway.state import Caches
@@ -50,6 +51,7 @@ class GatewayProcess:
     connections: Connections = field(default_factory=Connections)  # pooled, to engines and other services
     connections_checked_at: float = 0.0  # when the database connection was last checked (monotonic)
     stopping: Stopping = field(default_factory=Stopping)  # told to stop: unready, streams ending (stopping.py)
+    recorded_refusals: RecordedRefusals = field(default_factory=RecordedRefusals)  # of unusable keys (refusals.py)
 
     @classmethod
     def from_settings(cls) -> GatewayProcess:

@@ -106,8 +106,10 @@ async def _hand_over(record: UsageRecord, written: asyncio.Future | None = None)
         record = failed.recorded_on(refusal_of(record), "admission")
         record.recorded = True
     process = current_process()
-    process.counters.count(tier=process.tier_names.get(record.tier_id, str(record.tier_id)), status=record.status,
-                   images=record.image_tokens, disagree=record.image_tokens_disagree)
+    # No tier: refused before its model was known.
+    tier = "" if record.tier_id is None else process.tier_names.get(record.tier_id, str(record.tier_id))
+    process.counters.count(tier=tier, status=record.status, images=record.image_tokens,
+                           disagree=record.image_tokens_disagree)
     if record.checking is not None:
         # Its images sent as they came get their fingerprints once checked (a refused one keeps
         # its empty one: the record is its 400's).

@@ -30,7 +30,7 @@ from controlplane.metering.ratebook import NoRate, RateBook
 from controlplane.metering.rating import Rates
 from controlplane.prompts import ChatTokenizer
 from controlplane.tenants.models import RoutingRule, usable_tier_ids
-from controlplane.tenants.services import api_key_lookup
+from controlplane.tenants.services import api_key_find
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +48,16 @@ class KeyInfo:
     key_requests_per_minute: int | None = None  # the key's own limit, within the tenant's quota
     capture: bool = False  # keep its requests' bodies and answers for debugging (gateway/capture.py)
     rules: tuple[Rule, ...] = ()  # what `auto` reads first: the key's routing rules, its tenant's, the defaults
+
+
+@dataclass(frozen=True)
+class RefusedKey:
+    """A key of ours that cannot be used now: its requests are refused, and kept in its
+    tenant's usage so that its holder and the operators can see why."""
+
+    key_id: int
+    tenant_id: int
+    reason: str  # ApiKey.refusal(): "revoked", "tenant_inactive" or "expired"
 
 
 @dataclass(frozen=True)
@@ -94,10 +104,13 @@ def _salt(tenant_name: str) -> str:
     return hashlib.sha256(f"{settings.SECRET_KEY}:tenant:{tenant_name}".encode()).hexdigest()[:32]
 
 
-def _load_key(secret: str) -> KeyInfo | None:
-    api_key = api_key_lookup(secret)
+def _load_key(secret: str) -> KeyInfo | RefusedKey | None:
+    api_key = api_key_find(secret)
     if api_key is None:
         return None
+    refusal = api_key.refusal()
+    if refusal is not None:
+        return RefusedKey(key_id=api_key.pk, tenant_id=api_key.tenant_id, reason=refusal)
     # Mark use at most once a minute per key: a write per request would put the DB on the hot path.
     now = timezone.now()
     if api_key.last_used_at is None or (now - api_key.last_used_at).total_seconds() > 60:
@@ -143,7 +156,8 @@ def _rules(api_key) -> tuple[Rule, ...]:
                                                               else "default")) for row in order)
 
 
-async def key_info(secret: str) -> KeyInfo | None:
+async def key_info(secret: str) -> KeyInfo | RefusedKey | None:
+    """What the gateway knows of `secret`: a usable key, a key it refuses, or None (no key of ours)."""
     digest = hashlib.sha256(secret.encode()).digest()
     cached = await current_process().caches.keys.fetch(digest, lambda: _load_key(secret) or _MISSING)
     return None if cached is _MISSING else cached

@@ -78,11 +78,18 @@ class ApiKey(models.Model):
     def __str__(self):
         return f"{self.prefix}… ({self.tenant})"
 
+    def refusal(self, now=None) -> str | None:
+        """Why the key cannot be used now: "revoked", "tenant_inactive" or "expired"; None when it can."""
+        if self.revoked_at is not None:
+            return "revoked"
+        if not self.tenant.active:
+            return "tenant_inactive"
+        if self.expires_at is not None and self.expires_at <= (now or timezone.now()):
+            return "expired"
+        return None
+
     def is_usable(self, now=None) -> bool:
-        now = now or timezone.now()
-        if self.revoked_at is not None or not self.tenant.active:
-            return False
-        return self.expires_at is None or self.expires_at > now
+        return self.refusal(now) is None
 
 
 def tenant_tier_ids(tenant: Tenant) -> frozenset[int] | None:

@@ -173,13 +173,20 @@ def api_key_rotate(*, api_key: ApiKey, actor) -> IssuedKey:
 
 def api_key_lookup(secret: str) -> ApiKey | None:
     """The usable key for `secret`, or None. Unknown, revoked and expired keys look alike."""
+    api_key = api_key_find(secret)
+    return api_key if api_key is not None and api_key.is_usable() else None
+
+
+def api_key_find(secret: str) -> ApiKey | None:
+    """The key `secret` is, usable or not (its `refusal()` says), with its tenant; None when
+    it is no key of ours."""
     if not secret.startswith(KEY_PREFIX) or len(secret) > 200:
         return None
     digest = key_hash(secret)
     api_key = ApiKey.objects.select_related("tenant", "tenant__quota").filter(key_hash=digest).first()
     if api_key is None or not hmac.compare_digest(api_key.key_hash, digest):
         return None
-    return api_key if api_key.is_usable() else None
+    return api_key
 
 
 TENANT_AUDITED = ("name", "display_name", "active", "isolate_prefix_cache", "default_text_tier_id",
