@@ -16,7 +16,7 @@ from controlplane.client_slots import Cap, ClientSlots, client_address
 from controlplane.gateway import handlers, state
 from controlplane.gateway.apps import current_process
 from controlplane.gateway.body import ShapeCount, TooComplex
-from controlplane.gateway.errors import error_response
+from controlplane.gateway.errors import GatewayError, error_response
 from controlplane.gateway.http import Request, Response
 from controlplane.gateway.memory import keep_freed_buffers
 from controlplane.gateway.recording import answering, settle
@@ -44,9 +44,9 @@ def _close_old_connections() -> None:
         close_old_connections()
 
 
-async def _read_body(receive, declared: int | None = None) -> bytes | bytearray | Response | None:
-    """The body; or the answer when it is too large or too slow, as soon as it is; or None
-    when the client left. A body of `declared` bytes is copied, a piece at a time as it comes,
+async def _read_body(receive, declared: int | None = None) -> bytes | bytearray | GatewayError | None:
+    """The body; or why it is refused when it is too large or too slow, as soon as it is; or
+    None when the client left. A body of `declared` bytes is copied, a piece at a time as it comes,
     into a buffer of its size: joined at its end instead, 50 MB held the event loop 10 ms."""
     limit, chunks, size, shape = settings.GATEWAY_MAX_BODY_BYTES, [], 0, ShapeCount()
     whole = bytearray(declared) if declared and declared <= limit else None
@@ -58,11 +58,11 @@ async def _read_body(receive, declared: int | None = None) -> bytes | bytearray 
                     return None
                 chunk = message.get("body", b"")
                 if size + len(chunk) > (limit if whole is None else len(whole)):  # past the limit, or its length
-                    return error_response(413, f"request body exceeds {limit} bytes", code="request_too_large")
+                    return GatewayError(413, f"request body exceeds {limit} bytes", code="request_too_large")
                 try:  # a body of more JSON than a request can use is refused at its first megabytes
                     shape.feed(chunk)
                 except TooComplex as exc:
-                    return error_response(400, str(exc), code="request_too_complex")
+                    return GatewayError(400, str(exc), code="request_too_complex")
                 if whole is None:
                     chunks.append(chunk)
                 else:
@@ -73,12 +73,12 @@ async def _read_body(receive, declared: int | None = None) -> bytes | bytearray 
                         return b"".join(chunks)
                     return whole if size == len(whole) else whole[:size]
     except TimeoutError:
-        return error_response(408, f"the request body did not arrive within {settings.GATEWAY_BODY_TIMEOUT_S}s",
-                              code="request_timeout")
+        return GatewayError(408, f"the request body did not arrive within {settings.GATEWAY_BODY_TIMEOUT_S}s",
+                            code="request_timeout")
 
 
-async def _read_body_within_caps(scope, receive, body_reads: ClientSlots | None) -> bytes | Response | None:
-    """`_read_body`, unless as many bodies as the caps allow are being read (the answer then).
+async def _read_body_within_caps(scope, receive, body_reads: ClientSlots | None) -> bytes | GatewayError | None:
+    """`_read_body`, unless as many bodies as the caps allow are being read (the refusal then).
     A small body declared as such is not counted: a burst of hundreds of text requests is read
     in a moment, and holds next to nothing while it is."""
     weight = _most(scope, settings.GATEWAY_MAX_BODY_BYTES)
@@ -108,13 +108,13 @@ def _most(scope, limit: int) -> int:
     return limit if declared is None else min(declared, limit)
 
 
-def _busy(cap: Cap) -> Response:
+def _busy(cap: Cap) -> GatewayError:
     retry = {"Retry-After": str(BUSY_RETRY_AFTER_S)}
     if cap == "client":
-        return error_response(429, "this address is sending as many request bodies at once as it may; "
-                              "retry shortly", code="rate_limit_exceeded", headers=retry)
-    return error_response(503, "the gateway is reading as many request bodies at once as it can; retry shortly",
-                          code="service_unavailable", headers=retry)
+        return GatewayError(429, "this address is sending as many request bodies at once as it may; "
+                            "retry shortly", code="rate_limit_exceeded", headers=retry)
+    return GatewayError(503, "the gateway is reading as many request bodies at once as it can; retry shortly",
+                        code="service_unavailable", headers=retry)
 
 
 def _declares_body(headers: dict[str, str]) -> bool:
@@ -177,7 +177,7 @@ async def lifespan(receive, send) -> None:
 
 async def app(scope, receive, send, *, body_reads: ClientSlots | None = None) -> None:
     """The gateway's front; `body_reads` counts the request bodies being read (None: uncounted)."""
-    path, method = scope["path"], scope["method"]
+    path, method, arrived = scope["path"], scope["method"], time.monotonic()
     headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
     unread = _declares_body(headers)
     # Nobody without a key, nor on a path or method that takes no body, makes the gateway
@@ -191,8 +191,8 @@ async def app(scope, receive, send, *, body_reads: ClientSlots | None = None) ->
         body = await _read_body_within_caps(scope, receive, body_reads)
         if body is None:
             return
-        if isinstance(body, Response):
-            await _send(send, body, close=True)
+        if isinstance(body, GatewayError):  # its key is known: the refusal is its tenant's to see
+            await _send(send, await handlers.refused(handlers.new_request_id(), body, key, arrived), close=True)
             return
         unread = False
     await _connection_hygiene()

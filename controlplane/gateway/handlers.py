@@ -138,6 +138,7 @@ async def _chat_completions(request: Request, request_id: str, meters: list):
         return error_response(405, f"{request.method} is not allowed on /v1/chat/completions",
                               request_id=request_id)
     arrived = time.monotonic()
+    key, body, unpriced = None, None, None
     try:
         key = await authenticate(request)
         meter = intake.IntakeMeter(key)
@@ -184,12 +185,13 @@ async def _chat_completions(request: Request, request_id: str, meters: list):
             if not tier.priced:
                 # Serving it would bill nothing, or bill later at a price nobody agreed to.
                 log.error("tier %s has no price in effect; refusing its requests", tier.name)
+                unpriced = tier.id
                 raise GatewayError(503, f"the model '{tier.name}' has no price in effect yet; retry later",
                                    code="model_not_priced", headers={"Retry-After": "60"})
     except NotAuthenticated as exc:
         return await refused(request_id, exc, exc.key, arrived)
     except GatewayError as exc:
-        return exc.response(request_id)
+        return await refused(request_id, exc, key, arrived, body=body, tier_id=unpriced)
     started = time.monotonic()
     if cascades(choice, body):
         return await cascade(functools.partial(_serve, key=key, meter=meter, started=started), request_id, key,

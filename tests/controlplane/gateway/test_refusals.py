@@ -12,6 +12,7 @@ import pytest
 from asgiref.sync import async_to_sync
 from django.utils import timezone
 
+from controlplane.catalog.models import ModelTier, PricePlan, PriceRate
 from controlplane.gateway import refusals
 from controlplane.gateway.apps import current_process
 from controlplane.gateway.asgi import app
@@ -122,4 +123,40 @@ def test_the_front_records_a_body_declared_too_large_for_its_key_unread(world, s
     assert (status, error["code"], read) == (413, "request_too_large", 0)
     event = UsageEvent.objects.get(request_id=headers["x-request-id"])
     assert (event.api_key.name, event.tier_id, event.error_stage, event.http_status) == ("alice-main", None, "intake", 413)
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("body, status, code", [
+    (b"{nope", 400, "invalid_json"),
+    ({"messages": [{"role": "user", "content": "hi"}]}, 400, "missing_model"),
+    ({"model": "gpt-9", "messages": [{"role": "user", "content": "hi"}]}, 404, "model_not_found"),
+])
+def test_a_body_refused_before_its_model_is_known_is_in_the_tenants_usage(client, world, body, status, code):
+    response = post(client, world.alice_key, body)
+    told = error_of(response)
+    assert (response.status_code, told["code"]) == (status, code)
+    event = UsageEvent.objects.get(request_id=response["x-request-id"])
+    assert (event.tenant_id, event.tier_id, event.error_stage) == (world.alice.pk, None, "intake")
+    assert (event.http_status, event.error_code, event.error_message) == (status, code, told["message"])
+    assert event.cost == 0
+
+
+@pytest.mark.django_db
+def test_a_model_without_a_price_is_refused_and_recorded_on_its_tier(client, world):
+    later = PricePlan.objects.create(name="from-next-week")
+    PriceRate.objects.create(plan=later, effective_from=timezone.now() + dt.timedelta(days=7))
+    ModelTier.objects.filter(pk=world.text.pk).update(price_plan=later)
+    response = post(client, world.alice_key, HELLO)
+    assert (response.status_code, error_of(response)["code"]) == (503, "model_not_priced")
+    event = UsageEvent.objects.get(request_id=response["x-request-id"])
+    assert (event.tier_id, event.error_stage, event.error_code, event.cost) == (
+        world.text.pk, "intake", "model_not_priced", 0)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_front_records_a_body_that_grows_past_the_limit_as_it_arrives(world, settings):
+    settings.GATEWAY_MAX_BODY_BYTES = 100_000
+    status, headers, error, _ = _front({"authorization": f"Bearer {world.alice_key}",
+                                        "transfer-encoding": "chunked"}, b"x" * 200_000)
+    assert (status, error["code"]) == (413, "request_too_large")
+    assert UsageEvent.objects.get(request_id=headers["x-request-id"]).error_code == "request_too_large"
 
