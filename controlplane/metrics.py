@@ -72,6 +72,12 @@ def render() -> str:
             "# TYPE vlmcp_gateway_cascades_total counter"]
     out += [_line("vlmcp_gateway_cascades_total", {"rule": rule, "outcome": outcome}, n)
             for (rule, outcome), n in sorted(current_process().counters.cascade_snapshot().items())]
+    out += ["# HELP vlmcp_gateway_auth_refusals_total Requests this gateway process refused at authentication, "
+            "by why: missing (no key sent) and unknown (no key of ours), which no tenant's usage records; revoked, "
+            "expired and tenant_inactive, which their tenant's request log shows.",
+            "# TYPE vlmcp_gateway_auth_refusals_total counter"]
+    out += [_line("vlmcp_gateway_auth_refusals_total", {"reason": reason}, n)
+            for reason, n in sorted(current_process().counters.auth_refusal_snapshot().items())]
     out += ["# HELP vlmcp_usage_image_tokens_today Image tokens metered today (UTC), from the rollups.",
             "# TYPE vlmcp_usage_image_tokens_today gauge"]
     today = DailyUsage.objects.filter(day=timezone.now().date(), tier__isnull=False).values("tier__name").annotate(

@@ -1,8 +1,9 @@
 """The operator's home page: the service's health at a glance, read in a few bounded queries.
 
 Engines by state per tier, nodes and their GPUs, the alerts firing, each tier's last hour of
-traffic (requests, error rate, first token), the tenants spending most today, and the tenants
-near a quota or budget and the keys near a budget of their own."""
+traffic (requests, error rate, first token), the tenants spending most today, the tenants near
+a quota or budget and the keys near a budget of their own, and the last hour's requests refused
+with no key of ours (from Redis)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from controlplane.catalog.models import ModelTier
 from controlplane.fleet.glance import TierHealth, tiers_health
 from controlplane.fleet.models import Node
 from controlplane.fleet.selectors import HEALTH_FRESH_SECONDS
+from controlplane.gateway.refusals import KeylessCount, keyless_refusals
 from controlplane.metering.models import DailyUsage
 from controlplane.metering.selectors import keys_budget, quota_shares
 from controlplane.tenants.models import ApiKey, Tenant
@@ -43,6 +45,7 @@ class Health:
     alerts_firing: int
     top_spenders: list[dict]
     near_quota: list[dict]
+    keyless: KeylessCount | None  # None: not counted here (no Redis, or it did not answer)
 
     @property
     def requests(self) -> int:
@@ -70,7 +73,8 @@ def service_health(*, now: dt.datetime) -> Health:
     return Health(
         tiers=tiers, nodes=_nodes(now), alerts=_alerts(),
         alerts_firing=Alert.objects.filter(state=Alert.State.FIRING).count(),
-        top_spenders=_top_spenders(now.date()), near_quota=_near_quota(now))
+        top_spenders=_top_spenders(now.date()), near_quota=_near_quota(now),
+        keyless=keyless_refusals(now=now.timestamp()))
 
 
 def _nodes(now: dt.datetime) -> list[NodeHealth]:

@@ -9,9 +9,11 @@ from dataclasses import dataclass
 from django.conf import settings
 
 from controlplane.gateway import intake, state
+from controlplane.gateway.apps import current_process
 from controlplane.gateway.body import LARGE_BODY
 from controlplane.gateway.errors import GatewayError
 from controlplane.gateway.http import Request
+from controlplane.gateway.refusals import KEYLESS
 from controlplane.gateway.state import read_or_unavailable
 
 
@@ -34,7 +36,24 @@ class Refused:
 
 
 async def authenticate(request: Request) -> state.KeyInfo:
-    """The request's usable key; NotAuthenticated when it has none."""
+    """The request's usable key; NotAuthenticated, counted by its reason, when it has none."""
+    try:
+        return await _key_of(request)
+    except NotAuthenticated as exc:
+        _count(exc.reason)
+        raise
+
+
+def _count(reason: str) -> None:
+    """A refusal at authentication counted on /metrics; one with no tenant to record it for,
+    in the overview's tally too (refusals.py)."""
+    process = current_process()
+    process.counters.auth_refused(reason)
+    if reason in KEYLESS and process.keyless is not None:
+        process.keyless.count(reason)
+
+
+async def _key_of(request: Request) -> state.KeyInfo:
     header = request.headers.get("authorization", "")
     if not header.lower().startswith("bearer ") or not header[7:].strip():
         raise NotAuthenticated(401, "missing API key: send 'Authorization: Bearer <key>'",

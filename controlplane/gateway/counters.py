@@ -20,6 +20,8 @@ class Counters:
         self.shared_pictures: Counter = Counter()
         # A cascade's first answers: (its rule, "kept" or why it was escalated).
         self.cascades: Counter = Counter()
+        # Requests refused at authentication, by why (authentication.NotAuthenticated.reason).
+        self.auth_refusals: Counter = Counter()
 
     def count(self, *, tier: str, status: str, images: int = 0, disagree: bool = False) -> None:
         with self._lock:
@@ -41,6 +43,14 @@ class Counters:
     def cascade(self, *, rule: str, outcome: str) -> None:
         with self._lock:
             self.cascades[(rule, outcome)] += 1
+
+    def auth_refused(self, reason: str) -> None:
+        with self._lock:
+            self.auth_refusals[reason] += 1
+
+    def auth_refusal_snapshot(self) -> dict:
+        with self._lock:
+            return dict(self.auth_refusals)
 
     def cascade_snapshot(self) -> dict:
         with self._lock:

@@ -1,7 +1,7 @@
 """What one gateway process holds while it serves, in one object: the prepared-image cache,
 the memory its decodes may hold, its caches of the database, its engines' loads and turns,
 what its admissions taught it, its counters, its requests in the ledger, the usage
-hand-overs still running, and the refusals of unusable keys it kept this minute. Built once a
+hand-overs still running, and the refusals it kept or counted (refusals.py). Built once a
 process (`apps.current_process`); a test builds a fresh one instead of resetting module state.
 Nothing here is shared between replicas: what must be is in Redis."""
 
@@ -18,7 +18,7 @@ from controlplane.gateway.counters import Counters
 from controlplane.gateway.ledger import LedgerBook
 from controlplane.gateway.prefill import PrefillSlots
 from controlplane.gateway.prepare import Seen
-from controlplane.gateway.refusals import RecordedRefusals
+from controlplane.gateway.refusals import KeylessTally, RecordedRefusals
 from controlplane.gateway.repeats import Repeats, Shared
 from controlplane.gateway.routing import EngineLoads, SharedLoads
 from controlplane.gateway.state import Caches
@@ -52,6 +52,7 @@ class GatewayProcess:
     connections_checked_at: float = 0.0  # when the database connection was last checked (monotonic)
     stopping: Stopping = field(default_factory=Stopping)  # told to stop: unready, streams ending (stopping.py)
     recorded_refusals: RecordedRefusals = field(default_factory=RecordedRefusals)  # of unusable keys (refusals.py)
+    keyless: KeylessTally | None = None  # requests refused with no key of ours, for the overview (refusals.py)
 
     @classmethod
     def from_settings(cls) -> GatewayProcess:
@@ -62,4 +63,4 @@ class GatewayProcess:
                                        wait_s=settings.GATEWAY_DECODE_WAIT_MS / 1000,
                                        decodes=settings.GATEWAY_DECODES_AT_ONCE),
             caches=Caches(), engines=EngineLoads(SharedLoads.from_settings()), optimistic=OptimisticAdmission(), counters=counters,
-            prefill=PrefillSlots.from_settings())
+            prefill=PrefillSlots.from_settings(), keyless=KeylessTally.from_settings())

@@ -6,14 +6,21 @@ from __future__ import annotations
 
 import datetime as dt
 import re
+import uuid
 
 import pytest
+import redis
+from asgiref.sync import async_to_sync
 from django.utils import timezone
 
 from controlplane.alerts.models import Alert, AlertRule
 from controlplane.fleet.models import EngineInstance, Gpu, Node
+from controlplane.gateway.apps import current_process
+from controlplane.gateway.refusals import KeylessTally
 from controlplane.metering.models import DailyUsage
+from controlplane.redis_clients import key_prefix
 from controlplane.tenants.models import Quota
+from tests.conftest import skip_without_redis
 from tests.controlplane.alerts.conftest import usage
 
 pytestmark = pytest.mark.django_db
@@ -101,3 +108,35 @@ def test_the_home_lists_keys_near_their_own_budget_beside_tenants_near_a_quota(c
     row = _row(section, f'href="/keys/{near.pk}/"')
     assert "nightly" in row and "90 % (0.90 USD of 1.00 USD)" in row
     assert f"/keys/{far.pk}/" not in section
+
+
+@pytest.fixture
+def own_tally(settings):
+    """The overview's tally of refusals without a key in Redis keys of this test's own."""
+    skip_without_redis()
+    settings.CACHES = {"default": {**settings.CACHES["default"], "KEY_PREFIX": f"tally-{uuid.uuid4().hex}"}}
+    yield
+    client = redis.Redis.from_url(settings.REDIS_URL)
+    for key in client.scan_iter(f"{key_prefix()}:*"):
+        client.delete(key)
+
+
+def test_the_overview_counts_the_last_hours_requests_refused_without_a_key(client, world, own_tally, settings):
+    now = timezone.now().timestamp()
+    current_process().keyless = KeylessTally(settings.REDIS_URL, key_prefix(), clock=lambda: now)
+    for authorization in (None, None, "Bearer vlm-0000-nope", "Bearer vlm-0000-nope", "Bearer vlm-1111-nope"):
+        headers = {"HTTP_AUTHORIZATION": authorization} if authorization else {}
+        assert client.post("/v1/chat/completions", data="{}", content_type="application/json",
+                           **headers).status_code == 401
+    async_to_sync(current_process().keyless.flush)()  # what its timer does TALLY_FLUSH_S later
+    client.force_login(world.operator)
+    card = _section(client.get("/").content.decode(), "keyless-refusals")
+    assert 'data-reason="missing">2<' in card and 'data-reason="unknown">3<' in card
+    assert 'data-busiest="5"' in card
+
+
+def test_the_overview_says_when_it_cannot_count_requests_refused_without_a_key(client, world, settings):
+    settings.REDIS_URL = "redis://127.0.0.1:1/0"  # nothing listens there
+    client.force_login(world.operator)
+    card = _section(client.get("/").content.decode(), "keyless-refusals")
+    assert "Not counted here" in card and "vlmcp_gateway_auth_refusals_total" in card

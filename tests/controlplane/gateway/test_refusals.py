@@ -16,9 +16,12 @@ from controlplane.catalog.models import ModelTier, PricePlan, PriceRate
 from controlplane.gateway import refusals
 from controlplane.gateway.apps import current_process
 from controlplane.gateway.asgi import app
+from controlplane.gateway.recording import drain
 from controlplane.metering.models import UsageEvent
+from controlplane.redis_clients import key_prefix, sync_redis
 from controlplane.tenants.models import ApiKey, Tenant
 from controlplane.tenants.services import api_key_revoke
+from tests.conftest import skip_without_redis
 from tests.controlplane.gateway.calls import error_of, post
 from tests.controlplane.gateway.conftest import ingested
 
@@ -160,3 +163,40 @@ def test_the_front_records_a_body_that_grows_past_the_limit_as_it_arrives(world,
     assert (status, error["code"]) == (413, "request_too_large")
     assert UsageEvent.objects.get(request_id=headers["x-request-id"]).error_code == "request_too_large"
 
+@pytest.mark.django_db
+def test_every_refusal_at_authentication_is_counted_by_reason_on_metrics(client, world, settings):
+    settings.DEBUG = True  # /metrics without a token
+    for authorization in (None, "Bearer vlm-0000-nope", "Bearer vlm-0000-other"):
+        headers = {"HTTP_AUTHORIZATION": authorization} if authorization else {}
+        client.post("/v1/chat/completions", data=json.dumps(HELLO), content_type="application/json", **headers)
+    api_key_revoke(api_key=ApiKey.objects.get(name="alice-main"))
+    post(client, world.alice_key, HELLO)
+    text = client.get("/metrics").content.decode()
+    for reason, n in (("missing", 1), ("unknown", 2), ("revoked", 1)):
+        assert f'vlmcp_gateway_auth_refusals_total{{reason="{reason}"}} {n}' in text
+
+
+@pytest.mark.django_db
+def test_a_flood_of_requests_with_no_key_costs_redis_one_write_per_flush(world, monkeypatch, own_keys, settings):
+    skip_without_redis()
+    monkeypatch.setattr(refusals, "TALLY_FLUSH_S", 0.05)
+    tally = refusals.KeylessTally(settings.REDIS_URL, key_prefix(), clock=lambda: 600.0)
+    flushes, flush = [], tally.flush
+
+    async def counted_flush():
+        flushes.append(len(tally.pending))
+        await flush()
+
+    tally.flush = counted_flush
+
+    async def flood():
+        for n in range(500):
+            tally.count("unknown" if n % 5 else "missing")
+        await asyncio.sleep(0.2)
+        await drain()
+
+    async_to_sync(flood)()
+    assert flushes == [2]  # one write, of the minute's two counts
+    written = sync_redis(settings.REDIS_URL).hgetall(refusals.tally_key(key_prefix(), 10))
+    assert written == {b"unknown": b"400", b"missing": b"100"}
+    assert refusals.keyless_refusals(now=630.0) == refusals.KeylessCount({"missing": 100, "unknown": 400}, 500)
