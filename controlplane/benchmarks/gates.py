@@ -14,6 +14,11 @@ A check passes when no tier loses more accuracy than its gate's tolerance; the c
 applied from the check (a tier's candidate becomes one of its replicas; the others are replaced).
 A blocked change is applied only by an operator's override, with a reason. Both are audited with
 what changed, the figures included.
+
+A check's requests go straight to the engines, never through the gateway, and so are metered
+nowhere (the check's log says so): the gateway would remake the proposed policy's images under
+the policy in force, and it never routes to a candidate engine. Both sides are sent the same way,
+so that only the change differs between them.
 """
 
 from __future__ import annotations
@@ -232,7 +237,8 @@ def _compare(check: GateCheck, tier: ModelTier, sides: dict, *, done: float, sha
                                           estimate_tokens=token_estimator(as_served))
         target = loadgen.Target(url=f"{instance.base_url}/v1/chat/completions", model=instance.model_name,
                                 api_key=instance.api_key)
-        _log(check, f"{tier.name}, {name}: {len(items)} items of {gate.eval_set.name}, on instance {instance.pk}")
+        _log(check, f"{tier.name}, {name}: {len(items)} items of {gate.eval_set.name}, on instance {instance.pk} "
+                    "(straight to the engine: not metered)")
         samples = _run_load(check, target, stages, done=done + share * n / len(sides), share=share / len(sides))
         specs = {spec.index: spec for spec in stages[0]}
         figures[name] = resolution.set_figures(samples[0], specs)

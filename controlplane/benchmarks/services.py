@@ -1,11 +1,13 @@
 """Benchmark runs: start, cancel, execute. The run row is the truth about a run.
 
-A run loads its profile's target (the tier through the gateway, with a key of the
-`benchmarks` tenant made for the run and revoked after it; or one engine instance directly)
-with the profile's request mix, one stage per load level, and stores what each stage
-measured. The load itself runs on an event loop in a thread of its own (loadgen.py is pure
-asyncio); this thread keeps the database: it polls the cancel flag and writes progress,
-log lines and the results of each stage as they come.
+A run loads its profile's target with the profile's request mix, one stage per load level,
+and stores what each stage measured. The target is the tier through the gateway, with a key of
+the service's internal tenant made for the run and revoked after it, so that its usage is
+metered apart from the tenants'; or one engine instance directly, which measures the engine
+itself, without the gateway, and so is metered nowhere (its log says so). The load itself runs
+on an event loop in a thread of its own (loadgen.py is pure asyncio); this thread keeps the
+database: it polls the cancel flag and writes progress, log lines and the results of each
+stage as they come.
 """
 
 from __future__ import annotations
@@ -191,7 +193,8 @@ def _target(run: BenchmarkRun, planned_s: float):
         # by an operator, and is vetted.
         pinned = _vetted(url, "engine URL") if instance.external_url else None
         target = loadgen.Target(url=url, model=instance.model_name, api_key=instance.api_key, pinned=pinned)
-        return target, f"instance {instance.pk} at {instance.base_url}", lambda: None
+        where = f"instance {instance.pk} at {instance.base_url} (straight to the engine: not metered)"
+        return target, where, lambda: None
     url = f"{profile.gateway_base}/v1/chat/completions"
     # This server's own gateway (GATEWAY_PUBLIC_URL) is its configuration, not a URL an operator set.
     pinned = _vetted(url, "benchmark target URL") if profile.gateway_url else None

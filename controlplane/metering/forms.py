@@ -84,8 +84,8 @@ class ExportForm(forms.Form):
     end = forms.DateField(required=False, label="To", widget=forms.DateInput(attrs={"type": "date"}))
     tenant = forms.ModelChoiceField(queryset=None, required=False, to_field_name="name", empty_label="Every tenant")
     internal = forms.BooleanField(required=False, label="With the service's own traffic",
-                                  help_text="Benchmarks, evaluations and the playground, left out of every "
-                                            "tenant's totals unless ticked")
+                                  help_text="Benchmark runs through the gateway and the playground, left out "
+                                            "of every tenant's totals unless ticked")
     filetype = forms.ChoiceField(choices=FILETYPE_CHOICES, initial=CSV, label="File type", widget=forms.RadioSelect)
 
     def __init__(self, *args, tenants, **kwargs):

@@ -28,8 +28,9 @@ class Tenant(models.Model):
     )
     active = models.BooleanField(default=True)
     created_at = models.DateTimeField(default=timezone.now)
-    # The service's own traffic (benchmarks, evaluations, the playground): metered like any
-    # tenant's, kept out of finance totals, exports and statements unless asked for.
+    # The service's own traffic through the gateway (benchmark runs aimed at a tier, the
+    # playground): metered like any tenant's, kept out of finance totals, exports and
+    # statements unless asked for. What goes straight to an engine is not metered at all.
     internal = models.BooleanField(default=False, editable=False)
     capture_bodies = models.BooleanField(
         default=False, help_text="Keep its requests' bodies and answers for debugging (images as thumbnails), "

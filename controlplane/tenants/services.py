@@ -46,8 +46,10 @@ INTERNAL_TENANT = "internal"
 
 
 def internal_tenant() -> Tenant:
-    """The tenant the service's own traffic is metered to (benchmarks, evaluations, the
-    playground): kept out of finance totals and statements unless asked for."""
+    """The tenant the service's own traffic through the gateway is metered to (benchmark runs
+    aimed at a tier, the playground): kept out of finance totals and statements unless asked
+    for. What is sent straight to an engine is metered nowhere, as no gateway sees it: quality
+    gate checks (benchmarks/gates.py) and benchmark runs aimed at one engine."""
     found = Tenant.objects.filter(internal=True).order_by("pk").first()
     if found is None:
         taken = set(Tenant.objects.filter(name__startswith=INTERNAL_TENANT).values_list("name", flat=True))

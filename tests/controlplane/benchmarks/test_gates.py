@@ -10,6 +10,7 @@ from controlplane.audit.models import AuditEntry
 from controlplane.benchmarks import gates
 from controlplane.benchmarks.models import EvalItem, EvalSet, GateCheck, QualityGate
 from controlplane.catalog.models import ResolutionPolicy
+from controlplane.metering.models import UsageEvent
 from tests.images import image_bytes
 
 pytestmark = pytest.mark.django_db
@@ -59,6 +60,12 @@ def test_saving_a_gated_policy_measures_the_change_instead_of_making_it(client, 
     assert check.state == "blocked"
     page = client.get(f"/benchmarks/gates/checks/{check.pk}/").content.decode()
     assert "blocks" in page and "Apply over the block" in page
+
+
+def test_a_check_goes_straight_to_the_engine_is_metered_nowhere_and_says_so(client, world, gate, instance):
+    check = _propose(client, world, max_pixels=401_408)
+    assert check.log.count(f"on instance {instance.pk} (straight to the engine: not metered)") == 2  # both sides
+    assert not UsageEvent.objects.exists()
 
 
 def test_a_blocked_change_needs_a_reason_and_is_audited_with_it(client, world, gate):

@@ -66,6 +66,16 @@ def test_the_task_runs_a_sweep_against_an_instance_and_stores_figures_per_stage_
     assert 'data-stage="1" data-class="text"' in page and 'id="latency-chart"' in page
 
 
+@pytest.mark.django_db
+def test_a_run_aimed_at_one_engine_is_metered_nowhere_and_its_log_says_so(world, instance):
+    run = BenchmarkRun.objects.create(profile=make_profile(world.vision, sweep=[1]))
+    benchmark_execute(run_id=run.pk)
+    run.refresh_from_db()
+    assert run.state == "succeeded", run.log
+    assert f"against instance {instance.pk} at {instance.base_url} (straight to the engine: not metered)" in run.log
+    assert not UsageEvent.objects.exists()
+
+
 @pytest.mark.django_db(transaction=True)
 def test_a_run_through_the_gateway_uses_a_benchmark_key_meters_it_and_revokes_it(world, instance, gateway_url):
     profile = make_profile(world.vision, target="gateway", gateway_url=gateway_url, sweep=[2])
