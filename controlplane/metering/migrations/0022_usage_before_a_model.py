@@ -8,7 +8,7 @@ class Migration(migrations.Migration):
 
     dependencies = [
         ('catalog', '0011_tile_past_four'),
-        ('metering', '0019_routing_rules'),
+        ('metering', '0021_retired_months'),
     ]
 
     operations = [
