@@ -21,6 +21,8 @@ from tests.conftest import skip_without_redis
 from tests.system.harness import ROOT, wait_for
 
 BROKER = "redis://127.0.0.1:6379/9"  # the beats' own broker and lease, emptied before and after
+# The tests that start beats share that broker: one at a time (one xdist worker runs them in turn).
+beats_in_turn = pytest.mark.xdist_group("beats")
 PROBE = "beat-probe"  # the queue the probe task is sent to (nothing consumes it)
 
 
@@ -79,6 +81,7 @@ def _holder(client, beats) -> subprocess.Popen:
     return next(beat for beat in beats if beat.pid == pid)
 
 
+@beats_in_turn
 @pytest.mark.django_db(transaction=True)
 def test_two_beats_at_once_send_a_task_due_every_second_once_a_second(settings, tmp_path):
     beats, client = _beats(settings, tmp_path, 1)
@@ -97,6 +100,7 @@ def test_two_beats_at_once_send_a_task_due_every_second_once_a_second(settings, 
         _stopped(beats, client)
 
 
+@beats_in_turn
 @pytest.mark.django_db(transaction=True)
 def test_a_beat_taking_over_does_not_send_again_what_its_holder_sent(settings, tmp_path):
     beats, client = _beats(settings, tmp_path, 20)

@@ -246,8 +246,8 @@ def test_an_operator_points_a_benchmark_at_the_gateway_runs_it_and_sees_its_late
     page.get_by_role("link", name="text-baseline").first.click()
     form = page.locator("#profile-form")
     form.get_by_label("Gateway url").fill(system.base_url)
-    form.get_by_label("Sweep").fill("[2]")
-    form.get_by_label("Stage duration s").fill("2")
+    form.get_by_label("Load levels").fill("[2]")
+    form.get_by_label("Seconds per level").fill("2")
     form.get_by_role("button", name="Save").click()
     page.get_by_role("button", name="Run now").click()
 
