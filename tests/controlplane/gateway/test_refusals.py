@@ -15,14 +15,13 @@ from django.utils import timezone
 from controlplane.catalog.models import ModelTier, PricePlan, PriceRate
 from controlplane.gateway import refusals
 from controlplane.gateway.apps import current_process
-from controlplane.gateway.asgi import app
 from controlplane.gateway.recording import drain
 from controlplane.metering.models import UsageEvent
 from controlplane.redis_clients import key_prefix, sync_redis
 from controlplane.tenants.models import ApiKey, Tenant
 from controlplane.tenants.services import api_key_revoke
 from tests.conftest import skip_without_redis
-from tests.controlplane.gateway.calls import error_of, post
+from tests.controlplane.gateway.calls import error_of, front_call, post
 from tests.controlplane.gateway.conftest import ingested
 
 HELLO = {"model": "text", "messages": [{"role": "user", "content": "hi"}]}
@@ -31,23 +30,8 @@ HELLO = {"model": "text", "messages": [{"role": "user", "content": "hi"}]}
 def _front(headers: dict, body: bytes = b"") -> tuple[int, dict, dict, int]:
     """One chat request through the ASGI front: its status, headers, error, and how many of its
     body's chunks were read."""
-    read, sent = [0], []
-
-    async def receive():
-        if read[0]:
-            await asyncio.sleep(3600)  # the rest never comes: it must not be waited for
-        read[0] += 1
-        return {"type": "http.request", "body": body, "more_body": False}
-
-    async def send(message):
-        sent.append(message)
-
-    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions",
-             "headers": [(k.encode(), v.encode()) for k, v in headers.items()]}
-    async_to_sync(app)(scope, receive, send)
-    start = next(m for m in sent if m["type"] == "http.response.start")
-    answer = json.loads(b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body"))
-    return start["status"], {k.decode(): v.decode() for k, v in start["headers"]}, answer["error"], read[0]
+    answer, read = front_call(headers, [body])
+    return answer["status"], {k.decode(): v.decode() for k, v in answer["headers"].items()}, answer["error"], read
 
 
 def _refusal(request_id: str) -> UsageEvent:
