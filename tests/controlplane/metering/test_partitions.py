@@ -23,6 +23,7 @@ from controlplane.metering.partitions import (
 )
 from controlplane.metering.records import UsageRecord
 from controlplane.metering.rollups import rollup_daily
+from controlplane.metering.selectors import LogQuery, usage_log
 from controlplane.metering.services import usage_record, usage_record_many
 from controlplane.metering.statements import statement
 from tests.images import image_bytes
@@ -138,3 +139,44 @@ def test_a_month_within_its_retention_is_kept(world):
     month = _past_month_with_usage(world, months_ago=2)
     assert partitions_retire(keep_months=2) == []
     assert month in months_held()
+
+
+def _months_back(months: int) -> dt.datetime:
+    month = month_start(timezone.now())
+    for _ in range(months):
+        month = month_start(month - dt.timedelta(days=1))
+    return month
+
+
+def _log(query, limit) -> list[str]:
+    """Every request of the log, page after page of `limit`."""
+    seen, after = [], None
+    while True:
+        page, after = usage_log(query, after=after, limit=limit)
+        seen += [event.request_id for event in page]
+        if after is None:
+            return seen
+
+
+def test_the_request_log_pages_through_every_month_and_the_history_before_them(world):
+    # Requests this month, in two earlier months with partitions (one between them empty),
+    # before the oldest partition (kept in the default one), and in a month made ahead.
+    partitions_ensure(now=_months_back(4), ahead=0)
+    partitions_ensure(now=_months_back(2), ahead=0)
+    moments = [timezone.now() - dt.timedelta(minutes=1), _months_back(2) + dt.timedelta(days=1),
+               _months_back(2), _months_back(4) + dt.timedelta(days=20), _months_back(4) - dt.timedelta(days=3),
+               _months_back(9), month_start(timezone.now()) + dt.timedelta(days=40)]
+    for n, moment in enumerate(moments):
+        for k in range(3):
+            usage_record(record=_record(world, f"req-{n}-{k}", moment + dt.timedelta(seconds=k)))
+    assert _partitions_of(UsageEvent, request_id="req-5-0") == {"metering_usageevent_default"}
+    newest_first = [f"req-{n}-{k}" for n, _ in sorted(enumerate(moments), key=lambda m: m[1], reverse=True)
+                    for k in (2, 1, 0)]
+
+    for limit in (1, 2, 4, 50):
+        assert _log(LogQuery(), limit) == newest_first
+    # Bounded by a period: only what was made in it, across the months it spans.
+    since, until = _months_back(4), _months_back(2) + dt.timedelta(days=1)
+    assert _log(LogQuery(since=since, until=until), 2) == [
+        request for request in newest_first if since <= moments[int(request.split("-")[1])] < until]
+    assert _log(LogQuery(request_id="req-5-1"), 2) == ["req-5-1"]
