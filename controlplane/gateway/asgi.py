@@ -216,7 +216,10 @@ async def app(scope, receive, send, *, body_reads: ClientSlots | None = None) ->
             await asyncio.gather(work, return_exceptions=True)
     except asyncio.CancelledError:
         # The server cut the request, its grace over: the work for it ends too, handing its usage
-        # over on its way out (before the process exits: lifespan), not left running unseen.
+        # over on its way out (before the process exits: lifespan), not left running unseen, and
+        # recorded as cut by the gateway rather than left by its client.
+        stopping = current_process().stopping
+        stopping.cutting = stopping.asked_at is not None
         work.cancel()
         raise
     except Exception:

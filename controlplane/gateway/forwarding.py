@@ -18,7 +18,7 @@ from controlplane.gateway.beside import answer_once_checks_pass, image_refusal, 
 from controlplane.gateway.engine_watch import EngineFailing, unless_engine_fails
 from controlplane.gateway.errors import GatewayError, NotAdmitted
 from controlplane.gateway.prepare import Prepared, TierSpec
-from controlplane.gateway.recording import hand_over_usage, ms_since, refusal_of
+from controlplane.gateway.recording import aborted, hand_over_usage, ms_since, refusal_of
 from controlplane.gateway.relaying import engine_failed_response, relay_answer, relay_stream
 from controlplane.gateway.routing import Route
 from controlplane.imaging.policy import DecodedDataURL
@@ -85,8 +85,7 @@ async def forward(request_id: str, key: state.KeyInfo, tier: TierSpec, prepared:
         return exc.response(request_id)
     except asyncio.CancelledError:
         if not record.recorded:  # gone while waiting for a slot: release the quota it reserved
-            record.failed("routing", 499, code="client_closed", status="aborted",
-                          message="the client left while the request waited for an engine")
+            aborted(record, "routing", left="the client left while the request waited for an engine")
             await hand_over_usage(record, started)
         raise
     except Exception:
@@ -166,9 +165,9 @@ async def _try_engines(request_id, tier, prepared, admission, candidates, payloa
                 await response.aclose()
             return await relay_answer(request_id, tier, record, prepared, response.status_code, content, started)
         except asyncio.CancelledError:
-            # The client went away before the engine answered: the engine still did work.
-            record.failed("engine", 499, code="client_closed", status="aborted",
-                          message="the client left before the engine answered")
+            # The client went away (or the server cut it) before the engine answered: the engine
+            # still did work.
+            aborted(record, "engine", left="the client left before the engine answered")
             await hand_over_usage(record, started)
             raise
         finally:

@@ -34,6 +34,18 @@ def refusal_of(record: UsageRecord) -> UsageRecord:
                        routed_by=record.routed_by, cascade_of=record.cascade_of)
 
 
+RESTARTING = "the gateway is restarting; retry the request"
+
+
+def aborted(record: UsageRecord, stage: str, *, left: str, http_status: int = 499) -> None:
+    """The request ended before its answer: its client left (`left` says when), or the server
+    cut it, its process stopping and the grace over, which it is recorded as instead."""
+    if current_process().stopping.cutting:
+        record.failed(stage, 503, code="server_restarting", status="aborted", message=RESTARTING)
+    else:
+        record.failed(stage, http_status, code="client_closed", status="aborted", message=left)
+
+
 def release_if_admitted(done: asyncio.Future, record: UsageRecord, started: float) -> None:
     """The client left while its request was admitted: recorded at no cost, quota released.
     So too when the admission's reply was lost (its store may have made it all the same):
@@ -42,8 +54,7 @@ def release_if_admitted(done: asyncio.Future, record: UsageRecord, started: floa
         return  # nothing was reserved
     # No engine was sent it: the one chosen beforehand did no work, nothing is billed.
     record.instance_id = None
-    record.failed("admission", 499, code="client_closed", status="aborted",
-                  message="the client left while the request was being admitted")
+    aborted(record, "admission", left="the client left while the request was being admitted")
     in_background(hand_over_usage(record, started))
 
 

@@ -13,7 +13,7 @@ from controlplane.gateway.engine_watch import EngineFailing, watched_lines
 from controlplane.gateway.errors import error_response
 from controlplane.gateway.http import Response, json_response
 from controlplane.gateway.prepare import Prepared
-from controlplane.gateway.recording import hand_over_usage, ms_since
+from controlplane.gateway.recording import RESTARTING, aborted, hand_over_usage, ms_since
 from controlplane.gateway.stopping import STREAMS_ENDING
 from controlplane.imaging.tokens import engine_image_tokens
 from controlplane.metering.records import UsageRecord
@@ -97,9 +97,8 @@ async def relay_answer(request_id, tier, record, prepared, status, content, star
 
 def restarting(record: UsageRecord) -> bytes:
     """The event that ends a stream its process stops before its end; the record says so."""
-    message = "the gateway is restarting; retry the request"
-    record.failed("relay", 503, code="server_restarting", status="aborted", message=message)
-    error = {"error": {"message": message, "type": "server_error", "param": None, "code": "server_restarting"}}
+    record.failed("relay", 503, code="server_restarting", status="aborted", message=RESTARTING)
+    error = {"error": {"message": RESTARTING, "type": "server_error", "param": None, "code": "server_restarting"}}
     return b"data: " + orjson.dumps(error) + b"\n\n"
 
 
@@ -120,8 +119,8 @@ def relay_stream(request_id, tier, flight, prepared, response, instance, started
             if slot is not None:
                 await slot.release()
             if not progress["finished"] and record.status == "ok":
-                record.failed("relay", record.http_status, code="client_closed", status="aborted",
-                              message="the client closed the stream before its end")
+                aborted(record, "relay", left="the client closed the stream before its end",
+                        http_status=record.http_status)
             if not record.output_tokens:
                 record.output_tokens = flight.produced  # what was generated before the end
             await hand_over_usage(record, started)  # its hand-over survives this task being cancelled

@@ -35,6 +35,7 @@ class Stopping:
 
     asked_at: float | None = None  # monotonic: when it was told to stop
     streams_ending: bool = False  # open streams end now
+    cutting: bool = False  # its grace over, the server cuts the requests left (not their clients leaving)
     # What tells each open stream, on its own event loop: one whose engine is silent (its request
     # queued, in a long prefill) has no event of its own to end on before the grace runs out.
     _ending: dict[object, Callable[[], None]] = field(default_factory=dict, repr=False)

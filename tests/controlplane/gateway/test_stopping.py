@@ -170,7 +170,9 @@ def test_an_answer_still_being_generated_when_the_grace_runs_out_is_metered(serv
     asking.join(timeout=10)
     assert answers and answers[0] != 200  # cut
     event = UsageEvent.objects.get(tenant=world.alice)
-    assert event.status == "aborted"
+    # Told apart from a client that left: the gateway cut it, and says so.
+    assert (event.status, event.http_status, event.error_code) == ("aborted", 503, "server_restarting")
+    assert event.error_stage == "engine"
 
 
 def test_readiness_is_answered_by_the_asgi_front(serve):
