@@ -2,12 +2,14 @@
 before the old one has stopped, or a second started by mistake, would otherwise send every
 task twice (twice the rollups, a scheduled benchmark run twice).
 
-Only the beat holding the lease sends. The lease is a Redis key naming its holder, taken when
-free and renewed by its holder every tick, and lost BEAT_LEASE_S after its holder stops
-renewing it (stopped, or cut off): then another beat takes it within a tick, reads the
-schedule afresh from the database (the holder writes each send there as it makes it) and
-sends what is due from there, nothing twice. Without Redis
-(embedded mode, one host, one beat) there is nothing to share and no lease.
+Only the beat holding the lease sends. The lease is a row in the database naming its holder,
+taken when free and renewed by its holder every tick, and lost BEAT_LEASE_S after its holder
+stops renewing it (stopped, or cut off), by the database's clock alone: then another beat takes
+it within a tick, reads the schedule afresh from the database (the holder writes each send there
+as it makes it) and sends what is due from there, nothing twice. It lives beside the schedule
+rather than in Redis, so that beats go on through an outage of the gateway's Redis when their
+broker is elsewhere (an alert that Redis is down is beat's to send). On SQLite (embedded mode,
+one host, one beat) there is nothing to share and no lease.
 """
 
 from __future__ import annotations
@@ -19,44 +21,34 @@ import socket
 import uuid
 
 from django.conf import settings
+from django.db import connection
 from django_celery_beat.schedulers import DatabaseScheduler
 
-from controlplane.redis_clients import key_prefix, sync_redis
+from controlplane.fleet.models import Lease
 
 log = logging.getLogger(__name__)
-
-# Taken when free, or renewed by its holder; the holder's name when held, else nil.
-_TAKE = """
-local holder = redis.call('GET', KEYS[1])
-if holder == false or holder == ARGV[1] then
-  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-  return ARGV[1]
-end
-return holder
-"""
-# Given up by its holder only.
-_RELEASE = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  return redis.call('DEL', KEYS[1])
-end
-return 0
-"""
 
 
 class BeatLease:
     """The one lease beats share, held by `owner` or not."""
 
-    def __init__(self, client, *, owner: str, seconds: float, key: str):
-        self.client, self.owner, self.ms, self.key = client, owner, int(seconds * 1000), key
-        self._take, self._release = client.register_script(_TAKE), client.register_script(_RELEASE)
+    def __init__(self, *, owner: str, seconds: float, name: str = "beat"):
+        self.owner, self.ms, self.name = owner, int(seconds * 1000), name
 
     def held(self) -> bool:
-        """Take or renew the lease; whether this owner holds it."""
-        holder = self._take(keys=[self.key], args=[self.owner, self.ms])
-        return (holder.decode() if isinstance(holder, bytes) else holder) == self.owner
+        """Take or renew the lease; whether this owner holds it. One statement: taken when free
+        (no row, or its time is up), renewed by its holder, else left as it is."""
+        table = Lease._meta.db_table
+        with connection.cursor() as cursor:
+            cursor.execute(
+                f"INSERT INTO {table} (name, holder, expires_at) VALUES (%s, %s, clock_timestamp() + %s * interval '1 ms') "
+                f"ON CONFLICT (name) DO UPDATE SET holder = EXCLUDED.holder, expires_at = EXCLUDED.expires_at "
+                f"WHERE {table}.holder = EXCLUDED.holder OR {table}.expires_at < clock_timestamp() RETURNING holder",
+                [self.name, self.owner, self.ms])
+            return cursor.fetchone() is not None
 
     def release(self) -> None:
-        self._release(keys=[self.key], args=[self.owner])
+        Lease.objects.filter(name=self.name, holder=self.owner).delete()
 
 
 class LeasedScheduler(DatabaseScheduler):
@@ -64,10 +56,9 @@ class LeasedScheduler(DatabaseScheduler):
 
     def __init__(self, *args, **kwargs):
         self.lease = None
-        if settings.REDIS_URL:
+        if connection.vendor == "postgresql":
             owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-            self.lease = BeatLease(sync_redis(settings.REDIS_URL), owner=owner, seconds=settings.BEAT_LEASE_S,
-                                   key=f"{key_prefix()}:beat:lease")
+            self.lease = BeatLease(owner=owner, seconds=settings.BEAT_LEASE_S)
         self._holding = None
         super().__init__(*args, **kwargs)
 
@@ -75,8 +66,9 @@ class LeasedScheduler(DatabaseScheduler):
         if self.lease is not None:
             try:
                 holding = self.lease.held()
-            except Exception:  # Redis does not answer: send nothing rather than twice
+            except Exception:  # the database does not answer: send nothing rather than twice
                 log.warning("the beat lease cannot be read; sending nothing until it can", exc_info=True)
+                connection.close()  # the next tick connects afresh
                 holding = False
             if holding != self._holding:
                 log.warning("this beat %s the lease", "holds" if holding else "does not hold")

@@ -253,7 +253,7 @@ CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_BEAT_SCHEDULER = "controlplane.beat:LeasedScheduler"  # one beat sends, however many run
 CELERY_BEAT_SYNC_EVERY = 1  # each send written at once: a beat taking over reads what was sent
 BEAT_LEASE_S = env_int("BEAT_LEASE_S", 30, minimum=2,
-    help=("Only the beat holding a lease in Redis sends scheduled tasks; another takes it over this "
+    help=("Only the beat holding a lease in the database sends scheduled tasks; another takes it over this "
           "long after its holder stops (a deploy that overlaps two beats sends nothing twice)."))
 FLEET_RECONCILE_SECONDS = env_int("FLEET_RECONCILE_SECONDS", 5, minimum=1,
     help=("How often beat reconciles the fleet: the engines each tier should have against those that "

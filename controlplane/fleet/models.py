@@ -202,3 +202,15 @@ class EngineMetricSample(models.Model):
 
     def __str__(self):
         return f"{self.instance} @ {self.at:%H:%M:%S}"
+
+
+class Lease(models.Model):
+    """A role only one process may hold at a time (the beat that sends scheduled tasks): held by
+    `holder` until `expires_at`, by the database's clock, unless renewed (controlplane/beat.py)."""
+
+    name = models.CharField(max_length=40, unique=True)
+    holder = models.CharField(max_length=200)
+    expires_at = models.DateTimeField()
+
+    def __str__(self):
+        return f"{self.name}: {self.holder} until {self.expires_at}"
