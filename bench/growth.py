@@ -51,7 +51,7 @@ WITHIN = 1.5
 
 def _months_of(size: int, first: int) -> dt.timedelta:
     """The span `size` events take at the rate of the first size (three months)."""
-    return 3 * MONTH * size / first
+    return 3 * MONTH * (size / first)
 
 
 def grow(world, have: int, size: int, first: int, now: dt.datetime) -> float:
