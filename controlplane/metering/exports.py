@@ -59,7 +59,10 @@ def per_image_rows(*, since: dt.datetime, until: dt.datetime, tenants, tier=None
     rate that priced its request (None when none did), in which currency, and how its request
     was routed. `tier` and `api_key`, when given, narrow them to that tier's or key's."""
     book = RateBook()
+    # Bounded by the images' own created_at (their event's) too: only the period's months'
+    # partitions of the images are read.
     images = (UsageImage.objects.filter(billed("event__"), event__created_at__gte=since, event__created_at__lt=until,
+                                        created_at__gte=since, created_at__lt=until,
                                         event__tenant__in=tenants, **_narrowed("event__", tier, api_key))
               .order_by("event__created_at", "event_id", "position")
               .values_list("event__tenant__name", "event__request_id", "event__created_at", "event__tier__name",

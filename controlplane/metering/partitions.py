@@ -109,20 +109,6 @@ def months_held(table: str = TABLES[0]) -> list[dt.datetime]:
     return sorted(dt.datetime(int(m[1]), int(m[2]), 1, tzinfo=dt.UTC) for m in map(_MONTH.search, names) if m)
 
 
-def months_span(table: str = TABLES[0]) -> tuple[dt.datetime, dt.datetime, bool] | None:
-    """From the start of the oldest month `table` has a partition of to the end of the newest,
-    and whether its default partition holds rows (outside those months); in one query. None
-    where it is not partitioned."""
-    if connection.vendor != "postgresql":
-        return None
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT array(SELECT c.relname FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid "
-                       f'WHERE i.inhparent = %s::regclass), EXISTS (SELECT FROM "{default_name(table)}")', [table])
-        names, outside = cursor.fetchone()
-    months = sorted(dt.datetime(int(m[1]), int(m[2]), 1, tzinfo=dt.UTC) for m in map(_MONTH.search, names) if m)
-    return (months[0], next_month(months[-1]), outside) if months else None
-
-
 def partitions_retire(*, now: dt.datetime | None = None, keep_months: int | None = None,
                       archive_dir: str | None = None) -> list[str]:
     """Drop the months of events and pictures that ended `keep_months` whole months ago or more

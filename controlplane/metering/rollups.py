@@ -198,7 +198,10 @@ def _image_costs_rewrite(days: list, *, full: bool = False) -> None:
     Python however many there are.
     """
     book, bins = RateBook(), {}
-    images = UsageImage.objects.filter(billed("event__"), _within(days, dt.timedelta(days=1), "event__created_at"))
+    # An image carries its event's created_at: bounded by it too, only the days' months'
+    # partitions of the images are read, not every month's.
+    images = UsageImage.objects.filter(billed("event__"), _within(days, dt.timedelta(days=1), "event__created_at"),
+                                       _within(days, dt.timedelta(days=1), "created_at"))
     if not full:
         # The days' events' ids bound their images' (a redundant condition, which lets the
         # images be read by their event's index rather than all of them scanned for a day's
