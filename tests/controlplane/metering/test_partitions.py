@@ -4,14 +4,17 @@ that month's partition, made ahead, so that a month can go with one DROP."""
 import csv
 import datetime as dt
 import gzip
+import re
 from decimal import Decimal
 
 import pytest
 from django.db import connection
 from django.db.models import F
+from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from controlplane.imaging.policy import Policy, normalise
+from controlplane.metering.exports import per_image_rows
 from controlplane.metering.models import DailyUsage, RetiredMonth, UsageEvent, UsageImage
 from controlplane.metering.partitions import (
     month_start,
@@ -180,3 +183,32 @@ def test_the_request_log_pages_through_every_month_and_the_history_before_them(w
     assert _log(LogQuery(since=since, until=until), 2) == [
         request for request in newest_first if since <= moments[int(request.split("-")[1])] < until]
     assert _log(LogQuery(request_id="req-5-1"), 2) == ["req-5-1"]
+
+
+def _picture_partitions_read(run) -> set[str]:
+    """The partitions of the pictures that the queries `run` makes would scan (by their plans)."""
+    with CaptureQueriesContext(connection) as captured:
+        run()
+    read = set()
+    for query in captured.captured_queries:
+        sql = query["sql"]
+        if "metering_usageimage" not in sql or not re.match(r"\s*(SELECT|DECLARE)", sql, re.I):
+            continue
+        with connection.cursor() as cursor:  # a streamed read is a cursor declared for its SELECT
+            cursor.execute("EXPLAIN " + sql[sql.upper().index("SELECT"):])
+            read |= {name for (line,) in cursor.fetchall()
+                     for name in re.findall(r"\b(metering_usageimage_(?:p[0-9]{6}|default))\b(?!_)", line)}
+    return read
+
+
+def test_a_days_rollup_and_a_periods_export_read_the_pictures_of_their_months_only(world):
+    now = timezone.now()
+    usage_record_many(records=[_record(world, "req-today", now, pictures=2)])
+    this_month = {partition_name("metering_usageimage", month_start(now))}
+
+    assert _picture_partitions_read(lambda: rollup_daily(now=now + dt.timedelta(seconds=2))) == this_month
+    rows = []
+    assert _picture_partitions_read(lambda: rows.extend(per_image_rows(
+        since=now - dt.timedelta(minutes=1), until=now + dt.timedelta(minutes=1),
+        tenants=[world.alice]))) == this_month
+    assert len(rows) == 2
