@@ -35,6 +35,7 @@ from bench.metering import (
     _export_child,
     _put_all,
     _timed,
+    drain,
     export_window,
     generate_events,
     seed,
@@ -106,14 +107,6 @@ def _rollups_full(size: int, days: float) -> dict[str, float]:
 
 
 def _ingest(world, size: int) -> dict[str, float]:
-    from controlplane.metering.outbox import usage_ingest
-
-    def drain() -> int:
-        stored = 0
-        while done := usage_ingest():
-            stored += done
-        return stored
-
     rounds, stored = [], 0
     for round_ in range(INGEST_ROUNDS):
         asyncio.run(_put_all(usage_records(world, INGEST, f"grown{size}-{round_}")))

@@ -194,6 +194,16 @@ async def _put_all(records: list, concurrency: int = 32) -> None:
         await asyncio.gather(*(ledger.finish(r) for r in records[start:start + concurrency]))
 
 
+def drain() -> int:
+    """Ingest the usage stream until it is empty; the events stored."""
+    from controlplane.metering.outbox import usage_ingest
+
+    stored = 0
+    while done := usage_ingest():
+        stored += done
+    return stored
+
+
 INGEST_ROUNDS = 3  # this machine's speed moves by tens of per cent: the median of three rounds
 
 
@@ -202,14 +212,8 @@ def bench_ingest(world: World, count: int, naive_count: int) -> None:
 
     from controlplane.gateway.apps import current_process
     from controlplane.metering.models import UsageEvent, UsageImage
-    from controlplane.metering.outbox import BATCH, usage_ingest
+    from controlplane.metering.outbox import BATCH
     from controlplane.metering.services import usage_record, usage_rows, usage_rows_store
-
-    def drain() -> int:
-        stored = 0
-        while done := usage_ingest():
-            stored += done
-        return stored
 
     # Each round: `count` events put on the stream and ingested; then the floor, the same kind
     # of rows read and priced beforehand and written by the same COPY in the same batches
